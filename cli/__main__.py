@@ -1,0 +1,5 @@
+import sys
+
+from overlap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,21 @@
+"""overlap.engine: request queues, scheduler, KV block manager, model runner and async executor.
+
+This package imports nothing else from Overlap; the sidecar, operator and benchmarks import its public types.
+"""
+
+from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+
+__all__ = [
+    "LIVE_KNOBS",
+    "ConfigError",
+    "EngineConfig",
+    "FinishReason",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "OverlapError",
+    "RequestOutput",
+    "RequestTimes",
+    "SamplingParams",
+]

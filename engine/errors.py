@@ -1,0 +1,17 @@
+"""Errors the engine raises for the caller's mistakes. Invariants are asserts, not errors."""
+
+
+class OverlapError(Exception):
+    """Base of every error that is the caller's fault and deserves a clear message, not a traceback."""
+
+
+class InvalidRequestError(OverlapError, ValueError):
+    """A request that can never be served as asked (empty prompt, too long, bad sampling values, ...)."""
+
+
+class ConfigError(OverlapError, ValueError):
+    """An engine configuration that is out of range or inconsistent."""
+
+
+class ModelLoadError(OverlapError):
+    """A model folder that cannot be loaded (missing files, unsupported architecture)."""
