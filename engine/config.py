@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from overlap.engine.errors import ConfigError
 
@@ -32,6 +32,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget
     enable_chunked_prefill: bool = True
 
+    # Batching policy (see engine/batching.py): continuous (default) | serial | fixed_window | dynamic, with
+    # its arguments, e.g. {"window_ms": 50} or {"max_batch": 8, "max_wait_ms": 150}.
+    batching: str = "continuous"
+    batching_args: dict[str, float] = field(default_factory=dict)
+
     # Request management (layer 1).
     queue_policy: str = "priority"  # priority (levels + aging) | fifo
     num_priority_levels: int = 3  # 0 is the highest
@@ -58,6 +63,10 @@ class EngineConfig:
         check(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_seq_len,
             "without chunked prefill, max_num_batched_tokens must be >= max_seq_len (a prompt must fit one step)",
+        )
+        check(
+            self.batching in ("continuous", "serial", "fixed_window", "dynamic"),
+            f"batching must be continuous|serial|fixed_window|dynamic, got {self.batching!r}",
         )
         check(self.queue_policy in ("priority", "fifo"), f"queue_policy must be priority|fifo, got {self.queue_policy!r}")
         check(1 <= self.num_priority_levels <= 8, "num_priority_levels must be in 1..8")
