@@ -9,6 +9,9 @@ TOOLS := .tools
 # Where the CPU wheel of torch lies on this kind of machine (pip also reads PIP_FIND_LINKS).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
+# The repo root holds a folder named `operator`; with the current directory on sys.path (python -c, python -m)
+# it would shadow the standard library's `operator`. Python 3.11+ leaves it off with this variable.
+export PYTHONSAFEPATH := 1
 
 .PHONY: help venv run test test-fast lint bench bench-quick model tools prometheus chart-check crd-sync clean
 
@@ -19,8 +22,8 @@ venv: $(VENV)/.stamp  ## create .venv with Overlap and its dev tools
 
 $(VENV)/.stamp: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev]'
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[dev]'
 	@touch $@
 
 model: venv  ## build the tiny default model into the cache (once)

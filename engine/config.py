@@ -51,10 +51,16 @@ class EngineConfig:
             if not ok:
                 raise ConfigError(message)
 
-        check(self.dtype in ("float32", "bfloat16", "auto"), f"dtype must be float32|bfloat16|auto, got {self.dtype!r}")
+        check(
+            self.dtype in ("float32", "bfloat16", "auto"),
+            f"dtype must be float32|bfloat16|auto, got {self.dtype!r}",
+        )
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu|cuda|auto, got {self.device!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
-        check(self.block_size in (8, 16, 32, 64, 128), f"block_size must be a power of two in 8..128, got {self.block_size}")
+        check(
+            self.block_size in (8, 16, 32, 64, 128),
+            f"block_size must be a power of two in 8..128, got {self.block_size}",
+        )
         check(0 < self.kv_cache_ratio <= 0.95, f"kv_cache_ratio must be in (0, 0.95], got {self.kv_cache_ratio}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         check(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
@@ -68,7 +74,10 @@ class EngineConfig:
             self.batching in ("continuous", "serial", "fixed_window", "dynamic"),
             f"batching must be continuous|serial|fixed_window|dynamic, got {self.batching!r}",
         )
-        check(self.queue_policy in ("priority", "fifo"), f"queue_policy must be priority|fifo, got {self.queue_policy!r}")
+        check(
+            self.queue_policy in ("priority", "fifo"),
+            f"queue_policy must be priority|fifo, got {self.queue_policy!r}",
+        )
         check(1 <= self.num_priority_levels <= 8, "num_priority_levels must be in 1..8")
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.default_timeout_s is None or self.default_timeout_s > 0, "default_timeout_s must be > 0")
