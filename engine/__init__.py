@@ -4,12 +4,14 @@ This package imports nothing else from Overlap; the sidecar, operator and benchm
 """
 
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.engine import Engine
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
 
 __all__ = [
     "LIVE_KNOBS",
     "ConfigError",
+    "Engine",
     "EngineConfig",
     "FinishReason",
     "InvalidRequestError",

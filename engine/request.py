@@ -1,0 +1,106 @@
+"""One request's state inside the engine: its tokens, where its KV lives, and its life cycle."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from overlap.engine.types import FinishReason, RequestTimes, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in the RequestQueue, never scheduled yet
+    RUNNING = "running"  # holds KV blocks; scheduled every step until it finishes
+    PREEMPTED = "preempted"  # back in the RequestQueue (recompute): KV freed, generated tokens kept
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_TIMEOUT = "finished_timeout"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED_"))
+FINISH_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.TIMEOUT: RequestStatus.FINISHED_TIMEOUT,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+# Breaks ties between requests that arrived at the same instant, so ordering is total and stable.
+_arrival_counter = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    times: RequestTimes
+    priority: int = 1  # 0 is the highest
+    deadline: float | None = None  # monotonic time; queued past it -> finished with reason TIMEOUT
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step for cheap slicing
+    num_computed_tokens: int = 0  # tokens whose K/V is (or is being) written to the pool
+    block_ids: list[int] = field(default_factory=list)  # KV blocks covering positions 0 .. num_tokens - 1
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain over full blocks
+    num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_emitted_tokens: int = 0  # output tokens already returned to the caller
+    queue_level: int = 0  # current level in the priority queue (aging moves it towards 0)
+    level_entered: float = 0.0  # when it entered queue_level (aging clock)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    # ---- sizes -------------------------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order among running requests: priority first, then arrival. The victim of a preemption is
+        the one with the largest key (lowest priority, latest arrival)."""
+        return (self.priority, self.times.arrived, self.arrival_seq)
+
+    # ---- transitions -------------------------------------------------------------------------------------------
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.status = FINISH_STATUS[reason]
+        self.finish_reason = reason
+        self.error = error
+        self.times.finished = now
+
+    def take_new_tokens(self) -> list[int]:
+        """Output tokens not yet returned to the caller (and mark them returned)."""
+        new = self.output_token_ids[self.num_emitted_tokens :]
+        self.num_emitted_tokens = len(self.output_token_ids)
+        return new
