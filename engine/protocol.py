@@ -1,0 +1,245 @@
+"""The engine <-> sidecar wire protocol: msgspec Structs encoded as msgpack, one message per length-prefixed frame,
+over a Unix domain socket.
+
+Frame: a 4-byte big-endian payload length, then the msgpack payload. Every message is a tagged Struct (the tag is
+its first array element), so one decoder reads any of them. The engine speaks token ids only; text stays in the
+sidecar.
+
+    sidecar -> engine: AddRequest, Abort, Reconfigure, StatsRequest
+    engine -> sidecar: Hello (first, once per connection), Outputs (many requests per frame), RequestError,
+                       ReconfigureReply, StatsReply
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a sanity bound: a larger length prefix means a corrupt stream
+_HEADER = struct.Struct(">I")
+HEADER_SIZE = _HEADER.size
+
+
+class _Message(msgspec.Struct, array_like=True, tag=True, omit_defaults=True):
+    pass
+
+
+# ---- sidecar -> engine -------------------------------------------------------------------------------------------
+
+
+class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> WireSampling:
+        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, list(p.stop_token_ids))
+
+    def to_params(self) -> SamplingParams:
+        """Validated SamplingParams; raises InvalidRequestError on bad values."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids),
+        )
+
+
+class AddRequest(_Message, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: WireSampling
+    priority: int = 1
+    timeout_s: float | None = None
+    arrival_time: float | None = None  # time.monotonic() in the sender (system-wide on Linux)
+
+
+class Abort(_Message, tag="abort"):
+    request_ids: list[str]
+
+
+class Reconfigure(_Message, tag="reconf"):
+    seq: int
+    knobs: dict[str, Any]
+
+
+class StatsRequest(_Message, tag="stats?"):
+    seq: int
+
+
+# ---- engine -> sidecar -------------------------------------------------------------------------------------------
+
+
+class Hello(_Message, tag="hello"):
+    protocol_version: int
+    model_name: str
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    num_priority_levels: int
+    config: dict[str, Any]
+    engine_pid: int = 0
+
+
+class WireTimes(msgspec.Struct, array_like=True, omit_defaults=True):
+    arrived: float
+    queued: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+
+
+class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    times: WireTimes | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_output(cls, out: RequestOutput, request_id: str | None = None) -> WireOutput:
+        t = out.times
+        times = None
+        if t is not None:
+            times = WireTimes(t.arrived, t.queued, t.first_scheduled, t.first_token, t.finished, t.num_preemptions)
+        return cls(
+            request_id=out.request_id if request_id is None else request_id,
+            new_token_ids=list(out.new_token_ids),
+            finished=out.finished,
+            finish_reason=None if out.finish_reason is None else str(out.finish_reason),
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            times=times,
+            error=out.error,
+        )
+
+    def to_output(self) -> RequestOutput:
+        t = self.times
+        times = None
+        if t is not None:
+            times = RequestTimes(t.arrived, t.queued, t.first_scheduled, t.first_token, t.finished, t.num_preemptions)
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=self.new_token_ids,
+            finished=self.finished,
+            finish_reason=None if self.finish_reason is None else FinishReason(self.finish_reason),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            times=times,
+            error=self.error,
+        )
+
+
+class Outputs(_Message, tag="out"):
+    outputs: list[WireOutput]
+
+
+class RequestError(_Message, tag="reqerr"):
+    """add_request refused this request (InvalidRequestError, or the engine is shutting down): it never started."""
+
+    request_id: str
+    message: str
+    kind: str = "invalid_request"  # invalid_request | shutting_down | internal
+
+
+class ReconfigureReply(_Message, tag="reconf!"):
+    seq: int
+    applied: dict[str, Any] | None = None  # the engine's config after the change
+    error: str | None = None  # ConfigError message when nothing was applied
+
+
+class StatsReply(_Message, tag="stats!"):
+    seq: int
+    stats: dict[str, Any]
+
+
+Message = (
+    AddRequest | Abort | Reconfigure | StatsRequest | Hello | Outputs | RequestError | ReconfigureReply | StatsReply
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ProtocolError(Exception):
+    """The byte stream is not a valid frame sequence (a peer bug or a corrupt stream)."""
+
+
+def encode(message: Message) -> bytes:
+    """One frame: length prefix + msgpack payload."""
+    payload = _encoder.encode(message)
+    return _HEADER.pack(len(payload)) + payload
+
+
+def frame_length(header: bytes) -> int:
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte bound")
+    return length
+
+
+def decode(payload: bytes) -> Message:
+    try:
+        return _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"undecodable frame: {exc}") from exc
+
+
+def read_message(sock) -> Message | None:
+    """Read one message from a blocking socket; None at a clean end of stream."""
+    header = _recv_exactly(sock, HEADER_SIZE)
+    if header is None:
+        return None
+    payload = _recv_exactly(sock, frame_length(header))
+    if payload is None:
+        raise ProtocolError("connection closed in the middle of a frame")
+    return decode(payload)
+
+
+def _recv_exactly(sock, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if buf:
+                raise ProtocolError("connection closed in the middle of a frame")
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+async def read_message_async(reader) -> Message | None:
+    """Read one message from an asyncio StreamReader; None at a clean end of stream."""
+    import asyncio
+
+    try:
+        header = await reader.readexactly(HEADER_SIZE)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise ProtocolError("connection closed in the middle of a frame") from exc
+        return None
+    try:
+        payload = await reader.readexactly(frame_length(header))
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError("connection closed in the middle of a frame") from exc
+    return decode(payload)

@@ -1,0 +1,180 @@
+"""The sidecar's aiohttp application: `init_app(config)` + `setup_routes` + `setup_middlewares`, the engine client
+and background tasks in `cleanup_ctx`, and `serve()` that runs the public and admin ports until SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from pathlib import Path
+
+from aiohttp import web
+from overlap.engine import protocol as p
+from overlap.sidecar import routes, schemas
+from overlap.sidecar.admission import Admission
+from overlap.sidecar.config import SidecarConfig
+from overlap.sidecar.engine_client import EngineClient, EngineUnavailable
+from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
+from overlap.sidecar.state import STATE, ApiError, ServerState
+from overlap.sidecar.text import TextProcessor
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+log = logging.getLogger(__name__)
+
+
+def init_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -> web.Application:
+    registry = registry if registry is not None else CollectorRegistry()
+    admission = Admission(config.max_queued_requests, config.max_queued_tokens, config.max_inflight)
+    state = ServerState(
+        config=config,
+        registry=registry,
+        metrics=SidecarMetrics(registry),
+        admission=admission,
+        client=EngineClient(config.engine_socket),
+    )
+    state.client._on_hello = lambda hello: _on_engine_hello(state, hello)
+    registry.register(
+        EngineCollector(
+            lambda: state.client.latest_stats if state.client.connected else None,
+            lambda: {"queued": admission.num_queued, "inflight": admission.num_inflight},
+        )
+    )
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[STATE] = state
+    setup_routes(app)
+    setup_middlewares(app)
+    app.cleanup_ctx.append(_engine_ctx)
+    return app
+
+
+def setup_routes(app: web.Application) -> None:
+    state = app[STATE]
+    for method, path, _, handler, _ in routes.ROUTES:
+        app.router.add_route(method, path, handler)
+    app.router.add_get("/metrics", make_aiohttp_handler(state.registry))
+    document = schemas.openapi_document(
+        [(m, path, summary, body) for m, path, summary, _, body in routes.ROUTES]
+        + [("GET", "/metrics", "Prometheus metrics", None), ("GET", "/openapi.json", "This document", None)]
+    )
+
+    async def openapi(request: web.Request) -> web.Response:
+        return routes.json_response(document)
+
+    app.router.add_get("/openapi.json", openapi)
+
+
+def setup_middlewares(app: web.Application) -> None:
+    app.middlewares.append(error_middleware)
+    if app[STATE].config.api_key:
+        app.middlewares.append(api_key_auth)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    """Every error leaves as OpenAI's error object: ours (ApiError), aiohttp's (404, 405, 413), and bugs (500)."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return routes.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text or exc.reason  # for 413, aiohttp names the limit and the body size
+        error = ApiError(exc.status, message, "not_found_error" if exc.status == 404 else "invalid_request_error")
+        return routes.json_response(error.body(), status=exc.status)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        error = ApiError(500, "internal server error", "internal_error")
+        return routes.json_response(error.body(), status=500)
+
+
+@web.middleware
+async def api_key_auth(request: web.Request, handler):
+    if request.path.startswith("/v1/"):
+        key = request.app[STATE].config.api_key
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
+                           code="invalid_api_key")  # fmt: skip
+    return await handler(request)
+
+
+async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
+    """Load the tokenizer from the engine's model folder (once, or again when the model changed)."""
+    source = state.config.tokenizer or hello.model_dir
+    if state.text is None or state.text.model_dir != source:
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        state.text = await loop.run_in_executor(None, TextProcessor, source)
+        log.info("tokenizer loaded from %s in %.1f s", source, time.monotonic() - started)
+    state.max_model_len = hello.max_model_len
+    state.vocab_size = hello.vocab_size
+    state.num_priority_levels = max(1, hello.num_priority_levels)
+    state.model_name = state.config.served_model_name or hello.model_name
+
+
+async def _poll_stats(state: ServerState) -> None:
+    while True:
+        await asyncio.sleep(state.config.stats_interval_s)
+        if state.client.connected:
+            with contextlib.suppress(EngineUnavailable):
+                await state.client.stats()
+
+
+async def _engine_ctx(app: web.Application):
+    state = app[STATE]
+    tasks = [asyncio.create_task(state.client.run(), name="engine-client")]
+    tasks.append(asyncio.create_task(_poll_stats(state), name="engine-stats"))
+    if state.config.watch_config:
+        from overlap.sidecar.admin import watch_config_file
+
+        watcher = watch_config_file(state, Path(state.config.watch_config), state.config.watch_interval_s)
+        tasks.append(asyncio.create_task(watcher, name="config-watch"))
+    yield
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def serve(config: SidecarConfig, registry: CollectorRegistry | None = None) -> None:
+    """Run the public (and admin) port until SIGTERM/SIGINT, then drain: readiness false, new requests 503,
+    in-flight requests get up to `grace_period_s` to finish; the rest are aborted."""
+    app = init_app(config, registry)
+    state = app[STATE]
+    runners = [web.AppRunner(app, handler_cancellation=True, access_log=None)]
+    await runners[0].setup()
+    await web.TCPSite(runners[0], config.host, config.port).start()
+    log.info("sidecar listening on http://%s:%d", config.host, config.port)
+    if config.admin_port is not None:
+        from overlap.sidecar.admin import init_admin_app
+
+        admin = web.AppRunner(init_admin_app(state, config.admin_token), handler_cancellation=True, access_log=None)
+        await admin.setup()
+        await web.TCPSite(admin, config.admin_host, config.admin_port).start()
+        runners.append(admin)
+        log.info("admin API on http://%s:%d/admin/config", config.admin_host, config.admin_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+
+    state.draining = True
+    deadline = time.monotonic() + config.grace_period_s
+    log.info("draining: %d requests in flight, up to %.0f s", state.admission.num_inflight, config.grace_period_s)
+    while state.admission.num_inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if state.admission.num_inflight:
+        log.warning("grace period over: aborting %d requests", state.admission.num_inflight)
+    for runner in reversed(runners):
+        await runner.cleanup()
+    log.info("sidecar stopped")

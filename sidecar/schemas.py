@@ -1,0 +1,191 @@
+"""OpenAI request bodies as msgspec Structs: decoding validates types and names the field that is wrong.
+
+Unknown fields are refused (a misspelt `max_token` must not be silently ignored). Fields of the OpenAI API that
+this server does not implement are accepted only at their neutral value, and refused with a clear message
+otherwise (`unsupported_fields`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    # Overlap extensions: priority level (0 highest) and a timeout in seconds (may only lower the server's).
+    priority: int | None = None
+    timeout: float | None = None
+    # Accepted at their neutral values only.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = []
+        if self.n != 1:
+            bad.append("n (only n=1 is supported)")
+        if self.presence_penalty not in (None, 0, 0.0):
+            bad.append("presence_penalty")
+        if self.frequency_penalty not in (None, 0, 0.0):
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        if self.min_tokens not in (None, 0):
+            bad.append("min_tokens")
+        return bad
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list[Any]  # a string, token ids, or a one-element list of either
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        if self.echo:
+            bad.append("echo")
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of not in (None, 1):
+            bad.append("best_of")
+        if self.logprobs is not None:
+            bad.append("logprobs")
+        return bad
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        bad = super().unsupported_fields()
+        if self.logprobs or self.top_logprobs:
+            bad.append("logprobs")
+        if self.tools:
+            bad.append("tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            bad.append("tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+        return bad
+
+
+class ConfigPatch(msgspec.Struct):
+    """Body of PUT /admin/config: live knobs only (see overlap.engine.LIVE_KNOBS)."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_buffers: int | None = None
+    aging_s: float | None = None
+    default_timeout_s: float | None = None
+
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+
+
+def chat_messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages for the chat template, with content as plain text. Raises ValueError on bad messages."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    result = []
+    for i, message in enumerate(messages):
+        if message.role not in _ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}")
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ValueError(
+                        f"messages[{i}].content[{j}]: only parts of type 'text' with a 'text' are supported"
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        result.append({"role": message.role, "content": content or ""})
+    return result
+
+
+def openapi_document(routes: list[tuple[str, str, str, type | None]]) -> dict:
+    """OpenAPI 3.1 for (method, path, summary, request body Struct or None), schemas generated by msgspec."""
+    bodies = [body for *_, body in routes if body is not None]
+    schemas, components = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")
+    error = {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "integer", "null"]},
+                },
+                "required": ["message", "type"],
+            }
+        },
+    }
+    components["Error"] = error
+    paths: dict[str, dict] = {}
+    body_schema = dict(zip(bodies, schemas, strict=True))
+    for method, path, summary, body in routes:
+        operation: dict[str, Any] = {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "OK"},
+                "default": {
+                    "description": "an error",
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+                },
+            },
+        }
+        if body is not None:
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": body_schema[body]}},
+            }
+        paths.setdefault(path, {})[method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Overlap sidecar", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

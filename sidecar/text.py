@@ -1,0 +1,79 @@
+"""Text in the sidecar: tokenize prompts and chat messages, detokenize generated ids incrementally (a character
+split across tokens is held back until complete) and match `stop` strings on the detokenized text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+_PROMPT_CONTEXT_TOKENS = 6  # prompt ids fed to the decoder first, so the first generated token gets its spacing right
+
+
+class TextProcessor:
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.backend = self.tokenizer.backend_tokenizer  # the Rust tokenizer: fast encode and streaming decode
+        self.model_dir = str(model_dir)
+        self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=True).ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template renders the special tokens itself, so they are not added again."""
+        if not self.has_chat_template:
+            raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.backend.decode(token_ids, skip_special_tokens=True)
+
+    def detokenizer(self, prompt_token_ids: list[int], stop: list[str]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.backend, prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], stop)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas. With stop strings, the last `max(len(stop)) - 1` characters are held
+    back (they might begin a stop string); when one matches, the text is cut before it and `stopped` is set."""
+
+    def __init__(self, backend, prompt_tail: list[int], stop: list[str]) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(ids=list(prompt_tail), skip_special_tokens=True)
+        self._stop = [s for s in stop if s]
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # everything decoded so far (cut at a stop string once matched)
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, token_ids: list[int]) -> str:
+        """Feed new ids; return the text that is now safe to show (maybe "")."""
+        if self.stopped:
+            return ""
+        start = len(self.text)
+        for token_id in token_ids:
+            piece = self._stream.step(self._backend, token_id)
+            if piece:
+                self.text += piece
+        if self._stop and len(self.text) > start:
+            search_from = max(0, start - self._holdback)
+            cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) != -1), default=-1)
+            if cut != -1:
+                self.text = self.text[:cut]
+                self.stopped = True
+                return self._take(len(self.text))
+        return self._take(len(self.text) - self._holdback)
+
+    def flush(self) -> str:
+        """At the end of generation: whatever was held back."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
