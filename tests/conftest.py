@@ -1,0 +1,15 @@
+"""Fixtures shared by every test folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The tiny default model's folder, built once into the cache (`$OVERLAP_CACHE_DIR`, default ~/.cache/overlap)."""
+    from overlap.engine.model_builder import ensure_default_model
+
+    return ensure_default_model()
