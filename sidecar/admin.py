@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import hmac
 import logging
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from overlap.engine.config import LIVE_KNOBS
 from overlap.engine.errors import ConfigError
 from overlap.sidecar.engine_client import EngineUnavailable
 from overlap.sidecar.routes import json_response
-from overlap.sidecar.state import STATE, ApiError, ServerState, engine_unavailable
+from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches, engine_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +36,7 @@ assert set(LiveKnobs.__struct_fields__) == set(LIVE_KNOBS), "LiveKnobs must list
 
 @web.middleware
 async def bearer_auth(request: web.Request, handler):
-    token = request.app[ADMIN_TOKEN]
-    given = request.headers.get("Authorization", "")
-    scheme, _, credential = given.partition(" ")
-    # compare_digest on bytes: constant time whatever the input (a str with non-ASCII would raise).
-    if scheme.lower() != "bearer" or not hmac.compare_digest(credential.strip().encode(), token.encode()):
+    if not bearer_matches(request.headers.get("Authorization", ""), request.app[ADMIN_TOKEN]):
         raise ApiError(401, "a valid admin bearer token is required", "authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
     return await handler(request)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import time
@@ -18,7 +17,7 @@ from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
 from overlap.sidecar.engine_client import EngineClient, EngineUnavailable
 from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
-from overlap.sidecar.state import STATE, ApiError, ServerState
+from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches
 from overlap.sidecar.text import TextProcessor
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
@@ -96,12 +95,10 @@ async def error_middleware(request: web.Request, handler):
 
 @web.middleware
 async def api_key_auth(request: web.Request, handler):
-    if request.path.startswith("/v1/"):
-        key = request.app[STATE].config.api_key
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
-                           code="invalid_api_key")  # fmt: skip
+    key = request.app[STATE].config.api_key
+    if request.path.startswith("/v1/") and not bearer_matches(request.headers.get("Authorization", ""), key):
+        raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
+                       code="invalid_api_key")  # fmt: skip
     return await handler(request)
 
 

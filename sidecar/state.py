@@ -4,6 +4,7 @@ admit -> submit to the engine -> stream detokenized deltas -> account (metrics, 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -75,6 +76,13 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+
+
+def bearer_matches(authorization: str, secret: str) -> bool:
+    """`Authorization: Bearer <secret>`, compared in constant time (on bytes: any header text is safe)."""
+    scheme, _, given = authorization.partition(" ")
+    given_bytes = given.strip().encode("utf-8", errors="replace")
+    return hmac.compare_digest(given_bytes, secret.encode()) and scheme.lower() == "bearer"
 
 
 @dataclass(slots=True)

@@ -1,0 +1,170 @@
+"""Sidecar behaviour around the engine, against the real EngineServer process with a scripted runner (exact tokens,
+controllable step time): admin auth and live config, file watch, disconnect -> abort, engine restart, API key,
+SIGTERM drain. The tests share one stack and run in file order (the last ones stop parts of it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+from sidecar_helpers import ADMIN_TOKEN, Stack, free_port, http, is_ready, metric_value, wait_until
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    import tempfile
+    from pathlib import Path
+
+    workdir = Path(tempfile.mkdtemp(prefix="ovl-life-"))
+    s = Stack(workdir, tiny_model_dir, step_s=0.01).start()
+    yield s
+    s.stop()
+
+
+def completion(stack, **fields) -> dict:
+    return {"model": stack.model, "prompt": "hello", "max_tokens": 8, **fields}
+
+
+def test_text_streams_exactly_with_multibyte_characters_and_stop_strings(stack):
+    status, _, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack, max_tokens=40))
+    assert status == 200, body
+    # The scripted runner generates the ids of this text; byte-level BPE splits its characters across tokens.
+    assert body["choices"][0]["text"].startswith("héllo wörld, 日本語 and 🎉 STOP")
+    status, _, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack, max_tokens=40, stop=" STOP"))
+    assert body["choices"][0] == {"index": 0, "text": "héllo wörld, 日本語 and 🎉", "logprobs": None,
+                                  "finish_reason": "stop"}  # fmt: skip
+
+
+def test_admin_needs_the_bearer_token(stack):
+    url = f"{stack.admin_url}/admin/config"
+    assert http("GET", url)[0] == 401
+    assert http("GET", url, headers={"Authorization": "Bearer wrong-token-xxxxxxx"})[0] == 401
+    assert http("GET", url, headers={"Authorization": "Bearer tést"})[0] == 401  # non-ASCII: still a clean 401
+    status, _, body = http("GET", url, headers=AUTH)
+    assert status == 200 and body["config"]["max_num_seqs"] == 64
+    assert http("GET", f"{stack.base_url}/admin/config")[0] == 404  # never on the public port
+
+
+def test_admin_put_applies_live_knobs_and_refuses_the_rest(stack):
+    url = f"{stack.admin_url}/admin/config"
+    status, _, body = http("PUT", url, {"max_num_seqs": 8, "aging_s": 2.5}, headers=AUTH)
+    assert status == 200, body
+    assert body["applied"] == {"max_num_seqs": 8, "aging_s": 2.5}
+    assert http("GET", url, headers=AUTH)[2]["config"]["max_num_seqs"] == 8
+    for bad in ({"block_size": 32}, {"max_num_seqs": 0}, {"max_num_seqs": "x"}, {}, {"num_buffers": 9}):
+        status, _, body = http("PUT", url, bad, headers=AUTH)
+        assert status == 400, (bad, body)
+        assert body["error"]["message"]
+    assert http("PUT", url, b"{not json", headers=AUTH)[0] == 400
+    wait_until(lambda: metric_value(stack.metrics(), "overlap_engine_config", 'knob="max_num_seqs"') == 8, 5,
+               "live config gauge")  # fmt: skip
+
+
+def test_watched_config_file_applies_live_knobs(stack):
+    stack.config_file.write_text(json.dumps({"max_num_seqs": 5, "default_timeout_s": 30.0, "block_size": 16}))
+
+    def applied():
+        config = http("GET", f"{stack.admin_url}/admin/config", headers=AUTH)[2]["config"]
+        return config["max_num_seqs"] == 5 and config["default_timeout_s"] == 30.0
+
+    wait_until(applied, 10, "the watched file's knobs to apply")
+    http("PUT", f"{stack.admin_url}/admin/config", {"max_num_seqs": 64}, headers=AUTH)
+
+
+def test_client_disconnect_aborts_the_engine_request(stack):
+    aborted_before = metric_value(stack.metrics(), "overlap_requests_finished_total", 'reason="abort"')
+    for stream in (True, False):
+        body = json.dumps(completion(stack, max_tokens=1500, ignore_eos=True, stream=stream)).encode()
+        sock = socket.create_connection(("127.0.0.1", stack.port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
+        if stream:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.close()  # the client goes away mid-generation
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 0, 5, "engine abort")
+        tokens = metric_value(stack.metrics(), "overlap_engine_generation_tokens_total")
+        time.sleep(0.3)  # 30 engine steps: nothing more is generated for the departed client
+        assert metric_value(stack.metrics(), "overlap_engine_generation_tokens_total") == tokens
+        assert tokens < 1000
+    aborted = metric_value(stack.metrics(), "overlap_requests_finished_total", 'reason="abort"')
+    assert aborted == aborted_before + 2
+
+
+def test_api_key_guards_the_public_api(stack):
+    port = free_port()
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "TEST_OVERLAP_KEY": "sk-test-1234"}
+    proc = stack.start_sidecar("--api-key-env", "TEST_OVERLAP_KEY", port=port, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: is_ready(url), 60, "second sidecar", proc)
+        body = completion(stack)
+        status, _, err = http("POST", f"{url}/v1/completions", body)
+        assert status == 401 and err["error"]["code"] == "invalid_api_key"
+        assert http("POST", f"{url}/v1/completions", body, headers={"Authorization": "Bearer nope"})[0] == 401
+        status, _, ok = http("POST", f"{url}/v1/completions", body, headers={"Authorization": "Bearer sk-test-1234"})
+        assert status == 200 and ok["usage"]["completion_tokens"] == 8
+        assert http("GET", f"{url}/healthz")[0] == 200  # probes need no key
+    finally:
+        assert proc.stop() == 0
+
+
+def test_engine_loss_fails_in_flight_requests_at_once_and_reconnects(stack):
+    results = {}
+
+    def long_request():
+        started = time.monotonic()
+        results["response"] = http("POST", f"{stack.base_url}/v1/completions",
+                                   completion(stack, max_tokens=1500, ignore_eos=True))  # fmt: skip
+        results["elapsed"] = time.monotonic() - started
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
+    stack.engine.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(10)
+    status, _, body = results["response"]
+    assert status == 503 and "engine" in body["error"]["message"]
+    assert results["elapsed"] < 20 and time.monotonic() - killed_at < 3  # failed at once, not after 1500 steps
+    wait_until(lambda: not is_ready(stack.base_url), 5, "readiness to go false")
+    status, headers, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack))
+    assert status == 503 and headers["Retry-After"]
+    assert metric_value(stack.metrics(), "overlap_engine_up") == 0
+
+    stack.engine.stop()
+    stack.start_engine()
+    wait_until(lambda: is_ready(stack.base_url), 60, "reconnect", stack.engine)
+    status, _, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack))
+    assert status == 200 and body["usage"]["completion_tokens"] == 8
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(stack):
+    results = {}
+
+    def long_request():
+        results["response"] = http("POST", f"{stack.base_url}/v1/completions",
+                                   completion(stack, max_tokens=200, ignore_eos=True))  # fmt: skip
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
+    stack.sidecar.signal(signal.SIGTERM)
+    wait_until(lambda: http("GET", f"{stack.base_url}/readyz")[0] == 503, 5, "readiness false while draining")
+    status, _, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack))
+    assert status == 503 and body["error"]["code"] == "draining"
+    thread.join(30)
+    status, _, body = results["response"]
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 200
+    assert stack.sidecar.popen.wait(30) == 0

@@ -1,0 +1,103 @@
+"""Unit tests without processes: wire protocol, incremental detokenization and stop strings, admission."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+from overlap.engine import protocol as p
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+from overlap.sidecar.admission import Admission
+from overlap.sidecar.text import TextProcessor
+
+
+def test_protocol_round_trip_over_a_socket():
+    out = RequestOutput("r1", [5, 6], True, FinishReason.LENGTH, 3, 2, 1, RequestTimes(1.0, 1.1, 1.2, 1.3, 1.4, 0))
+    messages = [
+        p.AddRequest("r1", [1, 2, 3], p.WireSampling.from_params(SamplingParams(max_tokens=4, seed=7)), priority=0),
+        p.Abort(["r1", "r2"]),
+        p.Reconfigure(3, {"max_num_seqs": 8}),
+        p.Outputs([p.WireOutput.from_output(out)]),
+        p.RequestError("r9", "too long"),
+        p.StatsReply(4, {"num_waiting": 1, "config": {"a": None}}),
+    ]
+    a, b = socket.socketpair()
+    with a, b:
+        for message in messages:
+            a.sendall(p.encode(message))
+        a.shutdown(socket.SHUT_WR)
+        received = []
+        while (message := p.read_message(b)) is not None:
+            received.append(message)
+    assert received == messages
+    back = received[3].outputs[0].to_output()
+    assert back == out
+    assert received[0].sampling.to_params() == SamplingParams(max_tokens=4, seed=7)
+
+
+def test_protocol_rejects_a_truncated_or_garbage_frame():
+    frame = p.encode(p.Abort(["x"]))
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(frame[:-1])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(p.ProtocolError):
+            p.read_message(b)
+    with pytest.raises(p.ProtocolError):
+        p.decode(b"\x93garbage")
+    with pytest.raises(p.ProtocolError):
+        p.frame_length(b"\xff\xff\xff\xff")
+
+
+@pytest.fixture(scope="module")
+def text(tiny_model_dir) -> TextProcessor:
+    return TextProcessor(tiny_model_dir)
+
+
+def test_detokenizer_holds_back_split_multibyte_characters(text):
+    sample = "héllo wörld, 日本語 and 🎉 done"
+    ids = text.encode(sample)
+    detok = text.detokenizer([], [])
+    pieces = [detok.push([i]) for i in ids]
+    assert "".join(pieces) + detok.flush() == text.decode(ids)
+    assert all("\ufffd" not in piece for piece in pieces)  # never half a character
+    assert "" in pieces  # some token ended mid-character and was held back (the test would be vacuous otherwise)
+
+
+def test_stop_string_split_across_tokens_is_cut_and_never_shown(text):
+    ids = text.encode("alpha beta STOP gamma")
+    detok = text.detokenizer([], ["STOP", "never"])
+    shown = ""
+    for i in ids:
+        shown += detok.push([i])
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert shown + detok.flush() == "alpha beta "
+    assert "ST" not in shown
+
+
+def test_chat_template_is_applied(text):
+    ids = text.encode_chat([{"role": "user", "content": "hi"}])
+    rendered = text.tokenizer.decode(ids)
+    assert rendered.startswith("<s><|user|>\nhi</s>") and rendered.endswith("<|assistant|>\n")
+
+
+def test_admission_watermarks_and_retry_after():
+    adm = Admission(max_queued_requests=2, max_queued_tokens=100, max_inflight=3)
+    assert adm.check(10) is None
+    adm.admit("a", 10)
+    adm.admit("b", 10)
+    rejection = adm.check(10)
+    assert rejection.reason == "queued_requests" and rejection.retry_after_s >= 1
+    adm.started("a")
+    assert adm.check(90) is None  # 10 + 90 tokens queued fits the token watermark
+    assert adm.check(91).reason == "queued_tokens"
+    adm.admit("c", 5)
+    assert adm.check(1).reason == "inflight"
+    for rid in ("a", "b", "c"):
+        adm.finished(rid)
+    assert adm.num_inflight == 0 and adm.num_queued == 0 and adm.num_queued_tokens == 0
+    assert adm.drain_rate() > 0
+    # A prompt bigger than the token watermark still gets in when nothing is queued (else it never would).
+    assert Admission(2, 100, 3).check(500) is None
