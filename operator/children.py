@@ -1,0 +1,344 @@
+"""The objects an InferenceService owns, built as plain dicts by pure functions (no Kubernetes calls).
+
+Every builder takes the service's name, namespace and defaulted spec (see `spec.with_defaults`) and returns one
+manifest. `build_children` returns them all, each with an owner reference to the InferenceService, so that
+deleting the service deletes them (Kubernetes' garbage collector) and the operator sees edits to them.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from overlap.engine.config import EngineConfig
+from overlap.operator import spec as specs
+
+GROUP = "overlap.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+MANAGED_BY = "overlap-operator"
+INSTANCE_LABEL = "overlap.dev/inferenceservice"
+RESTART_HASH_ANNOTATION = "overlap.dev/engine-restart-hash"
+
+# The pod contract shared with the sidecar and engine commands (see DESIGN.md, "The pod").
+SOCKET_DIR = "/run/overlap"
+SOCKET = f"{SOCKET_DIR}/engine.sock"
+CONFIG_DIR = "/etc/overlap"
+CONFIG_FILE = f"{CONFIG_DIR}/engine.json"
+ADMIN_TOKEN_DIR = "/var/run/secrets/overlap"
+ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/admin-token"
+API_KEY_ENV = "OVERLAP_API_KEY"
+RUN_AS_USER = 10001
+# Seconds for the Service's endpoints to drop a terminating pod before the sidecar stops taking requests.
+ENDPOINT_DRAIN_S = 5
+GRACE_MARGIN_S = 10
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "overlap", INSTANCE_LABEL: name}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def selector_string(name: str) -> str:
+    """The pods' label selector in the string form `status.selector` (and /scale) uses."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def admin_secret_name(name: str) -> str:
+    return f"{name}-admin-token"
+
+
+def service_url(name: str, namespace: str, spec: Mapping[str, Any]) -> str:
+    return f"http://{name}.{namespace}.svc:{spec['sidecar']['port']}"
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(name: str, namespace: str, owner: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels(owner), **extra}
+
+
+def build_configmap(name: str, namespace: str, config: EngineConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(configmap_name(name), namespace, name),
+        "data": {"engine.json": specs.engine_json(config)},
+    }
+
+
+def build_admin_secret(name: str, namespace: str, token: str | None = None) -> dict[str, Any]:
+    """The sidecar's admin bearer token; created once, never overwritten (rotate by deleting it)."""
+    token = token or secrets.token_urlsafe(32)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(admin_secret_name(name), namespace, name),
+        "data": {"token": base64.b64encode(token.encode()).decode()},
+    }
+
+
+def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The public API only: the admin port is never on the Service."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": spec["sidecar"]["port"], "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pdb(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
+
+
+def build_servicemonitor(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "endpoints": [
+                {"port": "http", "path": "/metrics", "interval": spec["prometheus"]["serviceMonitor"]["interval"]}
+            ],
+        },
+    }
+
+
+def _container_security() -> dict[str, Any]:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _sidecar_args(spec: Mapping[str, Any]) -> list[str]:
+    sidecar = spec["sidecar"]
+    args = [
+        "sidecar",
+        "--engine-socket", SOCKET,
+        "--port", str(sidecar["port"]),
+        "--admin-port", str(sidecar["adminPort"]),
+        "--admin-token-file", ADMIN_TOKEN_FILE,
+        "--watch-config", CONFIG_FILE,
+        "--served-model-name", spec["model"]["servedName"],
+        "--max-queued-requests", str(sidecar["maxQueuedRequests"]),
+        "--max-queued-tokens", str(sidecar["maxQueuedTokens"]),
+        "--max-inflight", str(sidecar["maxInflight"]),
+        "--request-timeout-s", str(sidecar["requestTimeoutSeconds"]),
+        "--grace-period-s", str(sidecar["gracePeriodSeconds"]),
+    ]  # fmt: skip
+    if sidecar.get("apiKeySecret"):
+        args += ["--api-key-env", API_KEY_ENV]
+    return args
+
+
+def _model_volume(spec: Mapping[str, Any]) -> tuple[list[dict], list[dict]]:
+    """(volumes, engine mounts) for the model weights; none when they are baked into the image."""
+    model = spec["model"]
+    if model["source"] == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": model["claimName"], "readOnly": True}}
+    elif model["source"] == "hostPath":
+        volume = {"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}}
+    else:
+        return [], []
+    return [volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}]
+
+
+def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config: EngineConfig) -> dict[str, Any]:
+    resources, sidecar = spec["resources"], spec["sidecar"]
+    grace = sidecar["gracePeriodSeconds"]
+    # Quantities as strings: that is how the API server returns them, so drift checks compare like with like.
+    engine_limits = {"cpu": str(resources["engine"]["cpu"]), "memory": str(resources["engine"]["memory"])}
+    if resources["gpus"] > 0:
+        engine_limits[resources["gpuResourceName"]] = str(resources["gpus"])
+    sidecar_limits = {"cpu": str(resources["sidecar"]["cpu"]), "memory": str(resources["sidecar"]["memory"])}
+    model_volumes, model_mounts = _model_volume(spec)
+    images = spec["images"]
+
+    engine_container = {
+        "name": "engine",
+        "image": images["engine"],
+        "imagePullPolicy": images["pullPolicy"],
+        "command": ["overlap"],
+        "args": ["engine", "--socket", SOCKET, "--config", CONFIG_FILE],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "OVERLAP_CACHE_DIR", "value": "/tmp/overlap-cache"}],
+        "resources": {"requests": dict(engine_limits), "limits": dict(engine_limits)},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "socket", "mountPath": SOCKET_DIR},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *model_mounts,
+        ],
+        # The engine outlives the sidecar's drain: in-flight requests still need it.
+        "lifecycle": {"preStop": {"sleep": {"seconds": ENDPOINT_DRAIN_S + grace}}},
+    }
+    sidecar_env = [{"name": "HOME", "value": "/tmp"}]
+    if sidecar.get("apiKeySecret"):
+        secret = sidecar["apiKeySecret"]
+        sidecar_env.append(
+            {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}}
+        )
+    sidecar_container = {
+        "name": "sidecar",
+        "image": images["sidecar"],
+        "imagePullPolicy": images["pullPolicy"],
+        "command": ["overlap"],
+        "args": _sidecar_args(spec),
+        "env": sidecar_env,
+        "ports": [
+            {"name": "http", "containerPort": sidecar["port"], "protocol": "TCP"},
+            {"name": "admin", "containerPort": sidecar["adminPort"], "protocol": "TCP"},
+        ],
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "resources": {"requests": dict(sidecar_limits), "limits": dict(sidecar_limits)},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "socket", "mountPath": SOCKET_DIR},
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # Let the endpoints controller take the pod out of the Service before SIGTERM starts the drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": ENDPOINT_DRAIN_S}}},
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": ENDPOINT_DRAIN_S + grace + GRACE_MARGIN_S,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [engine_container, sidecar_container],
+        "volumes": [
+            {"name": "socket", "emptyDir": {}},
+            # A whole-folder ConfigMap mount (never subPath), so live-knob edits reach the running sidecar.
+            {"name": "config", "configMap": {"name": configmap_name(name)}},
+            {
+                "name": "admin-token",
+                "secret": {"secretName": admin_secret_name(name), "items": [{"key": "token", "path": "admin-token"}]},
+            },
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+            *model_volumes,
+        ],
+    }
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        if resources.get(key):
+            pod_spec[key] = resources[key]
+    if images.get("pullSecrets"):
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in images["pullSecrets"]]
+
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, name),
+        "spec": {
+            "replicas": spec["replicas"],
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector_labels(name)},
+            # A GPU is scarce: bring a new pod up before taking an old one down, one at a time.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {
+                        RESTART_HASH_ANNOTATION: specs.restart_hash(config),
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(sidecar["port"]),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_children(
+    owner: Mapping[str, Any], spec: Mapping[str, Any], config: EngineConfig, *, with_servicemonitor: bool
+) -> list[dict[str, Any]]:
+    """Every child the operator keeps in line with the spec (the admin Secret is created separately, once)."""
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    children = [
+        build_configmap(name, namespace, config),
+        build_deployment(name, namespace, spec, config),
+        build_service(name, namespace, spec),
+        build_pdb(name, namespace),
+    ]
+    if with_servicemonitor and spec["prometheus"]["serviceMonitor"]["enabled"]:
+        children.append(build_servicemonitor(name, namespace, spec))
+    return [adopt(child, owner) for child in children]
+
+
+def adopt(child: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
+    child["metadata"]["ownerReferences"] = [owner_reference(owner)]
+    return child
+
+
+def is_subset(desired: Any, actual: Any) -> bool:
+    """Whether every field of `desired` has the same value in `actual` (which may hold more: server defaults).
+
+    Drift detection: a child edited by hand fails this and is put back; fields the server adds do not count.
+    """
+    if isinstance(desired, Mapping):
+        return isinstance(actual, Mapping) and all(
+            key in actual and is_subset(value, actual[key]) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(desired) == len(actual)
+            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
+        )
+    return desired == actual

@@ -1,0 +1,42 @@
+"""`overlap operator`: run the InferenceService operator (kopf) against the current cluster."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "operator", help="run the Kubernetes operator for InferenceService objects (overlap.dev/v1alpha1)"
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", "-n", action="append", metavar="NS", help="watch this namespace (repeatable; default: all)"
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument(
+        "--standalone",
+        action="store_true",
+        default=True,
+        help="no peering with other operator replicas (the default: run one replica, Recreate strategy)",
+    )
+    peering.add_argument("--peering", metavar="NAME", help="coordinate with peers via this KopfPeering object")
+    parser.add_argument(
+        "--liveness", metavar="URL", help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz"
+    )
+    parser.set_defaults(func=_run_operator)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    import kopf
+    import overlap.operator.handlers  # noqa: F401  (registers the handlers)
+
+    kopf.run(
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
+    return 0

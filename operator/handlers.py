@@ -1,0 +1,153 @@
+"""kopf handlers, one concern each. Importing this module registers them (`overlap operator` does).
+
+- `configure`: operator settings, once at start-up.
+- `reconcile`: on create / update / resume of an InferenceService, make its children match the spec.
+- `restore_child`: a child edited or deleted by hand is put back (on the child's own watch event).
+- `mirror_rollout`: the Deployment's progress goes into the InferenceService's status.
+- `announce_deletion`: deleting an InferenceService; its children go with the garbage collector.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from overlap.operator import children, kube, status
+from overlap.operator import spec as specs
+
+CR = (children.GROUP, children.VERSION, children.PLURAL)
+OWNED = {"app.kubernetes.io/managed-by": children.MANAGED_BY}
+CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
+CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Keep kopf's bookkeeping in overlap.dev annotations: the CRD's status schema has no room for kopf's own.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="overlap.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="overlap.dev", key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = "overlap.dev/finalizer"
+    settings.posting.reporting_component = "overlap-operator"
+    settings.posting.level = logging.INFO
+    # The CRDs are installed before the operator (the chart does it): no need to watch for new ones.
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    kube.configure()
+
+
+def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    spec = specs.with_defaults(body.get("spec") or {})
+    try:
+        config = specs.check_spec(spec)
+    except specs.SpecError as exc:
+        problem = f"invalid spec, nothing changed: {exc}"
+        kube.patch_status(name, namespace, lambda current: status.degraded_status(current, problem, status.now_iso()))
+        kopf.warn(dict(body), reason="InvalidSpec", message=problem)
+        raise kopf.PermanentError(problem) from exc
+
+    if kube.create_if_absent(children.adopt(children.build_admin_secret(name, namespace), body)):
+        kopf.info(dict(body), reason="Created", message=f"Secret {children.admin_secret_name(name)} (admin token)")
+    with_monitor = "monitoring.coreos.com" in kube.api_groups()
+    for child in children.build_children(body, spec, config, with_servicemonitor=with_monitor):
+        outcome = kube.apply(child)
+        if outcome != "unchanged":
+            message = f"{child['kind']} {child['metadata']['name']} {outcome}"
+            logger.info(message)
+            kopf.info(dict(body), reason=outcome.capitalize(), message=message)
+
+    deployment = kube.read("Deployment", name, namespace)
+    kube.patch_status(
+        name,
+        namespace,
+        lambda current: status.service_status(
+            current,
+            deployment,
+            config.to_dict(),
+            selector=children.selector_string(name),
+            url=children.service_url(name, namespace, spec),
+            when=status.now_iso(),
+        ),
+    )
+
+
+@kopf.on.resume(*CR)
+@kopf.on.create(*CR)
+@kopf.on.update(*CR)
+def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    _reconcile_children(body, logger)
+
+
+def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The live InferenceService that owns `child`, or None (gone, being deleted, or not ours)."""
+    meta = child["metadata"]
+    refs = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == children.KIND and r.get("controller")]
+    if not refs:
+        return None
+    owner = _read_service(refs[0]["name"], meta["namespace"])
+    if owner is None or owner["metadata"].get("uid") != refs[0]["uid"] or owner["metadata"].get("deletionTimestamp"):
+        return None
+    return owner
+
+
+def _read_service(name: str, namespace: str) -> dict[str, Any] | None:
+    import kubernetes
+    from kubernetes.client.exceptions import ApiException
+
+    api = kubernetes.client.CustomObjectsApi()
+    with kube.api_errors(f"reading InferenceService {namespace}/{name}"):
+        try:
+            return api.get_namespaced_custom_object(*CR[:2], namespace, CR[2], name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
+def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) -> None:
+    owner = _owner_of(body)
+    if owner is None:
+        return
+    kind, name = body["kind"], body["metadata"]["name"]
+    if event.get("type") != "DELETED":
+        # Cheap pre-check: most events are our own writes or the controller's status updates.
+        spec = specs.with_defaults(owner.get("spec") or {})
+        try:
+            config = specs.check_spec(spec)
+        except specs.SpecError:
+            return  # reconcile reports it as Degraded
+        built = children.build_children(owner, spec, config, with_servicemonitor=False)
+        wanted = [c for c in built if c["kind"] == kind and c["metadata"]["name"] == name]
+        if all(children.is_subset(c, dict(body)) for c in wanted):
+            return
+    logger.info(f"{kind} {name} was {'deleted' if event.get('type') == 'DELETED' else 'changed'} by hand; restoring")
+    _reconcile_children(owner, logger)
+
+
+def restore_child(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    _restore(event, body, logger)
+
+
+for _group, _version, _plural in CHILD_RESOURCES:
+    kopf.on.event(_group, _version, _plural, labels=OWNED, id=f"restore-{_plural}")(restore_child)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=OWNED)
+def mirror_rollout(body: kopf.Body, type: str | None, **_: Any) -> None:
+    owner = _owner_of(body)
+    if owner is None or type == "DELETED":
+        return
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    deployment = dict(body)
+    kube.patch_status(name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso()))
+
+
+@kopf.on.delete(*CR, optional=True)
+def announce_deletion(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+    # optional=True: no finalizer; owner references let the garbage collector remove the children.
+    logger.info(f"InferenceService {namespace}/{name} deleted; its children go with the garbage collector")

@@ -1,0 +1,162 @@
+"""The operator's only door to the Kubernetes API (the `kubernetes` client), with its errors made kopf-shaped.
+
+Transient failures (5xx, 429, 409 conflicts, a dropped connection) raise `kopf.TemporaryError(delay=)` so kopf
+retries the handler; other refusals raise `kopf.PermanentError` with the server's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import kopf
+import kubernetes
+import urllib3
+from kubernetes.client.exceptions import ApiException
+from overlap.operator import children
+
+RETRY_DELAY_S = 2.0
+MERGE_PATCH = "application/merge-patch+json"
+log = logging.getLogger(__name__)
+
+# kind -> (API class, method suffix) for the typed client.
+_TYPED = {
+    "ConfigMap": (kubernetes.client.CoreV1Api, "namespaced_config_map"),
+    "Secret": (kubernetes.client.CoreV1Api, "namespaced_secret"),
+    "Service": (kubernetes.client.CoreV1Api, "namespaced_service"),
+    "Deployment": (kubernetes.client.AppsV1Api, "namespaced_deployment"),
+    "PodDisruptionBudget": (kubernetes.client.PolicyV1Api, "namespaced_pod_disruption_budget"),
+}
+_CUSTOM = {"ServiceMonitor": ("monitoring.coreos.com", "v1", "servicemonitors")}
+
+
+def configure() -> None:
+    """In a pod: the service account; elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+
+
+@contextlib.contextmanager
+def api_errors(what: str) -> Iterator[None]:
+    try:
+        yield
+    except ApiException as exc:
+        message = _server_message(exc)
+        if exc.status in (409, 429) or exc.status >= 500:
+            raise kopf.TemporaryError(f"{what}: {exc.status} {message}; retrying", delay=RETRY_DELAY_S) from exc
+        raise kopf.PermanentError(f"{what}: {exc.status} {message}") from exc
+    except (urllib3.exceptions.HTTPError, OSError) as exc:
+        raise kopf.TemporaryError(f"{what}: {exc}; retrying", delay=RETRY_DELAY_S) from exc
+
+
+def _server_message(exc: ApiException) -> str:
+    try:
+        return json.loads(exc.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return str(exc.reason)
+
+
+def _calls(kind: str) -> tuple[Callable, Callable, Callable]:
+    """(read, create, patch) for `kind`, each taking (name, namespace[, body])."""
+    if kind in _TYPED:
+        api_class, suffix = _TYPED[kind]
+        api = api_class()
+        return (
+            # Raw JSON (camelCase, as the server sends it), not the typed models: that is what drift checks compare.
+            lambda name, ns: json.loads(getattr(api, f"read_{suffix}")(name, ns, _preload_content=False).data),
+            lambda ns, body: getattr(api, f"create_{suffix}")(ns, body),
+            lambda name, ns, body: getattr(api, f"patch_{suffix}")(name, ns, body, _content_type=MERGE_PATCH),
+        )
+    group, version, plural = _CUSTOM[kind]
+    api = kubernetes.client.CustomObjectsApi()
+    return (
+        lambda name, ns: api.get_namespaced_custom_object(group, version, ns, plural, name),
+        lambda ns, body: api.create_namespaced_custom_object(group, version, ns, plural, body),
+        lambda name, ns, body: api.patch_namespaced_custom_object(
+            group, version, ns, plural, name, body, _content_type=MERGE_PATCH
+        ),
+    )
+
+
+def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    read_fn, _, _ = _calls(kind)
+    with api_errors(f"reading {kind} {namespace}/{name}"):
+        try:
+            obj = read_fn(name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+    return obj
+
+
+def apply(desired: Mapping[str, Any]) -> str:
+    """Make the live object match `desired`: 'created', 'restored' (differed, patched back) or 'unchanged'."""
+    kind, meta = desired["kind"], desired["metadata"]
+    _, create_fn, patch_fn = _calls(kind)
+    actual = read(kind, meta["name"], meta["namespace"])
+    what = f"{kind} {meta['namespace']}/{meta['name']}"
+    with api_errors(f"applying {what}"):
+        if actual is None:
+            create_fn(meta["namespace"], dict(desired))
+            return "created"
+        if children.is_subset(desired, actual):
+            return "unchanged"
+        patch_fn(meta["name"], meta["namespace"], dict(desired))
+        return "restored"
+
+
+def create_if_absent(desired: Mapping[str, Any]) -> bool:
+    """Create `desired` unless an object of that name exists (it is then left as it is)."""
+    kind, meta = desired["kind"], desired["metadata"]
+    if read(kind, meta["name"], meta["namespace"]) is not None:
+        return False
+    _, create_fn, _ = _calls(kind)
+    with api_errors(f"creating {kind} {meta['namespace']}/{meta['name']}"):
+        try:
+            create_fn(meta["namespace"], dict(desired))
+        except ApiException as exc:
+            if exc.status == 409:  # created meanwhile: fine
+                return False
+            raise
+    return True
+
+
+def api_groups() -> set[str]:
+    with api_errors("API discovery"):
+        return {group.name for group in kubernetes.client.ApisApi().get_api_versions().groups}
+
+
+def patch_status(name: str, namespace: str, compute: Callable[[dict[str, Any]], dict[str, Any] | None]) -> None:
+    """Read the InferenceService, `compute` its new status from it, write it with optimistic concurrency.
+
+    Several handlers write status; the resourceVersion in the patch makes the server refuse a stale write (409),
+    and then this reads again and recomputes (a few times) instead of losing the other writer's update.
+    """
+    api = kubernetes.client.CustomObjectsApi()
+    args = (children.GROUP, children.VERSION, namespace, children.PLURAL, name)
+    for attempt in range(5):
+        with api_errors(f"reading InferenceService {namespace}/{name}"):
+            try:
+                current = api.get_namespaced_custom_object(*args)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return  # deleted meanwhile: nothing to report on
+                raise
+        status = compute(current)
+        if status is None or all((current.get("status") or {}).get(k) == v for k, v in status.items()):
+            return
+        body = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "status": status}
+        try:
+            api.patch_namespaced_custom_object_status(*args, body, _content_type=MERGE_PATCH)
+            return
+        except ApiException as exc:
+            if exc.status != 409 or attempt == 4:
+                with api_errors(f"writing the status of {namespace}/{name}"):
+                    raise
+            log.debug("status of %s/%s changed meanwhile; recomputing", namespace, name)

@@ -1,0 +1,187 @@
+"""Reading an InferenceService spec: the engine config it asks for, and the checks the schema may have missed.
+
+The CRD (crds/) enforces types, bounds, enums and the cross-field CEL rules on a real API server. The operator
+checks again here, so that a spec that slipped past (an older CRD, a server without CEL) sets Degraded with a
+clear message instead of rolling out a pod that cannot start. Pure functions, no Kubernetes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.errors import ConfigError
+
+# CRD `spec.engine` field (camelCase) -> EngineConfig field (snake_case).
+ENGINE_FIELDS: dict[str, str] = {
+    "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens",
+    "numBuffers": "num_buffers",
+    "kvCacheRatio": "kv_cache_ratio",
+    "maxSeqLen": "max_seq_len",
+    "numPriorityLevels": "num_priority_levels",
+    "agingSeconds": "aging_s",
+    "defaultTimeoutSeconds": "default_timeout_s",
+    "dtype": "dtype",
+    "batching": "batching",
+    "queuePolicy": "queue_policy",
+    "blockSize": "block_size",
+    "enablePrefixCaching": "enable_prefix_caching",
+    "enableChunkedPrefill": "enable_chunked_prefill",
+}
+
+# Knobs the tuner may move (spec.tuning.bounds keys).
+TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "numBuffers")
+
+
+# The CRD's defaults, as a real API server fills them in. The operator applies them too (a spec written to a
+# server without structural defaulting still works); tests/operator check this table against crds/.
+DEFAULTS: dict[str, Any] = {
+    "model": {"source": "image", "mountPath": "/models"},
+    "images": {
+        "engine": "ghcr.io/overlap-dev/overlap:0.1.0",
+        "sidecar": "ghcr.io/overlap-dev/overlap:0.1.0",
+        "pullPolicy": "IfNotPresent",
+    },
+    "resources": {
+        "gpus": 1,
+        "gpuResourceName": "nvidia.com/gpu",
+        "engine": {"cpu": "4", "memory": "16Gi"},
+        "sidecar": {"cpu": "1", "memory": "1Gi"},
+    },
+    "replicas": 1,
+    "autoscaling": {
+        "mode": "off",
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "queueWatermarkPerReplica": 32,
+        "scaleDownWatermark": 4,
+        "scaleUpWindowSeconds": 30,
+        "scaleDownWindowSeconds": 300,
+        "scaleUpCooldownSeconds": 60,
+        "scaleDownCooldownSeconds": 300,
+        "intervalSeconds": 15,
+    },
+    "engine": {
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 2048,
+        "numBuffers": 2,
+        "kvCacheRatio": 0.7,
+        "maxSeqLen": 2048,
+        "numPriorityLevels": 3,
+        "agingSeconds": 5,
+        "dtype": "auto",
+        "batching": "continuous",
+        "queuePolicy": "priority",
+        "blockSize": 16,
+        "enablePrefixCaching": True,
+        "enableChunkedPrefill": True,
+    },
+    "tuning": {"enabled": False, "intervalSeconds": 30},
+    "sidecar": {
+        "port": 8000,
+        "adminPort": 8001,
+        "maxQueuedRequests": 64,
+        "maxQueuedTokens": 262144,
+        "maxInflight": 256,
+        "requestTimeoutSeconds": 300,
+        "gracePeriodSeconds": 30,
+    },
+    "prometheus": {"serviceMonitor": {"enabled": True, "interval": "15s"}},
+}
+
+
+def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `spec` with the CRD's defaults filled in where a field is absent (nested)."""
+
+    def merge(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+        result = dict(given)
+        for key, default in defaults.items():
+            if key not in result:
+                result[key] = merge(default, {}) if isinstance(default, Mapping) else default
+            elif isinstance(default, Mapping) and isinstance(result[key], Mapping):
+                result[key] = merge(default, result[key])
+        return result
+
+    merged = merge(DEFAULTS, spec)
+    api_key = merged["sidecar"].get("apiKeySecret")
+    if api_key is not None:
+        merged["sidecar"]["apiKeySecret"] = {"key": "api-key", **api_key}
+    return merged
+
+
+class SpecError(ValueError):
+    """The spec cannot be turned into a running service; the message says what to fix."""
+
+
+def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
+    """The EngineConfig that `spec` asks for (validated by EngineConfig itself)."""
+    engine = spec.get("engine") or {}
+    unknown = sorted(set(engine) - set(ENGINE_FIELDS))
+    if unknown:
+        raise SpecError(f"spec.engine has unknown fields: {', '.join(unknown)}")
+    gpus = (spec.get("resources") or {}).get("gpus", 1)
+    fields = {ENGINE_FIELDS[key]: value for key, value in engine.items()}
+    fields["model"] = (spec.get("model") or {}).get("path", "")
+    fields["device"] = "cuda" if gpus > 0 else "cpu"
+    if fields.get("dtype") == "auto" and gpus == 0:
+        fields["dtype"] = "float32"  # bfloat16 on CPU is slow; "auto" means "what suits the device"
+    try:
+        return EngineConfig(**fields)
+    except ConfigError as exc:
+        raise SpecError(f"spec.engine: {exc}") from exc
+
+
+def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
+    """Every cross-field rule of the CRD again (same messages as its CEL rules); returns the engine config."""
+    model = spec.get("model") or {}
+    if not model.get("servedName") or not str(model.get("path", "")).startswith("/"):
+        raise SpecError("spec.model needs servedName and an absolute path")
+    source = model.get("source", "image")
+    if source == "pvc" and not model.get("claimName"):
+        raise SpecError("model.claimName is required when model.source is pvc")
+    if source == "hostPath" and not model.get("hostPath"):
+        raise SpecError("model.hostPath is required when model.source is hostPath")
+
+    replicas = spec.get("replicas", 1)
+    if not isinstance(replicas, int) or replicas < 0:
+        raise SpecError(f"spec.replicas must be an integer >= 0, got {replicas!r}")
+    scaling = spec.get("autoscaling") or {}
+    low, high = scaling.get("minReplicas", 1), scaling.get("maxReplicas", 4)
+    if low > high:
+        raise SpecError("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
+    if scaling.get("mode", "off") == "builtin" and not low <= replicas <= high:
+        raise SpecError(
+            "replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas when autoscaling.mode is builtin"
+        )
+
+    config = engine_config(spec)
+    bounds = (spec.get("tuning") or {}).get("bounds") or {}
+    for knob in TUNABLE_KNOBS:
+        if knob not in bounds:
+            continue
+        lo, hi = bounds[knob]["min"], bounds[knob]["max"]
+        if lo > hi:
+            raise SpecError(f"tuning.bounds.{knob}: min must be <= max")
+        start = getattr(config, ENGINE_FIELDS[knob])
+        if not lo <= start <= hi:
+            raise SpecError(f"tuning.bounds.{knob} must contain engine.{knob} (the start value)")
+
+    sidecar = spec.get("sidecar") or {}
+    if sidecar.get("port", 8000) == sidecar.get("adminPort", 8001):
+        raise SpecError("sidecar.port and sidecar.adminPort must differ")
+    return config
+
+
+def engine_json(config: EngineConfig) -> str:
+    """The ConfigMap's engine.json: every EngineConfig field, snake_case, stable order."""
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def restart_hash(config: EngineConfig) -> str:
+    """A hash of the knobs the engine cannot change live: it goes into the pod template, so pods roll on change."""
+    frozen = {key: value for key, value in config.to_dict().items() if key not in LIVE_KNOBS}
+    return hashlib.sha256(json.dumps(frozen, sort_keys=True).encode()).hexdigest()[:16]

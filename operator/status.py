@@ -1,0 +1,128 @@
+"""Status per the Kubernetes API conventions: conditions with reasons, computed by pure functions.
+
+Condition types: Ready (pods serve), Progressing (a rollout or scale is under way), Degraded (the operator cannot
+do what the spec asks); Scaling and Tuned belong to the controller (a later issue) and use the same helpers.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+READY, PROGRESSING, DEGRADED, SCALING, TUNED = "Ready", "Progressing", "Degraded", "Scaling", "Tuned"
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(
+    kind: str, status: bool | None, reason: str, message: str, generation: int | None, when: str
+) -> dict[str, Any]:
+    text = "Unknown" if status is None else "True" if status else "False"
+    result = {"type": kind, "status": text, "reason": reason, "message": message, "lastTransitionTime": when}
+    if generation is not None:
+        result["observedGeneration"] = generation
+    return result
+
+
+def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`old` with `new` applied by type; lastTransitionTime only moves when the status itself changes."""
+    by_type = {c["type"]: dict(c) for c in old}
+    for cond in new:
+        previous = by_type.get(cond["type"])
+        merged = dict(cond)
+        if previous is not None and previous.get("status") == cond["status"]:
+            merged["lastTransitionTime"] = previous.get("lastTransitionTime", cond["lastTransitionTime"])
+        by_type[cond["type"]] = merged
+    return list(by_type.values())
+
+
+def rollout_conditions(
+    desired: int, deployment: Mapping[str, Any] | None, generation: int | None, when: str
+) -> list[dict[str, Any]]:
+    """Ready and Progressing from the Deployment's status (None: it does not exist yet)."""
+    status = (deployment or {}).get("status") or {}
+    ready = status.get("readyReplicas") or 0
+    updated = status.get("updatedReplicas") or 0
+    current = status.get("replicas") or 0
+    deployment_gen = (deployment or {}).get("metadata", {}).get("generation")
+    observed = status.get("observedGeneration")
+    if deployment is None:
+        return [
+            condition(READY, False, "DeploymentMissing", "the Deployment does not exist yet", generation, when),
+            condition(PROGRESSING, True, "Creating", "creating the Deployment", generation, when),
+        ]
+    if desired == 0:
+        ready_cond = condition(READY, False, "ScaledToZero", "spec.replicas is 0", generation, when)
+    elif ready >= desired:
+        ready_cond = condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready", generation, when)
+    elif ready > 0:
+        ready_cond = condition(READY, True, "SomeReplicasReady", f"{ready}/{desired} replicas ready", generation, when)
+    else:
+        ready_cond = condition(READY, False, "NoReplicasReady", f"0/{desired} replicas ready", generation, when)
+    rolled_out = observed is not None and observed == deployment_gen and updated >= desired and current == desired
+    if rolled_out and ready >= desired:
+        progress = condition(PROGRESSING, False, "RolloutComplete", "all replicas updated and ready", generation, when)
+    else:
+        progress = condition(
+            PROGRESSING, True, "RollingOut", f"{updated} updated, {ready} ready of {desired}", generation, when
+        )
+    return [ready_cond, progress]
+
+
+def degraded(problem: str | None, generation: int | None, when: str, reason: str = "InvalidSpec") -> dict[str, Any]:
+    if problem is None:
+        return condition(DEGRADED, False, "AsExpected", "the spec is applied", generation, when)
+    return condition(DEGRADED, True, reason, problem, generation, when)
+
+
+def service_status(
+    owner: Mapping[str, Any],
+    deployment: Mapping[str, Any] | None,
+    engine_config: Mapping[str, Any],
+    *,
+    selector: str,
+    url: str,
+    when: str,
+) -> dict[str, Any]:
+    """The whole status after a successful reconcile of `owner` (the InferenceService as last read)."""
+    generation = owner["metadata"].get("generation")
+    desired = owner["spec"].get("replicas", 1)
+    dep_status = (deployment or {}).get("status") or {}
+    conditions = [*rollout_conditions(desired, deployment, generation, when), degraded(None, generation, when)]
+    return {
+        "observedGeneration": generation,
+        "replicas": dep_status.get("replicas") or 0,
+        "readyReplicas": dep_status.get("readyReplicas") or 0,
+        "selector": selector,
+        "url": url,
+        "engineConfig": dict(engine_config),
+        "conditions": merge_conditions((owner.get("status") or {}).get("conditions") or [], conditions),
+    }
+
+
+def rollout_status(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None, when: str) -> dict[str, Any]:
+    """The part of the status that follows the Deployment (replica counts, Ready, Progressing)."""
+    status = owner.get("status") or {}
+    generation = status.get("observedGeneration")
+    desired = owner["spec"].get("replicas", 1)
+    dep_status = (deployment or {}).get("status") or {}
+    return {
+        "replicas": dep_status.get("replicas") or 0,
+        "readyReplicas": dep_status.get("readyReplicas") or 0,
+        "conditions": merge_conditions(
+            status.get("conditions") or [], rollout_conditions(desired, deployment, generation, when)
+        ),
+    }
+
+
+def degraded_status(owner: Mapping[str, Any], problem: str, when: str) -> dict[str, Any]:
+    """Degraded=True with the problem; the running pods (if any) are left as they are."""
+    generation = owner["metadata"].get("generation")
+    old = (owner.get("status") or {}).get("conditions") or []
+    return {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old, [degraded(problem, generation, when)]),
+    }

@@ -1,0 +1,586 @@
+"""A Kubernetes API for the tests: kmock's KubernetesEmulator plus what real API servers do and kmock 0.8 does not.
+
+kmock parses the URLs, serves discovery and reads, and renders errors. This subclass adds, and says so:
+
+| gap in kmock 0.8                                   | done here                                            |
+|----------------------------------------------------|------------------------------------------------------|
+| a trailing slash 404s; POST answers 200            | slash stripped; 201 on create                        |
+| `GET /api/v1/namespaces` 500s; core says "/v1"     | namespaces served from the objects; groupVersion v1  |
+| creating a CRD does not register its kind          | registered (kind, scope, short names, subresources)  |
+| no uid / resourceVersion / generation / timestamps | set on every write; generation follows the spec      |
+| no conflicts, no JSON patch (kopf's `test` op)     | 409 on a stale resourceVersion; RFC 6902 via jsonpatch |
+| status is not a subresource, no /scale             | /status writes only status, the main path never does; /scale |
+| lists lack kind; selectors ignored                 | kind + resourceVersion; label and field selectors    |
+| watches: resourceVersion, timeoutSeconds ignored,  | a replayable event log; timeouts end the stream;     |
+|   octet-stream content type                        |   application/json                                   |
+| no CRD validation, no server-side printing         | defaulting + schema + CEL (crd_admission); Tables    |
+| no garbage collector                               | owner references followed on delete (background)     |
+
+Strategic merge patches are applied as JSON merge patches (lists replaced, `$` directives dropped): enough for
+`kubectl apply` of new objects and for the operator, which sends merge patches. Not an API server: no RBAC,
+no admission webhooks, no server-side apply, no pods, no controllers (the tests play the Deployment controller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import json
+import re
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp.web
+import crd_admission
+import jsonpatch
+import kmock
+from kmock._internal import rendering  # Response with headers, for the watch stream's content type
+
+R = kmock.resource
+VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
+
+# Built-in kinds the operator, kubectl and kopf touch: (group, version, plural, kind, namespaced, subresources,
+# short names).
+BUILTINS = [
+    ("", "v1", "namespaces", "Namespace", False, (), ("ns",)),
+    ("", "v1", "configmaps", "ConfigMap", True, (), ("cm",)),
+    ("", "v1", "secrets", "Secret", True, (), ()),
+    ("", "v1", "services", "Service", True, ("status",), ("svc",)),
+    ("", "v1", "serviceaccounts", "ServiceAccount", True, (), ("sa",)),
+    ("", "v1", "events", "Event", True, (), ("ev",)),
+    ("events.k8s.io", "v1", "events", "Event", True, (), ()),
+    ("apps", "v1", "deployments", "Deployment", True, ("status", "scale"), ("deploy",)),
+    ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, ("status",), ("pdb",)),
+    (
+        "apiextensions.k8s.io",
+        "v1",
+        "customresourcedefinitions",
+        "CustomResourceDefinition",
+        False,
+        ("status",),
+        ("crd",),
+    ),
+]
+
+
+def _now() -> str:
+    return datetime.datetime.now(tz=datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _age(timestamp: str) -> str:
+    then = datetime.datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    seconds = int((datetime.datetime.now(tz=datetime.UTC) - then).total_seconds())
+    return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else f"{seconds // 3600}h"
+
+
+def _status(code: int, reason: str, message: str, details: dict | None = None) -> kmock.KubernetesError:
+    return kmock.KubernetesError(status=code, reason=reason, message=message, details=details or {})
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch; keys starting with `$` (strategic-merge directives) are dropped."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if key.startswith("$"):
+            continue
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def match_labels(labels: dict[str, str], selector: str) -> bool:
+    """A label selector string: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`."""
+    for term in re.findall(r"[^,(]+(?:\([^)]*\))?", selector or ""):
+        term = term.strip()
+        if not term:
+            continue
+        if m := re.fullmatch(r"(\S+)\s+(in|notin)\s+\((.*)\)", term):
+            values = {v.strip() for v in m[3].split(",")}
+            inside = labels.get(m[1]) in values
+            if inside != (m[2] == "in"):
+                return False
+        elif "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = re.split(r"==?", term, maxsplit=1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def match_fields(obj: dict, selector: str) -> bool:
+    """Field selectors on metadata.name / metadata.namespace (what kubectl and kopf use)."""
+    for term in filter(None, (selector or "").split(",")):
+        negate = "!=" in term
+        key, value = re.split(r"!=|==?", term, maxsplit=1)
+        actual = obj.get("metadata", {}).get(key.strip().removeprefix("metadata."))
+        if (actual == value.strip()) == negate:
+            return False
+    return True
+
+
+def jsonpath(obj: Any, path: str) -> Any:
+    """The JSONPath subset CRD printer columns use: `.a.b` and `.list[?(@.key=="value")].field`."""
+    current = [obj]
+    for step in re.findall(r"\.([A-Za-z0-9_-]+)|\[\?\(@\.(\w+)==\"([^\"]*)\"\)\]", path):
+        name, key, value = step
+        if name:
+            current = [c[name] for c in current if isinstance(c, dict) and name in c]
+        else:
+            current = [
+                i for c in current if isinstance(c, list) for i in c if isinstance(i, dict) and i.get(key) == value
+            ]
+    return current[0] if current else None
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """The emulator with a real server's write semantics (see the module docstring)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.crds: dict[Any, dict] = {}  # resource -> the CRD version's schema/printer columns/scale paths
+        self.infos: dict[Any, tuple[str, bool, tuple]] = {}  # resource -> (kind, namespaced, subresources)
+        self.rv = itertools.count(1000)
+        self.last_rv = 1000
+        self.events: list[tuple[int, Any, dict]] = []  # (resourceVersion, resource, watch event): replayable
+        self.watchers: set[asyncio.Queue] = set()
+        self.failures: list[list] = []  # [method, plural, status, times] injected by tests
+        self.failures_lock = threading.Lock()
+        for group, version, plural, kind, namespaced, subresources, short in BUILTINS:
+            self._register(R(group, version, plural), kind, namespaced, subresources, short)
+
+    def _register(self, resource, kind: str, namespaced: bool, subresources=(), short=(), categories=()) -> None:
+        self.resources[resource] = kmock.ResourceInfo(
+            kind=kind,
+            singular=kind.lower(),
+            namespaced=namespaced,
+            verbs=VERBS,
+            shortnames=list(short),
+            categories=list(categories),
+            subresources=list(subresources),
+        )
+        self.infos[resource] = (kind, namespaced, tuple(subresources))
+
+    def fail_next(self, method: str, plural: str, status: int, times: int = 1) -> None:
+        """Answer the next `times` requests of `method` on `plural` with `status` (to test retries)."""
+        with self.failures_lock:
+            self.failures.append([method.upper(), plural, status, times])
+
+    # --- HTTP-level fixes -------------------------------------------------------------------------------------
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.path != "/" and raw_request.path.endswith("/"):
+            raw_request = raw_request.clone(rel_url=raw_request.rel_url.with_path(raw_request.path.rstrip("/")))
+        if m := re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?", raw_request.path):
+            return self._namespaces(m[1])
+        injected = self._injected(raw_request)
+        if injected is not None:
+            return injected
+        response = await super().__call__(raw_request)
+        if raw_request.method == "POST" and response.status == 200 and not response.prepared:
+            response.set_status(201)
+        return response
+
+    def _injected(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.Response | None:
+        with self.failures_lock:
+            for failure in self.failures:
+                method, plural, status, times = failure
+                if raw_request.method == method and f"/{plural}" in raw_request.path and times > 0:
+                    failure[3] -= 1
+                    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": status,
+                            "reason": "ServiceUnavailable", "message": "injected by the test"}  # fmt: skip
+                    return aiohttp.web.json_response(body, status=status)
+        return None
+
+    def _namespaces(self, name: str | None) -> aiohttp.web.Response:
+        names = sorted({ns for (_, ns, _) in self.objects if ns} | {"default", "kube-system"})
+
+        def namespace(ns: str) -> dict:
+            return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}, "status": {"phase": "Active"}}
+
+        if name is None:
+            items = [namespace(ns) for ns in names]
+            return aiohttp.web.json_response({"apiVersion": "v1", "kind": "NamespaceList", "items": items,
+                                              "metadata": {"resourceVersion": str(self.last_rv)}})  # fmt: skip
+        return aiohttp.web.json_response(namespace(name))
+
+    # --- writes -----------------------------------------------------------------------------------------------
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if res is None or res not in self.infos:
+            return await super()._handle(request)
+        method = str(request.method.value).upper()
+        if method == "POST" and request.name is None:
+            result = await self._create(request)
+        elif method in ("PATCH", "PUT") and request.name is not None:
+            result = await self._update(request, method)
+        elif method == "DELETE" and request.name is not None:
+            result = await self._delete(res, request.namespace, request.name)
+        else:
+            return await super()._handle(request)
+        return aiohttp.web.json_response(result, status=201 if method == "POST" else 200)
+
+    async def _publish(self, resource, kind: str, obj: dict) -> None:
+        event = {"type": kind, "object": copy.deepcopy(obj)}
+        self.events.append((int(obj["metadata"]["resourceVersion"]), resource, event))
+        for queue in list(self.watchers):
+            queue.put_nowait((resource, event))
+
+    def _bump(self, obj: dict) -> None:
+        self.last_rv = next(self.rv)
+        obj["metadata"]["resourceVersion"] = str(self.last_rv)
+
+    def _admit(self, resource, obj: dict, strict: bool) -> dict:
+        crd = self.crds.get(resource)
+        if crd is None or "schema" not in crd:
+            return obj
+        kind, name = crd["kind"], obj.get("metadata", {}).get("name", "")
+        try:
+            return crd_admission.admit(obj, crd["schema"], strict=strict)
+        except crd_admission.UnknownFields as exc:
+            message = (
+                f'{kind} in version "{resource.version}" cannot be handled as a {kind}: strict decoding error: {exc}'
+            )
+            raise _status(400, "BadRequest", message) from exc
+        except crd_admission.Invalid as exc:
+            causes = [{"reason": "FieldValueInvalid", "field": f, "message": m} for f, m in exc.causes]
+            details = {"name": name, "group": resource.group, "kind": kind, "causes": causes}
+            message = f'{kind}.{resource.group} "{name}" is invalid: {exc}'
+            raise _status(422, "Invalid", message, details) from exc
+
+    async def _create(self, request: rendering.Request) -> dict:
+        res = request.resource
+        obj = copy.deepcopy(request.data or {})
+        kind, namespaced, _ = self.infos[res]
+        meta = obj.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        namespace = (request.namespace or meta.get("namespace")) if namespaced else None
+        key = (res, namespace, meta.get("name"))
+        obj.setdefault("apiVersion", f"{res.group}/{res.version}".lstrip("/"))
+        obj.setdefault("kind", kind)
+        obj = self._admit(res, obj, strict=request.params.get("fieldValidation") == "Strict")
+        async with self._lock:
+            if key in self.objects and not self.objects[key].deleted:
+                raise _status(409, "AlreadyExists", f'{kind.lower()}s "{meta.get("name")}" already exists')
+            meta = obj["metadata"]
+            if namespace:
+                meta["namespace"] = namespace
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+            for drop in ("deletionTimestamp", "resourceVersion"):
+                meta.pop(drop, None)
+            self._bump(obj)
+            if key in self.objects:
+                self.objects[key].create(obj)
+            else:
+                self.objects[key] = obj
+            await self._publish(res, "ADDED", obj)
+            if kind == "CustomResourceDefinition":
+                self._register_crd(obj)
+        return obj
+
+    async def _update(self, request: rendering.Request, method: str) -> dict:
+        res, sub = request.resource, request.subresource
+        key = (res, request.namespace, request.name)
+        content_type = request.headers.get("Content-Type", "application/json").split(";")[0]
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                raise _status(404, "NotFound", f'{res.plural} "{request.name}" not found')
+            current = copy.deepcopy(self.objects[key].raw)
+            if sub == "scale":
+                return await self._update_scale(res, key, current, request, method)
+            given = request.data
+            if method == "PUT":
+                wanted = copy.deepcopy(given)
+            elif content_type == "application/json-patch+json":
+                try:
+                    wanted = jsonpatch.apply_patch(current, given)
+                except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+                    raise _status(422, "Invalid", f"the JSON patch could not be applied: {exc}") from exc
+            elif content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
+                wanted = merge_patch(current, given)
+            else:
+                raise _status(415, "UnsupportedMediaType", f"{content_type} is not supported by the test server")
+            given_rv = ((given if isinstance(given, dict) else {}).get("metadata") or {}).get("resourceVersion")
+            if given_rv and given_rv != current["metadata"]["resourceVersion"]:
+                raise _status(
+                    409,
+                    "Conflict",
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                )
+            strict = request.params.get("fieldValidation") == "Strict"
+            return await self._store(res, key, current, wanted, sub, strict=strict)
+
+    async def _store(self, res, key, current: dict, wanted: dict, sub: str | None, *, strict: bool = False) -> dict:
+        """Write `wanted` over `current` the way the server would (caller holds the lock)."""
+        has_status = "status" in self.infos[res][2]
+        if sub == "status":
+            wanted = {**current, "status": wanted.get("status")}
+        elif has_status:
+            wanted = {**wanted, "status": current.get("status")}
+            if wanted["status"] is None:
+                wanted.pop("status")
+        meta = wanted.setdefault("metadata", {})
+        for fixed in ("uid", "creationTimestamp", "name", "namespace", "generation", "deletionTimestamp"):
+            if fixed in current["metadata"]:
+                meta[fixed] = current["metadata"][fixed]
+            else:
+                meta.pop(fixed, None)
+
+        def body(obj: dict) -> dict:
+            return {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+        if body(wanted) != body(current):
+            wanted = self._admit(res, wanted, strict=strict)
+            meta = wanted["metadata"]
+            meta["generation"] = current["metadata"].get("generation", 1) + 1
+        meta["resourceVersion"] = current["metadata"]["resourceVersion"]
+        if wanted == current:
+            return current  # a no-op write changes nothing, not even the resourceVersion
+        self._bump(wanted)
+        self.objects[key].create(wanted)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            await self._remove(res, key)
+        else:
+            await self._publish(res, "MODIFIED", wanted)
+        return wanted
+
+    def _scale_paths(self, res) -> tuple[str, str, str | None]:
+        crd = self.crds.get(res)
+        if crd is not None:
+            scale = crd["scale"] or {}
+            return scale.get("specReplicasPath"), scale.get("statusReplicasPath"), scale.get("labelSelectorPath")
+        return ".spec.replicas", ".status.replicas", None
+
+    def _scale_of(self, res, obj: dict) -> dict:
+        spec_path, status_path, selector_path = self._scale_paths(res)
+        selector = jsonpath(obj, selector_path) if selector_path else None
+        if selector is None and res.plural == "deployments":
+            labels = obj["spec"]["selector"].get("matchLabels") or {}
+            selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        meta = obj["metadata"]
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")},
+            "spec": {"replicas": jsonpath(obj, spec_path) or 0},
+            "status": {"replicas": jsonpath(obj, status_path) or 0, **({"selector": selector} if selector else {})},
+        }
+
+    async def _update_scale(self, res, key, current: dict, request: rendering.Request, method: str) -> dict:
+        scale = self._scale_of(res, current)
+        wanted_scale = request.data if method == "PUT" else merge_patch(scale, request.data)
+        if request.headers.get("Content-Type", "").startswith("application/json-patch+json"):
+            wanted_scale = jsonpatch.apply_patch(scale, request.data)
+        replicas = wanted_scale["spec"]["replicas"]
+        spec_path = self._scale_paths(res)[0]
+        wanted = copy.deepcopy(current)
+        target = wanted
+        *parents, leaf = spec_path.strip(".").split(".")
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[leaf] = replicas
+        stored = await self._store(res, key, current, wanted, None)
+        return self._scale_of(res, stored)
+
+    async def _delete(self, res, namespace: str | None, name: str) -> dict:
+        key = (res, namespace, name)
+        async with self._lock:
+            if key not in self.objects or self.objects[key].deleted:
+                raise _status(404, "NotFound", f'{res.plural} "{name}" not found')
+            current = copy.deepcopy(self.objects[key].raw)
+            if current["metadata"].get("finalizers"):
+                if not current["metadata"].get("deletionTimestamp"):
+                    current["metadata"]["deletionTimestamp"] = _now()
+                    self._bump(current)
+                    self.objects[key].create(current)
+                    await self._publish(res, "MODIFIED", current)
+                return current
+            return await self._remove(res, key)
+
+    async def _remove(self, res, key) -> dict:
+        """Gone for good; then play the garbage collector: delete what this object owned (caller holds the lock)."""
+        obj = copy.deepcopy(self.objects[key].raw)
+        self._bump(obj)
+        self.objects[key].delete()
+        await self._publish(res, "DELETED", obj)
+        uid = obj["metadata"]["uid"]
+        owned = [
+            (k, v)
+            for k, v in list(self.objects.items())
+            if not v.deleted and any(ref.get("uid") == uid for ref in v.raw["metadata"].get("ownerReferences") or [])
+        ]
+        for child_key, child in owned:
+            if child.raw["metadata"].get("finalizers"):
+                marked = copy.deepcopy(child.raw)
+                marked["metadata"]["deletionTimestamp"] = _now()
+                self._bump(marked)
+                child.create(marked)
+                await self._publish(child_key[0], "MODIFIED", marked)
+            else:
+                await self._remove(child_key[0], child_key)
+        return obj
+
+    def _register_crd(self, crd: dict) -> None:
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            if not version.get("served", True):
+                continue
+            res = R(spec["group"], version["name"], names["plural"])
+            subresources = tuple(version.get("subresources") or {})
+            self._register(
+                res, names["kind"], spec["scope"] == "Namespaced", subresources,
+                names.get("shortNames", ()), names.get("categories", ()),
+            )  # fmt: skip
+            self.crds[res] = {
+                "kind": names["kind"],
+                "schema": (version.get("schema") or {}).get("openAPIV3Schema"),
+                "columns": version.get("additionalPrinterColumns") or [],
+                "scale": (version.get("subresources") or {}).get("scale"),
+            }
+
+    # --- reads ------------------------------------------------------------------------------------------------
+
+    def _visible(self, request: rendering.Request) -> list[dict]:
+        labels, fields = request.params.get("labelSelector", ""), request.params.get("fieldSelector", "")
+        found = []
+        for (res, namespace, name), obj in self.objects.items():
+            if res != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            if request.name is not None and name != request.name:
+                continue
+            raw = obj.raw
+            if match_labels(raw["metadata"].get("labels") or {}, labels) and match_fields(raw, fields):
+                found.append(copy.deepcopy(raw))
+        return found
+
+    def _wants_table(self, request: rendering.Request) -> bool:
+        return "as=Table" in request.headers.get("Accept", "")
+
+    def _table(self, res, items: list[dict]) -> dict:
+        columns = [{"name": "Name", "type": "string", "format": "name", "description": "Name", "priority": 0}]
+        specs = (self.crds.get(res) or {}).get("columns") or [
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+        ]
+        for c in specs:
+            columns.append({"name": c["name"], "type": c["type"], "format": c.get("format", ""),
+                            "description": c.get("description", ""), "priority": c.get("priority", 0)})  # fmt: skip
+        rows = []
+        for obj in items:
+            cells = [obj["metadata"]["name"]]
+            for column in specs:
+                value = jsonpath(obj, column["jsonPath"])
+                if column["type"] == "date" and value:  # the server prints dates as ages, like kubectl's AGE
+                    value = _age(value)
+                cells.append(value)
+            partial = {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": obj["metadata"]}
+            rows.append({"cells": cells, "object": partial})
+        return {
+            "apiVersion": "meta.k8s.io/v1",
+            "kind": "Table",
+            "metadata": {"resourceVersion": str(self.last_rv)},
+            "columnDefinitions": columns,
+            "rows": rows,
+        }
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        if request.resource not in self.infos:
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = self._visible(request)
+        if self._wants_table(request):
+            return self._table(request.resource, items)
+        res = request.resource
+        return {
+            "apiVersion": f"{res.group}/{res.version}".lstrip("/"),
+            "kind": f"{self.infos[res][0]}List",
+            "metadata": {"resourceVersion": str(self.last_rv)},
+            "items": items,
+        }
+
+    async def _serve_fetch(self, request: rendering.Request) -> rendering.Payload:
+        async with self._lock:
+            items = self._visible(request)
+        if not items:
+            raise _status(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
+        if request.subresource == "scale":
+            return self._scale_of(request.resource, items[0])
+        if self._wants_table(request):
+            return self._table(request.resource, items)
+        return items[0]
+
+    def _serve_watch(self, request: rendering.Request) -> rendering.Response:  # type: ignore[override]
+        return rendering.Response(headers={"Content-Type": "application/json"}, payload=self._watch(request))
+
+    async def _watch(self, request: rendering.Request) -> AsyncIterator[Any]:
+        yield b""  # send the headers now, even if nothing happens for a while
+        since = request.params.get("resourceVersion", "")
+        timeout = float(request.params.get("timeoutSeconds") or 0) or None
+        labels, fields = request.params.get("labelSelector", ""), request.params.get("fieldSelector", "")
+
+        def wanted(res, event: dict) -> bool:
+            obj = event["object"]
+            meta = obj.get("metadata", {})
+            return (
+                res == request.resource
+                and (request.namespace is None or meta.get("namespace") == request.namespace)
+                and (request.name is None or meta.get("name") == request.name)
+                and match_labels(meta.get("labels") or {}, labels)
+                and match_fields(obj, fields)
+            )
+
+        queue: asyncio.Queue = asyncio.Queue()
+        async with self._lock:  # replay and subscribe atomically: no event falls in between
+            if since and since != "0":
+                backlog = [(res, ev) for rv, res, ev in self.events if rv > int(since)]
+            else:
+                backlog = [(request.resource, {"type": "ADDED", "object": obj}) for obj in self._visible(request)]
+            self.watchers.add(queue)
+        try:
+            for res, event in backlog:
+                if wanted(res, event):
+                    yield event
+            async with asyncio.timeout(timeout):
+                while True:
+                    res, event = await queue.get()
+                    if wanted(res, event):
+                        yield event
+        except TimeoutError:
+            return
+        finally:
+            self.watchers.discard(queue)
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        result = await super()._serve_version(request)
+        if request.resource.group == "":
+            result["groupVersion"] = "v1"
+        for entry in result["resources"]:
+            entry["verbs"] = sorted(entry["verbs"])
+            if "/" in entry["name"]:  # a subresource: no short names or categories of its own
+                entry.update(verbs=["get", "patch", "update"], shortNames=[], categories=[])
+                if entry["name"].endswith("/scale"):
+                    entry.update(kind="Scale", group="autoscaling", version="v1")
+        return result
+
+
+def dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)
