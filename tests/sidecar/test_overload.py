@@ -20,8 +20,8 @@ MAX_TOKENS = 30
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
     workdir = Path(tempfile.mkdtemp(prefix="ovl-load-"))
-    s = Stack(workdir, tiny_model_dir, step_s=0.02,
-              sidecar_args=("--max-inflight", str(CAPACITY), "--max-queued-requests", str(CAPACITY))).start()  # fmt: skip
+    watermarks = ("--max-inflight", str(CAPACITY), "--max-queued-requests", str(CAPACITY))
+    s = Stack(workdir, tiny_model_dir, step_s=0.02, sidecar_args=watermarks).start()
     yield s
     s.stop()
 
@@ -54,7 +54,7 @@ async def test_burst_of_ten_times_capacity(stack):
     rejected = [r for r in results if r[0] == 429]
     assert len(accepted) + len(rejected) == len(results), {r[0] for r in results}
     assert CAPACITY <= len(accepted) < len(results) / 2
-    for status, elapsed, data, retry_after in rejected:
+    for _, _, data, retry_after in rejected:
         assert data["error"]["type"] == "rate_limit_error"
         assert retry_after is not None and 1 <= int(retry_after) <= 60
     rejected_times = sorted(r[1] for r in rejected)
