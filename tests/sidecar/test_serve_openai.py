@@ -104,8 +104,11 @@ async def test_async_chat_streamed_and_not(aclient, server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
     assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
-    parts = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
-             {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]}]  # fmt: skip
+    say_hello = [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": say_hello},
+    ]
     as_parts = await aclient.chat.completions.create(**{**kwargs, "messages": parts})
     assert as_parts.choices[0].message.content == message.content
 
@@ -171,7 +174,7 @@ def _bad_cases(model: str) -> list[tuple[str, str, bytes | dict, int, dict]]:
         ("negative timeout", c, {**ok, "timeout": -1}, 400, {}),
         ("empty messages", ch, {**chat, "messages": []}, 400, {}),
         ("unknown role", ch, {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, {}),
-        ("image content part", ch, {**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, {}),
+        ("image content part", ch, {**chat, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, {}),
         ("tools", ch, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, {}),
         ("chat over the context length", ch, {**chat, "max_tokens": 10**6}, 400, {}),
     ]  # fmt: skip
