@@ -9,7 +9,8 @@ practice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 from overlap.engine.errors import ConfigError
 
@@ -30,20 +31,47 @@ class Serial:
 
 @dataclass(slots=True)
 class FixedWindow:
-    """Collect arrivals for `window_ms`, then dispatch all of them as one batch once the device is free."""
+    """Time-window batching: the clock is cut into fixed windows of `window_ms`; the requests that come in during
+    one window form one batch, dispatched once the window has closed and the device is free. Batches queue up in
+    window order while the device is busy, so the batch size follows the arrival rate (rate x window), not the
+    backlog: under load this is the conservative policy field report 2 measured.
+
+    The scheduler tells a policy only how many requests wait, so arrivals are counted as the growth of the queue
+    between calls (the scheduler consults the policy at every step that has room, and requests enter the engine at
+    step boundaries anyway); a request the scheduler could not admit with its batch joins the current window."""
 
     window_ms: float = 50.0
-    _next_dispatch: float | None = None
+    _origin: float | None = None  # start of window 0
+    _num_assigned: int = 0  # waiting requests already counted into a window
+    _windows: deque = field(default_factory=deque)  # [window end, count] of closed-or-open windows, oldest first
 
     def num_to_admit(self, now: float, num_waiting: int, oldest_arrival: float | None, num_running: int) -> int:
-        if num_running or not num_waiting:
+        window_s = self.window_ms / 1000
+        if self._origin is None:
+            if not num_waiting:
+                return 0
+            self._origin = oldest_arrival if oldest_arrival is not None else now
+        gone = self._num_assigned - num_waiting  # aborted or timed out: take them off the oldest windows
+        while gone > 0 and self._windows:
+            taken = min(gone, self._windows[0][1])
+            self._windows[0][1] -= taken
+            self._num_assigned -= taken
+            gone -= taken
+            if not self._windows[0][1]:
+                self._windows.popleft()
+        new = num_waiting - self._num_assigned
+        if new:
+            end = self._origin + (int((now - self._origin) // window_s) + 1) * window_s
+            if self._windows and self._windows[-1][0] == end:
+                self._windows[-1][1] += new
+            else:
+                self._windows.append([end, new])
+            self._num_assigned = num_waiting
+        if num_running or not self._windows or now < self._windows[0][0]:
             return 0
-        if self._next_dispatch is None:  # the first window opens with the first arrival
-            self._next_dispatch = oldest_arrival + self.window_ms / 1000
-        if now < self._next_dispatch:
-            return 0
-        self._next_dispatch = now + self.window_ms / 1000
-        return num_waiting
+        count = self._windows.popleft()[1]
+        self._num_assigned -= count
+        return count
 
 
 @dataclass(slots=True)
