@@ -546,7 +546,7 @@ def _run(args: argparse.Namespace) -> int:
                 asyncio.run(replay_target(trace, spec.target, drain_s, args.model, args.api_key, args.seed, progress))
             )
         else:
-            engine, config = build_engine(spec.policy, spec.policy_args, args.max_num_seqs, args.num_threads)
+            engine, _ = build_engine(spec.policy, spec.policy_args, args.max_num_seqs, args.num_threads)
             if encode is None:
                 encode = _tokenizer_encode(engine.model_dir)
             cfg = {

@@ -48,7 +48,7 @@ def test_fixed_window_batches_the_arrivals_of_one_window():
 
 def test_fixed_window_batch_size_follows_the_rate_not_the_backlog():
     policy = make_batching_policy("fixed_window", {"window_ms": 50})
-    waiting, running, batches = 0, 0, []
+    waiting, running, busy_until, batches = 0, 0, 0.0, []
     for step in range(400):  # 10 ms steps; one arrival per step (100 req/s); each batch runs 300 ms
         now = step * 0.01 + 0.005  # off the window boundaries
         waiting += 1
