@@ -98,7 +98,8 @@ def service_status(
         "readyReplicas": dep_status.get("readyReplicas") or 0,
         "selector": selector,
         "url": url,
-        "engineConfig": dict(engine_config),
+        # Unset (None) fields are left out: a merge patch cannot store null.
+        "engineConfig": {key: value for key, value in engine_config.items() if value is not None},
         "conditions": merge_conditions((owner.get("status") or {}).get("conditions") or [], conditions),
     }
 

@@ -92,7 +92,7 @@ def _default(value: Any, schema: dict[str, Any]) -> None:
 
 
 def _shown(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, str) else "object" if isinstance(value, dict) else json.dumps(value)
+    return '"object"' if isinstance(value, dict) else json.dumps(value)
 
 
 _TYPES = {

@@ -78,7 +78,8 @@ def _age(timestamp: str) -> str:
 
 
 def _status(code: int, reason: str, message: str, details: dict | None = None) -> kmock.KubernetesError:
-    return kmock.KubernetesError(status=code, reason=reason, message=message, details=details or {})
+    # Non-empty details: kmock would put a Python traceback there otherwise.
+    return kmock.KubernetesError(status=code, reason=reason, message=message, details=details or {"causes": []})
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -161,6 +162,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.watchers: set[asyncio.Queue] = set()
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
         self.failures_lock = threading.Lock()
+        self.validate_custom_resources = True  # False: a server without CRD validation (to test the operator's)
         for group, version, plural, kind, namespaced, subresources, short in BUILTINS:
             self._register(R(group, version, plural), kind, namespaced, subresources, short)
 
@@ -248,7 +250,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _admit(self, resource, obj: dict, strict: bool) -> dict:
         crd = self.crds.get(resource)
-        if crd is None or "schema" not in crd:
+        if crd is None or not crd["schema"] or not self.validate_custom_resources:
             return obj
         kind, name = crd["kind"], obj.get("metadata", {}).get("name", "")
         try:

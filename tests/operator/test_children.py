@@ -1,0 +1,187 @@
+"""The objects the operator builds, checked without Kubernetes: the pod contract, strict schema validity, hashing."""
+
+from __future__ import annotations
+
+import json
+
+import kubernetes_validate
+import pytest
+from overlap.engine.config import LIVE_KNOBS
+from overlap.operator import children, status
+from overlap.operator import spec as specs
+
+K8S_VERSION = kubernetes_validate.latest_version()
+OWNER = {
+    "apiVersion": "overlap.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "llm", "namespace": "ml", "uid": "0f6c1c1e-0000-4000-8000-000000000001", "generation": 3},
+}
+
+
+def build(spec_overrides: dict | None = None, *, monitor: bool = True) -> dict[str, dict]:
+    spec = specs.with_defaults({"model": {"servedName": "llm", "path": "/models/llm"}, **(spec_overrides or {})})
+    config = specs.check_spec(spec)
+    built = children.build_children(OWNER, spec, config, with_servicemonitor=monitor)
+    built.append(children.adopt(children.build_admin_secret("llm", "ml", token="t0ken"), OWNER))
+    return {obj["kind"]: obj for obj in built}
+
+
+def containers(deployment: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"model": {"servedName": "llm", "path": "/models/llm", "source": "pvc", "claimName": "weights"}},
+        {"model": {"servedName": "llm", "path": "/m/llm", "source": "hostPath", "hostPath": "/data/m"}},
+        {
+            "resources": {
+                "gpus": 0,
+                "nodeSelector": {"pool": "cpu"},
+                "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            },
+            "sidecar": {"apiKeySecret": {"name": "llm-key"}},
+            "images": {"pullSecrets": ["registry"]},
+        },
+    ],
+    ids=["image", "pvc", "hostPath", "cpu-apikey"],
+)
+def test_every_built_object_passes_strict_schema_validation(overrides: dict) -> None:
+    for kind, obj in build(overrides).items():
+        if kind == "ServiceMonitor":
+            continue  # not a built-in kind: kubernetes-validate has no schema for it
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_pod_follows_the_deployment_contract() -> None:
+    deployment = build({"resources": {"gpus": 2}, "sidecar": {"apiKeySecret": {"name": "llm-key"}}})["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    engine, sidecar = containers(deployment)["engine"], containers(deployment)["sidecar"]
+    assert engine["args"] == ["engine", "--socket", "/run/overlap/engine.sock", "--config", "/etc/overlap/engine.json"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    args = sidecar["args"]
+    pairs = dict(zip(args[1::2], args[2::2], strict=False))
+    assert args[0] == "sidecar"
+    assert pairs["--engine-socket"] == "/run/overlap/engine.sock"
+    assert (pairs["--port"], pairs["--admin-port"]) == ("8000", "8001")
+    assert pairs["--admin-token-file"] == "/var/run/secrets/overlap/admin-token"
+    assert pairs["--watch-config"] == "/etc/overlap/engine.json"
+    assert pairs["--served-model-name"] == "llm"
+    assert pairs["--api-key-env"] == "OVERLAP_API_KEY"
+    for flag in ("--max-queued-requests", "--max-queued-tokens", "--max-inflight", "--request-timeout-s"):
+        assert flag in pairs
+    key_env = next(e for e in sidecar["env"] if e["name"] == "OVERLAP_API_KEY")
+    assert key_env["valueFrom"]["secretKeyRef"] == {"name": "llm-key", "key": "api-key"}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert {p["containerPort"] for p in sidecar["ports"]} == {8000, 8001}
+    # Shared socket folder; the ConfigMap mounted as a folder (subPath mounts never see updates).
+    for container in (engine, sidecar):
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert mounts["/run/overlap"]["name"] == "socket"
+        assert mounts["/etc/overlap"]["name"] == "config" and "subPath" not in mounts["/etc/overlap"]
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] and not security["allowPrivilegeEscalation"]
+        assert security["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    # The drain: endpoints drop the pod, the sidecar drains, the engine outlives it, all within the grace period.
+    grace = pod["terminationGracePeriodSeconds"]
+    engine_sleep = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert sidecar["lifecycle"]["preStop"]["sleep"]["seconds"] < engine_sleep < grace
+    assert engine_sleep >= specs.DEFAULTS["sidecar"]["gracePeriodSeconds"]
+
+
+def test_service_exposes_the_public_port_only() -> None:
+    service = build()["Service"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [8000]
+    assert service["spec"]["selector"] == children.selector_labels("llm")
+
+
+def test_every_child_is_owned_by_the_inferenceservice() -> None:
+    for obj in build().values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == OWNER["metadata"]["uid"] and ref["controller"] is True
+
+
+def test_servicemonitor_only_when_its_crd_exists() -> None:
+    assert "ServiceMonitor" in build(monitor=True)
+    assert "ServiceMonitor" not in build(monitor=False)
+    assert "ServiceMonitor" not in build({"prometheus": {"serviceMonitor": {"enabled": False}}}, monitor=True)
+
+
+def test_configmap_holds_every_engine_field_in_snake_case() -> None:
+    built = build({"engine": {"maxNumSeqs": 32, "agingSeconds": 2.5}})
+    config = json.loads(built["ConfigMap"]["data"]["engine.json"])
+    assert config["max_num_seqs"] == 32 and config["aging_s"] == 2.5
+    assert config["model"] == "/models/llm" and config["device"] == "cuda"
+
+
+@pytest.mark.parametrize("camel", sorted(specs.ENGINE_FIELDS))
+def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
+    base = specs.with_defaults({"model": {"servedName": "m", "path": "/m"}})
+    changed_values = {
+        "maxNumSeqs": 8, "maxNumBatchedTokens": 4096, "numBuffers": 1, "kvCacheRatio": 0.5, "maxSeqLen": 1024,
+        "numPriorityLevels": 2, "agingSeconds": 9, "defaultTimeoutSeconds": 30, "dtype": "bfloat16",
+        "batching": "serial", "queuePolicy": "fifo", "blockSize": 32, "enablePrefixCaching": False,
+        "enableChunkedPrefill": False,
+    }  # fmt: skip
+    changed = specs.with_defaults({**base, "engine": {**base["engine"], camel: changed_values[camel]}})
+    if camel == "enableChunkedPrefill":
+        changed["engine"]["maxNumBatchedTokens"] = changed["engine"]["maxSeqLen"]
+    before, after = specs.check_spec(base), specs.check_spec(changed)
+    hash_changed = specs.restart_hash(before) != specs.restart_hash(after)
+    assert hash_changed == (specs.ENGINE_FIELDS[camel] not in LIVE_KNOBS)
+    assert specs.engine_json(before) != specs.engine_json(after)  # the ConfigMap always follows
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must be <= autoscaling.maxReplicas"),
+        ({"autoscaling": {"mode": "builtin", "minReplicas": 2}, "replicas": 1}, "replicas must lie within"),
+        ({"tuning": {"bounds": {"maxNumSeqs": {"min": 100, "max": 200}}}}, "must contain engine.maxNumSeqs"),
+        ({"engine": {"enableChunkedPrefill": False, "maxNumBatchedTokens": 16}}, "max_num_batched_tokens"),
+        ({"engine": {"numBuffers": 9}}, "num_buffers must be in 1..4"),
+        ({"model": {"servedName": "m", "path": "/m", "source": "pvc"}}, "claimName is required"),
+    ],
+)
+def test_check_spec_catches_what_slipped_past_the_schema(spec: dict, message: str) -> None:
+    full = specs.with_defaults({"model": {"servedName": "m", "path": "/m"}, **spec})
+    with pytest.raises(specs.SpecError, match=message):
+        specs.check_spec(full)
+
+
+def test_is_subset_ignores_server_defaults_but_sees_edits() -> None:
+    desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "a", "image": "x"}]}}}
+    actual = {"spec": {"replicas": 2, "progressDeadlineSeconds": 600,
+                       "template": {"containers": [{"name": "a", "image": "x", "imagePullPolicy": "Always"}]}}}  # fmt: skip
+    assert children.is_subset(desired, actual)
+    actual["spec"]["template"]["containers"][0]["image"] = "y"
+    assert not children.is_subset(desired, actual)
+    assert not children.is_subset(desired, {"spec": {"template": {"containers": []}, "replicas": 2}})
+
+
+def test_conditions_keep_their_transition_time_while_unchanged() -> None:
+    first = [status.condition("Ready", False, "NoReplicasReady", "0/1", 1, "2026-01-01T00:00:00Z")]
+    same = status.merge_conditions(first, [status.condition("Ready", False, "NoReplicasReady", "0/1", 2, "LATER")])
+    assert same[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z" and same[0]["observedGeneration"] == 2
+    flipped = status.merge_conditions(first, [status.condition("Ready", True, "AllReplicasReady", "1/1", 2, "LATER")])
+    assert flipped[0]["lastTransitionTime"] == "LATER"
+
+
+def test_rollout_conditions_follow_the_deployment() -> None:
+    deployment = {"metadata": {"generation": 2}, "status": {"observedGeneration": 2, "replicas": 2,
+                                                               "updatedReplicas": 2, "readyReplicas": 1}}  # fmt: skip
+    ready, progressing = status.rollout_conditions(2, deployment, 5, "T")
+    assert (ready["status"], ready["reason"]) == ("True", "SomeReplicasReady")
+    assert progressing["status"] == "True"
+    deployment["status"]["readyReplicas"] = 2
+    ready, progressing = status.rollout_conditions(2, deployment, 5, "T")
+    assert (ready["reason"], progressing["status"], progressing["reason"]) == (
+        "AllReplicasReady",
+        "False",
+        "RolloutComplete",
+    )
+    assert status.rollout_conditions(0, deployment, 5, "T")[0]["reason"] == "ScaledToZero"

@@ -1,0 +1,223 @@
+"""The CRD refuses invalid InferenceServices with the message a user would read.
+
+kmock enforces neither OpenAPI schemas nor CEL: the schema and the `x-kubernetes-validations` rules are evaluated
+here (crd_admission.py: structural defaulting, schema checks, CEL via cel-python), both directly and through the
+emulated API server with the real kubectl, which prints what `kubectl apply` prints against a real cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import crd_admission
+import pytest
+import yaml
+from overlap.operator import spec as specs
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = yaml.safe_load((REPO / "crds" / "inferenceservices.overlap.dev.yaml").read_text())
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+VALID = {
+    "apiVersion": "overlap.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "llm"},
+    "spec": {"model": {"servedName": "llm", "path": "/models/llm"}},
+}
+
+
+def with_spec(**spec) -> dict:
+    obj = copy.deepcopy(VALID)
+    obj["spec"].update(spec)
+    return obj
+
+
+def refusal(obj: dict, *, strict: bool = True) -> str:
+    with pytest.raises((crd_admission.Invalid, crd_admission.UnknownFields)) as caught:
+        crd_admission.admit(obj, SCHEMA, strict=strict)
+    return str(caught.value)
+
+
+INVALID = [
+    pytest.param(
+        with_spec(autoscaling={"minReplicas": 5, "maxReplicas": 2}),
+        'spec.autoscaling: Invalid value: "object": autoscaling.minReplicas must be <= autoscaling.maxReplicas',
+        id="min-greater-than-max",
+    ),
+    pytest.param(
+        with_spec(replicas=-1),
+        "spec.replicas: Invalid value: -1: spec.replicas in body should be greater than or equal to 0",
+        id="negative-replicas",
+    ),
+    pytest.param(
+        with_spec(sidecar={"maxInflight": -4}),
+        "spec.sidecar.maxInflight: Invalid value: -4: spec.sidecar.maxInflight in body should be greater than or "
+        "equal to 1",
+        id="negative-limit",
+    ),
+    pytest.param(
+        with_spec(autoscaling={"mode": "aggressive"}),
+        'spec.autoscaling.mode: Unsupported value: "aggressive": supported values: "builtin", "external", "off"',
+        id="bad-enum",
+    ),
+    pytest.param(
+        with_spec(engine={"dtype": "float16"}),
+        'spec.engine.dtype: Unsupported value: "float16": supported values: "auto", "bfloat16", "float32"',
+        id="bad-dtype",
+    ),
+    pytest.param(
+        with_spec(tuning={"bounds": {"maxNumSeqs": {"min": 128, "max": 256}}}),
+        'spec: Invalid value: "object": tuning.bounds.maxNumSeqs must contain engine.maxNumSeqs (the start value)',
+        id="bounds-exclude-start",
+    ),
+    pytest.param(
+        with_spec(tuning={"bounds": {"numBuffers": {"min": 3, "max": 2}}}),
+        'spec.tuning.bounds.numBuffers: Invalid value: "object": min must be <= max',
+        id="bounds-min-greater-than-max",
+    ),
+    pytest.param(
+        with_spec(autoscaling={"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}, replicas=1),
+        "replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas when autoscaling.mode is builtin",
+        id="replicas-outside-autoscaling",
+    ),
+    pytest.param(
+        with_spec(engine={"kvCacheRatio": 0}),
+        "spec.engine.kvCacheRatio: Invalid value: 0: spec.engine.kvCacheRatio in body should be greater than 0",
+        id="exclusive-minimum",
+    ),
+    pytest.param(
+        with_spec(model={"servedName": "llm", "path": "/m", "source": "pvc"}),
+        "model.claimName is required when model.source is pvc",
+        id="pvc-without-claim",
+    ),
+    pytest.param(
+        with_spec(model={"servedName": "llm", "path": "models/llm"}),
+        "spec.model.path: Invalid value: \"models/llm\": spec.model.path in body should match '^/'",
+        id="relative-model-path",
+    ),
+    pytest.param(with_spec(model={"servedName": "llm"}), "spec.model.path: Required value", id="missing-required"),
+    pytest.param(
+        with_spec(replicas="two"),
+        'spec.replicas: Invalid value: "string": spec.replicas in body must be of type integer: "string"',
+        id="wrong-type",
+    ),
+    pytest.param(with_spec(replica=2), 'unknown field "spec.replica"', id="unknown-field"),
+    pytest.param(
+        with_spec(engine={"maxNumSeqs": 8, "maxBatchSize": 8}),
+        'unknown field "spec.engine.maxBatchSize"',
+        id="unknown-nested",
+    ),
+]
+
+
+@pytest.mark.parametrize(("obj", "message"), INVALID)
+def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str) -> None:
+    assert message in refusal(obj)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},
+        {"autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 8}, "replicas": 2},
+        {
+            "tuning": {
+                "enabled": True,
+                "bounds": {"maxNumSeqs": {"min": 16, "max": 256}, "numBuffers": {"min": 1, "max": 3}},
+            }
+        },
+        {"model": {"servedName": "m", "path": "/models/m", "source": "pvc", "claimName": "weights"}},
+        {"engine": {"enableChunkedPrefill": False, "maxSeqLen": 1024, "maxNumBatchedTokens": 1024}},
+        {"resources": {"gpus": 0, "engine": {"cpu": 8, "memory": "8Gi"}}},
+    ],
+    ids=["defaults", "builtin-autoscaling", "tuning-bounds", "pvc", "no-chunked-prefill", "cpu-only"],
+)
+def test_valid_specs_are_admitted_and_defaulted(spec: dict) -> None:
+    stored = crd_admission.admit(with_spec(**spec), SCHEMA, strict=True)
+    assert stored["spec"]["engine"]["maxNumSeqs"] >= 1 and stored["spec"]["sidecar"]["port"] == 8000
+    specs.check_spec(stored["spec"])  # the operator agrees with the schema
+
+
+def test_unknown_fields_are_pruned_without_strict_validation() -> None:
+    stored = crd_admission.admit(with_spec(replica=2), SCHEMA, strict=False)
+    assert "replica" not in stored["spec"]
+
+
+def test_every_example_is_admitted() -> None:
+    examples = sorted((REPO / "examples").glob("*.yaml"))
+    assert len(examples) >= 3
+    for path in examples:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "InferenceService":
+                stored = crd_admission.admit(doc, SCHEMA, strict=True)
+                specs.check_spec(stored["spec"])
+
+
+def test_operator_defaults_match_the_crd() -> None:
+    stored = crd_admission.admit(VALID, SCHEMA, strict=True)
+    assert specs.with_defaults(VALID["spec"]) == stored["spec"]
+
+
+def test_every_cel_rule_compiles_and_has_a_message() -> None:
+    rules = []
+
+    def walk(node: dict) -> None:
+        rules.extend(node.get("x-kubernetes-validations") or [])
+        for child in (node.get("properties") or {}).values():
+            walk(child)
+        if isinstance(node.get("items"), dict):
+            walk(node["items"])
+
+    walk(SCHEMA)
+    assert len(rules) >= 10
+    for rule in rules:
+        assert rule.get("message"), rule
+        crd_admission._cel_env.compile(rule["rule"])
+
+
+def test_scale_subresource_and_printer_columns() -> None:
+    assert VERSION["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    names = [c["name"] for c in VERSION["additionalPrinterColumns"]]
+    assert {"Ready", "Replicas", "Model", "URL", "Age"} <= set(names)
+    assert CRD["spec"]["names"]["shortNames"] == ["oisvc"]
+
+
+BAD_MANIFEST = """
+apiVersion: overlap.dev/v1alpha1
+kind: InferenceService
+metadata: {name: bad}
+spec:
+  model: {servedName: bad, path: /models/bad}
+  autoscaling: {minReplicas: 5, maxReplicas: 2}
+"""
+
+
+def test_kubectl_apply_prints_the_refusal(cluster) -> None:
+    done = cluster.apply("-f", "-", stdin=BAD_MANIFEST, check=False)
+    assert done.returncode != 0
+    assert 'The InferenceService "bad" is invalid' in done.stderr
+    assert "autoscaling.minReplicas must be <= autoscaling.maxReplicas" in done.stderr
+    assert cluster.get("oisvc", "bad") is None
+    print(done.stderr)  # what the user reads (shown with pytest -s)
+
+
+def test_strict_field_validation_names_the_unknown_field(cluster) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    body = with_spec(replica=2)
+    with pytest.raises(ApiException) as caught:
+        cluster.custom.create_namespaced_custom_object(
+            "overlap.dev", "v1alpha1", "overlap-test", "inferenceservices", body, field_validation="Strict"
+        )
+    assert caught.value.status == 400
+    message = json.loads(caught.value.body)["message"]
+    assert message == (
+        'InferenceService in version "v1alpha1" cannot be handled as a InferenceService: '
+        'strict decoding error: unknown field "spec.replica"'
+    )

@@ -1,0 +1,201 @@
+"""`overlap operator` (the real kopf operator, as a subprocess) against the emulated API, driven by the real kubectl.
+
+The harness plays two controllers a real cluster runs: the Deployment controller (`play_deployment_controller`
+sets readyReplicas) and the garbage collector (kube_emulator.py deletes what an owner reference points at).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import NAMESPACE, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
+NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+CHILDREN = [("deployment", NAME), ("service", NAME), ("configmap", f"{NAME}-engine"), ("pdb", NAME)]
+
+
+@pytest.fixture(scope="module")
+def applied(cluster, operator_process):
+    """The example applied with kubectl; its children exist. Returns the time it took."""
+    started = time.monotonic()
+    cluster.apply("-f", str(EXAMPLE))
+    wait_for(lambda: all(cluster.get(kind, name) for kind, name in CHILDREN), timeout=10, what="the children")
+    elapsed = time.monotonic() - started
+    yield elapsed
+
+
+def configmap_engine(cluster) -> dict:
+    return json.loads(cluster.get("configmap", f"{NAME}-engine")["data"]["engine.json"])
+
+
+def condition(service: dict, kind: str) -> dict:
+    return next(c for c in service.get("status", {}).get("conditions", []) if c["type"] == kind)
+
+
+def test_apply_creates_the_children_with_owner_references_within_2s(cluster, applied) -> None:
+    assert applied < 2.0, f"children appeared after {applied:.2f} s"
+    uid = cluster.service(NAME)["metadata"]["uid"]
+    for kind, name in [*CHILDREN, ("secret", f"{NAME}-admin-token")]:
+        obj = cluster.get(kind, name)
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceService", NAME, uid, True)
+
+
+def test_children_as_stored_pass_strict_schema_validation(cluster, applied) -> None:
+    version = kubernetes_validate.latest_version()
+    for kind, name in [*CHILDREN, ("secret", f"{NAME}-admin-token")]:
+        obj = cluster.get(kind, name)
+        for server_field in ("uid", "resourceVersion", "generation", "creationTimestamp"):
+            assert server_field in obj["metadata"] or server_field == "generation"
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_service_never_exposes_the_admin_port(cluster, applied) -> None:
+    ports = cluster.get("service", NAME)["spec"]["ports"]
+    assert [p["port"] for p in ports] == [8000]
+
+
+def test_status_follows_api_conventions(cluster, applied) -> None:
+    wait_for(lambda: cluster.service(NAME).get("status", {}).get("conditions"), what="status conditions")
+    cluster.play_deployment_controller(NAME)
+    service = wait_for(
+        lambda: (s := cluster.service(NAME)) and condition(s, "Ready")["status"] == "True" and s,
+        what="Ready=True after the pods are ready",
+    )
+    st = service["status"]
+    assert st["observedGeneration"] == service["metadata"]["generation"]
+    assert st["readyReplicas"] == 1 and st["replicas"] == 1
+    assert st["selector"] == "app.kubernetes.io/name=overlap,overlap.dev/inferenceservice=" + NAME
+    assert st["url"] == f"http://{NAME}.{NAMESPACE}.svc:8000"
+    assert st["engineConfig"] == {k: v for k, v in configmap_engine(cluster).items() if v is not None}
+    for cond in st["conditions"]:
+        assert set(cond) >= {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
+    assert condition(service, "Degraded")["status"] == "False"
+    assert condition(service, "Progressing")["reason"] == "RolloutComplete"
+
+
+def test_kubectl_get_shows_the_printer_columns(cluster, applied) -> None:
+    cluster.play_deployment_controller(NAME)
+    wait_for(lambda: condition(cluster.service(NAME), "Ready")["status"] == "True", what="Ready")
+    out = cluster.kubectl("get", "oisvc").stdout.splitlines()
+    header, row = out[0].split(), out[1].split()
+    assert header == ["NAME", "READY", "REPLICAS", "AVAILABLE", "MODEL", "URL", "AGE"]
+    assert row[:6] == [NAME, "True", "1", "1", NAME, f"http://{NAME}.{NAMESPACE}.svc:8000"]
+
+
+def test_kubectl_scale_changes_the_deployment(cluster, applied) -> None:
+    cluster.kubectl("scale", f"oisvc/{NAME}", "--replicas=3")
+    wait_for(lambda: cluster.get("deployment", NAME)["spec"]["replicas"] == 3, what="Deployment at 3 replicas")
+    cluster.play_deployment_controller(NAME, ready=2)
+    service = wait_for(lambda: (s := cluster.service(NAME)) and s["status"].get("readyReplicas") == 2 and s)
+    assert condition(service, "Progressing")["status"] == "True"
+    scale = json.loads(
+        cluster.kubectl(
+            "get", "--raw", f"/apis/overlap.dev/v1alpha1/namespaces/{NAMESPACE}/inferenceservices/{NAME}/scale"
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 3 and scale["status"]["selector"].endswith(NAME)
+    cluster.kubectl("scale", f"oisvc/{NAME}", "--replicas=1")
+    wait_for(lambda: cluster.get("deployment", NAME)["spec"]["replicas"] == 1, what="back to 1 replica")
+
+
+def test_live_knob_edit_changes_the_configmap_not_the_pod_template(cluster, applied) -> None:
+    template_before = cluster.get("deployment", NAME)["spec"]["template"]
+    cluster.kubectl("patch", "oisvc", NAME, "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":48}}}')
+    wait_for(lambda: configmap_engine(cluster)["max_num_seqs"] == 48, what="the ConfigMap to follow")
+    time.sleep(0.5)  # give a wrong rollout the chance to show up
+    assert cluster.get("deployment", NAME)["spec"]["template"] == template_before
+    wait_for(lambda: cluster.service(NAME)["status"]["engineConfig"]["max_num_seqs"] == 48, what="status.engineConfig")
+
+
+def test_restart_knob_edit_rolls_the_pods(cluster, applied) -> None:
+    annotation = "overlap.dev/engine-restart-hash"
+    before = cluster.get("deployment", NAME)["spec"]["template"]["metadata"]["annotations"][annotation]
+    cluster.kubectl("patch", "oisvc", NAME, "--type=merge", "-p", '{"spec":{"engine":{"maxSeqLen":2048}}}')
+    wait_for(
+        lambda: cluster.get("deployment", NAME)["spec"]["template"]["metadata"]["annotations"][annotation] != before,
+        what="a new pod template hash",
+    )
+    assert configmap_engine(cluster)["max_seq_len"] == 2048
+
+
+def test_a_child_deleted_by_hand_is_put_back(cluster, applied) -> None:
+    old_uid = cluster.get("service", NAME)["metadata"]["uid"]
+    cluster.kubectl("delete", "service", NAME)
+    restored = wait_for(
+        lambda: (s := cluster.get("service", NAME)) and s["metadata"]["uid"] != old_uid and s, what="the Service back"
+    )
+    assert [p["port"] for p in restored["spec"]["ports"]] == [8000]
+
+
+def test_a_child_edited_by_hand_is_put_back(cluster, applied) -> None:
+    cluster.kubectl("patch", "configmap", f"{NAME}-engine", "--type=merge", "-p", '{"data":{"engine.json":"{}"}}')
+    wait_for(lambda: configmap_engine(cluster).get("max_num_seqs") == 48, what="the ConfigMap restored")
+    cluster.kubectl("patch", "pdb", NAME, "--type=merge", "-p", '{"spec":{"maxUnavailable":0}}')
+    wait_for(lambda: cluster.get("pdb", NAME)["spec"]["maxUnavailable"] == 1, what="the PDB restored")
+
+
+def test_events_record_what_the_operator_did(cluster, applied) -> None:
+    events = json.loads(cluster.kubectl("get", "events", "-o", "json").stdout)["items"]
+    messages = [e["message"] for e in events if e["involvedObject"].get("name") == NAME]
+    assert any(m.startswith("Deployment") and "created" in m for m in messages), messages
+
+
+def test_transient_api_errors_are_retried(cluster, operator_process, applied) -> None:
+    cluster.api.fail_next("POST", "deployments", status=503, times=2)
+    manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: retried", 1)
+    cluster.apply("-f", "-", stdin=manifest)
+    wait_for(lambda: cluster.get("deployment", "retried"), timeout=15, what="the Deployment after two 503s")
+    assert "503" in operator_process.log() and "retrying" in operator_process.log()
+    cluster.kubectl("delete", "oisvc", "retried")
+
+
+def test_invalid_spec_that_slipped_past_the_schema_sets_degraded(cluster, operator_process, applied) -> None:
+    # A server without CEL (or an older CRD) would store this; the operator must not act on it.
+    manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: slipped", 1)
+    manifest += "  autoscaling: {minReplicas: 5, maxReplicas: 2}\n"
+    cluster.api.validate_custom_resources = False
+    try:
+        cluster.apply("-f", "-", stdin=manifest)
+    finally:
+        cluster.api.validate_custom_resources = True
+    service = wait_for(
+        lambda: (s := cluster.service("slipped")) and s.get("status", {}).get("conditions") and s, what="Degraded"
+    )
+    degraded = condition(service, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+    assert "autoscaling.minReplicas must be <= autoscaling.maxReplicas" in degraded["message"]
+    assert cluster.get("deployment", "slipped") is None
+    cluster.kubectl("delete", "oisvc", "slipped")
+
+
+def test_servicemonitor_when_prometheus_operator_is_installed(cluster, applied) -> None:
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"kind": "ServiceMonitor", "plural": "servicemonitors", "singular": "servicemonitor"},
+            "versions": [{"name": "v1", "served": True, "storage": True,
+                          "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+        },
+    }  # fmt: skip
+    cluster.apply("-f", "-", stdin=json.dumps(crd))
+    cluster.kubectl("annotate", "oisvc", NAME, "example.com/touch=1", "--overwrite")
+    monitor = wait_for(lambda: cluster.get("servicemonitor", NAME), what="the ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+
+
+def test_deleting_the_inferenceservice_removes_its_children(cluster, applied) -> None:
+    cluster.kubectl("delete", "oisvc", NAME)
+    wait_for(lambda: all(cluster.get(kind, name) is None for kind, name in CHILDREN), what="the children gone")
+    assert cluster.get("secret", f"{NAME}-admin-token") is None
