@@ -155,8 +155,8 @@ def test_check_spec_catches_what_slipped_past_the_schema(spec: dict, message: st
 
 def test_is_subset_ignores_server_defaults_but_sees_edits() -> None:
     desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "a", "image": "x"}]}}}
-    actual = {"spec": {"replicas": 2, "progressDeadlineSeconds": 600,
-                       "template": {"containers": [{"name": "a", "image": "x", "imagePullPolicy": "Always"}]}}}  # fmt: skip
+    container = {"name": "a", "image": "x", "imagePullPolicy": "Always"}  # the server filled in a default
+    actual = {"spec": {"replicas": 2, "progressDeadlineSeconds": 600, "template": {"containers": [container]}}}
     assert children.is_subset(desired, actual)
     actual["spec"]["template"]["containers"][0]["image"] = "y"
     assert not children.is_subset(desired, actual)

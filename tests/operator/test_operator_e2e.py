@@ -177,6 +177,7 @@ def test_invalid_spec_that_slipped_past_the_schema_sets_degraded(cluster, operat
 
 
 def test_servicemonitor_when_prometheus_operator_is_installed(cluster, applied) -> None:
+    schema = {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}
     crd = {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -185,10 +186,9 @@ def test_servicemonitor_when_prometheus_operator_is_installed(cluster, applied) 
             "group": "monitoring.coreos.com",
             "scope": "Namespaced",
             "names": {"kind": "ServiceMonitor", "plural": "servicemonitors", "singular": "servicemonitor"},
-            "versions": [{"name": "v1", "served": True, "storage": True,
-                          "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+            "versions": [{"name": "v1", "served": True, "storage": True, "schema": schema}],
         },
-    }  # fmt: skip
+    }
     cluster.apply("-f", "-", stdin=json.dumps(crd))
     cluster.kubectl("annotate", "oisvc", NAME, "example.com/touch=1", "--overwrite")
     monitor = wait_for(lambda: cluster.get("servicemonitor", NAME), what="the ServiceMonitor")
