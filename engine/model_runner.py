@@ -1,0 +1,269 @@
+"""The model runner: a batched forward for Llama-family weights over a paged KV pool allocated once.
+
+One step = `prepare()` (CPU: flatten the scheduled sequences into packed token/position/slot tensors and an
+attention plan) -> `forward()` (the device: embeddings, layers, logits of the sampled rows) -> `sample()`.
+`execute()` runs the three; the overlapped executor may later call them separately.
+
+KV pool layout (per K and V): one tensor [num_layers, num_kv_blocks * block_size, num_kv_heads, head_dim], i.e. a
+layer's pool is a flat run of slots, block b holding slots b*bs .. b*bs + bs - 1::
+
+    k_pool[layer]:  | block 0: slot 0..bs-1 | block 1 | block 2 | ... |      slot = table[pos // bs] * bs + pos % bs
+
+Attention reads a sequence's K/V *in place*: when its block table is a run of consecutive block ids (what the block
+manager hands out where it can) positions 0..L-1 are the slice k_pool[layer][first*bs : first*bs + L], a view, and
+scaled_dot_product_attention runs on it directly. Only a fragmented table is gathered (index_select of its slots,
+the index computed once per step and shared by all layers). Gathering every sequence's blocks each step instead
+costs an extra write and read of the whole working set and halved throughput at batch 64 on a 2-core CPU.
+Prompts are packed without padding: the step's tokens form one [num_tokens, hidden] matrix for the projections
+and MLPs; only attention is per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from overlap.engine import sampler
+from overlap.engine.config import EngineConfig
+from overlap.engine.errors import ConfigError, ModelLoadError
+from overlap.engine.model_loader import (
+    blocks_for_bytes,
+    kv_bytes_per_token,
+    load_weights,
+    read_spec,
+    rope_tables,
+)
+from overlap.engine.types import ModelInput, SamplingParams
+
+CPU_KV_BUDGET_BYTES = 1 << 30  # default CPU pool: what max_num_seqs full-length sequences need, at most 1 GiB
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class SeqAttention:
+    """How one sequence attends in this step (shared by all layers)."""
+
+    q_start: int  # its rows in the packed token matrix
+    q_len: int
+    kv_len: int  # attends over positions 0 .. kv_len - 1
+    kv_start: int | None  # first slot when its K/V are one run of slots (read as a view)
+    kv_index: torch.Tensor | None  # else the slots to gather
+    mask: torch.Tensor | None  # bool [q_len, kv_len] for a chunk that does not start at position 0
+    is_causal: bool  # a chunk from position 0 (q_len == kv_len): SDPA's own causal mask
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] where each token's K/V go
+    seqs: list[SeqAttention]
+    sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
+    sampling: list[SamplingParams]
+    num_generated: list[int]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path | str) -> None:
+        self.config = config
+        self.model_dir = Path(model_dir)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = _pick_device(config.device)
+        spec = read_spec(self.model_dir)
+        self.spec = spec
+        self.dtype = _pick_dtype(config.dtype, spec.torch_dtype)
+
+        self.vocab_size = spec.vocab_size
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
+        self.eos_token_id = spec.eos_token_ids[0] if spec.eos_token_ids else None
+        self.max_model_len = min(config.max_seq_len, spec.max_position_embeddings)
+        if spec.sliding_window is not None:
+            # Sliding-window attention is not implemented; below the window it is plain causal attention.
+            self.max_model_len = min(self.max_model_len, spec.sliding_window)
+        self.block_size = config.block_size
+
+        with torch.inference_mode():
+            self.weights = load_weights(spec, self.model_dir, self.dtype, self.device)
+            cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
+            self.rope_cos = cos.to(self.device, self.dtype)
+            self.rope_sin = sin.to(self.device, self.dtype)
+            self.num_kv_blocks = self._size_kv_pool()
+            shape = (spec.num_layers, self.num_kv_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+            # torch.empty: on CPU the pages are committed only when written; nothing reads a slot before it is
+            # written (a sequence attends only to its own computed positions).
+            self.k_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.v_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._q_size = spec.num_heads * spec.head_dim
+        self._kv_size = spec.num_kv_heads * spec.head_dim
+        self._gqa = spec.num_kv_heads != spec.num_heads
+        self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
+        self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
+
+    # Names the engine and executor read.
+    @property
+    def last_forward_time_s(self) -> float | None:
+        return self.last_forward_s
+
+    def _size_kv_pool(self) -> int:
+        per_token = kv_bytes_per_token(self.spec, self.dtype)
+        min_blocks = -(-self.max_model_len // self.block_size)  # one full-length sequence must fit
+        if self.config.num_kv_blocks is not None:
+            blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            blocks = blocks_for_bytes(free * self.config.kv_cache_ratio, self.block_size, per_token)
+        else:
+            wanted = -(-self.config.max_num_seqs * self.max_model_len // self.block_size)
+            blocks = min(wanted, blocks_for_bytes(CPU_KV_BUDGET_BYTES, self.block_size, per_token))
+            blocks = max(blocks, min_blocks)
+        if blocks < min_blocks:
+            raise ConfigError(
+                f"the KV pool holds {blocks} blocks of {self.block_size} tokens, fewer than one sequence of "
+                f"max_seq_len {self.max_model_len} needs ({min_blocks}); raise num_kv_blocks/kv_cache_ratio "
+                f"or lower max_seq_len"
+            )
+        return blocks
+
+    # ---- one step ---------------------------------------------------------------------------------------------
+    def execute(self, batch: ModelInput) -> list[int]:
+        """Run one step; returns one sampled token per sequence with do_sample, in order."""
+        inputs = self.prepare(batch)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.forward(inputs)
+            tokens = self.sample(logits, inputs).tolist()  # .tolist() waits for the device
+        end = time.perf_counter()
+        self.last_forward_s = end - start
+        self.last_busy_interval = (start, end)
+        return tokens
+
+    def compute_logits(self, batch: ModelInput) -> torch.Tensor:
+        """Logits [num sampled seqs, vocab] in fp32 (tests compare them with transformers)."""
+        with torch.inference_mode():
+            return self.forward(self.prepare(batch)).float()
+
+    def prepare(self, batch: ModelInput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        sample_rows: list[int] = []
+        for seq in batch.seqs:
+            n = len(seq.token_ids)
+            start = seq.start_pos
+            end = start + n
+            if n == 0:
+                raise ValueError(f"request {seq.request_id}: scheduled with no tokens")
+            if end > self.max_model_len:
+                raise ValueError(f"request {seq.request_id}: position {end - 1} is past max_model_len")
+            num_blocks = -(-end // bs)
+            table = seq.block_table[:num_blocks]
+            if len(table) < num_blocks:
+                raise ValueError(f"request {seq.request_id}: block table covers {len(table) * bs} < {end} positions")
+            first = table[0]
+            q_start = len(ids)
+            ids.extend(seq.token_ids)
+            positions.extend(range(start, end))
+            if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
+                kv_start, kv_index = first * bs, None
+                slots.extend(range(kv_start + start, kv_start + end))
+            else:
+                seq_slots = [table[p // bs] * bs + p % bs for p in range(end)]
+                kv_start, kv_index = None, torch.tensor(seq_slots, device=self.device)
+                slots.extend(seq_slots[start:])
+            mask = None
+            if n > 1 and start > 0:
+                mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
+            seqs.append(SeqAttention(q_start, n, end, kv_start, kv_index, mask, is_causal=n > 1 and start == 0))
+            if seq.do_sample:
+                sample_rows.append(q_start + n - 1)
+        device = self.device
+        return StepInputs(
+            input_ids=torch.tensor(ids, device=device),
+            positions=torch.tensor(positions, device=device),
+            slots=torch.tensor(slots, device=device),
+            seqs=seqs,
+            sample_rows=torch.tensor(sample_rows, device=device, dtype=torch.long),
+            sampling=[s.sampling for s in batch.seqs if s.do_sample],
+            num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
+        )
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [num sampled seqs, vocab] (model dtype). Writes the step's K/V into the pool."""
+        spec, w = self.spec, self.weights
+        eps, hidden = spec.rms_norm_eps, (spec.hidden_size,)
+        num_tokens = inputs.input_ids.shape[0]
+        q_size, kv_size, inter = self._q_size, self._kv_size, spec.intermediate_size
+        cos = self.rope_cos.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D]
+        sin = self.rope_sin.index_select(0, inputs.positions).unsqueeze(1)
+        x = w.embed.index_select(0, inputs.input_ids)
+        for layer, lw in enumerate(w.layers):
+            h = F.rms_norm(x, hidden, lw.input_norm, eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            q = _rope(qkv[:, :q_size].view(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
+            k = _rope(qkv[:, q_size : q_size + kv_size].view(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+            k_pool.index_copy_(0, inputs.slots, k)
+            v_pool.index_copy_(0, inputs.slots, v)
+            attn = self._attention(q, k_pool, v_pool, inputs.seqs)
+            x = x + F.linear(attn.view(num_tokens, q_size), lw.o)
+            h = F.rms_norm(x, hidden, lw.post_norm, eps)
+            gate_up = F.linear(h, lw.gate_up)
+            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)
+        x = F.rms_norm(x.index_select(0, inputs.sample_rows), hidden, w.norm, eps)
+        return F.linear(x, w.lm_head)
+
+    def _attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
+        out = torch.empty_like(q)
+        gqa = self._gqa
+        for s in seqs:
+            if s.kv_start is not None:
+                k = k_pool[s.kv_start : s.kv_start + s.kv_len]
+                v = v_pool[s.kv_start : s.kv_start + s.kv_len]
+            else:
+                k = k_pool.index_select(0, s.kv_index)
+                v = v_pool.index_select(0, s.kv_index)
+            o = F.scaled_dot_product_attention(
+                q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+                k.transpose(0, 1).unsqueeze(0),  # [1, KV, L, D], a strided view of the pool
+                v.transpose(0, 1).unsqueeze(0),
+                attn_mask=s.mask,
+                is_causal=s.is_causal,
+                enable_gqa=gqa,
+            )
+            out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+        return out
+
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in transformers' rotate-half layout; x [T, heads, D], cos/sin [T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def _pick_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
+    if name == "auto":
+        name = checkpoint_dtype or "float32"
+    if name not in _DTYPES:
+        raise ModelLoadError(f"unsupported dtype {name!r} (float32, bfloat16, float16)")
+    return _DTYPES[name]

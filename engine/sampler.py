@@ -1,0 +1,85 @@
+"""Pick one token per row of logits: greedy, temperature, top-k, top-p, per-request seeds.
+
+Cost rules (CPU, vocab 8k, batch 64): an all-greedy batch is one argmax. Rows with top-k take `topk` first and do
+everything else on those k candidates, so no full-vocabulary sort or multinomial happens for them. Rows without
+top-k sample by inverse CDF (softmax, cumsum, searchsorted of one uniform number): one pass over the vocabulary,
+no sort unless top-p < 1 asks for one.
+
+Reproducibility: a request with a seed draws its uniform number from a generator seeded with (seed,
+num_generated), so the same seed and position give the same token whatever else is in the batch; requests without
+a seed draw from the runner's own generator (seeded from EngineConfig.seed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overlap.engine.types import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) pairs over the seed space
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    num_generated: list[int],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """logits [S, V] (any float dtype) -> token ids [S] (int64, on logits' device)."""
+    if all(p.is_greedy for p in params):
+        return logits.argmax(dim=-1)
+    logits = logits.float()
+    out = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    uniforms = _uniforms([params[i] for i in rows], [num_generated[i] for i in rows], generator)
+    topk_rows = [n for n, i in enumerate(rows) if params[i].top_k > 0]
+    full_rows = [n for n, i in enumerate(rows) if params[i].top_k == 0]
+    for group, use_topk in ((topk_rows, True), (full_rows, False)):
+        if not group:
+            continue
+        idx = torch.tensor([rows[n] for n in group], device=logits.device)
+        group_params = [params[rows[n]] for n in group]
+        temps = torch.tensor([p.temperature for p in group_params], device=logits.device).unsqueeze(1)
+        top_p = torch.tensor([p.top_p for p in group_params], device=logits.device).unsqueeze(1)
+        u = uniforms[group].to(logits.device).unsqueeze(1)
+        scaled = logits.index_select(0, idx) / temps
+        if use_topk:
+            ks = torch.tensor([min(p.top_k, scaled.shape[1]) for p in group_params], device=logits.device)
+            values, candidates = scaled.topk(int(ks.max()), dim=-1)  # sorted, largest first
+            ranks = torch.arange(values.shape[1], device=logits.device)
+            values = values.masked_fill(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
+            picked = _inverse_cdf(values, top_p, u, is_sorted=True)
+            tokens = candidates.gather(1, picked.unsqueeze(1)).squeeze(1)
+        elif bool((top_p < 1).any()):
+            values, candidates = scaled.sort(dim=-1, descending=True)
+            picked = _inverse_cdf(values, top_p, u, is_sorted=True)
+            tokens = candidates.gather(1, picked.unsqueeze(1)).squeeze(1)
+        else:
+            tokens = _inverse_cdf(scaled, top_p, u, is_sorted=False)
+        out[idx] = tokens
+    return out
+
+
+def _inverse_cdf(values: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, is_sorted: bool) -> torch.Tensor:
+    """Column index drawn from softmax(values) restricted to the top-p nucleus (values sorted when top_p < 1)."""
+    probs = values.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    if is_sorted:
+        # Keep the smallest prefix whose mass reaches top_p: a column stays if the mass before it is < top_p.
+        keep = (cdf - probs) < top_p
+        probs = probs * keep
+        cdf = probs.cumsum(dim=-1)
+    target = u * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can push the target past the last kept column; clamp to the last column with mass.
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(picked, last)
+
+
+def _uniforms(params: list[SamplingParams], num_generated: list[int], generator: torch.Generator) -> torch.Tensor:
+    shared = torch.rand(len(params), generator=generator, dtype=torch.float64)
+    for n, (p, step) in enumerate(zip(params, num_generated, strict=True)):
+        if p.seed is not None:
+            g = torch.Generator().manual_seed(((p.seed * _SEED_MIX) ^ step) & 0xFFFF_FFFF_FFFF_FFFF)
+            shared[n] = torch.rand(1, generator=g, dtype=torch.float64)[0]
+    return shared.float()
