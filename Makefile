@@ -61,5 +61,22 @@ bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench http --quick
 	$(BIN)/overlap bench replay --quick --compare serial,fixed_window,dynamic,continuous
 
+CHART := charts/overlap
+CHART_VALUES := $(sort $(wildcard $(CHART)/ci/*-values.yaml))
+
+crd-sync:  ## copy the CRD from crds/ (its single source) into the chart
+	rm -f $(CHART)/files/crds/*.yaml
+	cp crds/*.yaml $(CHART)/files/crds/
+
+chart-check: venv tools  ## helm lint; helm template (default + ci/ values) | kubernetes-validate --strict; chart CRD == crds/
+	@diff -r crds $(CHART)/files/crds || { echo "the chart's CRD differs from crds/: run make crd-sync" >&2; exit 1; }
+	$(TOOLS)/bin/helm lint --strict $(CHART)
+	@for values in "" $(CHART_VALUES); do \
+	  echo "== helm template with $${values:-the default values}"; \
+	  $(TOOLS)/bin/helm template overlap $(CHART) --namespace overlap-system $${values:+-f $$values} \
+	    | $(BIN)/kubernetes-validate --strict --quiet - || exit 1; \
+	done
+	$(BIN)/pytest -q tests/chart
+
 clean:  ## remove build outputs (keeps .venv and the model cache)
 	rm -rf build *.egg-info .pytest_cache .ruff_cache

@@ -25,12 +25,22 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--liveness", metavar="URL", help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz"
     )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (/metrics)"
+    )
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     parser.set_defaults(func=_run_operator)
 
 
 def _run_operator(args: argparse.Namespace) -> int:
     import kopf
+
     import overlap.operator.handlers  # noqa: F401  (registers the handlers)
+
+    if args.metrics_port:
+        import prometheus_client
+
+        prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host)
 
     kopf.run(
         standalone=args.peering is None,

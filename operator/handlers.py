@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from prometheus_client import Counter
+
 from overlap.operator import children, kube, status
 from overlap.operator import spec as specs
 
@@ -21,6 +23,9 @@ CR = (children.GROUP, children.VERSION, children.PLURAL)
 OWNED = {"app.kubernetes.io/managed-by": children.MANAGED_BY}
 CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
 CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
+
+RECONCILES = Counter("overlap_operator_reconciles_total", "InferenceService reconciles", ["outcome"])
+CHILD_WRITES = Counter("overlap_operator_child_writes_total", "Children created or put back", ["kind", "outcome"])
 
 
 @kopf.on.startup()
@@ -49,6 +54,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None
         problem = f"invalid spec, nothing changed: {exc}"
         kube.patch_status(name, namespace, lambda current: status.degraded_status(current, problem, status.now_iso()))
         kopf.warn(dict(body), reason="InvalidSpec", message=problem)
+        RECONCILES.labels("invalid_spec").inc()
         raise kopf.PermanentError(problem) from exc
 
     if kube.create_if_absent(children.adopt(children.build_admin_secret(name, namespace), body)):
@@ -57,6 +63,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None
     for child in children.build_children(body, spec, config, with_servicemonitor=with_monitor):
         outcome = kube.apply(child)
         if outcome != "unchanged":
+            CHILD_WRITES.labels(child["kind"], outcome).inc()
             message = f"{child['kind']} {child['metadata']['name']} {outcome}"
             logger.info(message)
             kopf.info(dict(body), reason=outcome.capitalize(), message=message)
@@ -74,6 +81,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None
             when=status.now_iso(),
         ),
     )
+    RECONCILES.labels("applied").inc()
 
 
 @kopf.on.resume(*CR)

@@ -16,6 +16,7 @@ import kopf
 import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
+
 from overlap.operator import children
 
 RETRY_DELAY_S = 2.0

@@ -1,0 +1,137 @@
+"""The Helm chart: rendered with the real helm, every manifest strictly valid, the CRD a copy of crds/, values
+documented and typed, RBAC limited to what the operator uses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "overlap"
+HELM = REPO / ".tools" / "bin" / "helm"
+CRD_SOURCE = REPO / "crds" / "inferenceservices.overlap.dev.yaml"
+VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+K8S_VERSION = kubernetes_validate.latest_version()
+
+# The CRD admission of the operator tests (schema + CEL), to check rendered InferenceServices too.
+sys.path.insert(0, str(REPO / "tests" / "operator"))
+import crd_admission  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm is not in .tools/bin: run `make tools`")
+
+
+def render(*args: str) -> list[dict]:
+    cmd = [str(HELM), "template", "overlap", str(CHART), "--namespace", "overlap-system", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+@pytest.mark.parametrize("values", [None, *VALUES_FILES], ids=lambda v: v.name if v else "default")
+def test_every_rendered_manifest_is_strictly_valid(values: Path | None) -> None:
+    docs = render(*(["-f", str(values)] if values else []))
+    assert by_kind(docs, "Deployment")
+    crd = yaml.safe_load(CRD_SOURCE.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    for doc in docs:
+        if doc["kind"] == "InferenceService":
+            crd_admission.admit(doc, schema, strict=True)
+        elif doc["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_chart_crd_is_an_exact_copy_of_crds() -> None:
+    copies = sorted((CHART / "files" / "crds").glob("*.yaml"))
+    sources = sorted((REPO / "crds").glob("*.yaml"))
+    assert [p.name for p in copies] == [p.name for p in sources]
+    for copy, source in zip(copies, sources, strict=True):
+        assert copy.read_bytes() == source.read_bytes(), f"{copy} differs from {source}: run `make crd-sync`"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_rendered_crd_equals_the_source(keep: bool) -> None:
+    (crd,) = by_kind(render("--set", f"crds.keep={str(keep).lower()}"), "CustomResourceDefinition")
+    annotations = crd["metadata"].pop("annotations", {})
+    assert annotations == ({"helm.sh/resource-policy": "keep"} if keep else {})
+    assert crd == yaml.safe_load(CRD_SOURCE.read_text())
+
+
+def test_crds_can_be_left_out() -> None:
+    assert not by_kind(render("--set", "crds.enabled=false"), "CustomResourceDefinition")
+
+
+def test_values_schema_refuses_unknown_keys() -> None:
+    cmd = [str(HELM), "template", "overlap", str(CHART), "--set", "replicaCount=2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "additional properties 'replicaCount' not allowed" in done.stderr
+
+
+def test_every_value_is_documented_and_typed() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load("\n".join(lines))
+    for index, line in enumerate(lines):
+        key = line.split(":")[0].strip()
+        indent = len(line) - len(line.lstrip())
+        if line.strip() and not line.lstrip().startswith(("#", "-")) and ":" in line and indent <= 2:
+            above = index - 1
+            while above >= 0 and lines[above].lstrip().startswith("#") and not lines[above].lstrip().startswith("# --"):
+                above -= 1  # a comment may run over several lines; its first one starts with `# --`
+            assert lines[above].lstrip().startswith("# --"), f"values.yaml: `{key}` has no `# --` comment"
+    for key, value in values.items():
+        assert key in schema["properties"], f"values.schema.json lacks {key}"
+        if isinstance(value, dict) and schema["properties"][key].get("properties"):
+            assert set(value) <= set(schema["properties"][key]["properties"]), key
+
+
+def test_rbac_grants_only_what_the_operator_uses() -> None:
+    (role,) = by_kind(render(), "ClusterRole")
+    grants = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+              for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
+    assert grants == {
+        ("overlap.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
+        ("overlap.dev", "inferenceservices/status"): {"get", "patch"},
+        ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+        ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
+        ("", "services"): {"get", "list", "watch", "create", "patch"},
+        ("", "secrets"): {"get", "create"},
+        ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
+        ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
+        ("", "events"): {"create"},
+    }
+
+
+def test_namespaced_install_uses_roles_and_namespace_flags() -> None:
+    docs = render("-f", str(CHART / "ci" / "namespaced-values.yaml"))
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["team-a", "team-b"]
+    (deployment,) = by_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
+
+
+def test_operator_runs_one_replica_replaced_not_overlapped() -> None:
+    (deployment,) = by_kind(render(), "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][1:3] == ["operator", "--standalone"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_example_inferenceservice_is_a_post_install_hook() -> None:
+    docs = render("-f", str(CHART / "ci" / "example-values.yaml"))
+    (example,) = by_kind(docs, "InferenceService")
+    assert example["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    test_pods = [d for d in render() if d["kind"] == "Pod"]
+    assert test_pods and test_pods[0]["metadata"]["annotations"]["helm.sh/hook"] == "test"
