@@ -18,7 +18,7 @@ from pathlib import Path
 
 from overlap.engine.block_manager import BlockManager
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
-from overlap.engine.errors import ConfigError, InvalidRequestError
+from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from overlap.engine.request import Request
 from overlap.engine.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
@@ -45,7 +45,10 @@ class Engine:
                     from overlap.engine.model_builder import ensure_default_model
 
                     model_dir = ensure_default_model()
-            runner = _load_runner(config, Path(model_dir))
+            model_dir = Path(model_dir)
+            if not model_dir.is_dir():
+                raise ModelLoadError(f"model folder {str(model_dir)!r} does not exist (config.model)")
+            runner = _load_runner(config, model_dir)
         self.runner = runner
         self.model_dir = Path(model_dir) if model_dir is not None else Path(config.model or ".")
         self.max_model_len = min(config.max_seq_len, int(runner.max_model_len))

@@ -27,13 +27,22 @@ class RequestQueue:
     def __init__(self, num_levels: int, aging_s: float | None, num_priorities: int | None = None) -> None:
         assert num_levels >= 1, "a queue needs at least one level"
         self.num_levels = num_levels
-        self.aging_s = aging_s  # None: no aging
+        self._aging_s = aging_s  # None: no aging
         self.num_priorities = num_priorities or num_levels  # for the per-priority counts in stats
         self._levels: list[OrderedDict[str, Request]] = [OrderedDict() for _ in range(num_levels)]
         self._level_of: dict[str, int] = {}
         self._num_by_priority = [0] * self.num_priorities
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; stale entries skipped lazily
-        self._next_aging_check = 0.0
+        self._next_aging_check = 0.0  # no request can qualify for promotion before this time
+
+    @property
+    def aging_s(self) -> float | None:
+        return self._aging_s
+
+    @aging_s.setter
+    def aging_s(self, value: float | None) -> None:
+        self._aging_s = value
+        self._next_aging_check = 0.0  # rescan under the new period
 
     # ---- policy hooks ------------------------------------------------------------------------------------------
     def _initial_level(self, request: Request) -> int:
@@ -57,6 +66,8 @@ class RequestQueue:
         request.queue_level = level
         request.level_entered = now
         self._levels[level][rid] = request
+        if level > 0 and self._aging_s is not None:
+            self._next_aging_check = min(self._next_aging_check, now + self._aging_s)
         if front:
             self._levels[level].move_to_end(rid, last=False)
         self._level_of[rid] = level
@@ -102,28 +113,33 @@ class RequestQueue:
         return expired
 
     def update(self, now: float) -> int:
-        """Apply aging; returns how many requests moved up. Scans at most ~8 times per `aging_s`, so its cost does
-        not grow with the step rate."""
-        if self.aging_s is None or self.num_levels == 1 or now < self._next_aging_check:
+        """Apply aging; returns how many requests moved up. Scans only when some request is due (and at most 100
+        times per `aging_s`), so its cost does not grow with the step rate."""
+        if self._aging_s is None or self.num_levels == 1 or now < self._next_aging_check:
             return 0
-        self._next_aging_check = now + self.aging_s / 8
+        aging_s = self._aging_s
         moves = []
+        next_due = float("inf")
         for level_index in range(1, self.num_levels):
             for request in self._levels[level_index].values():
-                if now - request.level_entered >= self.aging_s:
+                due = request.level_entered + aging_s
+                if due <= now:
                     moves.append(request)
-        if not moves:
-            return 0
+                else:
+                    next_due = min(next_due, due)
         for request in moves:
             del self._levels[request.queue_level][request.request_id]
-            while request.queue_level > 0 and now - request.level_entered >= self.aging_s:
+            while request.queue_level > 0 and now - request.level_entered >= aging_s:
                 request.queue_level -= 1
-                request.level_entered += self.aging_s  # the moment it qualified: independent of the scan rate
+                request.level_entered += aging_s  # the moment it qualified: independent of the scan rate
+            if request.queue_level > 0:
+                next_due = min(next_due, request.level_entered + aging_s)
         # Keep each level ordered by when its members entered it.
         moves.sort(key=lambda r: (r.level_entered, r.arrival_seq))
         for request in moves:
             self._levels[request.queue_level][request.request_id] = request
             self._level_of[request.request_id] = request.queue_level
+        self._next_aging_check = max(next_due, now + aging_s / 100)
         return len(moves)
 
     # ---- inspection --------------------------------------------------------------------------------------------

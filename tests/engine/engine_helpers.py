@@ -52,10 +52,13 @@ class FakeRunner:
         self.fail_on: set[str] = set()  # request ids whose presence makes execute() raise
         self.batches: list[ModelInput] = []  # every input seen (tests inspect order and sizes)
         self.keep_batches = True
+        self.delay_s = 0.0  # simulated forward time (sleeps, releasing the GIL as a real forward does)
 
     def execute(self, model_input: ModelInput) -> list[int]:
         if self.keep_batches:
             self.batches.append(model_input)
+        if self.delay_s:
+            time.sleep(self.delay_s)
         bad = self.fail_on.intersection(s.request_id for s in model_input.seqs)
         if bad:
             raise RuntimeError(f"injected failure for {sorted(bad)}")

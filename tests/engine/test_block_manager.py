@@ -1,0 +1,97 @@
+"""BlockManager: reservation, growth, release, reference counts and prefix caching."""
+
+from __future__ import annotations
+
+from engine_helpers import create_requests
+
+from overlap.engine.block_manager import BlockManager
+
+
+def test_allocate_reserves_the_whole_prompt_and_free_returns_it() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    (r,) = create_requests(1, prompt_len=9)
+    assert bm.can_allocate(r)
+    assert bm.allocate(r) == 0
+    assert len(r.block_ids) == 3 and bm.num_free_blocks == 7
+    assert r.block_ids == [0, 1, 2]  # a fresh pool hands out a contiguous run
+    bm.check_invariants([r])
+    bm.free(r)
+    assert bm.num_free_blocks == 10 and r.block_ids == []
+    bm.check_invariants([])
+
+
+def test_allocate_returns_none_when_the_pool_is_short() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    a, b = create_requests(2, prompt_len=9)
+    assert bm.allocate(a) == 0
+    assert not bm.can_allocate(b)
+    assert bm.allocate(b) is None
+    assert b.block_ids == [] and bm.num_free_blocks == 1
+    bm.check_invariants([a])
+
+
+def test_append_slots_adds_a_block_only_at_a_boundary_and_prefers_the_next_id() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    (r,) = create_requests(1, prompt_len=4)
+    bm.allocate(r)
+    r.num_computed_tokens = 4
+    assert bm.num_blocks_missing(r, 1) == 1
+    assert bm.append_slots(r, 1)
+    assert r.block_ids == [0, 1]
+    r.num_computed_tokens = 5
+    assert bm.append_slots(r, 3) and len(r.block_ids) == 2  # positions 5..7 fit block 1
+
+
+def test_append_slots_fails_cleanly_when_the_pool_is_empty() -> None:
+    bm = BlockManager(num_blocks=1, block_size=4, enable_prefix_caching=False)
+    (r,) = create_requests(1, prompt_len=4)
+    bm.allocate(r)
+    r.num_computed_tokens = 4
+    assert not bm.append_slots(r, 1)
+    assert r.block_ids == [0]
+
+
+def test_prefix_cache_shares_full_blocks_and_keeps_one_token_to_compute() -> None:
+    bm = BlockManager(num_blocks=20, block_size=4)
+    a, b = create_requests(2, prompt_len=12, same_prompt=True)
+    assert bm.allocate(a) == 0
+    bm.register_computed_blocks(a, 12)  # a's prefill ran: all three full blocks are published
+    # b has the same 12 tokens; at most 2 blocks can be hits so its last token is computed for the logits.
+    assert bm.allocate(b) == 8
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert bm.ref_counts[a.block_ids[0]] == 2
+    bm.check_invariants([a, b])
+    assert bm.prefix_cache_queries == 24 and bm.prefix_cache_hits == 8
+    assert bm.prefix_cache_hit_rate == 8 / 24
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    (a,) = create_requests(1, prompt_len=9)
+    bm.allocate(a)
+    bm.register_computed_blocks(a, 9)  # blocks 0 and 1 full -> cached; block 2 partial
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    (again,) = create_requests(1, prompt_len=9)
+    again.prompt_token_ids[:] = a.prompt_token_ids
+    again.all_token_ids[:] = a.all_token_ids
+    assert bm.allocate(again) == 8  # a freed prefix is still a hit
+    bm.free(again)
+    # Now fill the pool with unrelated tokens: the cached blocks are evicted and the hit is gone.
+    (other,) = create_requests(1, prompt_len=16)
+    other.all_token_ids[:] = [50] * 16
+    assert bm.allocate(other) == 0
+    bm.free(other)
+    (third,) = create_requests(1, prompt_len=9)
+    third.all_token_ids[:] = a.all_token_ids
+    assert bm.allocate(third) == 0
+    bm.check_invariants([third])
+
+
+def test_prefix_caching_off_never_hits() -> None:
+    bm = BlockManager(num_blocks=20, block_size=4, enable_prefix_caching=False)
+    a, b = create_requests(2, prompt_len=12, same_prompt=True)
+    bm.allocate(a)
+    bm.register_computed_blocks(a, 12)
+    assert bm.allocate(b) == 0
+    assert bm.prefix_cache_hit_rate == 0.0
