@@ -61,7 +61,7 @@ def run_simulated(args: argparse.Namespace) -> list[dict]:
         if args.profile
         else CostModel.for_step(args.step_ms, args.batch, args.per_token_us)
     )
-    steps = args.steps or (300 if args.quick else 1500)
+    steps = args.steps or (200 if args.quick else 1500)
     max_tokens = 256
     blocks_per_request = -(-(8 + max_tokens) // 16)
     rows = []
@@ -98,8 +98,8 @@ def run_tiny_model(args: argparse.Namespace) -> tuple[list[dict], str | None]:
         return [], f"model runner not available ({exc})"
     from overlap.bench.overlap_load import measure_overlap
 
-    steps = args.model_steps or (12 if args.quick else 60)
-    batch, prompt_len, max_tokens = args.model_batch, 16, 64
+    steps = args.model_steps or (10 if args.quick else 40)
+    batch, prompt_len, max_tokens = args.model_batch, 16, 128  # no request finishes within the measured steps
     blocks = -(-(prompt_len + max_tokens) // 16) * batch + 8
     config = EngineConfig(num_threads=2, num_kv_blocks=blocks, max_num_seqs=batch, block_size=16)
     runner = ModelRunner(config, ensure_default_model())
@@ -112,7 +112,7 @@ def run_tiny_model(args: argparse.Namespace) -> tuple[list[dict], str | None]:
             batch=batch,
             steps=steps,
             host_ms=args.host_ms,
-            warmup_steps=3,
+            warmup_steps=4,
             prompt_len=prompt_len,
             max_tokens=max_tokens,
         )
@@ -197,7 +197,7 @@ def format_table(rows: list[dict], args: argparse.Namespace) -> str:
             f"{row['host_ms_per_step']:.2f}",
             f"{row['device_ms_per_step']:.2f}",
             f"{100 * row['idle_share']:.1f}",
-            f"{100 * row['predicted_idle_share']:.1f}",
+            f"{max(0.0, 100 * row['predicted_idle_share']):.1f}",
             f"{row['idle_gap_p50_ms']:.2f}/{row['idle_gap_p99_ms']:.2f}",
             f"{row['tokens_per_s']:.0f}",
             f"{row['speedup_vs_1']:.2f}x" if row["speedup_vs_1"] else "-",

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from overlap.engine.executor import PLACEHOLDER_TOKEN, Executor, StepResult
+from overlap.engine.executor import PLACEHOLDER_TOKEN, Executor, StepResult, make_executor
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 
@@ -247,7 +247,7 @@ def measure_overlap(
     """Run `DecodeLoad` on `runner` with `num_buffers`: a warm-up, then `steps` measured steps."""
     from overlap.engine.busy import BusyTracker
 
-    executor = Executor(runner, num_buffers)
+    executor = make_executor(runner, num_buffers)
     num_requests = batch * (2 + (warmup_steps + steps) * 2 // max(1, max_tokens))
     load = DecodeLoad(
         executor,

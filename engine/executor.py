@@ -19,6 +19,7 @@ The CUDA path (streams, events, pinned per-slot staging, CUDA graphs) lives in `
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -206,3 +207,15 @@ class Executor:
                     raise ValueError(f"{seq.request_id}: placeholder but no earlier step sampled a token for it")
                 seq.token_ids = [token]
         return model_input
+
+
+def make_executor(runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:
+    """The CUDA pipeline for a runner on a CUDA device (`OVERLAP_CUDA_PIPELINE=0` opts out), else the threaded one."""
+    if (
+        getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        and os.environ.get("OVERLAP_CUDA_PIPELINE", "1") != "0"
+    ):
+        from overlap.engine.cuda_pipeline import CudaExecutor
+
+        return CudaExecutor(runner, num_buffers, busy)
+    return Executor(runner, num_buffers, busy)

@@ -1,0 +1,71 @@
+"""`overlap bench overlap` and the GPU check script: they run, print what they promise, and fail clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from overlap.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_overlap_bench_json_on_the_simulated_device(capsys):
+    assert main(["bench", "overlap", "--quick", "--no-model", "--json", "--steps", "40", "--step-ms", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows"]
+    cases = {(r["case"], r["num_buffers"]) for r in rows}
+    assert {c for c, _ in cases} == {"host < device", "host > device", "host spikes 1/4"}
+    assert {n for _, n in cases} == {1, 2, 3}
+    by = {(r["case"], r["num_buffers"]): r for r in rows}
+    for row in rows:
+        assert row["num_steps"] >= 40 and row["tokens_per_s"] > 0
+        assert row["device_ms_per_step"] == pytest.approx(8.0, abs=0.3)  # the cost model's step, as measured
+        assert 0.0 <= row["idle_share"] <= 1.0
+    # pipelining hides host time: two buffers idle the device less than one, and deliver more
+    assert by[("host < device", 2)]["idle_share"] < by[("host < device", 1)]["idle_share"]
+    assert by[("host < device", 2)]["tokens_per_s"] > by[("host < device", 1)]["tokens_per_s"]
+    assert report["tiny_model_skipped"] == "--no-model"
+
+
+def test_overlap_bench_table(capsys):
+    assert main(["bench", "overlap", "--quick", "--no-model", "--steps", "10", "--step-ms", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "idle %" in out and "predicted idle %" in out and "host spikes" in out
+    assert sum(line.startswith("simulated ") for line in out.splitlines()) == 9
+
+
+def test_overlap_bench_rejects_bad_arguments(capsys):
+    assert main(["bench", "overlap", "--steps", "3", "--no-model"]) == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    os.environ.get("OVERLAP_HAS_GPU") == "1", reason="this machine has a GPU: the check would run for minutes"
+)
+def test_gpu_check_fails_clearly_without_cuda():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench/gpu/check.sh"), "--skip-1b"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr
+
+
+def test_cuda_executor_refuses_a_cpu_runner():
+    from overlap.engine.cuda_pipeline import CudaExecutor
+    from overlap.engine.errors import ConfigError
+    from overlap.engine.executor import Executor, make_executor
+    from overlap.engine.sim_runner import CostModel, SimRunner
+
+    runner = SimRunner(CostModel(0.0, 0.0))
+    with pytest.raises(ConfigError, match="CUDA"):
+        CudaExecutor(runner)
+    assert type(make_executor(runner, 2)) is Executor
