@@ -101,7 +101,7 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
               for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
     assert grants == {
         ("overlap.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
-        ("overlap.dev", "inferenceservices/status"): {"get", "patch"},
+        ("overlap.dev", "inferenceservices/status"): {"patch"},
         ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
         ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
         ("", "services"): {"get", "list", "watch", "create", "patch"},

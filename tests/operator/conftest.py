@@ -129,12 +129,15 @@ def wait_for(
     )
 
 
-def write_kubeconfig(path: Path, url: str, namespace: str) -> Path:
+OPERATOR_TOKEN = "operator-token"  # the operator's identity in the API's request log (RBAC checks)
+
+
+def write_kubeconfig(path: Path, url: str, namespace: str, token: str = "test-token") -> Path:
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "emulated", "cluster": {"server": url}}],
-        "users": [{"name": "tester", "user": {"token": "test-token"}}],
+        "users": [{"name": "tester", "user": {"token": token}}],
         "contexts": [
             {"name": "emulated", "context": {"cluster": "emulated", "user": "tester", "namespace": namespace}}
         ],
@@ -183,8 +186,9 @@ class OperatorProcess:
 @pytest.fixture(scope="module")
 def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     """`overlap operator --namespace overlap-test --standalone` running against the emulated API."""
-    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
-    proc = OperatorProcess(cluster.kubeconfig, log_path, "--namespace", NAMESPACE, "--standalone")
+    folder = tmp_path_factory.mktemp("operator")
+    kubeconfig = write_kubeconfig(folder / "kubeconfig", cluster.url, NAMESPACE, token=OPERATOR_TOKEN)
+    proc = OperatorProcess(kubeconfig, folder / "operator.log", "--namespace", NAMESPACE, "--standalone")
     try:
         wait_for(
             lambda: proc.proc.poll() is not None or "Watching for" in proc.log() or "Starting the watch" in proc.log(),

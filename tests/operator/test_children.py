@@ -6,6 +6,7 @@ import json
 
 import kubernetes_validate
 import pytest
+
 from overlap.engine.config import LIVE_KNOBS
 from overlap.operator import children, status
 from overlap.operator import spec as specs

@@ -14,6 +14,7 @@ from pathlib import Path
 import crd_admission
 import pytest
 import yaml
+
 from overlap.operator import spec as specs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -50,7 +50,7 @@ app.kubernetes.io/component: operator
   verbs: [get, list, watch, patch]
 - apiGroups: [overlap.dev]
   resources: [inferenceservices/status]
-  verbs: [get, patch]
+  verbs: [patch]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
