@@ -168,6 +168,7 @@ class CudaExecutor(Executor):
         if not self._in_flight or (not block and not self.oldest_done()):
             return None
         step = self._in_flight.popleft()
+        self._forget_released()
         if step.error is not None:
             return StepResult(step.step_id, step.model_input, [], step.error)
         start = time.perf_counter()
@@ -185,11 +186,10 @@ class CudaExecutor(Executor):
         self.busy.record_host("readback", time.perf_counter() - start)
         return StepResult(step.step_id, step.model_input, tokens)
 
-    def forget(self, request_ids) -> None:
-        for request_id in request_ids:
-            row = self._rows.pop(request_id, None)
-            if row is not None:
-                self._free_rows.append(row)
+    def _drop_device_token(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
 
     def close(self) -> list[StepResult]:
         results = self.drain()

@@ -3,8 +3,9 @@
 `num_buffers` steps may be in flight at once. With 1 the executor is synchronous: `submit` runs the forward in
 the caller's thread. With 2 or more a worker thread runs forwards in submission order (torch and the simulated
 device release the GIL while they compute), so the caller schedules and stages step N+1 while step N runs and
-reads back step N-1. The double buffer is a bounded deque of in-flight steps; the caller blocks only when it is
-full, or when nothing new could be scheduled (vLLM v1 `EngineCore.step_with_batch_queue`).
+reads back step N-1. The double buffer is a bounded deque of in-flight steps (vLLM v1
+`EngineCore.step_with_batch_queue`): `step()` fills it while there is work and waits for the oldest step only
+once it is full (or nothing more could be scheduled), so each call hands back one finished step.
 
 Placeholders. A sequence whose last sampled token is still "on the device" (its step has not been read back) can
 be scheduled for its next decode step with `token_ids == [PLACEHOLDER_TOKEN]`. The worker substitutes the token
@@ -76,6 +77,7 @@ class Executor:
         # request_id -> the token its latest executed step sampled. Written by whichever thread runs forwards
         # (only one at a time: the worker, or the caller when synchronous); read there to fill placeholders.
         self._last_token: dict[str, int] = {}
+        self._forget_later: set[str] = set()  # finished requests still held by an in-flight step
         self._closed = False
 
     # -- state -------------------------------------------------------------------------------------------------
@@ -130,24 +132,25 @@ class Executor:
             return None
         step = self._in_flight.popleft()
         exc = step.future.exception()  # waits
+        self._forget_released()
         if exc is not None:
             return StepResult(step.step_id, step.model_input, [], exc)
         return StepResult(step.step_id, step.model_input, step.future.result())
 
     def step(self, schedule: Callable[[], ModelInput | None]) -> StepResult | None:
-        """One engine step: submit newly scheduled work if a buffer is free, then return the oldest finished step,
-        waiting for it only when every buffer is taken or nothing new was scheduled. None: nothing to return yet
-        (call again) or nothing in flight at all."""
-        if not self.is_full:
+        """One engine step: schedule and submit steps while a buffer is free (`schedule` returns None when there is
+        nothing to run), then return the oldest step, waiting for it if it has not finished. So each call returns
+        one step's result while `num_buffers - 1` later steps keep the device busy; None only when nothing is in
+        flight at all."""
+        while not self.is_full:
             start = time.perf_counter()
             model_input = schedule()
             self.busy.record_host("schedule", time.perf_counter() - start)
-            if model_input is not None and model_input.seqs:
-                self.submit(model_input)
-                if not self.is_full and not self.oldest_done():
-                    return None  # room for another step: schedule it before waiting
-            elif not self._in_flight:
-                self.busy.pause()  # no work: the coming gap is not pipeline overhead
+            if model_input is None or not model_input.seqs:
+                if not self._in_flight:
+                    self.busy.pause()  # no work: the coming gap is not pipeline overhead
+                break
+            self.submit(model_input)
         return self.collect(block=True)
 
     def drain(self) -> list[StepResult]:
@@ -158,9 +161,26 @@ class Executor:
         return results
 
     def forget(self, request_ids) -> None:
-        """Drop finished requests' device-side tokens (call once no step holding them is in flight)."""
-        for request_id in request_ids:
-            self._last_token.pop(request_id, None)
+        """Drop finished requests' device-side tokens: at once, or when the last in-flight step holding the
+        request has been collected (that step still writes its token)."""
+        ids = set(request_ids)
+        if not ids:
+            return
+        held = ids & self.in_flight_request_ids() if self._in_flight else set()
+        for request_id in ids - held:
+            self._drop_device_token(request_id)
+        self._forget_later |= held
+
+    def _drop_device_token(self, request_id: str) -> None:
+        self._last_token.pop(request_id, None)
+
+    def _forget_released(self) -> None:
+        """After a collect: forget the deferred requests that no in-flight step holds any more."""
+        if self._forget_later:
+            held = self.in_flight_request_ids()
+            for request_id in self._forget_later - held:
+                self._drop_device_token(request_id)
+            self._forget_later &= held
 
     def close(self) -> list[StepResult]:
         """Drain and stop the worker; returns the drained results."""
@@ -179,14 +199,16 @@ class Executor:
             token_ids = self.runner.execute(batch)
         except BaseException:
             # Tokens these sequences sampled earlier must never feed a later placeholder as if they were new.
-            self.forget(seq.request_id for seq in batch.seqs)
+            for seq in batch.seqs:
+                self._last_token.pop(seq.request_id, None)
             raise
         end = time.perf_counter()
         interval = getattr(self.runner, "last_busy_interval", None) or (start, end)
         self.busy.record_interval(*interval)
         sampled = [seq.request_id for seq in batch.seqs if seq.do_sample]
         if len(sampled) != len(token_ids):
-            self.forget(seq.request_id for seq in batch.seqs)
+            for seq in batch.seqs:
+                self._last_token.pop(seq.request_id, None)
             raise RuntimeError(f"runner returned {len(token_ids)} tokens for {len(sampled)} sampling sequences")
         for request_id, token in zip(sampled, token_ids, strict=True):
             self._last_token[request_id] = token

@@ -3,6 +3,7 @@ simulated device's idle share against the cost model's arithmetic."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -113,17 +114,37 @@ def test_placeholders_keep_every_sequence_in_every_step():
     assert max_in_flight == {True: 2, False: 1}
 
 
-def test_submit_returns_at_once_and_only_a_full_deque_blocks():
+def test_the_next_step_is_scheduled_while_the_device_runs_and_only_a_full_deque_blocks():
     runner = sim(step_ms=150)
     executor = Executor(runner, 2)
-    batches = iter([ModelInput([ScheduledSeq(f"r{i}", [5], 0, [i], True)]) for i in range(2)])
+    batches = [ModelInput([ScheduledSeq(f"r{i}", [5], 0, [i], True)]) for i in range(2)]
+    calls = []
+
+    def schedule():
+        calls.append(time.perf_counter())
+        return batches[len(calls) - 1] if len(calls) <= len(batches) else None
+
     start = time.perf_counter()
-    assert executor.step(lambda: next(batches)) is None  # submitted, one buffer still free: no waiting
-    assert time.perf_counter() - start < 0.1
-    result = executor.step(lambda: next(batches))  # both buffers taken: waits for the oldest
-    assert result.step_id == 0 and time.perf_counter() - start >= 0.14
-    assert executor.step(lambda: None).step_id == 1  # nothing new: returns the last one
-    assert executor.step(lambda: None) is None
+    result = executor.step(schedule)
+    assert result.step_id == 0 and time.perf_counter() - start >= 0.14  # waited for the oldest only when full
+    assert len(calls) == 2 and calls[1] - start < 0.1  # step 1 was scheduled while step 0 ran
+    assert executor.num_in_flight == 1
+    assert executor.step(schedule).step_id == 1  # nothing new scheduled: returns the one in flight
+    assert executor.step(schedule) is None and executor.num_in_flight == 0
+    executor.close()
+
+
+def test_forgetting_waits_for_the_last_step_holding_the_request():
+    runner = sim(step_ms=50)
+    executor = Executor(runner, 2)
+    executor.submit(ModelInput([ScheduledSeq("a", [5], 0, [0], True)]))
+    executor.submit(ModelInput([ScheduledSeq("a", [PLACEHOLDER_TOKEN], 1, [0], True)]))
+    executor.forget(["a"])  # e.g. EOS seen while its next step is in flight
+    first = executor.collect()
+    assert first.error is None and "a" in executor._last_token  # the second step still needs it
+    second = executor.collect()
+    assert second.error is None and second.model_input.seqs[0].token_ids == first.token_ids
+    assert "a" not in executor._last_token
     executor.close()
 
 
@@ -189,6 +210,9 @@ def test_measured_idle_share_matches_the_cost_model(num_buffers, host_ms):
     """The bench's shape (host 1.5 ms vs device 4 ms; host 6 vs 4) scaled by five, so that the OS scheduling latency
     of a shared machine is a small part of a step. On a shared machine one run can be disturbed by other processes:
     the best of three attempts must match."""
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load > 1.5 * cores:
+        pytest.skip(f"machine overloaded (load {load:.1f} on {cores} cores): a timing comparison means nothing now")
     errors = []
     for _ in range(3):
         runner = SimRunner(CostModel(0.020, 0.0), block_size=16, num_kv_blocks=16 * 10, eos_token_id=None)
