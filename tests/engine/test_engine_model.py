@@ -1,0 +1,128 @@
+"""The engine on the real tiny model: greedy tokens equal transformers' `generate`, however they are batched,
+chunked, preempted or served from the prefix cache."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.engine import Engine, EngineConfig, SamplingParams
+from overlap.engine.types import FinishReason
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model_dir: Path):
+    """prompt, max_new_tokens -> transformers' greedy continuation (stops at EOS like the engine), memoised."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            cache[key] = out[0, len(prompt) :].tolist()
+        return cache[key]
+
+    return generate
+
+
+def _prompts(n: int, seed: int, min_len: int = 1, max_len: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 8192) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def _run(engine: Engine, requests: dict[str, tuple[list[int], int]]) -> dict[str, list]:
+    for rid, (prompt, max_tokens) in requests.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    outputs: dict[str, list] = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    assert not engine.has_unfinished()
+    return outputs
+
+
+def _tokens(outputs: list) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def _engine(model_dir: Path, **config) -> Engine:
+    config.setdefault("max_seq_len", 256)
+    config.setdefault("num_kv_blocks", 256)
+    return Engine(EngineConfig(model=str(model_dir), **config))
+
+
+def test_one_request_matches_transformers(tiny_model_dir: Path, hf_greedy) -> None:
+    engine = _engine(tiny_model_dir)
+    prompt = _prompts(1, seed=1, min_len=20, max_len=20)[0]
+    outputs = _run(engine, {"one": (prompt, 24)})
+    assert _tokens(outputs["one"]) == hf_greedy(prompt, 24)
+    assert outputs["one"][-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert engine.model_dir == tiny_model_dir and engine.vocab_size == 8192
+
+
+@pytest.mark.parametrize(
+    ("chunked", "budget"),
+    [(True, 64), (False, 256)],
+    ids=["chunked-prefill", "whole-prefill"],
+)
+def test_32_mixed_length_requests_batched_match_transformers(
+    tiny_model_dir: Path, hf_greedy, chunked: bool, budget: int
+) -> None:
+    engine = _engine(tiny_model_dir, enable_chunked_prefill=chunked, max_num_batched_tokens=budget, max_num_seqs=32)
+    rng = random.Random(7)
+    requests = {f"r{i}": (p, rng.randint(4, 24)) for i, p in enumerate(_prompts(32, seed=2))}
+    outputs = _run(engine, requests)
+    for rid, (prompt, max_tokens) in requests.items():
+        assert _tokens(outputs[rid]) == hf_greedy(prompt, max_tokens), rid
+    stats = engine.stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert stats["avg_batch_size"] > 4  # they really ran together
+    if chunked:  # some prompts (up to 90 tokens) were split across steps under a 64-token budget
+        assert max(len(p) for p, _ in requests.values()) > budget
+
+
+def test_forced_preemption_and_resume_match_transformers(tiny_model_dir: Path, hf_greedy) -> None:
+    # 10 blocks of 16 slots = 160 token slots for 8 requests that need 8 x (40 + 24) = 512 at the end.
+    engine = _engine(tiny_model_dir, num_kv_blocks=10, max_seq_len=128, enable_prefix_caching=False)
+    requests = {f"p{i}": (p, 24) for i, p in enumerate(_prompts(8, seed=3, min_len=30, max_len=40))}
+    outputs = _run(engine, requests)
+    assert engine.stats()["num_preemptions_total"] > 0
+    preempted = [rid for rid, outs in outputs.items() if outs[-1].times.num_preemptions > 0]
+    assert preempted
+    for rid, (prompt, max_tokens) in requests.items():
+        assert _tokens(outputs[rid]) == hf_greedy(prompt, max_tokens), rid
+    assert engine.stats()["num_free_kv_blocks"] == 10
+
+
+def test_repeated_prompt_hits_the_prefix_cache_with_identical_outputs(tiny_model_dir: Path, hf_greedy) -> None:
+    engine = _engine(tiny_model_dir)
+    prompt = _prompts(1, seed=4, min_len=70, max_len=70)[0]
+    first = _run(engine, {"first": (prompt, 16)})["first"]
+    second = _run(engine, {"second": (prompt, 16)})["second"]
+    assert second[-1].num_cached_tokens == 64  # 4 full blocks of 16; the 70th token is recomputed
+    assert _tokens(second) == _tokens(first) == hf_greedy(prompt, 16)
+    stats = engine.stats()
+    assert stats["prefix_cache_hits_total"] == 64 and stats["prefix_cache_hit_rate"] == 64 / 140
