@@ -192,9 +192,7 @@ class CudaExecutor(Executor):
             self._free_rows.append(row)
 
     def close(self) -> list[StepResult]:
-        results = self.drain()
-        self._closed = True
-        return results
+        return self.drain()
 
 
 def _tensors_of(inputs) -> list:

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 from overlap.engine.busy import BusyTracker
 from overlap.engine.errors import ConfigError
-from overlap.engine.types import ModelInput
+from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput
 
-PLACEHOLDER_TOKEN = -1  # "the token this sequence sampled in its latest step", filled in on the device side
+__all__ = ["MAX_BUFFERS", "PLACEHOLDER_TOKEN", "Executor", "StepResult", "make_executor"]
+
 MAX_BUFFERS = 4
 
 
@@ -78,7 +79,6 @@ class Executor:
         # (only one at a time: the worker, or the caller when synchronous); read there to fill placeholders.
         self._last_token: dict[str, int] = {}
         self._forget_later: set[str] = set()  # finished requests still held by an in-flight step
-        self._closed = False
 
     # -- state -------------------------------------------------------------------------------------------------
     @property
@@ -105,7 +105,6 @@ class Executor:
     # -- the pipeline --------------------------------------------------------------------------------------------
     def submit(self, model_input: ModelInput) -> int:
         """Start a step; returns its id. The deque must not be full (`collect` first)."""
-        assert not self._closed, "executor is closed"
         assert not self.is_full, f"submit with {self.num_in_flight} of {self._num_buffers} buffers in flight"
         step_id = self._next_step_id
         self._next_step_id += 1
@@ -183,12 +182,11 @@ class Executor:
             self._forget_later &= held
 
     def close(self) -> list[StepResult]:
-        """Drain and stop the worker; returns the drained results."""
+        """Drain and stop the worker thread; returns the drained results. A later submit starts a new worker."""
         results = self.drain()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        self._closed = True
         return results
 
     # -- the "device" side -----------------------------------------------------------------------------------------

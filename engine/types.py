@@ -76,6 +76,11 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is ERROR
 
 
+# A decode step's input token that the host does not know yet: the token this sequence sampled in its latest
+# step, still on the device. The executor fills it in on the device side before the forward (engine/executor.py).
+PLACEHOLDER_TOKEN = -1
+
+
 @dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's share of a step: the scheduler -> model runner contract.
