@@ -79,9 +79,9 @@ class Cluster:
         return done
 
     def apply(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        """`kubectl apply --validate=false`: kubectl's own validation needs the OpenAPI document, which the
-        emulator does not serve; the emulator validates custom resources itself (crd_admission.py)."""
-        return self.kubectl("apply", "--validate=false", *args, stdin=stdin, check=check)
+        """`kubectl apply` as a user types it: kubectl sees (OpenAPI v3) that the server validates fields and sends
+        `fieldValidation=Strict`; the emulator validates custom resources (crd_admission.py)."""
+        return self.kubectl("apply", *args, stdin=stdin, check=check)
 
     def get(self, kind: str, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
         """One object as JSON (None when absent), read through kubectl."""

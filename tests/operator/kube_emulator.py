@@ -14,6 +14,7 @@ kmock parses the URLs, serves discovery and reads, and renders errors. This subc
 | watches: resourceVersion, timeoutSeconds ignored,  | a replayable event log; timeouts end the stream;     |
 |   octet-stream content type                        |   application/json                                   |
 | no CRD validation, no server-side printing         | defaulting + schema + CEL (crd_admission); Tables    |
+| no OpenAPI: kubectl apply wants --validate=false   | /openapi/v3 says "fieldValidation supported", no more |
 | no garbage collector                               | owner references followed on delete (background)     |
 
 Strategic merge patches are applied as JSON merge patches (lists replaced, `$` directives dropped): enough for
@@ -190,6 +191,8 @@ class ApiServer(kmock.KubernetesEmulator):
             raw_request = raw_request.clone(rel_url=raw_request.rel_url.with_path(raw_request.path.rstrip("/")))
         if m := re.fullmatch(r"/api/v1/namespaces(?:/([^/]+))?", raw_request.path):
             return self._namespaces(m[1])
+        if m := re.fullmatch(r"/openapi/v3(?:/(.+))?", raw_request.path):
+            return self._openapi_v3(m[1])
         injected = self._injected(raw_request)
         if injected is not None:
             return injected
@@ -220,6 +223,30 @@ class ApiServer(kmock.KubernetesEmulator):
             return aiohttp.web.json_response({"apiVersion": "v1", "kind": "NamespaceList", "items": items,
                                               "metadata": {"resourceVersion": str(self.last_rv)}})  # fmt: skip
         return aiohttp.web.json_response(namespace(name))
+
+    def _openapi_v3(self, group_version: str | None) -> aiohttp.web.Response:
+        """Just enough OpenAPI v3 for kubectl to see that the server validates fields itself (fieldValidation):
+        then `kubectl apply` sends `?fieldValidation=Strict` instead of validating against schemas it lacks."""
+
+        def gv_path(res) -> str:
+            return f"api/{res.version}" if res.group == "" else f"apis/{res.group}/{res.version}"
+
+        if group_version is None:
+            paths = {gv_path(res): {"serverRelativeURL": f"/openapi/v3/{gv_path(res)}"} for res in self.infos}
+            return aiohttp.web.json_response({"paths": paths})
+        paths = {}
+        for res, (kind, namespaced, _) in self.infos.items():
+            if gv_path(res) != group_version:
+                continue
+            scope = "/namespaces/{namespace}" if namespaced else ""
+            gvk = {"group": res.group, "version": res.version, "kind": kind}
+            param = {"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}
+            operation = {"x-kubernetes-group-version-kind": gvk, "parameters": [param], "responses": {}}
+            paths[f"/{group_version}{scope}/{res.plural}/{{name}}"] = {"patch": operation}
+        if not paths:
+            return aiohttp.web.json_response({"kind": "Status", "code": 404, "message": "not found"}, status=404)
+        return aiohttp.web.json_response({"openapi": "3.0.0", "info": {"title": "emulated", "version": "v1"},
+                                          "paths": paths})  # fmt: skip
 
     # --- writes -----------------------------------------------------------------------------------------------
 

@@ -208,6 +208,16 @@ def test_kubectl_apply_prints_the_refusal(cluster) -> None:
     print(done.stderr)  # what the user reads (shown with pytest -s)
 
 
+def test_kubectl_apply_names_the_unknown_field(cluster) -> None:
+    manifest = BAD_MANIFEST.replace("autoscaling: {minReplicas: 5, maxReplicas: 2}", "replica: 2")
+    done = cluster.apply("-f", "-", stdin=manifest, check=False)
+    assert done.returncode != 0
+    assert done.stderr.strip() == (
+        'Error from server (BadRequest): error when creating "STDIN": InferenceService in version "v1alpha1" '
+        'cannot be handled as a InferenceService: strict decoding error: unknown field "spec.replica"'
+    )
+
+
 def test_strict_field_validation_names_the_unknown_field(cluster) -> None:
     from kubernetes.client.exceptions import ApiException
 
