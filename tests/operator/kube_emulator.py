@@ -56,16 +56,14 @@ BUILTINS = [
     ("events.k8s.io", "v1", "events", "Event", True, (), ()),
     ("apps", "v1", "deployments", "Deployment", True, ("status", "scale"), ("deploy",)),
     ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, ("status",), ("pdb",)),
-    (
-        "apiextensions.k8s.io",
-        "v1",
-        "customresourcedefinitions",
-        "CustomResourceDefinition",
-        False,
-        ("status",),
-        ("crd",),
-    ),
-]
+    ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False, ("status",), ()),
+    ("", "v1", "pods", "Pod", True, ("status",), ("po",)),
+    ("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ("status",), ("hpa",)),
+    ("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False, (), ()),
+    ("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False, (), ()),
+    ("rbac.authorization.k8s.io", "v1", "roles", "Role", True, (), ()),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True, (), ()),
+]  # fmt: skip
 
 
 def _now() -> str:
