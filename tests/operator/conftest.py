@@ -7,6 +7,7 @@ Everything is started on free ports and stopped by PID at the end of the module 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -183,15 +184,14 @@ class OperatorProcess:
         self.log_file.close()
 
 
-@pytest.fixture(scope="module")
-def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    """`overlap operator --namespace overlap-test --standalone` running against the emulated API."""
-    folder = tmp_path_factory.mktemp("operator")
+@contextlib.contextmanager
+def running_operator(cluster: Cluster, folder: Path, *args: str) -> Iterator[OperatorProcess]:
+    """`overlap operator ARGS` against the emulated API, with its own identity (token) and log file."""
     kubeconfig = write_kubeconfig(folder / "kubeconfig", cluster.url, NAMESPACE, token=OPERATOR_TOKEN)
-    proc = OperatorProcess(kubeconfig, folder / "operator.log", "--namespace", NAMESPACE, "--standalone")
+    proc = OperatorProcess(kubeconfig, folder / "operator.log", *args)
     try:
         wait_for(
-            lambda: proc.proc.poll() is not None or "Watching for" in proc.log() or "Starting the watch" in proc.log(),
+            lambda: proc.proc.poll() is not None or "Starting the watch" in proc.log(),
             timeout=30,
             what="the operator to start watching",
         )
@@ -200,3 +200,12 @@ def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory)
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """`overlap operator --namespace overlap-test --standalone` running against the emulated API."""
+    with running_operator(
+        cluster, tmp_path_factory.mktemp("operator"), "--namespace", NAMESPACE, "--standalone"
+    ) as proc:
+        yield proc
