@@ -1,0 +1,49 @@
+"""API errors become kopf's retry or stop signals; the `overlap operator` command line."""
+
+from __future__ import annotations
+
+import json
+
+import kopf
+import pytest
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+from overlap.cli import build_parser
+from overlap.operator import kube
+
+
+def api_exception(status: int, message: str = "boom") -> ApiException:
+    exc = ApiException(status=status, reason="Reason")
+    exc.body = json.dumps({"kind": "Status", "message": message})
+    return exc
+
+
+@pytest.mark.parametrize("status", [409, 429, 500, 503, 504])
+def test_transient_api_errors_retry_with_a_delay(status: int) -> None:
+    with pytest.raises(kopf.TemporaryError) as caught, kube.api_errors("applying Deployment ns/x"):
+        raise api_exception(status, "etcd is slow")
+    assert caught.value.delay == kube.RETRY_DELAY_S
+    assert f"applying Deployment ns/x: {status} etcd is slow; retrying" == str(caught.value)
+
+
+def test_a_dropped_connection_retries() -> None:
+    with pytest.raises(kopf.TemporaryError), kube.api_errors("reading"):
+        raise urllib3.exceptions.ProtocolError("connection reset")
+
+
+@pytest.mark.parametrize("status", [400, 403, 422])
+def test_refusals_stop_with_the_servers_message(status: int) -> None:
+    with pytest.raises(kopf.PermanentError, match="forbidden: cannot create deployments"), kube.api_errors("x"):
+        raise api_exception(status, "forbidden: cannot create deployments")
+
+
+def test_operator_command_line() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["operator", "--namespace", "a", "--namespace", "b", "--metrics-port", "9090"])
+    assert args.namespace == ["a", "b"] and args.peering is None and args.metrics_port == 9090
+    assert parser.parse_args(["operator", "--all-namespaces"]).namespace is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["operator", "--namespace", "a", "--all-namespaces"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["operator", "--standalone", "--peering", "p"])
