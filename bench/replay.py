@@ -26,22 +26,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+
 from overlap.bench.report import RequestRecord, RunResult, table_rows, text_table, write_report
 from overlap.bench.traces import Trace, TraceError, TraceRequest, TraceTransforms, resolve_trace, truncate
 
 POLICIES = ("serial", "fixed_window", "dynamic", "continuous")
-# Defaults for this kind of machine (the tiny model on a small CPU), chosen so each policy is shown at its best
-# sensible setting: a fixed window a little shorter than one decode step at batch ~8, and dynamic batches that
-# fill within half of a 1 s SLO at the bursty trace's peak rate (`overlap bench advise --rate 60 --slo-ms 1000`
-# says max_batch 30; we round to 32 and keep its wait).
+# Defaults (documented in docs/analysis.md). dynamic: field report 2's setting, max 8 requests or 150 ms; on this
+# kind of CPU a batch of 8 already runs ~2.5x cheaper per token than batch 1, and 150 ms stays under half a 1 s SLO.
+# fixed_window: 100 ms windows, so a window holds a few requests at the shipped traces' rates (batch ~ rate x window)
+# and the policy is shown doing real batching, not degenerating to serial.
 DEFAULT_POLICY_ARGS: dict[str, dict[str, float]] = {
     "serial": {},
-    "fixed_window": {"window_ms": 50},
-    "dynamic": {"max_batch": 32, "max_wait_ms": 150},
+    "fixed_window": {"window_ms": 100},
+    "dynamic": {"max_batch": 8, "max_wait_ms": 150},
     "continuous": {},
 }
 DEFAULT_MAX_NUM_SEQS = 64  # field report 2's watermark; the sequence cap of every policy
 DEFAULT_SLO_MS = 1000.0
+# One intra-op thread: with two OpenMP threads on a 2-core machine that other processes also use, a forward stalls
+# whenever one core is taken (measured 3-6x slower steps under load); one thread degrades gracefully.
+DEFAULT_NUM_THREADS = 1
 QUICK_TRACE_S = 12.0  # --quick replays the first seconds of the trace
 DEFAULT_DRAIN_S = 10.0
 QUICK_DRAIN_S = 6.0
@@ -120,13 +124,33 @@ def fit_to_context(tokens: list[int], max_tokens: int, max_model_len: int) -> tu
 # ---------------------------------------------------------------------------------------------------- in-process
 
 
-def _runner_busy_s(engine) -> float | None:
-    runner = engine.runner
-    for name in ("busy_s_total", "device_busy_s_total"):
-        value = getattr(runner, name, None)
-        if value is not None:
-            return float(value)
-    return None
+class _BusyMeter:
+    """Device-busy seconds as the runner measures them: its own running total when it keeps one (the simulated
+    device), else the sum of each executed step's forward time (`last_forward_s`, a new `last_busy_interval` per
+    step), else the wall time of steps that ran a batch."""
+
+    def __init__(self, engine) -> None:
+        self.runner = engine.runner
+        self.total0 = getattr(self.runner, "busy_s_total", None)
+        self.summed = 0.0
+        self._last_interval = getattr(self.runner, "last_busy_interval", None)
+
+    def after_step(self, step_wall_s: float) -> None:
+        if self.total0 is not None:
+            return
+        interval = getattr(self.runner, "last_busy_interval", None)
+        if interval is not None and interval is not self._last_interval:
+            self._last_interval = interval
+            forward = getattr(self.runner, "last_forward_s", None)
+            self.summed += forward if forward is not None else interval[1] - interval[0]
+        elif interval is None and step_wall_s > 0.0005:
+            self.summed += step_wall_s
+
+    @property
+    def busy_s(self) -> float:
+        if self.total0 is not None:
+            return float(self.runner.busy_s_total) - self.total0
+        return self.summed
 
 
 def replay_in_process(
@@ -155,8 +179,7 @@ def replay_in_process(
     _warm_up(engine, SamplingParams)
 
     bar = _progress_bar(len(requests), label, progress)
-    busy_fallback = 0.0  # step wall time, when the runner keeps no busy total
-    busy_runner0 = _runner_busy_s(engine)
+    busy = _BusyMeter(engine)
     samples = []
     last_sample_t, last_busy = 0.0, 0.0
     num_submitted = 0
@@ -179,12 +202,10 @@ def replay_in_process(
         if submit_end is not None and (not engine.has_unfinished() or t > submit_end + drain_s):
             break
         if engine.has_unfinished():
-            steps_before = engine._num_steps_total if busy_runner0 is None else 0
             step_start = time.monotonic()
             outputs = engine.step()
             now = time.monotonic()
-            if busy_runner0 is None and engine._num_steps_total != steps_before:
-                busy_fallback += now - step_start
+            busy.after_step(now - step_start)
             for out in outputs:
                 _record_output(records[out.request_id], out, now - start, start, bar)
             if not outputs and now - step_start < 0.001:
@@ -194,16 +215,15 @@ def replay_in_process(
             time.sleep(max(0.0, min(requests[num_submitted].arrival_s - t, 0.05)))
         t = time.monotonic() - start
         if t - last_sample_t >= _SAMPLE_EVERY_S:
-            busy = (_runner_busy_s(engine) - busy_runner0) if busy_runner0 is not None else busy_fallback
+            busy_s = busy.busy_s
             stats = engine.stats()
-            samples.append(
-                (t, stats["num_waiting"], stats["num_running"], min(1.0, (busy - last_busy) / (t - last_sample_t)))
-            )
+            share = min(1.0, (busy_s - last_busy) / (t - last_sample_t))
+            samples.append((t, stats["num_waiting"], stats["num_running"], share))
             bar.set_postfix(waiting=stats["num_waiting"], running=stats["num_running"], refresh=False)
-            last_sample_t, last_busy = t, busy
+            last_sample_t, last_busy = t, busy_s
     wall = time.monotonic() - start
     bar.close()
-    busy_s = (_runner_busy_s(engine) - busy_runner0) if busy_runner0 is not None else busy_fallback
+    busy_s = busy.busy_s
     for rid in list(records):
         if records[rid].status == "unfinished":
             engine.abort(rid)
@@ -267,6 +287,7 @@ def build_engine(
     num_threads: int | None,
     model: str = "",
     sim_cost: tuple[float, float] | None = None,
+    dtype: str = "float32",
 ):
     """An Engine for one policy on the default model, or on the simulated device when `sim_cost` = (fixed_ms,
     per_token_us) is given (the engine's SimRunner: a step of N tokens takes fixed + N * per_token)."""
@@ -278,6 +299,7 @@ def build_engine(
         batching_args=dict(policy_args),
         max_num_seqs=max_num_seqs,
         num_threads=num_threads,
+        dtype=dtype,
     )
     if sim_cost is None:
         return Engine(config), config
@@ -474,7 +496,19 @@ def add_parser(subparsers) -> None:
         help=f"latency SLO for the diagnosis (default {DEFAULT_SLO_MS:g})",
     )
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="engine sequence cap")
-    parser.add_argument("--num-threads", type=int, help="torch threads for the in-process engine")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=DEFAULT_NUM_THREADS,
+        help=f"torch intra-op threads for the in-process engine (default {DEFAULT_NUM_THREADS}: "
+        "robust on a small shared machine; 2+ on an idle one)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="engine dtype for the in-process runs (default float32)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for prompt token ids")
     scaling = parser.add_argument_group("trace transforms (printed next to every figure)")
     scaling.add_argument("--start-s", type=float, default=0.0, help="skip the trace's first seconds")
@@ -546,7 +580,9 @@ def _run(args: argparse.Namespace) -> int:
                 asyncio.run(replay_target(trace, spec.target, drain_s, args.model, args.api_key, args.seed, progress))
             )
         else:
-            engine, _ = build_engine(spec.policy, spec.policy_args, args.max_num_seqs, args.num_threads)
+            engine, _ = build_engine(
+                spec.policy, spec.policy_args, args.max_num_seqs, args.num_threads, dtype=args.dtype
+            )
             if encode is None:
                 encode = _tokenizer_encode(engine.model_dir)
             cfg = {
@@ -554,6 +590,7 @@ def _run(args: argparse.Namespace) -> int:
                 "batching_args": spec.policy_args,
                 "max_num_seqs": args.max_num_seqs,
                 "num_threads": args.num_threads,
+                "dtype": args.dtype,
             }
             results.append(replay_in_process(trace, engine, spec.label, cfg, drain_s, args.seed, encode, progress))
         last = results[-1]

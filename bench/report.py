@@ -217,6 +217,7 @@ _COLUMNS = (
     ("done", "num_finished"),
     ("unfin.", "num_unfinished"),
     ("rej.", "num_rejected"),
+    ("fail", "num_failed"),
 )
 
 
@@ -345,7 +346,7 @@ def render_markdown(summary: dict) -> str:
         "",
         "Latencies in ms over finished requests; queue = share of end-to-end time spent queued; busy = device-busy "
         "share (forward time over the run); batch = mean running requests while any ran; unfin. = still unfinished "
-        "at the drain deadline.",
+        "at the drain deadline; rej. = refused (HTTP 429/503, queue timeout); fail = errors.",
         "",
     ]
     comparison = summary.get("comparison") or {}

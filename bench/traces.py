@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
+
 from overlap.engine.errors import OverlapError
 
 TRACES_DIR = Path(__file__).with_name("traces")

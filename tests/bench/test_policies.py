@@ -4,6 +4,7 @@ with the number of waiting requests, the oldest arrival and the number running."
 from __future__ import annotations
 
 import pytest
+
 from overlap.engine.batching import make_batching_policy
 from overlap.engine.errors import ConfigError
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from overlap.bench import traces
 from overlap.bench.traces import Trace, TraceError, TraceRequest
 

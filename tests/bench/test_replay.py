@@ -1,0 +1,169 @@
+"""The replay runner: bounded runs on the simulated device, one small real replay on the tiny model, and the
+OpenAI streaming client against a fake endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from overlap.bench import replay
+from overlap.bench.report import compute_metrics
+from overlap.bench.traces import Trace, TraceError, TraceRequest
+
+
+def burst_trace(n: int, spacing_s: float, max_tokens: int) -> Trace:
+    return Trace(tuple(TraceRequest(i * spacing_s, max_tokens, prompt_tokens=8) for i in range(n)), "test")
+
+
+def sim_run(policy: str, trace: Trace, drain_s: float, args=None):
+    engine, _ = replay.build_engine(policy, args or {}, 64, None, sim_cost=(5.0, 20.0))
+    config = {"batching": policy, "max_num_seqs": 64}
+    return replay.replay_in_process(trace, engine, policy, config, drain_s, progress=False)
+
+
+def test_policy_args_and_specs():
+    assert replay.parse_policy_args("max_batch=16, max_wait_ms=100") == {"max_batch": 16, "max_wait_ms": 100}
+    with pytest.raises(TraceError, match="expected key=value"):
+        replay.parse_policy_args("max_batch")
+    with pytest.raises(TraceError, match="must be a number"):
+        replay.parse_policy_args("max_batch=lots")
+    with pytest.raises(TraceError, match="unknown policy"):
+        replay.make_specs(["greedy"], [], None)
+    specs = replay.make_specs(["dynamic"], ["http://x:1/"], {"max_batch": 4})
+    assert specs[0].label == "dynamic(max_batch=4, max_wait_ms=150)"
+    assert specs[1].target == "http://x:1"
+
+
+def test_prompt_ids_are_the_same_for_every_policy_and_fit_the_context():
+    request = TraceRequest(0.0, 4, prompt_tokens=12)
+    ids = replay.prompt_token_ids(request, 3, seed=0, vocab_size=8192)
+    assert ids == replay.prompt_token_ids(request, 3, seed=0, vocab_size=8192)
+    assert len(ids) == 12 and all(10 <= t < 1000 for t in ids)
+    tokens, max_tokens = replay.fit_to_context(list(range(100)), 80, max_model_len=64)
+    assert max_tokens == 32 and len(tokens) + max_tokens <= 64
+
+
+def test_serial_run_is_bounded_and_reports_unfinished_requests():
+    # 40 requests in 0.4 s; serially each takes 10 decode steps of ~5 ms: far more than the 0.3 s drain allows
+    trace = burst_trace(40, 0.01, 10)
+    run = sim_run("serial", trace, drain_s=0.3)
+    assert run.wall_s < trace.duration_s + 0.3 + 0.5
+    m = compute_metrics(run)
+    assert m.num_unfinished > 10
+    assert m.num_finished + m.num_unfinished == 40
+    assert m.mean_batch == pytest.approx(1.0)
+    assert 0.5 < m.device_busy_share <= 1.0
+    done = [r for r in run.records if r.status == "finished"]
+    assert all(r.arrived <= r.first_scheduled <= r.first_token <= r.finished for r in done)
+    assert all(len(r.token_times) == 10 for r in done)
+
+
+def test_continuous_beats_serial_on_the_simulated_device():
+    trace = burst_trace(30, 0.01, 10)
+    serial = compute_metrics(sim_run("serial", trace, drain_s=1.0))
+    continuous = compute_metrics(sim_run("continuous", trace, drain_s=1.0))
+    assert continuous.num_finished == 30
+    assert continuous.requests_per_s > 3 * serial.requests_per_s
+    assert continuous.e2e_p99_ms < serial.e2e_p99_ms
+
+
+def test_real_replay_on_the_tiny_model_writes_a_report(tiny_model_dir, tmp_path, capsys):
+    from overlap.cli import main
+
+    trace = Trace(tuple(TraceRequest(i * 0.1, 6, prompt_tokens=8) for i in range(12)), "tiny")
+    path = tmp_path / "tiny.jsonl"
+    trace.save_jsonl(path)
+    out = tmp_path / "report"
+    code = main(
+        [
+            "bench",
+            "replay",
+            "--trace",
+            str(path),
+            "--compare",
+            "serial,continuous",
+            "--num-threads",
+            "1",
+            "--drain-s",
+            "20",
+            "--json",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in summary["runs"]] == ["serial", "continuous"]
+    for run in summary["runs"]:
+        m = run["metrics"]
+        assert m["num_finished"] == 12 and m["num_unfinished"] == 0
+        assert m["tokens_per_s"] == pytest.approx(6 * m["requests_per_s"], rel=1e-3)
+        assert 0 < m["device_busy_share"] <= 1
+    assert "throughput_vs_serial" in summary["comparison"]
+    assert (out / "report.md").is_file() and (out / "latency_cdf.png").is_file()
+
+
+async def fake_openai_server(reject_every: int = 0):
+    """Streams `max_tokens` chunks 10 ms apart; every `reject_every`-th request gets 429."""
+    count = 0
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def completions(request):
+        nonlocal count
+        count += 1
+        body = await request.json()
+        assert body["model"] == "fake-model" and body["stream"] is True
+        if reject_every and count % reject_every == 0:
+            return web.json_response({"error": {"message": "busy"}}, status=429)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(body["max_tokens"]):
+            await asyncio.sleep(0.01)
+            chunk = {"choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}
+        await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_target_replay_streams_and_counts_rejections():
+    runner, url = await fake_openai_server(reject_every=4)
+    try:
+        trace = burst_trace(8, 0.02, 5)
+        run = await replay.replay_target(trace, url, drain_s=5.0, progress=False)
+    finally:
+        await runner.cleanup()
+    m = compute_metrics(run)
+    assert (m.num_finished, m.num_rejected, m.num_unfinished) == (6, 2, 0)
+    assert m.tokens_per_s == pytest.approx(6 * 5 / m.span_s)
+    assert 8 <= m.itl_p50_ms < 60  # chunks 10 ms apart
+    assert m.ttft_p50_ms >= 8
+    assert m.queue_share is None and m.device_busy_share is None
+    assert run.config["model"] == "fake-model"
+
+
+async def test_target_replay_stops_at_the_drain_deadline():
+    runner, url = await fake_openai_server()
+    try:
+        trace = burst_trace(3, 0.0, 200)  # 200 chunks x 10 ms = 2 s each
+        run = await replay.replay_target(trace, url, drain_s=0.3, progress=False)
+    finally:
+        await runner.cleanup()
+    assert run.wall_s < 1.5
+    assert compute_metrics(run).num_unfinished == 3
