@@ -31,6 +31,7 @@ import itertools
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -158,6 +159,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.rv = itertools.count(1000)
         self.last_rv = 1000
         self.events: list[tuple[int, Any, dict]] = []  # (resourceVersion, resource, watch event): replayable
+        self.added_at: dict[tuple[str, str | None, str], float] = {}  # (kind, namespace, name) -> monotonic time
         self.watchers: set[asyncio.Queue] = set()
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
         self.failures_lock = threading.Lock()
@@ -266,6 +268,9 @@ class ApiServer(kmock.KubernetesEmulator):
     async def _publish(self, resource, kind: str, obj: dict) -> None:
         event = {"type": kind, "object": copy.deepcopy(obj)}
         self.events.append((int(obj["metadata"]["resourceVersion"]), resource, event))
+        if kind == "ADDED":
+            meta = obj["metadata"]
+            self.added_at[(obj.get("kind", ""), meta.get("namespace"), meta["name"])] = time.monotonic()
         for queue in list(self.watchers):
             queue.put_nowait((resource, event))
 
