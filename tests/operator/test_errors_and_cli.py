@@ -47,3 +47,23 @@ def test_operator_command_line() -> None:
         parser.parse_args(["operator", "--namespace", "a", "--all-namespaces"])
     with pytest.raises(SystemExit):
         parser.parse_args(["operator", "--standalone", "--peering", "p"])
+
+
+def test_the_pods_command_lines_parse_with_the_real_overlap_command() -> None:
+    """The deployment contract: what the operator puts in the pod is what `overlap engine` / `overlap sidecar`
+    accept (parsed by the real parser; nothing runs)."""
+    from overlap.operator import children
+    from overlap.operator import spec as specs
+
+    spec = specs.with_defaults(
+        {"model": {"servedName": "m", "path": "/m"}, "sidecar": {"apiKeySecret": {"name": "key"}}}
+    )
+    deployment = children.build_deployment("m", "ns", spec, specs.check_spec(spec))
+    parser = build_parser()
+    for container in deployment["spec"]["template"]["spec"]["containers"]:
+        assert container["command"] == ["overlap"]
+        args = parser.parse_args(container["args"])
+        assert args.command == container["args"][0]
+        if args.command == "sidecar":
+            assert args.engine_socket == children.SOCKET
+            assert args.api_key_env == children.API_KEY_ENV
