@@ -138,8 +138,9 @@ def test_a_child_deleted_by_hand_is_put_back(cluster, applied) -> None:
 
 
 def test_a_child_edited_by_hand_is_put_back(cluster, applied) -> None:
+    expected = cluster.service(NAME)["spec"]["engine"]["maxNumSeqs"]
     cluster.kubectl("patch", "configmap", f"{NAME}-engine", "--type=merge", "-p", '{"data":{"engine.json":"{}"}}')
-    wait_for(lambda: configmap_engine(cluster).get("max_num_seqs") == 48, what="the ConfigMap restored")
+    wait_for(lambda: configmap_engine(cluster).get("max_num_seqs") == expected, what="the ConfigMap restored")
     cluster.kubectl("patch", "pdb", NAME, "--type=merge", "-p", '{"spec":{"maxUnavailable":0}}')
     wait_for(lambda: cluster.get("pdb", NAME)["spec"]["maxUnavailable"] == 1, what="the PDB restored")
     # Someone exposes the admin port by hand: the operator takes it off again.
