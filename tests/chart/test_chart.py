@@ -135,3 +135,11 @@ def test_example_inferenceservice_is_a_post_install_hook() -> None:
     assert example["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
     test_pods = [d for d in render() if d["kind"] == "Pod"]
     assert test_pods and test_pods[0]["metadata"]["annotations"]["helm.sh/hook"] == "test"
+
+
+@pytest.mark.parametrize("values", [None, *VALUES_FILES], ids=lambda v: v.name if v else "default")
+def test_helm_lint_is_clean(values: Path | None) -> None:
+    cmd = [str(HELM), "lint", "--strict", str(CHART), *(["-f", str(values)] if values else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[WARNING]" not in done.stdout and "[ERROR]" not in done.stdout
