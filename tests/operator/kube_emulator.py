@@ -28,7 +28,6 @@ import asyncio
 import copy
 import datetime
 import itertools
-import json
 import re
 import threading
 import time
@@ -612,7 +611,3 @@ class ApiServer(kmock.KubernetesEmulator):
                 if entry["name"].endswith("/scale"):
                     entry.update(kind="Scale", group="autoscaling", version="v1")
         return result
-
-
-def dump(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True)
