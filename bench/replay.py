@@ -510,6 +510,12 @@ def add_parser(subparsers) -> None:
         help="engine dtype for the in-process runs (default float32)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for prompt token ids")
+    parser.add_argument(
+        "--sim-cost",
+        metavar="FIXED_MS,PER_TOKEN_US",
+        help="run the policies on the engine's simulated device instead of the model: a step of N "
+        "tokens takes FIXED_MS + N x PER_TOKEN_US (fast, for trying policies and traces)",
+    )
     scaling = parser.add_argument_group("trace transforms (printed next to every figure)")
     scaling.add_argument("--start-s", type=float, default=0.0, help="skip the trace's first seconds")
     scaling.add_argument("--duration-s", type=float, help="keep this many seconds of the (unscaled) trace")
@@ -520,6 +526,18 @@ def add_parser(subparsers) -> None:
     scaling.add_argument("--burst", help="inject a burst: AT_S:LENGTH_S[:FACTOR] on the scaled time axis (FACTOR 2)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_run)
+
+
+def _parse_sim_cost(text: str | None) -> tuple[float, float] | None:
+    if not text:
+        return None
+    try:
+        fixed_ms, per_token_us = (float(v) for v in text.split(","))
+    except ValueError:
+        raise TraceError(f"--sim-cost: expected FIXED_MS,PER_TOKEN_US, e.g. 8,700; got {text!r}") from None
+    if fixed_ms < 0 or per_token_us < 0:
+        raise TraceError(f"--sim-cost: both numbers must be >= 0, got {text!r}")
+    return fixed_ms, per_token_us
 
 
 def _parse_burst(text: str | None) -> tuple[float, float, float] | None:
@@ -564,6 +582,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.policy_args and len(policies) != 1:
         raise TraceError("--policy-args applies to a single --policy; --compare uses each policy's defaults")
     specs = make_specs(policies, targets, parse_policy_args(args.policy_args))
+    sim_cost = _parse_sim_cost(args.sim_cost)
     trace = load_for_args(args)
     drain_s = args.drain_s if args.drain_s is not None else (QUICK_DRAIN_S if args.quick else DEFAULT_DRAIN_S)
     out_dir = Path(args.out or f"reports/replay-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}")
@@ -581,7 +600,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         else:
             engine, _ = build_engine(
-                spec.policy, spec.policy_args, args.max_num_seqs, args.num_threads, dtype=args.dtype
+                spec.policy, spec.policy_args, args.max_num_seqs, args.num_threads, sim_cost=sim_cost, dtype=args.dtype
             )
             if encode is None:
                 encode = _tokenizer_encode(engine.model_dir)
@@ -592,6 +611,8 @@ def _run(args: argparse.Namespace) -> int:
                 "num_threads": args.num_threads,
                 "dtype": args.dtype,
             }
+            if sim_cost:
+                cfg["sim_cost"] = {"fixed_ms": sim_cost[0], "per_token_us": sim_cost[1]}
             results.append(replay_in_process(trace, engine, spec.label, cfg, drain_s, args.seed, encode, progress))
         last = results[-1]
         print(

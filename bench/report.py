@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -101,14 +102,19 @@ def _ms(values: list[float], q: float | None = None) -> float | None:
 
 
 def compute_metrics(run: RunResult) -> Metrics:
-    """Metrics from the timestamps. Latencies cover finished requests; throughput counts finished requests over
-    the span from the start of the run to its last finish (so a backlog left at the drain deadline lowers it)."""
+    """Metrics from the timestamps. Latencies cover finished requests plus unfinished ones at their wait so far;
+    inter-token latency and queue share cover finished requests; throughput counts finished requests over the span
+    from the start of the run to its last finish (so a backlog left at the drain deadline lowers it)."""
     records = run.records
     done = [r for r in records if r.status == "finished" and r.finished is not None]
     span = max((r.finished for r in done), default=0.0)
     span = max(span, 1e-9)
-    e2e = [r.e2e for r in done]
+    # A request still unfinished at the drain deadline counts with the time it had waited by then (a lower bound),
+    # so a policy cannot look fast by leaving its slowest requests unfinished.
+    unfinished = [r for r in records if r.status == "unfinished"]
+    e2e = [r.e2e for r in done] + [max(0.0, run.wall_s - r.arrived) for r in unfinished]
     ttft = [r.first_token - r.arrived for r in done if r.first_token is not None]
+    ttft += [max(0.0, run.wall_s - r.arrived) for r in unfinished if r.first_token is None]
     gaps = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
     queued = [(r.first_scheduled - r.arrived, r.e2e) for r in done if r.first_scheduled is not None]
     queue_share = (
@@ -150,7 +156,7 @@ def diagnose(metrics: Metrics, slo_ms: float, max_batch: int | None = None) -> D
     wait while the mean batch stays under a quarter of the cap (the CPU's stand-in for low GPU utilisation).
     """
     m = metrics
-    if m.e2e_mean_ms is None:
+    if m.num_finished == 0 or m.e2e_mean_ms is None:
         return Diagnosis("unknown", ["no request finished"])
     findings: list[str] = []
     high_latency = m.e2e_mean_ms > slo_ms
@@ -324,7 +330,7 @@ def write_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs, trace_description, slo_ms, command)
-    plots = plot_all(runs, out_dir)
+    plots = plot_all(runs, out_dir, trace_description)
     summary["plots"] = plots
     (out_dir / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "report.md").write_text(render_markdown(summary))
@@ -344,9 +350,10 @@ def render_markdown(summary: dict) -> str:
     lines += [
         markdown_table(header, rows),
         "",
-        "Latencies in ms over finished requests; queue = share of end-to-end time spent queued; busy = device-busy "
-        "share (forward time over the run); batch = mean running requests while any ran; unfin. = still unfinished "
-        "at the drain deadline; rej. = refused (HTTP 429/503, queue timeout); fail = errors.",
+        "Latencies in ms; a request unfinished at the drain deadline counts with its wait so far (a lower bound); "
+        "queue = share of end-to-end time spent queued; busy = device-busy share (forward time over the run); "
+        "batch = mean running requests while any ran; unfin. = still unfinished at the drain deadline; rej. = "
+        "refused (HTTP 429/503, queue timeout); fail = errors.",
         "",
     ]
     comparison = summary.get("comparison") or {}
@@ -391,28 +398,41 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in label).strip("-").lower()[:40] or "run"
 
 
-def plot_all(runs: list[RunResult], out_dir: Path) -> dict[str, str]:
-    """Write the PNGs; return {title: file name}."""
+def plot_all(runs: list[RunResult], out_dir: Path, trace_description: str = "") -> dict[str, str]:
+    """Write the PNGs; return {title: file name}. Each carries the trace description (and its scaling) as a
+    footnote."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    footnote = textwrap.fill(trace_description, 140)
+
+    def save(fig, path: Path) -> None:
+        if footnote:
+            fig.text(0.01, 0.005, footnote, fontsize=5, color="#555555", va="bottom")
+            fig.tight_layout(rect=(0, 0.02 + 0.012 * footnote.count("\n"), 1, 1))
+        else:
+            fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+
     plots = {}
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=90)
     for run in runs:
-        lat = sorted(r.e2e * 1000 for r in run.records if r.status == "finished" and r.finished is not None)
+        lat = sorted(
+            [r.e2e * 1000 for r in run.records if r.status == "finished" and r.finished is not None]
+            + [max(0.0, run.wall_s - r.arrived) * 1000 for r in run.records if r.status == "unfinished"]
+        )
         if lat:
             ax.plot(lat, np.arange(1, len(lat) + 1) / len(lat), label=run.label)
     ax.set_xscale("log")
     ax.set_xlabel("end-to-end latency (ms, log)")
-    ax.set_ylabel("fraction of finished requests")
+    ax.set_ylabel("fraction of requests")
     ax.set_title("Latency CDF")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency_cdf.png")
-    plt.close(fig)
+    save(fig, out_dir / "latency_cdf.png")
     plots["Latency CDF per run"] = "latency_cdf.png"
 
     has_busy = any(s[3] is not None for run in runs for s in run.samples)
@@ -435,29 +455,43 @@ def plot_all(runs: list[RunResult], out_dir: Path) -> dict[str, str]:
         axes[1][0].set_ylim(0, 105)
         axes[1][0].grid(alpha=0.3)
     axes[-1][0].set_xlabel("time since start (s)")
-    fig.tight_layout()
-    fig.savefig(out_dir / "timeline.png")
-    plt.close(fig)
+    save(fig, out_dir / "timeline.png")
     plots["Queue depth and device busy over time"] = "timeline.png"
 
     for run in runs:
         name = f"stages_{_slug(run.label)}.png"
-        if _plot_stages(plt, run, out_dir / name):
+        if _plot_stages(plt, run, out_dir / name, save):
             plots[f"Per-request stages: {run.label}"] = name
     return plots
 
 
-def _plot_stages(plt, run: RunResult, path: Path, max_requests: int = 80) -> bool:
-    """Stacked horizontal bars per request (a sample evenly spread over the run): queue, prefill (until the first
-    token), decode. For targets the first stage is "waiting for the first token"."""
-    done = [r for r in run.records if r.status == "finished" and r.finished is not None and r.first_token is not None]
-    if not done:
+def _plot_stages(plt, run: RunResult, path: Path, save, max_requests: int = 80) -> bool:
+    """Stacked horizontal bars per request (a sample evenly spread over the run, by arrival): queue, prefill (until
+    the first token), decode; requests left unfinished at the drain deadline in grey. For targets the first stage is
+    "waiting for the first token"."""
+    shown = [
+        r
+        for r in run.records
+        if (r.status == "finished" and r.finished is not None and r.first_token is not None) or r.status == "unfinished"
+    ]
+    if not any(r.status == "finished" for r in shown):
         return False
-    done.sort(key=lambda r: r.arrived)
-    step = max(1, math.ceil(len(done) / max_requests))
-    sample = done[::step]
-    y = np.arange(len(sample))
+    shown.sort(key=lambda r: r.arrived)
+    step = max(1, math.ceil(len(shown) / max_requests))
+    every = shown[::step]
+    left = [(i, r) for i, r in enumerate(every) if r.status == "unfinished"]
+    sample = [r for r in every if r.status == "finished"]
+    y = np.array([i for i, r in enumerate(every) if r.status == "finished"])
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=90)
+    if left:
+        ax.barh(
+            [i for i, _ in left],
+            [run.wall_s - r.arrived for _, r in left],
+            left=[r.arrived for _, r in left],
+            color="#bbbbbb",
+            label="unfinished",
+            height=1.0,
+        )
     if all(r.first_scheduled is not None for r in sample):
         queue = [r.first_scheduled - r.arrived for r in sample]
         prefill = [r.first_token - r.first_scheduled for r in sample]
@@ -481,11 +515,9 @@ def _plot_stages(plt, run: RunResult, path: Path, max_requests: int = 80) -> boo
         height=1.0,
     )
     ax.set_xlabel("time since start (s)")
-    ax.set_ylabel(f"request (every {step}th, by arrival)" if step > 1 else "request (by arrival)")
+    ax.set_ylabel(f"request (1 in {step}, by arrival)" if step > 1 else "request (by arrival)")
     ax.set_title(f"Per-request stages: {run.label}")
     ax.legend(fontsize=7, loc="lower right")
     ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save(fig, path)
     return True
