@@ -28,3 +28,20 @@ def test_one_namespace_ignores_the_others(cluster, tmp_path_factory) -> None:
         time.sleep(0.5)
         assert cluster.get("deployment", "ignored", "team-c") is None
         assert "team-c" not in proc.log()
+
+
+def test_a_restarted_operator_catches_up(cluster, tmp_path_factory) -> None:
+    """Changes made while the operator was down are applied when it comes back (kopf resume/update)."""
+    manifest = EXAMPLE.replace("llama-small", "resumed")
+    with running_operator(cluster, tmp_path_factory.mktemp("first"), "--namespace", NAMESPACE):
+        cluster.apply("-f", "-", stdin=manifest)
+        wait_for(lambda: cluster.get("deployment", "resumed"), what="the Deployment")
+    # Operator down: a live knob changes and a child disappears.
+    cluster.apply("-f", "-", stdin=manifest.replace("maxNumSeqs: 64", "maxNumSeqs: 24"))
+    cluster.kubectl("delete", "pdb", "resumed")
+    with running_operator(cluster, tmp_path_factory.mktemp("second"), "--namespace", NAMESPACE):
+        wait_for(lambda: cluster.get("pdb", "resumed"), what="the PDB back")
+        wait_for(
+            lambda: '"max_num_seqs": 24' in cluster.get("configmap", "resumed-engine")["data"]["engine.json"],
+            what="the ConfigMap updated",
+        )
