@@ -17,8 +17,18 @@ Layout (the runner allocates the pool once; this module only hands out block ids
     is still a cache hit, until the free list hands it out for other tokens (LRU eviction).
 
 A request's whole prompt is reserved at admission (`allocate`), so the hot path only ever adds the odd next
-block for decode (`append_slots`). Fresh blocks are taken as contiguous runs where the free list allows (the
-first fit after the request's last block), which keeps most block tables in long runs of consecutive ids.
+block for decode (`append_slots`).
+
+Placement: the runner reads a block table that is one run of consecutive ids as a view of the pool and must
+gather anything else, so the manager keeps tables contiguous where it can. At admission it looks (first fit,
+`bytearray.find`) for a run of free blocks long enough for the prompt *and* the request's remaining max_tokens,
+takes the prompt's blocks from its start and *claims* the rest: claimed blocks stay free (they count as free,
+and anyone can still get them when nothing else is left), but later placements skip them, so the decode steps
+find the next id free. Runs of never-cached blocks are preferred over runs that would evict cached ones; with no
+run at all it falls back to the LRU free list.
+
+    pool:   [A A A a a a . . B B b b b b . .]     A = A's blocks, a = claimed for A's growth, . = free
+
 Only blocks below a request's computed length are ever shared, and nothing writes there again, so a shared
 block is read-only by construction.
 """
@@ -44,6 +54,12 @@ class BlockManager:
         self._block_keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}  # key -> block id holding those tokens' K/V
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Placement maps, one byte per block: free and unclaimed (any run may start here), and the same without
+        # a cached key (placing there evicts nothing); `_claimed` marks blocks kept for a request's growth.
+        self._placeable = bytearray(b"\x01" * num_blocks)
+        self._empty = bytearray(b"\x01" * num_blocks)
+        self._claimed = bytearray(num_blocks)
+        self._runs: dict[int, bytes] = {}  # run length -> b"\x01" * length (search patterns)
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of which served from the cache
 
@@ -98,9 +114,13 @@ class BlockManager:
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self._free[block]
+                self._unmark(block)
             self.ref_counts[block] += 1
         num_hits = len(hits)
-        request.block_ids = hits + self._take(self.num_blocks_for(request.num_tokens) - num_hits, None)
+        num_now = self.num_blocks_for(request.num_tokens) - num_hits
+        remaining_output = max(0, request.sampling.max_tokens - request.num_output_tokens)
+        num_want = self.num_blocks_for(request.num_tokens + remaining_output) - num_hits
+        request.block_ids = hits + self._place(request, num_now, num_want, hits[-1] if hits else None)
         request.num_registered_blocks = num_hits
         num_cached = num_hits * self.block_size
         request.num_computed_tokens = num_cached
@@ -119,41 +139,106 @@ class BlockManager:
             return True
         if missing > len(self._free):
             return False
-        last = request.block_ids[-1] if request.block_ids else None
-        request.block_ids.extend(self._take(missing, last))
+        for _ in range(missing):
+            nxt = request.block_ids[-1] + 1 if request.block_ids else self.num_blocks
+            if nxt < request.claim_end and nxt in self._free:
+                self._take_block(nxt)
+                request.block_ids.append(nxt)
+            else:  # its claim is used up or someone had to take it: any free block will do
+                if request.claim_end:
+                    self._release_claim(request, nxt)
+                request.block_ids.extend(self._take_lru(1))
         return True
 
-    def _take(self, n: int, after: int | None) -> list[int]:
-        """Pop `n` blocks off the free list: the block right after `after` (then each next one) while it is free
-        and holds no cached tokens, else the least recently freed block (evicting its cache entry)."""
+    def _place(self, request: Request, num_now: int, num_want: int, after: int | None) -> list[int]:
+        """Take `num_now` blocks for a new table, as the head of a free run of `num_want` whose tail is claimed for
+        the request's growth; falls back to shorter runs, then to the LRU free list."""
+        if num_now == 0:
+            return []
+        start = None
+        behind = after + 1 if after is not None else self.num_blocks  # right behind its cached prefix
+        if behind + num_want <= self.num_blocks and self._placeable[behind : behind + num_want] == self._run(num_want):
+            start = behind
+        if start is None:
+            for length in dict.fromkeys((num_want, num_now)):  # with growth room, else without
+                start = self._find_run(length)
+                if start is not None:
+                    num_want = length
+                    break
+        if start is None:
+            return self._take_lru(num_now)
+        blocks = list(range(start, start + num_now))
+        for block in blocks:
+            self._take_block(block)
+        for block in range(start + num_now, start + num_want):
+            self._claimed[block] = 1
+            self._unmark(block)
+        request.claim_end = start + num_want
+        return blocks
+
+    def _find_run(self, length: int) -> int | None:
+        """First block of the first run of `length` placeable blocks, preferring runs that evict no cached tokens."""
+        pattern = self._run(length)
+        start = self._empty.find(pattern)
+        if start < 0:
+            start = self._placeable.find(pattern)
+        return start if start >= 0 else None
+
+    def _run(self, length: int) -> bytes:
+        pattern = self._runs.get(length)
+        if pattern is None:
+            pattern = self._runs[length] = b"\x01" * length
+        return pattern
+
+    def _take_lru(self, n: int) -> list[int]:
         taken = []
-        free = self._free
-        nxt = None if after is None else after + 1
         for _ in range(n):
-            if nxt is not None and nxt in free and self._block_keys[nxt] is None:
-                del free[nxt]
-                block = nxt
-            else:
-                block, _ = free.popitem(last=False)
-                key = self._block_keys[block]
-                if key is not None:  # evict: these tokens are no longer cached
-                    if self._cached.get(key) == block:
-                        del self._cached[key]
-                    self._block_keys[block] = None
-            self.ref_counts[block] = 1
+            block = next(iter(self._free))
+            self._take_block(block)
             taken.append(block)
-            nxt = block + 1 if block + 1 < self.num_blocks else None
         return taken
+
+    def _take_block(self, block: int) -> None:
+        """Move a free block to its new owner (reference count 1), evicting its cached tokens if any."""
+        del self._free[block]
+        self._unmark(block)
+        self._claimed[block] = 0
+        key = self._block_keys[block]
+        if key is not None:  # evict: these tokens are no longer cached
+            if self._cached.get(key) == block:
+                del self._cached[key]
+            self._block_keys[block] = None
+        self.ref_counts[block] = 1
+
+    def _unmark(self, block: int) -> None:
+        self._placeable[block] = 0
+        self._empty[block] = 0
+
+    def _mark_free(self, block: int) -> None:
+        if not self._claimed[block]:
+            self._placeable[block] = 1
+            self._empty[block] = self._block_keys[block] is None
+
+    def _release_claim(self, request: Request, first: int) -> None:
+        for block in range(first, request.claim_end):
+            if self._claimed[block]:
+                self._claimed[block] = 0
+                if self.ref_counts[block] == 0:
+                    self._mark_free(block)
+        request.claim_end = 0
 
     # ---- release -----------------------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
         """Return `request`'s blocks. Tail blocks go on the free list first, so they are evicted first and a
         prefix that other requests share stays cached longest."""
+        if request.claim_end:
+            self._release_claim(request, request.block_ids[-1] + 1 if request.block_ids else 0)
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
                 self._free[block] = None
+                self._mark_free(block)
         request.block_ids = []
         request.num_registered_blocks = 0
         request.num_computed_tokens = 0
@@ -191,6 +276,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self._cached[key]
                 self._block_keys[block] = None
+                self._mark_free(block)
 
     # ---- checks (tests) ----------------------------------------------------------------------------------------
     def check_invariants(self, holders: list[Request]) -> None:
@@ -203,3 +289,10 @@ class BlockManager:
         assert set(self._free) == {b for b in range(self.num_blocks) if expected[b] == 0}, "free list is wrong"
         for key, block in self._cached.items():
             assert self._block_keys[block] == key, f"cache entry for block {block} is inconsistent"
+        claim_ranges = [range(r.block_ids[-1] + 1, r.claim_end) for r in holders if r.claim_end]
+        for block in range(self.num_blocks):
+            placeable = expected[block] == 0 and not self._claimed[block]
+            assert self._placeable[block] == placeable, f"block {block}: placeable map is wrong"
+            assert self._empty[block] == (placeable and self._block_keys[block] is None), f"block {block}: empty map"
+            if self._claimed[block]:
+                assert any(block in c for c in claim_ranges), f"block {block} is claimed by no running request"

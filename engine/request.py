@@ -53,6 +53,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # KV blocks covering positions 0 .. num_tokens - 1
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain over full blocks
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
+    claim_end: int = 0  # blocks block_ids[-1] + 1 .. claim_end - 1 are kept free for this request's growth
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_emitted_tokens: int = 0  # output tokens already returned to the caller
     queue_level: int = 0  # current level in the priority queue (aging moves it towards 0)

@@ -95,3 +95,44 @@ def test_prefix_caching_off_never_hits() -> None:
     bm.register_computed_blocks(a, 12)
     assert bm.allocate(b) == 0
     assert bm.prefix_cache_hit_rate == 0.0
+
+
+def _is_run(blocks: list[int]) -> bool:
+    return blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+
+
+def test_growth_room_is_claimed_so_decoding_tables_stay_contiguous() -> None:
+    bm = BlockManager(num_blocks=64, block_size=4, enable_prefix_caching=False)
+    a, b = create_requests(2, prompt_len=8, max_tokens=12)  # 2 blocks now, 5 in the end
+    bm.allocate(a)
+    bm.allocate(b)
+    assert a.block_ids == [0, 1] and b.block_ids == [5, 6]  # b skips a's claimed blocks 2..4
+    a.num_computed_tokens = b.num_computed_tokens = 8  # prefill ran
+    for _ in range(12):
+        for r in (a, b):
+            assert bm.append_slots(r, 1)
+            r.num_computed_tokens += 1
+            r.append_output_token(3)
+        bm.check_invariants([a, b])
+    assert len(a.block_ids) == 5 and _is_run(a.block_ids) and _is_run(b.block_ids)
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 64
+
+
+def test_claims_never_cost_capacity() -> None:
+    # 6 blocks: a claims 2..5 for its growth, yet b still gets blocks (from the claimed ones) when nothing else is left.
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    (a,) = create_requests(1, prompt_len=8, max_tokens=16)
+    (b,) = create_requests(1, prompt_len=16, max_tokens=1)
+    bm.allocate(a)
+    assert a.claim_end == 6
+    assert bm.can_allocate(b) and bm.allocate(b) == 0
+    assert sorted(b.block_ids) == [2, 3, 4, 5]
+    bm.check_invariants([a, b])
+    a.num_computed_tokens = 8
+    assert not bm.append_slots(a, 1)  # the pool really is full now
+    bm.free(b)
+    assert bm.append_slots(a, 1) and len(a.block_ids) == 3
+    bm.check_invariants([a])
