@@ -184,7 +184,7 @@ class CudaExecutor(Executor):
             self._free_slots.append(step.slot)
         self.busy.record_interval(self._ref_host + begin_s, self._ref_host + end_s)
         self.busy.record_host("readback", time.perf_counter() - start)
-        return StepResult(step.step_id, step.model_input, tokens)
+        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s)
 
     def _drop_device_token(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)

@@ -44,6 +44,7 @@ class StepResult:
     model_input: ModelInput
     token_ids: list[int]
     error: BaseException | None = None
+    busy_s: float = 0.0  # the step's device busy time
 
     def sampled(self) -> list[tuple[str, int]]:
         """(request_id, token) for every sequence that sampled in this step."""
@@ -134,7 +135,8 @@ class Executor:
         self._forget_released()
         if exc is not None:
             return StepResult(step.step_id, step.model_input, [], exc)
-        return StepResult(step.step_id, step.model_input, step.future.result())
+        token_ids, busy_s = step.future.result()
+        return StepResult(step.step_id, step.model_input, token_ids, busy_s=busy_s)
 
     def step(self, schedule: Callable[[], ModelInput | None]) -> StepResult | None:
         """One engine step: schedule and submit steps while a buffer is free (`schedule` returns None when there is
@@ -190,11 +192,13 @@ class Executor:
         return results
 
     # -- the "device" side -----------------------------------------------------------------------------------------
-    def _run(self, model_input: ModelInput) -> list[int]:
+    def _run(self, model_input: ModelInput) -> tuple[list[int], float]:
         batch = self._fill_placeholders(model_input)
         start = time.perf_counter()
         try:
             token_ids = self.runner.execute(batch)
+            if hasattr(token_ids, "tolist"):  # a runner may hand back a tensor
+                token_ids = token_ids.tolist()
         except BaseException:
             # Tokens these sequences sampled earlier must never feed a later placeholder as if they were new.
             for seq in batch.seqs:
@@ -210,7 +214,7 @@ class Executor:
             raise RuntimeError(f"runner returned {len(token_ids)} tokens for {len(sampled)} sampling sequences")
         for request_id, token in zip(sampled, token_ids, strict=True):
             self._last_token[request_id] = token
-        return token_ids
+        return token_ids, interval[1] - interval[0]
 
     def _fill_placeholders(self, model_input: ModelInput) -> ModelInput:
         seqs = model_input.seqs
