@@ -45,6 +45,7 @@ class EngineConfig:
 
     # Execution (layer 3).
     num_buffers: int = 2  # steps in flight: 1 = synchronous, 2 = double buffering (1..4)
+    adaptive_buffers: bool = False  # let the engine pick num_buffers from measured host vs device time
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -82,6 +83,7 @@ class EngineConfig:
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.default_timeout_s is None or self.default_timeout_s > 0, "default_timeout_s must be > 0")
         check(1 <= self.num_buffers <= 4, f"num_buffers must be in 1..4, got {self.num_buffers}")
+        check(isinstance(self.adaptive_buffers, bool), "adaptive_buffers must be true or false")
 
     def replace(self, **changes) -> EngineConfig:
         """A validated copy with `changes` applied."""
