@@ -341,4 +341,16 @@ def is_subset(desired: Any, actual: Any) -> bool:
             and len(desired) == len(actual)
             and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
         )
-    return desired == actual
+    return desired == actual or _same_quantity(desired, actual)
+
+
+def _same_quantity(desired: Any, actual: Any) -> bool:
+    """ "0.5" and "500m", "1Gi" and "1073741824": the API server stores quantities in canonical form."""
+    if not (isinstance(desired, str) and isinstance(actual, str)):
+        return False
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        return parse_quantity(desired) == parse_quantity(actual)
+    except ValueError:
+        return False

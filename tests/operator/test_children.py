@@ -162,6 +162,10 @@ def test_is_subset_ignores_server_defaults_but_sees_edits() -> None:
     actual["spec"]["template"]["containers"][0]["image"] = "y"
     assert not children.is_subset(desired, actual)
     assert not children.is_subset(desired, {"spec": {"template": {"containers": []}, "replicas": 2}})
+    # Quantities come back canonical: the same amount is no drift, another amount is.
+    assert children.is_subset({"cpu": "0.5", "memory": "1Gi"}, {"cpu": "500m", "memory": "1073741824"})
+    assert not children.is_subset({"cpu": "0.5"}, {"cpu": "600m"})
+    assert not children.is_subset({"image": "a:1"}, {"image": "a:2"})
 
 
 def test_conditions_keep_their_transition_time_while_unchanged() -> None:
