@@ -88,6 +88,104 @@ def run_simulated(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def measure_engine(runner, num_buffers: int, *, batch: int, steps: int, warmup_steps: int = 10) -> dict:
+    """The real Engine (scheduler, block manager, postprocess) on `runner`, closed loop: `batch` requests run at
+    once and each finished one is replaced. Host time = the engine's own scheduling and postprocessing."""
+    import random
+
+    from overlap.engine import Engine, EngineConfig, SamplingParams
+    from overlap.engine.busy import BusyTracker
+
+    config = EngineConfig(
+        num_buffers=num_buffers, max_num_seqs=batch, max_num_batched_tokens=4096, max_seq_len=runner.max_model_len
+    )
+    engine = Engine(config, runner=runner)
+    if not hasattr(engine, "executor"):
+        raise RuntimeError("this Engine does not run its steps through the executor yet")
+    rng = random.Random(0)
+    counter = iter(range(10**9))
+
+    def add() -> None:
+        prompt = [rng.randrange(3, runner.vocab_size) for _ in range(16)]
+        sampling = SamplingParams(max_tokens=rng.randint(64, 128), temperature=0, ignore_eos=True)
+        engine.add_request(f"r{next(counter)}", prompt, sampling)
+
+    def run(num_steps: int) -> int:
+        tokens = 0
+        for _ in range(num_steps):
+            for out in engine.step():
+                tokens += len(out.new_token_ids)
+                if out.finished:
+                    add()
+        return tokens
+
+    # Host time = the engine thread's time minus what it spent waiting for the device (collect) or running it
+    # (submit, which runs the forward inline with one buffer).
+    executor = engine.executor
+    waited = [0.0]
+
+    def timed(method):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return method(*a, **kw)
+            finally:
+                waited[0] += time.perf_counter() - t0
+
+        return wrapper
+
+    executor.collect = timed(executor.collect)
+    if num_buffers == 1:
+        executor.submit = timed(executor.submit)
+    for _ in range(batch):
+        add()
+    run(warmup_steps)
+    executor.busy = BusyTracker(window_s=float("inf"))
+    waited[0] = 0.0
+    start = time.perf_counter()
+    tokens = run(steps)
+    elapsed = time.perf_counter() - start
+    snap = executor.busy.snapshot()
+    engine.close()
+    host_ms = 1000 * (elapsed - waited[0]) / steps
+    device_ms = 1000 * snap.busy_s / max(snap.num_steps, 1)
+    from overlap.bench.overlap_load import predicted_idle_share
+
+    return {
+        "num_buffers": num_buffers,
+        "num_steps": steps,
+        "host_ms_per_step": host_ms,
+        "device_ms_per_step": device_ms,
+        "idle_share": 1 - snap.busy_ratio,
+        "predicted_idle_share": predicted_idle_share(num_buffers, [host_ms / 1000] * steps, device_ms / 1000),
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "idle_gap_p50_ms": snap.idle_gap_ms["p50"],
+        "idle_gap_p99_ms": snap.idle_gap_ms["p99"],
+    }
+
+
+def run_engine_simulated(args: argparse.Namespace) -> tuple[list[dict], str | None]:
+    """The real engine's own host time against the simulated device; (rows, reason skipped or None)."""
+    from overlap.engine.sim_runner import CostModel, SimRunner
+
+    cost = (
+        CostModel.load(args.profile)
+        if args.profile
+        else CostModel.for_step(args.step_ms, args.batch, args.per_token_us)
+    )
+    steps = args.steps or (200 if args.quick else 1500)
+    rows = []
+    for num_buffers in (1, 2, 3):
+        _progress(f"  engine on the simulated device, num_buffers={num_buffers}: {steps} steps ...")
+        runner = SimRunner(cost, num_kv_blocks=9 * args.batch * 2, max_model_len=1024, eos_token_id=None)
+        try:
+            result = measure_engine(runner, num_buffers, batch=args.batch, steps=steps)
+        except RuntimeError as exc:
+            return [], str(exc)
+        rows.append({"device": "simulated", "case": "real engine host", "host_ms_setting": None, **result})
+    return rows, None
+
+
 def run_tiny_model(args: argparse.Namespace) -> tuple[list[dict], str | None]:
     """The real model runner on CPU; (rows, reason it was skipped or None)."""
     try:
@@ -132,6 +230,8 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _progress("overlap bench: simulated device")
     rows = run_simulated(args)
+    engine_rows, engine_skipped = run_engine_simulated(args)
+    rows += engine_rows
     skipped = None
     if args.no_model:
         skipped = "--no-model"
@@ -146,6 +246,7 @@ def _run(args: argparse.Namespace) -> int:
                 {
                     "rows": rows,
                     "tiny_model_skipped": skipped,
+                    "engine_rows_skipped": engine_skipped,
                     "cpu_reason": CPU_REASON,
                     "elapsed_s": time.perf_counter() - started,
                 },
@@ -154,6 +255,8 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 0
     print(format_table(rows, args))
+    if engine_skipped:
+        print(f"engine rows skipped: {engine_skipped}")
     if skipped:
         print(f"tiny model rows skipped: {skipped}")
     else:
