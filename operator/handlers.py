@@ -97,24 +97,10 @@ def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
     refs = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == children.KIND and r.get("controller")]
     if not refs:
         return None
-    owner = _read_service(refs[0]["name"], meta["namespace"])
+    owner = kube.read_service(refs[0]["name"], meta["namespace"])
     if owner is None or owner["metadata"].get("uid") != refs[0]["uid"] or owner["metadata"].get("deletionTimestamp"):
         return None
     return owner
-
-
-def _read_service(name: str, namespace: str) -> dict[str, Any] | None:
-    import kubernetes
-    from kubernetes.client.exceptions import ApiException
-
-    api = kubernetes.client.CustomObjectsApi()
-    with kube.api_errors(f"reading InferenceService {namespace}/{name}"):
-        try:
-            return api.get_namespaced_custom_object(*CR[:2], namespace, CR[2], name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
 
 
 def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) -> None:

@@ -128,6 +128,18 @@ def create_if_absent(desired: Mapping[str, Any]) -> bool:
     return True
 
 
+def read_service(name: str, namespace: str) -> dict[str, Any] | None:
+    """The InferenceService as JSON, or None when it does not exist."""
+    api = kubernetes.client.CustomObjectsApi()
+    with api_errors(f"reading InferenceService {namespace}/{name}"):
+        try:
+            return api.get_namespaced_custom_object(children.GROUP, children.VERSION, namespace, children.PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
 def api_groups() -> set[str]:
     with api_errors("API discovery"):
         return {group.name for group in kubernetes.client.ApisApi().get_api_versions().groups}
