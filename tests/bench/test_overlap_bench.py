@@ -19,12 +19,15 @@ def test_overlap_bench_json_on_the_simulated_device(capsys):
     report = json.loads(capsys.readouterr().out)
     rows = report["rows"]
     cases = {(r["case"], r["num_buffers"]) for r in rows}
-    assert {c for c, _ in cases} == {"host < device", "host > device", "host spikes 1/4"}
+    assert {c for c, _ in cases} - {"real engine host"} == {"host < device", "host > device", "host spikes 1/4"}
+    if report["engine_rows_skipped"] is None:
+        assert {n for c, n in cases if c == "real engine host"} == {1, 2, 3}
     assert {n for _, n in cases} == {1, 2, 3}
     by = {(r["case"], r["num_buffers"]): r for r in rows}
     for row in rows:
         assert row["num_steps"] >= 40 and row["tokens_per_s"] > 0
-        assert row["device_ms_per_step"] == pytest.approx(8.0, abs=0.3)  # the cost model's step, as measured
+        # the cost model's step (8 ms at 64 tokens), as measured; engine steps may carry a prefill
+        assert row["device_ms_per_step"] == pytest.approx(8.0, abs=0.3 if row["case"] != "real engine host" else 1.0)
         assert 0.0 <= row["idle_share"] <= 1.0
     # pipelining hides host time: two buffers idle the device less than one, and deliver more
     assert by[("host < device", 2)]["idle_share"] < by[("host < device", 1)]["idle_share"]
@@ -36,7 +39,7 @@ def test_overlap_bench_table(capsys):
     assert main(["bench", "overlap", "--quick", "--no-model", "--steps", "10", "--step-ms", "2"]) == 0
     out = capsys.readouterr().out
     assert "idle %" in out and "predicted idle %" in out and "host spikes" in out
-    assert sum(line.startswith("simulated ") for line in out.splitlines()) == 9
+    assert sum(line.startswith("simulated ") for line in out.splitlines()) in (9, 12)  # 12 with the engine rows
 
 
 def test_overlap_bench_rejects_bad_arguments(capsys):
