@@ -133,8 +133,10 @@ for _group, _version, _plural in CHILD_RESOURCES:
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
 def mirror_rollout(body: kopf.Body, type: str | None, **_: Any) -> None:
+    if type == "DELETED":
+        return  # restore_child recreates it; the new one's events update the status
     owner = _owner_of(body)
-    if owner is None or type == "DELETED":
+    if owner is None:
         return
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     deployment = dict(body)
