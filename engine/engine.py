@@ -282,7 +282,11 @@ class Engine:
 
     # ---- stats -------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
+        """A flat, JSON-serialisable snapshot; safe to call from any thread (counters only, no iteration over the
+        scheduler's live collections)."""
         scheduler = self.scheduler
+        with self._lock:
+            num_incoming = sum(1 for kind, _ in self._inbox if kind == "add")
         bm = self.block_manager
         window = list(self._window)
         now = time.monotonic()
@@ -295,9 +299,9 @@ class Engine:
             last = (0.0, 0.0, 0.0, 0, 0.0)
         n = max(len(window), 1)
         return {
-            "num_waiting": len(scheduler.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
+            "num_waiting": len(scheduler.waiting) + num_incoming,
             "num_running": len(scheduler.running),
-            "num_preempted": sum(1 for r in scheduler.waiting if r.times.num_preemptions),
+            "num_preempted": scheduler.num_preempted,
             "num_waiting_by_priority": scheduler.waiting.num_by_priority(),
             "num_running_by_priority": scheduler.num_running_by_priority(),
             "kv_usage": bm.usage,

@@ -53,6 +53,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.num_preemptions_total = 0
+        self.num_preempted = 0  # preempted requests now waiting to resume
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
@@ -77,6 +78,8 @@ class Scheduler:
                 return None
             self._finish(request, FinishReason.ABORT, now)
             return request
+        if request.status is RequestStatus.PREEMPTED:
+            self.num_preempted -= 1
         request.finish(FinishReason.ABORT, now)
         return request
 
@@ -205,6 +208,8 @@ class Scheduler:
             request.times.first_scheduled = now
             request.num_cached_tokens = num_cached
             self.num_prompt_tokens_total += request.num_prompt_tokens
+        if request.status is RequestStatus.PREEMPTED:
+            self.num_preempted -= 1
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=_sort_key)
 
@@ -225,6 +230,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        self.num_preempted += 1
         request.times.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.add_front(request, now)

@@ -7,6 +7,7 @@ from engine_helpers import create_engine, reference_tokens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from overlap.engine.request import RequestStatus
 from overlap.engine.types import FinishReason, SamplingParams
 
 NUM_BLOCKS = 24  # of 4 slots: tight enough that decode growth forces preemptions
@@ -34,6 +35,8 @@ def _check_consistent(engine) -> None:
     assert not set(running_ids) & set(waiting_ids), "a request is both running and waiting"
     assert len(waiting_ids) == len(set(waiting_ids))
     scheduler.block_manager.check_invariants(scheduler.running)
+    num_preempted = sum(1 for r in scheduler.waiting if r.status is RequestStatus.PREEMPTED)
+    assert scheduler.num_preempted == num_preempted == engine.stats()["num_preempted"]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
