@@ -303,6 +303,18 @@ def compare_policies(entries: list[dict]) -> dict:
         out["throughput_vs_serial"] = {
             p: round(m["requests_per_s"] / serial["requests_per_s"], 2) for p, m in by_policy.items()
         }
+    continuous = by_policy.get("continuous")
+    if (
+        serial
+        and continuous
+        and serial.get("itl_p50_ms")
+        and continuous.get("itl_p50_ms")
+        and continuous.get("mean_batch")
+    ):
+        # What the step costs allow: a serial step yields one token, a continuous step `mean_batch` tokens.
+        out["continuous_vs_serial_step_cost_bound"] = round(
+            serial["itl_p50_ms"] * continuous["mean_batch"] / continuous["itl_p50_ms"], 2
+        )
     order = [p for p in ("continuous", "dynamic", "fixed_window", "serial") if p in by_policy]
     if len(order) >= 2:
         rps = [by_policy[p]["requests_per_s"] for p in order]
@@ -362,6 +374,11 @@ def render_markdown(summary: dict) -> str:
         if "throughput_vs_serial" in comparison:
             ratios = ", ".join(f"{p} {r:g}x" for p, r in comparison["throughput_vs_serial"].items())
             lines.append(f"- Throughput relative to serial: {ratios}")
+        if "continuous_vs_serial_step_cost_bound" in comparison:
+            lines.append(
+                "- What the step costs allow continuous over serial (serial ITL x continuous mean batch / continuous "
+                f"ITL, medians): {comparison['continuous_vs_serial_step_cost_bound']:g}x"
+            )
         if "throughput_order" in comparison:
             verdict = "holds" if comparison["throughput_order_holds"] else "does NOT hold"
             lines.append(f"- Expected throughput order {comparison['throughput_order']}: {verdict}")

@@ -131,23 +131,21 @@ def test_healthy_run():
 
 
 def test_policy_comparison_orders_and_ratios():
-    def entry(policy, rps, p99):
-        return {
-            "mode": "in-process",
-            "config": {"batching": policy},
-            "metrics": {"requests_per_s": rps, "e2e_p99_ms": p99},
-        }
+    def entry(policy, rps, p99, itl=None, batch=None):
+        metrics = {"requests_per_s": rps, "e2e_p99_ms": p99, "itl_p50_ms": itl, "mean_batch": batch}
+        return {"mode": "in-process", "config": {"batching": policy}, "metrics": metrics}
 
     entries = [
-        entry("serial", 2, 9000),
+        entry("serial", 2, 9000, itl=20),
         entry("fixed_window", 8, 4000),
         entry("dynamic", 30, 1500),
-        entry("continuous", 40, 900),
+        entry("continuous", 40, 900, itl=100, batch=50),
     ]
     out = compare_policies(entries)
     assert out["throughput_vs_serial"]["continuous"] == 20
     assert out["throughput_order_holds"] is True
     assert out["continuous_has_lowest_p99"] is True
+    assert out["continuous_vs_serial_step_cost_bound"] == 10  # 20 ms x 50 / 100 ms
     entries[1] = entry("fixed_window", 35, 4000)  # fixed window beating dynamic breaks the order
     assert compare_policies(entries)["throughput_order_holds"] is False
 
