@@ -126,3 +126,42 @@ def test_repeated_prompt_hits_the_prefix_cache_with_identical_outputs(tiny_model
     assert _tokens(second) == _tokens(first) == hf_greedy(prompt, 16)
     stats = engine.stats()
     assert stats["prefix_cache_hits_total"] == 64 and stats["prefix_cache_hit_rate"] == 64 / 140
+
+
+def test_seeded_sampling_is_the_same_alone_batched_and_across_preemption(tiny_model_dir: Path) -> None:
+    prompts = _prompts(6, seed=5, min_len=30, max_len=40)
+    sampling = SamplingParams(max_tokens=20, temperature=0.8, top_k=50, seed=1234, ignore_eos=True)
+
+    def run(engine: Engine, ids: list[int]) -> dict[str, list[int]]:
+        for i in ids:
+            engine.add_request(f"s{i}", prompts[i], sampling)
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return outputs
+
+    alone = run(_engine(tiny_model_dir), [0])["s0"]
+    squeezed = _engine(tiny_model_dir, num_kv_blocks=10, max_seq_len=128, enable_prefix_caching=False)
+    together = run(squeezed, list(range(6)))
+    assert squeezed.stats()["num_preemptions_total"] > 0
+    assert together["s0"] == alone
+    assert len(set(map(tuple, together.values()))) == 6  # different prompts, different samples
+
+
+async def test_generate_streams_from_the_real_model(tiny_model_dir: Path, hf_greedy) -> None:
+    import asyncio
+
+    engine = _engine(tiny_model_dir)
+    prompts = _prompts(3, seed=6, min_len=5, max_len=20)
+
+    async def collect(i: int) -> list[int]:
+        sampling = SamplingParams(max_tokens=8, temperature=0)
+        return [t async for out in engine.generate(f"g{i}", prompts[i], sampling) for t in out.new_token_ids]
+
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(collect(i) for i in range(3))), timeout=120)
+    finally:
+        engine.close()
+    for prompt, tokens in zip(prompts, results, strict=True):
+        assert tokens == hf_greedy(prompt, 8)
