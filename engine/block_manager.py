@@ -270,14 +270,6 @@ class BlockManager:
                 self._block_keys[block] = keys[i]
         request.num_registered_blocks = num_full
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds (e.g. after the runner failed mid-step)."""
-        for key, block in list(self._cached.items()):
-            if self.ref_counts[block] == 0:
-                del self._cached[key]
-                self._block_keys[block] = None
-                self._mark_free(block)
-
     # ---- checks (tests) ----------------------------------------------------------------------------------------
     def check_invariants(self, holders: list[Request]) -> None:
         """Assert that reference counts match the block tables of `holders` and the free list is exact."""

@@ -193,8 +193,8 @@ class Engine:
             if len(sampled) != num_samples:
                 raise RuntimeError(f"runner returned {len(sampled)} tokens for {num_samples} sampled sequences")
         except Exception as exc:  # the engine keeps serving the other requests
-            # Blocks this step wrote may hold partial K/V; keep none of them cached.
-            self.block_manager.reset_prefix_cache()
+            # The step wrote only at or past each sequence's computed length: never into a block that is shared or
+            # published to the prefix cache (those lie below it), so the cache stays valid.
             return [], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
         forward_s = getattr(self.runner, "last_forward_time_s", None)
         return sampled, forward_s if forward_s is not None else time.perf_counter() - t0, None

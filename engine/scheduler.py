@@ -19,8 +19,12 @@ from overlap.engine.request_queue import make_request_queue
 from overlap.engine.types import FinishReason, ModelInput, ScheduledSeq
 
 
-def _sort_key(request: Request) -> tuple[int, float, int]:
+def _priority_key(request: Request) -> tuple[int, float, int]:
     return request.sort_key
+
+
+def _arrival_key(request: Request) -> tuple[int, float, int]:
+    return (0, request.times.arrived, request.arrival_seq)
 
 
 @dataclass(slots=True)
@@ -47,6 +51,10 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.waiting = make_request_queue(config.queue_policy, config.num_priority_levels, config.aging_s)
         self.running: list[Request] = []
+        # Under FIFO priorities are ignored: the preemption victim is simply the latest arrival, and nobody is
+        # preempted to admit someone else.
+        self.use_priorities = config.queue_policy == "priority"
+        self._running_key = _priority_key if self.use_priorities else _arrival_key
         self.num_priority_levels = config.num_priority_levels
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.policy = make_batching_policy(config.batching, config.batching_args)
@@ -211,11 +219,13 @@ class Scheduler:
         if request.status is RequestStatus.PREEMPTED:
             self.num_preempted -= 1
         request.status = RequestStatus.RUNNING
-        bisect.insort(self.running, request, key=_sort_key)
+        bisect.insort(self.running, request, key=self._running_key)
 
     def _victims_for(self, request: Request) -> list[Request]:
         """Running requests of strictly lower priority to preempt, lowest and latest first, so that `request`'s
-        blocks fit; [] if even all of them would not make room."""
+        blocks fit; [] if even all of them would not make room (or priorities are off)."""
+        if not self.use_priorities:
+            return []
         needed = self.block_manager.num_blocks_for(request.num_tokens) - self.block_manager.num_free_blocks
         victims = []
         for victim in reversed(self.running):

@@ -212,3 +212,20 @@ def test_repeated_prompt_hits_the_prefix_cache_with_identical_outputs() -> None:
     assert second.num_cached_tokens == 16
     assert second.output_token_ids == first.output_token_ids == reference_tokens(first.prompt_token_ids, first.sampling)
     assert scheduler.block_manager.prefix_cache_hits == 16
+
+
+def test_fifo_ignores_priority_when_choosing_a_preemption_victim() -> None:
+    scheduler, runner = create_scheduler(num_blocks=8, block_size=4, enable_prefix_caching=False, queue_policy="fifo")
+    first_low = create_requests(1, prompt_len=12, max_tokens=8, priority=2, arrived=0.0)[0]
+    later_high = create_requests(1, prompt_len=12, max_tokens=8, priority=0, arrived=1.0)[0]
+    for r in (first_low, later_high):
+        scheduler.add_request(r, 0.0)
+    victims = []
+    now = 0.0
+    while scheduler.num_unfinished:
+        batch, _ = run_step(scheduler, runner, now)
+        victims += batch.preempted
+        now += 0.01
+    assert victims and victims[0] is later_high  # the latest arrival, although it has the higher priority
+    for r in (first_low, later_high):
+        assert r.output_token_ids == reference_tokens(r.prompt_token_ids, r.sampling)
