@@ -67,11 +67,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer requests (under 90 s in all)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent clients (default 64)")
-    parser.add_argument("--num-requests", type=int, help="requests per run (default 512, quick 128)")
+    parser.add_argument("--num-requests", type=int, help="requests per run (default 512, quick 64)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
     parser.add_argument("--model", help="model folder (default: the tiny default model)")
     parser.add_argument("--config", help="engine config file for both runs (JSON or YAML)")
+    parser.add_argument("--num-threads", type=int, help="torch CPU threads of the engine in both runs")
     parser.add_argument("--target", help="measure this OpenAI-compatible server instead of launching overlap serve")
     parser.add_argument("--target-model", help="model name at --target (default: the first of /v1/models)")
     parser.add_argument("--skip-engine", action="store_true", help="skip the in-process engine run")
@@ -90,9 +91,10 @@ def make_prompts(n: int, prompt_len: int, seed: int) -> list[list[int]]:
 
 def run_engine(config, prompts: list[list[int]], output_len: int, concurrency: int, warmup: int) -> RunResult:
     """Closed loop on the bare engine: keep `concurrency` requests in flight, step() until all are done."""
+    from tqdm import tqdm
+
     from overlap.engine import SamplingParams
     from overlap.engine.engine import Engine
-    from tqdm import tqdm
 
     engine = Engine(config)
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
@@ -230,14 +232,37 @@ def _stop(proc) -> None:
         proc.wait()
 
 
+def _config_with_threads(config_path: str | None, num_threads: int) -> str:
+    """A temporary engine config file: `config_path`'s fields plus num_threads (read by both runs)."""
+    import atexit
+    import os
+    import tempfile
+
+    from overlap.engine.server import read_config_file
+
+    fields = read_config_file(config_path) if config_path else {}
+    fields["num_threads"] = num_threads
+    fd, path = tempfile.mkstemp(prefix="overlap-bench-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(fields, f)
+    atexit.register(os.unlink, path)
+    return path
+
+
 def _run(args: argparse.Namespace) -> int:
+    import signal
     import socket
 
-    from overlap.sidecar.serve import _get_json
     from tqdm import tqdm
 
-    n = args.num_requests or (128 if args.quick else 512)
-    warmup = min(n, args.concurrency)
+    from overlap.sidecar.serve import _get_json
+
+    # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the launched server is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    n = args.num_requests or (64 if args.quick else 512)
+    warmup = min(n, 8 if args.quick else args.concurrency)
+    if args.num_threads:
+        args.config = _config_with_threads(args.config, args.num_threads)
     prompts = make_prompts(n, args.prompt_len, args.seed)
     warm_prompts = make_prompts(warmup, args.prompt_len, args.seed + 1)
     report: dict = {

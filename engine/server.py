@@ -256,6 +256,8 @@ class EngineServer:
                 message = p.read_message(conn.sock)
                 if message is None:
                     break
+                if isinstance(message, p.AddRequest) and message.arrival_time is None:
+                    message.arrival_time = time.monotonic()  # waiting for the step boundary is engine queue time
                 self._inbox.put((conn, message))
         except (OSError, p.ProtocolError) as exc:
             if conn.alive:
