@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from overlap.engine.block_manager import BlockManager
@@ -24,6 +25,15 @@ from overlap.engine.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
 
 _WINDOW_STEPS = 128  # sliding window for the step-time, batch-size and busy-ratio averages
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What executing one ScheduledBatch produced."""
+
+    sampled: list[int]  # one token per seq with do_sample, in order
+    forward_s: float  # device busy time of the step (the runner's own measure when it has one)
+    error: str | None = None  # set when the step failed; its requests finish with ERROR
 
 
 def _load_runner(config: EngineConfig, model_dir: Path):
@@ -165,24 +175,19 @@ class Engine:
         nothing can run."""
         with self._step_lock:
             outputs = self._process_input(time.monotonic())
-            start = time.monotonic()
-            cpu0 = time.thread_time()
-            batch = self.scheduler.schedule(start)
-            schedule_cpu = time.thread_time() - cpu0
-            outputs += self._outputs_for(batch.finished)
-            if batch.is_empty:
-                return outputs
-            sampled, forward_s, error = self._execute(batch)
-            if error is not None:
-                outputs += self._outputs_for(self.scheduler.fail(batch, error, time.monotonic()))
-            else:
-                outputs += self.postprocess(batch, sampled)
-            end = time.monotonic()
-            self._num_steps_total += 1
-            self._window.append((start, end - start, forward_s, len(batch.requests), schedule_cpu))
+            batch = self.schedule()
+            outcome = None if batch.is_empty else self.execute(batch)
+            outputs += self.postprocess(batch, outcome)
             return outputs
 
-    def _execute(self, batch: ScheduledBatch) -> tuple[list[int], float, str | None]:
+    def schedule(self) -> ScheduledBatch:
+        """Decide the next step's work (the handle postprocess applies the result to)."""
+        cpu0 = time.thread_time()
+        batch = self.scheduler.schedule(time.monotonic())
+        batch.schedule_cpu_s = time.thread_time() - cpu0
+        return batch
+
+    def execute(self, batch: ScheduledBatch) -> StepOutcome:
         """Run the forward; a failure becomes an error message for the batch's requests, not an exception."""
         t0 = time.perf_counter()
         try:
@@ -195,13 +200,24 @@ class Engine:
         except Exception as exc:  # the engine keeps serving the other requests
             # The step wrote only at or past each sequence's computed length: never into a block that is shared or
             # published to the prefix cache (those lie below it), so the cache stays valid.
-            return [], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+            return StepOutcome([], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         forward_s = getattr(self.runner, "last_forward_time_s", None)
-        return sampled, forward_s if forward_s is not None else time.perf_counter() - t0, None
+        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0)
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[RequestOutput]:
-        """Apply one step's sampled tokens to the requests in `batch` (the handle `schedule()` returned)."""
-        return self._outputs_for(self.scheduler.postprocess(batch, sampled, time.monotonic()))
+    def postprocess(self, batch: ScheduledBatch, outcome: StepOutcome | None) -> list[RequestOutput]:
+        """Apply a step's outcome to the requests in `batch`; also reports what finished while scheduling."""
+        now = time.monotonic()
+        outputs = self._outputs_for(batch.finished)
+        if outcome is None:
+            return outputs
+        if outcome.error is not None:
+            outputs += self._outputs_for(self.scheduler.fail(batch, outcome.error, now))
+        else:
+            outputs += self._outputs_for(self.scheduler.postprocess(batch, outcome.sampled, now))
+        self._num_steps_total += 1
+        wall = now - batch.scheduled_at
+        self._window.append((batch.scheduled_at, wall, outcome.forward_s, len(batch.requests), batch.schedule_cpu_s))
+        return outputs
 
     def _process_input(self, now: float) -> list[RequestOutput]:
         with self._lock:

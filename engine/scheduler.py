@@ -36,6 +36,8 @@ class ScheduledBatch:
     num_computed_after: list[int]  # each request's computed length once this step has run
     finished: list[Request] = field(default_factory=list)  # finished while scheduling (timeouts)
     preempted: list[Request] = field(default_factory=list)
+    scheduled_at: float = 0.0  # time.monotonic() when it was scheduled
+    schedule_cpu_s: float = 0.0  # CPU time the scheduling decision took (set by the engine)
 
     @property
     def is_empty(self) -> bool:
@@ -181,7 +183,9 @@ class Scheduler:
                 scheduled[request.request_id] = (request, n)
                 budget -= n
 
-        return self._build_batch(scheduled, finished, preempted)
+        batch = self._build_batch(scheduled, finished, preempted)
+        batch.scheduled_at = now
+        return batch
 
     def _build_batch(
         self, scheduled: dict[str, tuple[Request, int]], finished: list[Request], preempted: list[Request]
