@@ -101,6 +101,16 @@ def test_client_disconnect_aborts_the_engine_request(stack):
     assert aborted == aborted_before + 2
 
 
+def test_request_timeout_gives_504_and_frees_the_engine(stack):
+    for how in ({"timeout": 0.3}, {"headers": {"x-request-timeout": "0.3"}}):
+        body = completion(stack, max_tokens=1500, ignore_eos=True, **({"timeout": 0.3} if "timeout" in how else {}))
+        started = time.monotonic()
+        status, _, data = http("POST", f"{stack.base_url}/v1/completions", body, headers=how.get("headers"))
+        assert status == 504 and data["error"]["code"] == "timeout", data
+        assert time.monotonic() - started < 5  # 1500 steps of 10 ms would take 15 s
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 0, 5, "engine abort")
+
+
 def test_api_key_guards_the_public_api(stack):
     port = free_port()
     env = {**os.environ, "PYTHONSAFEPATH": "1", "TEST_OVERLAP_KEY": "sk-test-1234"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+
 from overlap.engine import protocol as p
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
 from overlap.sidecar.admission import Admission

@@ -1,0 +1,149 @@
+"""The engine server in-process (a thread) with a scripted runner: the wire protocol end to end, per-request
+errors that keep the connection, stats, reconfigure, per-connection cleanup, drain on stop; and config loading."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from overlap.engine import protocol as p
+from overlap.engine.config import EngineConfig
+from overlap.engine.engine import Engine
+from overlap.engine.errors import ConfigError
+from overlap.engine.server import EngineServer, load_engine_config
+from overlap.engine.types import SamplingParams
+
+
+class CountingRunner:
+    """Token n of every sequence is 100 + n; each step sleeps a little (like a device)."""
+
+    num_kv_blocks, block_size, vocab_size, eos_token_id, max_model_len = 256, 16, 1000, 2, 256
+
+    def execute(self, model_input) -> list[int]:
+        time.sleep(0.002)
+        return [100 + s.num_generated for s in model_input.seqs if s.do_sample]
+
+
+@pytest.fixture
+def server(tmp_short):
+    engine = Engine(EngineConfig(), runner=CountingRunner(), model_dir=tmp_short)
+    srv = EngineServer(engine, tmp_short / "e.sock", grace_period_s=5)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    for _ in range(100):
+        if (tmp_short / "e.sock").exists():
+            break
+        time.sleep(0.02)
+    yield srv, tmp_short / "e.sock", thread
+    srv.request_stop()
+    srv.request_stop()
+    thread.join(5)
+
+
+def connect(path) -> tuple[socket.socket, p.Hello]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(path))
+    sock.settimeout(10)
+    hello = p.read_message(sock)
+    assert isinstance(hello, p.Hello)
+    return sock, hello
+
+
+def add(sock, request_id: str, prompt: list[int], max_tokens: int) -> None:
+    sampling = p.WireSampling.from_params(SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    sock.sendall(p.encode(p.AddRequest(request_id, prompt, sampling)))
+
+
+def collect(sock, request_ids: set[str]) -> dict[str, list]:
+    """Messages per request id until every one finished or failed."""
+    got: dict[str, list] = {r: [] for r in request_ids}
+    open_ids = set(request_ids)
+    while open_ids:
+        message = p.read_message(sock)
+        if isinstance(message, p.Outputs):
+            for out in message.outputs:
+                got[out.request_id].append(out)
+                if out.finished:
+                    open_ids.discard(out.request_id)
+        elif isinstance(message, p.RequestError):
+            got[message.request_id].append(message)
+            open_ids.discard(message.request_id)
+    return got
+
+
+def test_hello_requests_errors_stats_and_reconfigure(server):
+    _, path, _ = server
+    sock, hello = connect(path)
+    with sock:
+        assert hello.max_model_len == 256 and hello.vocab_size == 1000 and hello.eos_token_id == 2
+        assert hello.config["max_num_seqs"] == 64
+        add(sock, "a", [5, 6, 7], 5)
+        add(sock, "too-long", [5] * 300, 5)  # InvalidRequestError: a per-request error, the connection stays
+        add(sock, "b", [8, 9], 3)
+        got = collect(sock, {"a", "too-long", "b"})
+        assert isinstance(got["too-long"][0], p.RequestError) and "256" in got["too-long"][0].message
+        tokens = [t for out in got["a"] for t in out.new_token_ids]
+        assert tokens == [100, 101, 102, 103, 104]
+        final = got["b"][-1]
+        assert final.finish_reason == "length" and final.num_output_tokens == 3 and final.times.finished
+
+        sock.sendall(p.encode(p.StatsRequest(7)))
+        reply = p.read_message(sock)
+        assert isinstance(reply, p.StatsReply) and reply.seq == 7 and reply.stats["num_connections"] == 1
+        sock.sendall(p.encode(p.Reconfigure(8, {"max_num_seqs": 4})))
+        reply = p.read_message(sock)
+        assert reply.seq == 8 and reply.error is None and reply.applied["max_num_seqs"] == 4
+        sock.sendall(p.encode(p.Reconfigure(9, {"block_size": 32})))
+        reply = p.read_message(sock)
+        assert reply.applied is None and "block_size" in reply.error
+
+
+def test_a_closed_connection_aborts_its_requests(server):
+    srv, path, _ = server
+    sock, _ = connect(path)
+    add(sock, "long", [5, 6], 200)
+    time.sleep(0.05)
+    sock.close()
+    deadline = time.monotonic() + 5
+    while srv.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not srv.engine.has_unfinished()
+    other, _ = connect(path)  # the server still serves others
+    with other:
+        add(other, "x", [1], 2)
+        assert collect(other, {"x"})["x"][-1].num_output_tokens == 2
+
+
+def test_stop_drains_in_flight_and_refuses_new(server):
+    srv, path, thread = server
+    sock, _ = connect(path)
+    with sock:
+        add(sock, "inflight", [5], 40)
+        time.sleep(0.02)
+        srv.request_stop()
+        add(sock, "late", [5], 2)
+        got = collect(sock, {"inflight", "late"})
+        assert got["inflight"][-1].num_output_tokens == 40
+        assert isinstance(got["late"][0], p.RequestError) and got["late"][0].kind == "shutting_down"
+    thread.join(5)
+    assert not thread.is_alive() and not path.exists()
+
+
+def test_engine_config_files(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"max_num_seqs": 8, "num_buffers": 1}))
+    (tmp_path / "b.yaml").write_text("max_num_seqs: 12\naging_s: 2.5\n")
+    assert load_engine_config(tmp_path / "a.json").max_num_seqs == 8
+    config = load_engine_config(tmp_path / "b.yaml", model="/m")
+    assert (config.max_num_seqs, config.aging_s, config.model) == (12, 2.5, "/m")
+    (tmp_path / "bad.json").write_text(json.dumps({"max_num_seq": 8}))
+    with pytest.raises(ConfigError, match="max_num_seq"):
+        load_engine_config(tmp_path / "bad.json")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_engine_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_engine_config(tmp_path / "missing.json")
