@@ -174,7 +174,7 @@ class Scheduler:
                         preempted.append(victim)
                         if victim.request_id in scheduled:
                             budget += scheduled.pop(victim.request_id)[1]
-                    continue  # the head may have changed (a victim can go back to the front of level 0)
+                    continue  # retry the head: the victims went back behind it (their own, lower level)
                 waiting.pop()
                 num_to_admit -= 1
                 self._start(request, num_cached, now)
