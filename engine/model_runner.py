@@ -214,7 +214,7 @@ class ModelRunner:
             k_pool.index_copy_(0, inputs.slots, k)
             v_pool.index_copy_(0, inputs.slots, v)
             attn = self._attention(q, k_pool, v_pool, inputs.seqs)
-            x = x + F.linear(attn.view(num_tokens, q_size), lw.o)
+            x = x + F.linear(attn, lw.o)
             h = F.rms_norm(x, hidden, lw.post_norm, eps)
             gate_up = F.linear(h, lw.gate_up)
             x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)
@@ -222,25 +222,48 @@ class ModelRunner:
         return F.linear(x, w.lm_head)
 
     def _attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
-        out = torch.empty_like(q)
-        gqa = self._gqa
-        for s in seqs:
-            if s.kv_start is not None:
-                k = k_pool[s.kv_start : s.kv_start + s.kv_len]
-                v = v_pool[s.kv_start : s.kv_start + s.kv_len]
-            else:
-                k = k_pool.index_select(0, s.kv_index)
-                v = v_pool.index_select(0, s.kv_index)
-            o = F.scaled_dot_product_attention(
-                q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-                k.transpose(0, 1).unsqueeze(0),  # [1, KV, L, D], a strided view of the pool
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=s.mask,
-                is_causal=s.is_causal,
-                enable_gqa=gqa,
-            )
-            out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
-        return out
+        """Per-sequence attention on head-major views (3-D SDPA inputs [heads, len, D]): three slicing ops and one
+        kernel per sequence, no K/V copy for a sequence whose blocks form one run. Returns [T, H * D].
+
+        Decode sequences run with one intra-op thread: each of their kernels is a few microseconds of work, and a
+        parallel region per kernel costs more than it saves (on a busy machine a barrier waits for a descheduled
+        worker, ~1 ms each: 50x slower at batch 64). Prefill chunks are big enough to keep every thread."""
+        q_t = q.transpose(0, 1)  # [H, T, D]
+        k_t = k_pool.transpose(0, 1)  # [KV, slots, D]
+        v_t = v_pool.transpose(0, 1)
+        outs: list[torch.Tensor | None] = [None] * len(seqs)
+        decodes = [i for i, s in enumerate(seqs) if s.q_len == 1]
+        if len(decodes) < len(seqs):
+            for i, s in enumerate(seqs):
+                if s.q_len > 1:
+                    outs[i] = self._attend(q_t, k_t, v_t, s)
+        if decodes:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                for i in decodes:
+                    outs[i] = self._attend(q_t, k_t, v_t, seqs[i])
+            finally:
+                torch.set_num_threads(threads)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [H, T, D]
+        return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, s: SeqAttention) -> torch.Tensor:
+        if s.kv_start is not None:
+            k = k_t[:, s.kv_start : s.kv_start + s.kv_len]
+            v = v_t[:, s.kv_start : s.kv_start + s.kv_len]
+        else:
+            # Gather whole rows (KV * D contiguous values each) from the slot-major pool, then view head-major.
+            k = k_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
+            v = v_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
+        return F.scaled_dot_product_attention(
+            q_t[:, s.q_start : s.q_start + s.q_len],
+            k,
+            v,
+            attn_mask=s.mask,
+            is_causal=s.is_causal,
+            enable_gqa=self._gqa,
+        )
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)

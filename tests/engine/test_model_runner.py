@@ -268,39 +268,52 @@ def _sample_once(runner, sampling: SamplingParams, num_generated: int = 0, promp
     return runner.execute(ModelInput([seq]))[0]
 
 
+def _positions_batch(sampling: SamplingParams, num: int, prompt=(1, 40, 50, 60)) -> ModelInput:
+    """`num` copies of one prompt, as if at generation steps 0..num-1 (same logits, different seeded draws)."""
+    return ModelInput([ScheduledSeq(f"s{n}", list(prompt), 0, [n], True, sampling, n) for n in range(num)])
+
+
 def test_seeded_sampling_is_reproducible(runner):
-    params = SamplingParams(temperature=5.0, seed=42)
-    first = [_sample_once(runner, params, n) for n in range(12)]
-    again = [_sample_once(runner, params, n) for n in range(12)]
+    first = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=42), 12))
+    again = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=42), 12))
     assert first == again
     assert len(set(first)) > 1  # a hot temperature draws different tokens at different positions
-    other = [_sample_once(runner, SamplingParams(temperature=5.0, seed=43), n) for n in range(12)]
+    other = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=43), 12))
     assert other != first
 
 
 def test_top_k_and_top_p_are_respected(runner):
-    prompt = (1, 40, 50, 60)
-    logits = runner.compute_logits(ModelInput([ScheduledSeq("s", list(prompt), 0, [10], True, GREEDY)]))[0]
+    from overlap.engine import sampler
+
+    prompt = [1, 40, 50, 60]
+    logits = runner.compute_logits(ModelInput([ScheduledSeq("s", prompt, 0, [10], True, GREEDY)]))[0]
+    rows = logits.expand(60, -1)
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(**kw) -> set[int]:
+        params = [SamplingParams(seed=s, **kw) for s in range(60)]
+        return set(sampler.sample(rows, params, [0] * 60, gen).tolist())
+
     top5 = set(logits.topk(5).indices.tolist())
-    drawn = {_sample_once(runner, SamplingParams(temperature=50.0, top_k=5, seed=s)) for s in range(60)}
+    drawn = draw(temperature=50.0, top_k=5)
     assert drawn <= top5 and len(drawn) >= 3
     probs = (logits / 50.0).softmax(-1)
     order = probs.argsort(descending=True)
     nucleus_size = int((probs[order].cumsum(0) < 0.3).sum()) + 1
-    nucleus = set(order[:nucleus_size].tolist())
-    drawn = {_sample_once(runner, SamplingParams(temperature=50.0, top_p=0.3, seed=s)) for s in range(60)}
-    assert drawn <= nucleus and len(drawn) >= 2
-    greedy = _sample_once(runner, SamplingParams(temperature=0.0))
-    assert greedy == int(logits.argmax())
-    assert _sample_once(runner, SamplingParams(temperature=3.0, top_k=1, seed=1)) == greedy
+    drawn = draw(temperature=50.0, top_p=0.3)
+    assert drawn <= set(order[:nucleus_size].tolist()) and len(drawn) >= 2
+    both = draw(temperature=50.0, top_k=5, top_p=0.3)
+    assert both <= top5 and both <= set(order[:nucleus_size].tolist())
+    assert draw(temperature=0.0) == {int(logits.argmax())}
+    assert draw(temperature=3.0, top_k=1) == {int(logits.argmax())}
+    assert len(draw(temperature=50.0)) > 10  # no top-k/top-p: the whole vocabulary is in play
 
 
 def test_mixed_batch_samples_each_row_by_its_own_params(runner):
     prompt = [1, 40, 50, 60]
-    greedy_token = _sample_once(runner, GREEDY)
     params = [GREEDY, SamplingParams(temperature=50.0, seed=7), SamplingParams(temperature=50.0, top_k=3, seed=7)]
     seqs = [ScheduledSeq(f"s{i}", prompt, 0, [20 + i], True, p) for i, p in enumerate(params)]
     tokens = runner.execute(ModelInput(seqs))
-    assert tokens[0] == greedy_token
-    assert tokens[1] == _sample_once(runner, params[1])  # same seed, same position: same token alone or batched
-    assert tokens[2] == _sample_once(runner, params[2])
+    alone = [runner.execute(ModelInput([seq]))[0] for seq in seqs]
+    assert tokens == alone  # same seed, same position: the same token alone or batched
+    assert tokens[0] == int(runner.compute_logits(ModelInput(seqs[:1]))[0].argmax())
