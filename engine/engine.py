@@ -60,7 +60,9 @@ class Engine:
                 raise ModelLoadError(f"model folder {str(model_dir)!r} does not exist (config.model)")
             runner = _load_runner(config, model_dir)
         self.runner = runner
-        self.model_dir = Path(model_dir) if model_dir is not None else Path(config.model or ".")
+        if model_dir is None:  # an injected runner: it may know its folder
+            model_dir = getattr(runner, "model_dir", None) or config.model or "."
+        self.model_dir = Path(model_dir)
         self.max_model_len = min(config.max_seq_len, int(runner.max_model_len))
         self.vocab_size = int(runner.vocab_size)
         self.eos_token_id = runner.eos_token_id
