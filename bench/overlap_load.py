@@ -115,7 +115,10 @@ class DecodeLoad:
         spin(self.spike_s if spiking else self.host_s)
         while self.pending and len(self.running) < self.batch and len(self.free_blocks) >= self.blocks_per_request:
             request_id, prompt, max_tokens = self.pending.pop()
-            blocks = [self.free_blocks.pop() for _ in range(self.blocks_per_request)]
+            # a run of consecutive ids where the free list allows, as the block manager hands out (the runner
+            # reads such a run in place)
+            blocks = self.free_blocks[: self.blocks_per_request]
+            del self.free_blocks[: self.blocks_per_request]
             self.running[request_id] = LoadRequest(request_id, prompt, max_tokens, blocks)
         seqs = []
         for req in self.running.values():
