@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
+
 from overlap.engine.config import LIVE_KNOBS
 from overlap.engine.errors import ConfigError
 from overlap.sidecar.engine_client import EngineUnavailable

@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
+
 from overlap.engine import protocol as p
 from overlap.sidecar import routes, schemas
 from overlap.sidecar.admission import Admission
@@ -19,8 +22,6 @@ from overlap.sidecar.engine_client import EngineClient, EngineUnavailable
 from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
 from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches
 from overlap.sidecar.text import TextProcessor
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,13 @@ async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
     """Load the tokenizer from the engine's model folder (once, or again when the model changed)."""
     source = state.config.tokenizer or hello.model_dir
     if state.text is None or state.text.model_dir != source:
-        loop = asyncio.get_running_loop()
         started = time.monotonic()
-        state.text = await loop.run_in_executor(None, TextProcessor, source)
-        log.info("tokenizer loaded from %s in %.1f s", source, time.monotonic() - started)
+        preload, state.text_preload = state.text_preload, None
+        if preload is not None and source == state.config.tokenizer:
+            state.text = await preload  # started with the sidecar, while the engine loaded its model
+        else:
+            state.text = await asyncio.get_running_loop().run_in_executor(None, TextProcessor, source)
+        log.info("tokenizer from %s ready (%.1f s after the engine's hello)", source, time.monotonic() - started)
     state.max_model_len = hello.max_model_len
     state.vocab_size = hello.vocab_size
     state.num_priority_levels = max(1, hello.num_priority_levels)
@@ -126,6 +130,8 @@ async def _poll_stats(state: ServerState) -> None:
 
 async def _engine_ctx(app: web.Application):
     state = app[STATE]
+    if state.config.tokenizer:  # known up front: load it while the engine is still starting
+        state.text_preload = asyncio.get_running_loop().run_in_executor(None, TextProcessor, state.config.tokenizer)
     tasks = [asyncio.create_task(state.client.run(), name="engine-client")]
     tasks.append(asyncio.create_task(_poll_stats(state), name="engine-stats"))
     if state.config.watch_config:

@@ -91,7 +91,8 @@ class EngineClient:
             except (OSError, p.ProtocolError) as exc:
                 log.warning("engine connection failed: %s", exc)
             finally:
-                self._lost("the engine connection was lost")
+                stopping = asyncio.current_task().cancelling() > 0
+                self._lost("the sidecar is stopping" if stopping else "the engine connection was lost", quiet=stopping)
                 writer.close()
                 with contextlib.suppress(Exception):
                     await writer.wait_closed()
@@ -135,7 +136,7 @@ class EngineClient:
         else:
             log.warning("unexpected %s from the engine; ignored", type(message).__name__)
 
-    def _lost(self, reason: str) -> None:
+    def _lost(self, reason: str, quiet: bool = False) -> None:
         was_connected = self.hello is not None
         self.hello, self._writer, self.latest_stats = None, None, None
         self._connected.clear()
@@ -146,7 +147,7 @@ class EngineClient:
         for future in replies.values():
             if not future.done():
                 future.set_exception(EngineUnavailable(reason))
-        if was_connected:
+        if was_connected and not quiet:
             log.warning("%s; failed %d in-flight requests", reason, len(streams))
 
     def _send(self, message: p.Message) -> None:

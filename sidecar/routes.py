@@ -7,6 +7,7 @@ import uuid
 
 import msgspec
 from aiohttp import web
+
 from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
 from overlap.sidecar import schemas

@@ -81,6 +81,11 @@ def run_serve(args: argparse.Namespace) -> int:
     args.engine_socket = "unused"
     sidecar_config_from_args(args)  # bad flags fail here, before anything starts
 
+    if not args.model:  # build it once here, so the sidecar can load its tokenizer while the engine loads
+        from overlap.engine.model_builder import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    args.tokenizer = args.tokenizer or args.model
     tmp = tempfile.mkdtemp(prefix="overlap-serve-")
     socket_path = os.path.join(tmp, "engine.sock")
     base = [sys.executable, "-m", "overlap.cli", "--log-level", args.log_level]

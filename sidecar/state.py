@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
+
 from overlap.engine.types import SamplingParams
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
 from overlap.sidecar.engine_client import EngineClient, EngineRejected, EngineUnavailable
 from overlap.sidecar.metrics import SidecarMetrics
 from overlap.sidecar.text import TextProcessor
-from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ServerState:
     admission: Admission
     client: EngineClient
     text: TextProcessor | None = None  # loaded from the engine's model folder on first connection
+    text_preload: asyncio.Future | None = None  # with --tokenizer: loading since start-up
     max_model_len: int = 0  # from the engine's last Hello, kept while it is away
     vocab_size: int = 0
     num_priority_levels: int = 1
