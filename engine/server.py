@@ -5,8 +5,9 @@ main thread) that alone touches the Engine: "process input, do one step" inside 
 has nothing to do, the loop sleeps on the inbox instead of spinning. Outputs are sent from the loop thread, all of
 one step's outputs for a connection in one frame.
 
-SIGTERM: new requests are refused, in-flight ones run to completion for up to the grace period
-(`OVERLAP_GRACE_PERIOD_S`, default 30 s), then the process exits. A second SIGTERM (or SIGINT) stops at once.
+SIGTERM: new requests are refused, in-flight ones run to completion, and the process exits once the sidecars
+have hung up (they drain first) or the grace period (`OVERLAP_GRACE_PERIOD_S`, default 30 s) is over. A second
+SIGTERM (or SIGINT) stops at once.
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ class EngineServer:
             return True
         if self._drain_deadline is None:
             return False
-        return not self.engine.has_unfinished() or time.monotonic() >= self._drain_deadline
+        # In a pod both containers get SIGTERM at once: stay until the sidecar has drained and hung up.
+        idle = not self.engine.has_unfinished() and not self._connections
+        return idle or time.monotonic() >= self._drain_deadline
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 

@@ -129,6 +129,8 @@ def test_stop_drains_in_flight_and_refuses_new(server):
         got = collect(sock, {"inflight", "late"})
         assert got["inflight"][-1].num_output_tokens == 40
         assert isinstance(got["late"][0], p.RequestError) and got["late"][0].kind == "shutting_down"
+        time.sleep(0.2)
+        assert thread.is_alive()  # idle, but a sidecar is still connected (it drains first, then hangs up)
     thread.join(5)
     assert not thread.is_alive() and not path.exists()
 
