@@ -193,7 +193,7 @@ def _launch_serve(args, port: int):
     import subprocess
     import tempfile
 
-    from overlap.sidecar.serve import _get_json
+    from overlap.sidecar.serve import get_json
 
     watermarks = ["--max-queued-requests", str(max(64, args.concurrency)), "--max-inflight", str(4 * args.concurrency)]
     cmd = [sys.executable, "-m", "overlap.cli", "--log-level", "WARNING", "serve", "--port", str(port), *watermarks]
@@ -210,7 +210,7 @@ def _launch_serve(args, port: int):
             log.seek(0)
             raise RuntimeError(f"overlap serve exited early: {log.read().decode(errors='replace')[-2000:]}")
         try:
-            if _get_json(f"{url}/readyz", timeout=1.0)[0] == 200:
+            if get_json(f"{url}/readyz", timeout=1.0)[0] == 200:
                 return proc, url, time.monotonic() - launched
         except OSError:
             pass
@@ -255,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from overlap.sidecar.serve import _get_json
+    from overlap.sidecar.serve import get_json
 
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the launched server is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -274,7 +274,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.target:
             url = args.target.rstrip("/")
-            model = args.target_model or _get_json(f"{url}/v1/models")[1]["data"][0]["id"]
+            model = args.target_model or get_json(f"{url}/v1/models")[1]["data"][0]["id"]
             name = f"HTTP {url}"
         else:
             with socket.socket() as s:
@@ -283,7 +283,7 @@ def _run(args: argparse.Namespace) -> int:
             print("launching overlap serve ...", file=sys.stderr, flush=True)
             proc, url, ready_s = _launch_serve(args, port)
             report["launch_to_ready_s"] = round(ready_s, 2)
-            model = _get_json(f"{url}/v1/models")[1]["data"][0]["id"]
+            model = get_json(f"{url}/v1/models")[1]["data"][0]["id"]
             name = "overlap serve (HTTP)"
         asyncio.run(run_http(url, model, warm_prompts, args.output_len, args.concurrency, name, None))
         bar = tqdm(total=n, desc=name, unit="req", file=sys.stderr, leave=False)

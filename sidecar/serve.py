@@ -52,7 +52,7 @@ def _sidecar_flags(args: argparse.Namespace, socket_path: str) -> list[str]:
     return flags
 
 
-def _get_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+def get_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             return response.status, json.loads(response.read() or b"{}")
@@ -152,7 +152,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], stop: threading.Event, 
                 _say(f"process {proc.pid} exited with status {proc.returncode} before the server was ready")
                 return False
         try:
-            status, body = _get_json(f"{url}/readyz", timeout=1.0)
+            status, body = get_json(f"{url}/readyz", timeout=1.0)
             if status == 200:
                 return True
             state = body
@@ -170,7 +170,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], stop: threading.Event, 
 
 
 def _print_ready(url: str, args: argparse.Namespace, elapsed: float) -> None:
-    _, models = _get_json(f"{url}/v1/models")
+    _, models = get_json(f"{url}/v1/models")
     model = models["data"][0]["id"] if models.get("data") else "default"
     body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 16})
     auth = f' -H "Authorization: Bearer ${args.api_key_env}"' if args.api_key_env else ""
