@@ -22,7 +22,8 @@ QUEUE_SHARE_LOW = 0.25  # below: requests spend most of their time being compute
 QUEUE_SHARE_HIGH = 0.5  # above: requests spend most of their time waiting
 DEVICE_BUSY_LOW = 0.5  # below: the device idles while requests wait
 BATCH_FILL_LOW = 0.25  # mean batch below this share of the cap while requests wait: the device works at batch ~1
-P99_OVER_MEAN_HOL = 2.5  # P99 latency this far above the mean: a few requests wait behind long ones
+P99_OVER_MEAN_HOL = 2.5  # P99 latency this far above the mean: a few requests wait behind long ones ...
+TAIL_WAIT_SHARE_HOL = 0.5  # ... if those slowest requests spent at least this share of their time waiting
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class Metrics:
     queue_share: float | None  # sum of queue time / sum of end-to-end time (finished requests)
     device_busy_share: float | None  # busy seconds / span
     mean_batch: float | None  # mean number of running requests while any ran (from the samples)
+    tail_wait_share: float | None  # slowest 1% of finished requests: share of their time spent waiting
 
 
 @dataclass(slots=True)
@@ -122,6 +124,15 @@ def compute_metrics(run: RunResult) -> Metrics:
     )
     busy = None if run.busy_s is None else min(run.busy_s / span, 1.0)
     running = [s[2] for s in run.samples if s[2] > 0]
+    # The slowest 1% (at least one): did they wait (queued; for targets, until the first token) or compute?
+    slowest = sorted(done, key=lambda r: r.e2e)[-max(1, len(done) // 100) :] if done else []
+    waits = [
+        (r.first_scheduled if r.first_scheduled is not None else r.first_token) - r.arrived
+        for r in slowest
+        if (r.first_scheduled if r.first_scheduled is not None else r.first_token) is not None
+    ]
+    tail_e2e = sum(r.e2e for r in slowest)
+    tail_wait_share = sum(waits) / tail_e2e if waits and tail_e2e > 0 else None
     return Metrics(
         num_requests=len(records),
         num_finished=len(done),
@@ -143,6 +154,7 @@ def compute_metrics(run: RunResult) -> Metrics:
         queue_share=queue_share,
         device_busy_share=busy,
         mean_batch=float(np.mean(running)) if running else None,
+        tail_wait_share=tail_wait_share,
     )
 
 
@@ -185,8 +197,15 @@ def diagnose(metrics: Metrics, slo_ms: float, max_batch: int | None = None) -> D
                 "admit more requests per step"
             )
             return Diagnosis("policy too conservative", findings)
-    # Step 3: head-of-line blocking.
-    if m.e2e_p99_ms is not None and m.e2e_p99_ms > P99_OVER_MEAN_HOL * m.e2e_mean_ms:
+    # Step 3: head-of-line blocking: a tail far above the mean, made of waiting (a tail made of computing is
+    # just long requests).
+    tail_far = m.e2e_p99_ms is not None and m.e2e_p99_ms > P99_OVER_MEAN_HOL * m.e2e_mean_ms
+    if tail_far and m.tail_wait_share is not None and m.tail_wait_share < TAIL_WAIT_SHARE_HOL:
+        findings.append(
+            f"P99 {m.e2e_p99_ms:.0f} ms is {m.e2e_p99_ms / m.e2e_mean_ms:.1f}x the mean, but the slowest requests "
+            f"spent only {m.tail_wait_share:.0%} of their time waiting: long requests, not head-of-line blocking"
+        )
+    elif tail_far:
         findings.append(
             f"P99 {m.e2e_p99_ms:.0f} ms is {m.e2e_p99_ms / m.e2e_mean_ms:.1f}x the mean {m.e2e_mean_ms:.0f} ms "
             f"(> {P99_OVER_MEAN_HOL:g}x): some requests wait behind long-running ones; let requests join and leave "
@@ -393,7 +412,8 @@ def render_markdown(summary: dict) -> str:
         "",
         f"Thresholds: SLO {summary['slo_ms']:g} ms; low queue share < {QUEUE_SHARE_LOW:.0%}; high queue share > "
         f"{QUEUE_SHARE_HIGH:.0%}; low device busy < {DEVICE_BUSY_LOW:.0%} (or mean batch < {BATCH_FILL_LOW:.0%} of "
-        f"the cap); head-of-line blocking when P99 > {P99_OVER_MEAN_HOL:g}x mean.",
+        f"the cap); head-of-line blocking when P99 > {P99_OVER_MEAN_HOL:g}x mean and the slowest 1% spent >= "
+        f"{TAIL_WAIT_SHARE_HOL:.0%} of their time waiting.",
         "",
         "## Run settings",
         "",

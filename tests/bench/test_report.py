@@ -125,6 +125,17 @@ def test_busy_cpu_running_batch_one_while_requests_queue_is_too_conservative():
     assert diagnose(compute_metrics(run), slo_ms=500, max_batch=64).cause == "saturated"
 
 
+def test_a_tail_of_long_requests_is_not_head_of_line_blocking():
+    # 98 short requests and 2 that decode for 5 s without waiting: P99 far above the mean, but nobody queued
+    recs = [record(i, i * 0.2, i * 0.2, i * 0.2 + 0.05, i * 0.2 + 0.1, [i * 0.2 + 0.05]) for i in range(98)]
+    recs += [record(98 + j, 20.0 + j, 20.0 + j, 20.05 + j, 25.0 + j, [20.05 + j]) for j in range(2)]
+    m = compute_metrics(run_of(recs, busy_s=20.0))
+    assert m.e2e_p99_ms > 2.5 * m.e2e_mean_ms and m.tail_wait_share < 0.05
+    diagnosis = diagnose(m, slo_ms=1000)
+    assert diagnosis.cause == "healthy"
+    assert "long requests, not head-of-line blocking" in diagnosis.findings[0]
+
+
 def test_healthy_run():
     recs = [record(i, i * 1.0, i * 1.0, i * 1.0 + 0.05, i * 1.0 + 0.1, [i + 0.05, i + 0.1]) for i in range(10)]
     assert diagnose(compute_metrics(run_of(recs, busy_s=1.0)), slo_ms=1000).cause == "healthy"
