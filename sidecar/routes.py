@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -15,6 +16,7 @@ from overlap.sidecar.state import STATE, ApiError, Delta, Generation, ServerStat
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _json = msgspec.json.Encoder()
+_INLINE_TOKENIZE_CHARS = 16 * 1024
 
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -137,12 +139,20 @@ def _stop_strings(body: schemas._Common) -> list[str]:
     return stop
 
 
-def _prompt_ids(state: ServerState, prompt) -> list[int]:
+async def _off_loop(size: int, fn, *args):
+    """Tokenize long texts in a worker thread (the Rust tokenizer releases the GIL), so the event loop keeps
+    streaming other requests' tokens meanwhile; short ones inline (a thread hop costs more than they do)."""
+    if size < _INLINE_TOKENIZE_CHARS:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+async def _prompt_ids(state: ServerState, prompt) -> list[int]:
     """A completion prompt: a string, a list of token ids, or a one-element list of either."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = state.text.encode(prompt)
+        ids = await _off_loop(len(prompt), state.text.encode, prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if any(not 0 <= t < state.vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be in 0..{state.vocab_size - 1}", param="prompt")
@@ -171,7 +181,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_accepting()
     body = await read_body(request, schemas.CompletionRequest)
     _check_model(state, body.model)
-    prompt_ids = _prompt_ids(state, body.prompt)
+    prompt_ids = await _prompt_ids(state, body.prompt)
     sampling = _sampling(state, body, len(prompt_ids), 16 if body.max_tokens is None else body.max_tokens)
     return await _run(request, state, body, "cmpl", prompt_ids, sampling, arrival, chat=False)
 
@@ -184,7 +194,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, body.model)
     try:
         messages = schemas.chat_messages_as_dicts(body.messages)
-        prompt_ids = state.text.encode_chat(messages)
+        prompt_ids = await _off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="messages") from exc
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

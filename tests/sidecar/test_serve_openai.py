@@ -157,6 +157,7 @@ def _bad_cases(model: str) -> list[tuple[str, str, bytes | dict, int, dict]]:
         ("huge max_tokens", c, {**ok, "max_tokens": 10**9}, 400, {}),
         ("max_tokens beyond int64", c, {**ok, "max_tokens": 10**30}, 400, {}),
         ("prompt over the context length", c, {**ok, "prompt": [5] * 5000}, 400, {}),
+        ("long text over the context length", c, {**ok, "prompt": "word " * 20000}, 400, {}),
         ("token id outside the vocabulary", c, {**ok, "prompt": [5, 10**7]}, 400, {}),
         ("empty prompt", c, {**ok, "prompt": ""}, 400, {}),
         ("batched prompts", c, {**ok, "prompt": ["a", "b"]}, 400, {}),
