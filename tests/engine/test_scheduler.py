@@ -229,3 +229,31 @@ def test_fifo_ignores_priority_when_choosing_a_preemption_victim() -> None:
     assert victims and victims[0] is later_high  # the latest arrival, although it has the higher priority
     for r in (first_low, later_high):
         assert r.output_token_ids == reference_tokens(r.prompt_token_ids, r.sampling)
+
+
+def test_dynamic_batching_waits_for_a_full_batch_or_the_oldest_waiter() -> None:
+    scheduler, runner = create_scheduler(batching="dynamic", batching_args={"max_batch": 4, "max_wait_ms": 100})
+    requests = create_requests(3, prompt_len=4, max_tokens=2, arrived=0.0)
+    for r in requests:
+        scheduler.add_request(r, 0.0)
+    batch, _ = run_step(scheduler, runner, 0.05)
+    assert batch.is_empty  # 3 < max_batch and the oldest has waited 50 ms < 100 ms
+    batch, _ = run_step(scheduler, runner, 0.1)
+    assert len(batch.requests) == 3
+    late = create_requests(4, prompt_len=4, max_tokens=2, arrived=0.1)
+    for r in late:
+        scheduler.add_request(r, 0.1)
+    batch, _ = run_step(scheduler, runner, 0.11)  # the running batch must finish before the next one starts
+    assert {r.request_id for r in batch.requests} == {r.request_id for r in requests}
+    _run_all(scheduler, runner, now=0.12)
+    assert {r.times.first_scheduled for r in late} == {late[0].times.first_scheduled}  # one batch of 4
+
+
+def test_fixed_window_holds_arrivals_until_their_window_closes() -> None:
+    scheduler, runner = create_scheduler(batching="fixed_window", batching_args={"window_ms": 50})
+    first = create_requests(2, prompt_len=4, max_tokens=2, arrived=0.0)
+    for r in first:
+        scheduler.add_request(r, 0.0)
+    assert run_step(scheduler, runner, 0.02)[0].is_empty
+    batch, _ = run_step(scheduler, runner, 0.05)
+    assert {r.request_id for r in batch.requests} == {r.request_id for r in first}
