@@ -91,7 +91,8 @@ class ModelRunner:
             self.weights = load_weights(spec, self.model_dir, self.dtype, self.device)
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
             self.rope_cos = cos.to(self.device, self.dtype)
-            self.rope_sin = sin.to(self.device, self.dtype)
+            half = spec.head_dim // 2
+            self.rope_sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.device, self.dtype)
             self.num_kv_blocks = self._size_kv_pool()
             shape = (spec.num_layers, self.num_kv_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
             # torch.empty: on CPU the pages are committed only when written; nothing reads a slot before it is
@@ -168,6 +169,10 @@ class ModelRunner:
             if len(table) < num_blocks:
                 raise ValueError(f"request {seq.request_id}: block table covers {len(table) * bs} < {end} positions")
             first = table[0]
+            if first < 0 or max(table) >= self.num_kv_blocks:
+                raise ValueError(
+                    f"request {seq.request_id}: block table {table} outside the pool of {self.num_kv_blocks}"
+                )
             q_start = len(ids)
             ids.extend(seq.token_ids)
             positions.extend(range(start, end))
@@ -201,23 +206,29 @@ class ModelRunner:
         eps, hidden = spec.rms_norm_eps, (spec.hidden_size,)
         num_tokens = inputs.input_ids.shape[0]
         q_size, kv_size, inter = self._q_size, self._kv_size, spec.intermediate_size
+        heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         cos = self.rope_cos.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin.index_select(0, inputs.positions).unsqueeze(1)
+        sin = self.rope_sin_signed.index_select(0, inputs.positions).unsqueeze(1)
         x = w.embed.index_select(0, inputs.input_ids)
         for layer, lw in enumerate(w.layers):
             h = F.rms_norm(x, hidden, lw.input_norm, eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-            q = _rope(qkv[:, :q_size].view(num_tokens, spec.num_heads, spec.head_dim), cos, sin)
-            k = _rope(qkv[:, q_size : q_size + kv_size].view(num_tokens, spec.num_kv_heads, spec.head_dim), cos, sin)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            # RoPE on q and k in one go: x * cos + rotate_half(x) * sin, rotate_half as a flip of the two halves
+            # with the sign folded into sin (three elementwise kernels, not ten).
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, 2, head_dim // 2)
+            qk = torch.addcmul(qk.view(num_tokens, -1, head_dim) * cos, qk.flip(2).view(num_tokens, -1, head_dim), sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
             k_pool.index_copy_(0, inputs.slots, k)
             v_pool.index_copy_(0, inputs.slots, v)
             attn = self._attention(q, k_pool, v_pool, inputs.seqs)
-            x = x + F.linear(attn, lw.o)
+            x = torch.addmm(x, attn, lw.o.t())  # residual add fused into the output projection
             h = F.rms_norm(x, hidden, lw.post_norm, eps)
             gate_up = F.linear(h, lw.gate_up)
-            x = x + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down)
+            x = torch.addmm(x, F.silu(gate_up[:, :inter]) * gate_up[:, inter:], lw.down.t())
+        if inputs.sample_rows.numel() == 0:  # a step of prompt chunks only: nothing to sample
+            return x.new_empty(0, spec.vocab_size)
         x = F.rms_norm(x.index_select(0, inputs.sample_rows), hidden, w.norm, eps)
         return F.linear(x, w.lm_head)
 
@@ -237,7 +248,7 @@ class ModelRunner:
             for i, s in enumerate(seqs):
                 if s.q_len > 1:
                     outs[i] = self._attend(q_t, k_t, v_t, s)
-        if decodes:
+        if decodes and self.device.type == "cpu":
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
@@ -245,6 +256,9 @@ class ModelRunner:
                     outs[i] = self._attend(q_t, k_t, v_t, seqs[i])
             finally:
                 torch.set_num_threads(threads)
+        elif decodes:
+            for i in decodes:
+                outs[i] = self._attend(q_t, k_t, v_t, seqs[i])
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [H, T, D]
         return out.transpose(0, 1).reshape(q.shape[0], -1)
 
@@ -267,13 +281,6 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in transformers' rotate-half layout; x [T, heads, D], cos/sin [T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def _pick_device(name: str) -> torch.device:

@@ -317,3 +317,17 @@ def test_mixed_batch_samples_each_row_by_its_own_params(runner):
     alone = [runner.execute(ModelInput([seq]))[0] for seq in seqs]
     assert tokens == alone  # same seed, same position: the same token alone or batched
     assert tokens[0] == int(runner.compute_logits(ModelInput(seqs[:1]))[0].argmax())
+
+
+def test_step_without_sampling_returns_no_tokens(runner):
+    seq = ScheduledSeq("a", [1, 2, 3], 0, [30], False, GREEDY)
+    assert runner.execute(ModelInput([seq])) == []
+
+
+def test_block_table_outside_the_pool_is_refused(runner):
+    seq = ScheduledSeq("a", [1, 2, 3], 0, [runner.num_kv_blocks], True, GREEDY)
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.execute(ModelInput([seq]))
+    short = ScheduledSeq("b", list(range(3, 40)), 0, [1], True, GREEDY)  # 37 tokens need 3 blocks
+    with pytest.raises(ValueError, match="block table covers"):
+        runner.execute(ModelInput([short]))
