@@ -3,6 +3,7 @@
 This package imports nothing else from Overlap; the sidecar, operator and benchmarks import its public types.
 """
 
+from overlap.engine import _openmp  # noqa: F401  (before anything loads torch)
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
 from overlap.engine.engine import Engine
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
