@@ -40,6 +40,8 @@ async def read_body(request: web.Request, kind: type):
         raise ApiError(400, f"invalid request: {message}", param=param) from exc
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ApiError(400, "the request body is nested too deeply") from exc
 
 
 # ---- shared preparation ----------------------------------------------------------------------------------------

@@ -144,6 +144,8 @@ def _bad_cases(model: str) -> list[tuple[str, str, bytes | dict, int, dict]]:
         ("malformed JSON", c, b'{"model": "x", "prompt": ', 400, {}),
         ("JSON that is not an object", c, b"[1, 2, 3]", 400, {}),
         ("empty body", c, b"", 400, {}),
+        ("JSON nested too deeply", c, b'{"model": "m", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, {}),
+        ("NaN", c, b'{"model": "' + model.encode() + b'", "prompt": "x", "temperature": NaN}', 400, {}),
         ("invalid UTF-8", c, b'{"model": "' + model.encode() + b'", "prompt": "\xff\xfe"}', 400, {}),
         ("max_tokens of the wrong type", c, {**ok, "max_tokens": "ten"}, 400, {}),
         ("temperature of the wrong type", c, {**ok, "temperature": "hot"}, 400, {}),
