@@ -123,7 +123,8 @@ def compute_metrics(run: RunResult) -> Metrics:
         sum(q for q, _ in queued) / sum(e for _, e in queued) if queued and sum(e for _, e in queued) > 0 else None
     )
     busy = None if run.busy_s is None else min(run.busy_s / span, 1.0)
-    running = [s[2] for s in run.samples if s[2] > 0]
+    # the batch is the engine's running set; a client only sees requests in flight, so targets have none
+    running = [s[2] for s in run.samples if s[2] > 0] if run.mode == "in-process" else []
     # The slowest 1% (at least one): did they wait (queued; for targets, until the first token) or compute?
     slowest = sorted(done, key=lambda r: r.e2e)[-max(1, len(done) // 100) :] if done else []
     waits = [
