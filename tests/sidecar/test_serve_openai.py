@@ -272,6 +272,17 @@ def test_printed_curl_line_works(server):
     assert data["object"] == "text_completion" and data["usage"]["completion_tokens"] >= 1
 
 
+def test_serve_restarts_a_dead_engine_and_the_sidecar_reconnects(client, server):
+    proc = server["proc"]
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    engine = next(pid for pid in children if b"engine" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    subprocess.run(["kill", "-KILL", engine], check=True)
+    wait_until(lambda: not is_ready(server["url"]), 10, "readiness false without the engine")
+    wait_until(lambda: is_ready(server["url"]), 120, "the restarted engine", proc)
+    again = client.completions.create(model=server["model"], prompt="back", max_tokens=3)
+    assert again.usage.completion_tokens >= 1
+
+
 def test_serve_stops_both_processes(tiny_model_dir, server):
     """Last: SIGTERM to `overlap serve` drains and stops the sidecar and the engine (no orphans)."""
     proc = server["proc"]
