@@ -1,5 +1,9 @@
 """The public Engine: validate requests, then step = schedule -> execute -> postprocess.
 
+Execution goes through the executor's N-buffered pipeline (engine/executor.py, `config.num_buffers`): `step()`
+schedules and submits steps while a buffer is free, then postprocesses the oldest one, so with 2 buffers step
+N+1 is scheduled while step N runs; with 1 it is plain synchronous execution.
+
 Callers (sidecar engine server, benchmarks, tests) may call `add_request`, `abort`, `reconfigure` and `stats` from
 any thread; those only validate and queue a message. `step()` runs on one thread at a time: it applies the queued
 messages at the step boundary, then does one step. `generate()` drives `step()` from a background thread for
@@ -17,9 +21,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlap.engine.adaptive_buffers import BufferAdvisor
 from overlap.engine.block_manager import BlockManager
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
+from overlap.engine.executor import StepResult, make_executor
 from overlap.engine.request import Request
 from overlap.engine.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
@@ -80,6 +86,10 @@ class Engine:
         self._finished_by_reason: Counter[str] = Counter()
         # (step start, wall seconds, forward seconds, batch size, schedule cpu seconds) per executed step
         self._window: deque[tuple[float, float, float, int, float]] = deque(maxlen=_WINDOW_STEPS)
+        # Layer 3: the N-buffered pipeline, and the handles of the steps in flight (same order as its deque).
+        self.executor = make_executor(runner, config.num_buffers)
+        self._in_flight: deque[ScheduledBatch] = deque()
+        self._advisor = BufferAdvisor()  # measures always; changes num_buffers only with config.adaptive_buffers
 
         self._driver: threading.Thread | None = None
         self._driver_wakeup = threading.Event()
@@ -173,24 +183,65 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step: apply queued input, then schedule -> execute -> postprocess. Returns [] at once when
-        nothing can run."""
+        """One engine step: apply queued input, then schedule -> execute -> postprocess through the executor: it
+        schedules and submits steps while one of `num_buffers` is free, then this postprocesses the oldest step in
+        flight (waiting for it if needed). Returns [] at once when nothing can run."""
         with self._step_lock:
             outputs = self._process_input(time.monotonic())
-            batch = self.schedule()
-            outcome = None if batch.is_empty else self.execute(batch)
-            outputs += self.postprocess(batch, outcome)
+
+            def schedule():
+                batch = self.schedule()
+                outputs.extend(self._outputs_for(batch.finished))  # timeouts, reported now
+                batch.finished = []
+                if batch.is_empty:
+                    return None
+                self._in_flight.append(batch)
+                return batch.model_input
+
+            result = self.executor.step(schedule)
+            if result is not None:
+                outputs += self._apply_result(result)
             return outputs
+
+    def _apply_result(self, result: StepResult) -> list[RequestOutput]:
+        """Postprocess the oldest step in flight; feed the measurements to the buffer advisor."""
+        batch = self._in_flight.popleft()
+        assert batch.model_input is result.model_input, "the executor returned steps out of order"
+        if result.error is not None:
+            outcome = StepOutcome([], result.busy_s, f"{type(result.error).__name__}: {result.error}")
+        else:
+            outcome = StepOutcome(result.token_ids, result.busy_s)
+        start = time.perf_counter()
+        outputs = self.postprocess(batch, outcome)
+        postprocess_s = time.perf_counter() - start
+        self.executor.busy.record_host("postprocess", postprocess_s)
+        self._advisor.record(batch.schedule_wall_s + postprocess_s, result.busy_s)
+        if self.config.adaptive_buffers:
+            wanted = self._advisor.advise(self.executor.num_buffers)
+            if wanted is not None:
+                self.executor.set_num_buffers(wanted)
+                self.config = self.config.replace(num_buffers=wanted)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Postprocess every step still in flight, oldest first."""
+        outputs = []
+        while self.executor.num_in_flight:
+            outputs += self._apply_result(self.executor.collect())
+        return outputs
 
     def schedule(self) -> ScheduledBatch:
         """Decide the next step's work (the handle postprocess applies the result to)."""
         cpu0 = time.thread_time()
+        wall0 = time.perf_counter()
         batch = self.scheduler.schedule(time.monotonic())
         batch.schedule_cpu_s = time.thread_time() - cpu0
+        batch.schedule_wall_s = time.perf_counter() - wall0
         return batch
 
     def execute(self, batch: ScheduledBatch) -> StepOutcome:
-        """Run the forward; a failure becomes an error message for the batch's requests, not an exception."""
+        """Run the forward synchronously, bypassing the executor (CPU-time measurements of the scheduler); a failure
+        becomes an error message for the batch's requests, not an exception."""
         t0 = time.perf_counter()
         try:
             sampled = self.runner.execute(batch.model_input)
@@ -261,6 +312,7 @@ class Engine:
                 self._finished_by_reason[request.finish_reason.value] += 1
                 self._requests.pop(request.request_id, None)
         if finished_ids:
+            self.executor.forget(finished_ids)
             with self._lock:
                 self._live_ids.difference_update(finished_ids)
         return outputs
@@ -297,6 +349,8 @@ class Engine:
     def _apply_config(self, config: EngineConfig) -> None:
         self.config = config
         self.scheduler.reconfigure(config)
+        # Steps already in flight finish in order; fewer buffers keep the deque "full" until enough have.
+        self.executor.set_num_buffers(config.num_buffers)
 
     # ---- stats -------------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -307,14 +361,8 @@ class Engine:
             num_incoming = sum(1 for kind, _ in self._inbox if kind == "add")
         bm = self.block_manager
         window = list(self._window)
-        now = time.monotonic()
-        if window:
-            wall = max(now - window[0][0], 1e-9)
-            busy_ratio = min(1.0, sum(w[2] for w in window) / wall)
-            last = window[-1]
-        else:
-            busy_ratio = 0.0
-            last = (0.0, 0.0, 0.0, 0, 0.0)
+        busy = self.executor.busy.snapshot(now=time.perf_counter())  # device busy intervals, measured where run
+        last = window[-1] if window else (0.0, 0.0, 0.0, 0, 0.0)
         n = max(len(window), 1)
         return {
             "num_waiting": len(scheduler.waiting) + num_incoming,
@@ -337,7 +385,13 @@ class Engine:
             "last_batch_size": last[3],
             "avg_batch_size": sum(w[3] for w in window) / n,
             "schedule_time_s_avg": sum(w[4] for w in window) / n,
-            "device_busy_ratio": busy_ratio,
+            "device_busy_ratio": busy.busy_ratio,
+            "device_busy_window_s": busy.window_s,
+            "device_idle_gap_ms": busy.idle_gap_ms,
+            "host_ms_per_step": busy.host_ms_per_step,
+            "num_buffers": self.executor.num_buffers,
+            "num_steps_in_flight": self.executor.num_in_flight,
+            "buffer_decisions": [d.to_dict() for d in self._advisor.decisions],
             "requests_finished_total": {
                 reason.value: self._finished_by_reason[reason.value] for reason in FinishReason
             },
@@ -388,7 +442,7 @@ class Engine:
     def _drive(self) -> None:
         while not self._closing:
             self._driver_wakeup.clear()
-            if not self.has_unfinished():
+            if not self.has_unfinished() and not self.executor.num_in_flight:
                 self._driver_wakeup.wait(timeout=0.5)
                 continue
             try:
@@ -411,9 +465,17 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def close(self) -> None:
-        """Stop the generate() driver thread (the engine itself holds no other resources)."""
+        """Stop the generate() driver thread, finish the steps still in flight and stop the executor's worker thread
+        (a later step() starts it again)."""
         self._closing = True
         self._driver_wakeup.set()
         if self._driver is not None and self._driver is not threading.current_thread():
             self._driver.join(timeout=5)
         self._driver = None
+        with self._step_lock:
+            outputs = self._drain()
+            self.executor.close()
+        for output in outputs:  # to whoever still listens
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                self._deliver(*stream, output)

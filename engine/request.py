@@ -58,6 +58,10 @@ class Request:
     num_emitted_tokens: int = 0  # output tokens already returned to the caller
     queue_level: int = 0  # current level in the priority queue (aging moves it towards 0)
     level_entered: float = 0.0  # when it entered queue_level (aging clock)
+    # Overlapped execution: tokens sampled by steps still in flight (their inputs were placeholders on the host),
+    # and an epoch that a preemption bumps so that tokens of steps scheduled before it are dropped.
+    num_placeholders: int = 0
+    epoch: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))

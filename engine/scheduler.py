@@ -4,6 +4,15 @@ The scheduler owns the `waiting` RequestQueue and the `running` list (kept sorte
 talks to the BlockManager. `schedule()` returns a `ScheduledBatch`, the handle of "what was scheduled", and
 `postprocess(batch, sampled)` applies that step's sampled tokens later; nothing in between depends on the step
 having finished, so an executor can keep several batches in flight.
+
+Overlap (engine/executor.py): a running request whose last sampled token is still in flight is scheduled for its
+next decode anyway, with `PLACEHOLDER_TOKEN` as input (the executor feeds the real token on the device side);
+`num_placeholders` counts such tokens. `max_tokens` and `max_seq_len` are respected at schedule time by counting
+them; EOS and stop ids are only seen when the token is read back, one step late: the request finishes then, its
+blocks are freed, and the token its already-scheduled extra step samples is dropped. Freeing those blocks at once
+is safe because steps run on the device in submission order: whatever later step gets them writes after the
+extra step, and the extra step writes only a position of a block that is not yet published to the prefix cache.
+A preemption bumps the request's `epoch`, so tokens of steps scheduled before it are dropped as well.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from overlap.engine.block_manager import BlockManager
 from overlap.engine.config import EngineConfig
 from overlap.engine.request import Request, RequestStatus
 from overlap.engine.request_queue import make_request_queue
-from overlap.engine.types import FinishReason, ModelInput, ScheduledSeq
+from overlap.engine.types import PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
 
 
 def _priority_key(request: Request) -> tuple[int, float, int]:
@@ -36,8 +45,10 @@ class ScheduledBatch:
     num_computed_after: list[int]  # each request's computed length once this step has run
     finished: list[Request] = field(default_factory=list)  # finished while scheduling (timeouts)
     preempted: list[Request] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # each request's epoch when scheduled (see postprocess)
     scheduled_at: float = 0.0  # time.monotonic() when it was scheduled
     schedule_cpu_s: float = 0.0  # CPU time the scheduling decision took (set by the engine)
+    schedule_wall_s: float = 0.0  # wall time it took on the engine thread (set by the engine)
 
     @property
     def is_empty(self) -> bool:
@@ -128,7 +139,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if request.num_tokens - request.num_computed_tokens != 1:
+            if request.num_tokens + request.num_placeholders - request.num_computed_tokens != 1 or (
+                request.num_placeholders and self._has_all_tokens_in_flight(request)
+            ):
                 i += 1
                 continue
             while not bm.append_slots(request, 1):
@@ -195,17 +208,24 @@ class Scheduler:
         for request, n in scheduled.values():
             start = request.num_computed_tokens
             end = start + n
+            placeholders = request.num_placeholders
             seq = ScheduledSeq(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
+                # a decode whose input token is still in flight gets a placeholder (start == num_tokens then)
+                token_ids=request.all_token_ids[start:end] if start < request.num_tokens else [PLACEHOLDER_TOKEN],
                 start_pos=start,
-                block_table=request.block_ids,  # the live list: the runner consumes it before the next schedule
-                do_sample=end == request.num_tokens,
+                # the live list: block ids are only ever appended to it, and free() replaces it, so a runner that
+                # reads it while later steps are scheduled sees this step's table unchanged
+                block_table=request.block_ids,
+                do_sample=end == request.num_tokens + placeholders,
                 sampling=request.sampling,
-                num_generated=request.num_output_tokens,
+                num_generated=request.num_output_tokens + placeholders,
             )
             request.num_computed_tokens = end
-            (decodes if n == 1 and request.num_output_tokens else prefills).append((request, seq, end))
+            if seq.do_sample:
+                request.num_placeholders += 1
+            is_decode = n == 1 and (request.num_output_tokens or placeholders)
+            (decodes if is_decode else prefills).append((request, seq, end))
         items = prefills + decodes
         return ScheduledBatch(
             model_input=ModelInput(seqs=[seq for _, seq, _ in items]),
@@ -213,6 +233,14 @@ class Scheduler:
             num_computed_after=[end for _, _, end in items],
             finished=finished,
             preempted=preempted,
+            epochs=[request.epoch for request, _, _ in items],
+        )
+
+    def _has_all_tokens_in_flight(self, request: Request) -> bool:
+        """Every token the request may still produce is already being sampled by a step in flight."""
+        produced = request.num_output_tokens + request.num_placeholders
+        return (
+            produced >= request.sampling.max_tokens or request.num_tokens + request.num_placeholders >= self.max_seq_len
         )
 
     def _start(self, request: Request, num_cached: int, now: float) -> None:
@@ -243,6 +271,8 @@ class Scheduler:
         """Recompute-style preemption: free the KV, keep the generated tokens, requeue at the front."""
         self.running.remove(request)
         self.block_manager.free(request)
+        request.num_placeholders = 0
+        request.epoch += 1  # tokens of its steps still in flight are dropped
         request.status = RequestStatus.PREEMPTED
         self.num_preempted += 1
         request.times.num_preemptions += 1
@@ -264,15 +294,17 @@ class Scheduler:
         bm = self.block_manager
         updated = []
         samples = iter(sampled_token_ids)
-        for request, seq, computed in zip(
-            batch.requests, batch.model_input.seqs, batch.num_computed_after, strict=True
+        epochs = batch.epochs or [request.epoch for request in batch.requests]
+        for request, seq, computed, epoch in zip(
+            batch.requests, batch.model_input.seqs, batch.num_computed_after, epochs, strict=True
         ):
             token = next(samples) if seq.do_sample else None
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted or preempted after it was scheduled
+            if request.status is not RequestStatus.RUNNING or request.epoch != epoch:
+                continue  # finished (EOS one step late, abort) or preempted after it was scheduled: dropped
             bm.register_computed_blocks(request, computed)
             if token is None:
                 continue
+            request.num_placeholders -= 1
             request.append_output_token(token)
             self.num_generation_tokens_total += 1
             if request.times.first_token is None:
@@ -296,8 +328,9 @@ class Scheduler:
     def fail(self, batch: ScheduledBatch, message: str, now: float) -> list[Request]:
         """A step failed: finish its requests with ERROR and release their blocks."""
         failed = []
-        for request in batch.requests:
-            if request.status is RequestStatus.RUNNING:
+        epochs = batch.epochs or [request.epoch for request in batch.requests]
+        for request, epoch in zip(batch.requests, epochs, strict=True):
+            if request.status is RequestStatus.RUNNING and request.epoch == epoch:
                 self._finish(request, FinishReason.ERROR, now, error=message)
                 failed.append(request)
         return failed
