@@ -16,6 +16,7 @@ import struct
 from typing import Any
 
 import msgspec
+
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
 
 PROTOCOL_VERSION = 1
