@@ -129,6 +129,38 @@ def test_api_key_guards_the_public_api(stack):
         assert proc.stop() == 0
 
 
+def test_priority_from_body_or_header_orders_the_engine_queue(stack):
+    admin = f"{stack.admin_url}/admin/config"
+    assert http("PUT", admin, {"max_num_seqs": 1}, headers=AUTH)[0] == 200  # one at a time: the rest queue
+    finished: list[str] = []
+
+    def run(name: str, max_tokens: int, priority: int | None = None, headers: dict | None = None) -> None:
+        body = completion(stack, max_tokens=max_tokens, ignore_eos=True)
+        if priority is not None:
+            body["priority"] = priority
+        status, _, data = http("POST", f"{stack.base_url}/v1/completions", body, headers=headers)
+        assert status == 200, data
+        finished.append(name)
+
+    try:
+        first = threading.Thread(target=run, args=("running", 60, 2))
+        first.start()
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "first running")
+        threads = [threading.Thread(target=run, args=(f"low-{i}", 5, 2)) for i in range(2)]
+        threads += [threading.Thread(target=run, args=("high-header", 5, None, {"x-priority": "0"})),
+                    threading.Thread(target=run, args=("high-body", 5, 0))]  # fmt: skip
+        for thread in threads:
+            thread.start()
+            time.sleep(0.02)
+        for thread in [first, *threads]:
+            thread.join(30)
+        assert finished[0] == "running"
+        assert set(finished[1:3]) == {"high-header", "high-body"}, finished  # overtook the earlier low ones
+        assert set(finished[3:]) == {"low-0", "low-1"}
+    finally:
+        http("PUT", admin, {"max_num_seqs": 64}, headers=AUTH)
+
+
 def test_engine_loss_fails_in_flight_requests_at_once_and_reconnects(stack):
     results = {}
 
