@@ -93,6 +93,9 @@ class Hello(_Message, tag="hello"):
     num_priority_levels: int
     config: dict[str, Any]
     engine_pid: int = 0
+    # The tokenizer files of the model folder, so a sidecar container without the model volume can still
+    # tokenize (file name -> content; empty when they are too large to ship).
+    tokenizer_files: dict[str, bytes] = {}
 
 
 class WireTimes(msgspec.Struct, array_like=True, omit_defaults=True):

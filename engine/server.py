@@ -95,6 +95,7 @@ class EngineServer:
         self._hard_stop = threading.Event()
         self._listener: socket.socket | None = None
         self._hello_frame: p.Hello | None = None  # built by the loop thread (the engine is not thread-safe)
+        self._tokenizer_files = read_tokenizer_files(Path(engine.model_dir))
 
     # ---- control (safe from signal handlers and other threads: they only set flags) -------------------------
 
@@ -280,6 +281,7 @@ class EngineServer:
             num_priority_levels=int(config.get("num_priority_levels", 1)),
             config=config,
             engine_pid=os.getpid(),
+            tokenizer_files=self._tokenizer_files,
         )
 
     def _close(self) -> None:
@@ -296,6 +298,22 @@ class EngineServer:
         with contextlib.suppress(OSError):
             os.unlink(self.socket_path)
         log.info("engine stopped")
+
+
+# What AutoTokenizer reads from a model folder (whichever exist), capped so Hello stays a reasonable frame.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "config.json",
+)  # fmt: skip
+_MAX_TOKENIZER_BYTES = 48 * 1024 * 1024
+
+
+def read_tokenizer_files(model_dir: Path) -> dict[str, bytes]:
+    files = {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
+    if sum(len(data) for data in files.values()) > _MAX_TOKENIZER_BYTES:
+        log.warning("tokenizer files of %s are too large to send; sidecars must mount the model folder", model_dir)
+        return {}
+    return files
 
 
 def _plain(value):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,19 +108,42 @@ async def api_key_auth(request: web.Request, handler):
 
 async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
     """Load the tokenizer from the engine's model folder (once, or again when the model changed)."""
-    source = state.config.tokenizer or hello.model_dir
+    source = state.config.tokenizer or _tokenizer_source(hello)
     if state.text is None or state.text.model_dir != source:
         started = time.monotonic()
         preload, state.text_preload = state.text_preload, None
-        if preload is not None and source == state.config.tokenizer:
-            state.text = await preload  # started with the sidecar, while the engine loaded its model
-        else:
-            state.text = await asyncio.get_running_loop().run_in_executor(None, TextProcessor, source)
+        try:
+            if preload is not None and source == state.config.tokenizer:
+                state.text = await preload  # started with the sidecar, while the engine loaded its model
+            else:
+                state.text = await asyncio.get_running_loop().run_in_executor(None, TextProcessor, source)
+        except Exception as exc:
+            log.error("cannot load the tokenizer from %s: %s (pass --tokenizer DIR)", source, exc)
+            await asyncio.sleep(5)  # then reconnect and try again, without hammering the engine
+            raise p.ProtocolError(f"no tokenizer: {exc}") from exc
         log.info("tokenizer from %s ready (%.1f s after the engine's hello)", source, time.monotonic() - started)
     state.max_model_len = hello.max_model_len
     state.vocab_size = hello.vocab_size
     state.num_priority_levels = max(1, hello.num_priority_levels)
     state.model_name = state.config.served_model_name or hello.model_name
+
+
+def _tokenizer_source(hello: p.Hello) -> str:
+    """The engine's model folder when this container sees it too; else the tokenizer files the engine sent,
+    written once into a cache folder named by their content."""
+    if (Path(hello.model_dir) / "tokenizer_config.json").is_file() or not hello.tokenizer_files:
+        return hello.model_dir
+    digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(hello.tokenizer_files.items()))).hexdigest()
+    folder = Path(tempfile.gettempdir()) / f"overlap-tokenizer-{digest[:16]}"
+    if not folder.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        for name, data in hello.tokenizer_files.items():
+            (staging / Path(name).name).write_bytes(data)
+        try:
+            staging.rename(folder)
+        except OSError:  # another sidecar won the race: same content
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(folder)
 
 
 async def _poll_stats(state: ServerState) -> None:

@@ -102,3 +102,22 @@ def test_admission_watermarks_and_retry_after():
     assert adm.drain_rate() > 0
     # A prompt bigger than the token watermark still gets in when nothing is queued (else it never would).
     assert Admission(2, 100, 3).check(500) is None
+
+
+def test_tokenizer_shipped_in_hello_when_the_model_folder_is_not_mounted(tiny_model_dir, text):
+    from overlap.engine.server import read_tokenizer_files
+    from overlap.sidecar.app import _tokenizer_source
+
+    files = read_tokenizer_files(tiny_model_dir)
+    assert "tokenizer.json" in files and "model.safetensors" not in files
+    hello = p.Hello(p.PROTOCOL_VERSION, "m", "/nowhere/m", 2048, 8192, 2, 3, {}, tokenizer_files=files)
+    source = _tokenizer_source(hello)
+    assert source != "/nowhere/m" and _tokenizer_source(hello) == source  # cached by content
+    shipped = TextProcessor(source)
+    sample = "héllo 日本語"
+    assert shipped.encode(sample) == text.encode(sample)
+    chat = [{"role": "user", "content": "hi"}]
+    assert shipped.encode_chat(chat) == text.encode_chat(chat)
+    # Where the folder is visible, it is used directly.
+    local = p.Hello(p.PROTOCOL_VERSION, "m", str(tiny_model_dir), 2048, 8192, 2, 3, {}, tokenizer_files=files)
+    assert _tokenizer_source(local) == str(tiny_model_dir)
