@@ -37,9 +37,9 @@ def init_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -
         registry=registry,
         metrics=SidecarMetrics(registry),
         admission=admission,
-        client=EngineClient(config.engine_socket),
+        # `state` is looked up when the engine says hello, after this assignment.
+        client=EngineClient(config.engine_socket, on_hello=lambda hello: _on_engine_hello(state, hello)),
     )
-    state.client._on_hello = lambda hello: _on_engine_hello(state, hello)
     registry.register(
         EngineCollector(
             lambda: state.client.latest_stats if state.client.connected else None,

@@ -8,6 +8,7 @@ import uuid
 
 import msgspec
 from aiohttp import web
+from jinja2 import TemplateError
 
 from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
@@ -197,8 +198,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         messages = schemas.chat_messages_as_dicts(body.messages)
         prompt_ids = await _off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
+    except (ValueError, TemplateError) as exc:  # e.g. a template that insists on alternating roles
+        raise ApiError(400, f"cannot apply the chat template: {exc}" if isinstance(exc, TemplateError) else str(exc),
+                       param="messages") from exc  # fmt: skip
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(state, body, len(prompt_ids), max_tokens)
     return await _run(request, state, body, "chatcmpl", prompt_ids, sampling, arrival, chat=True)
