@@ -94,8 +94,13 @@ def make_specs(policies: list[str], targets: list[str], policy_args: dict[str, f
         if policy_args and len(policies) == 1:
             args.update(policy_args)
         specs.append(RunSpec(policy_label(policy, args), policy=policy, policy_args=args))
-    for url in targets:
-        specs.append(RunSpec(url, target=url.rstrip("/")))
+    for item in targets:
+        label, sep, url = item.partition("=")
+        if not sep or "://" in label:  # no label given: the URL is the label
+            label, url = item, item
+        if "://" not in url:
+            raise TraceError(f"target {item!r}: expected a URL such as http://127.0.0.1:8000 (or NAME=URL)")
+        specs.append(RunSpec(label.rstrip("/"), target=url.rstrip("/")))
     return specs
 
 
@@ -330,6 +335,7 @@ async def replay_target(
     api_key: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    label: str | None = None,
 ) -> RunResult:
     """Replay `trace` against an OpenAI-compatible endpoint with streaming; timestamps taken on the client."""
     import aiohttp
@@ -398,7 +404,7 @@ async def replay_target(
         sampling_task.cancel()
         bar.close()
     return RunResult(
-        label=url,
+        label=label or url,
         mode="target",
         config={"target": url, "model": model},
         records=records,
@@ -473,8 +479,12 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--policy", choices=POLICIES, help="one in-process batching policy")
     parser.add_argument("--policy-args", help="k=v,... for --policy, e.g. max_batch=16,max_wait_ms=100")
-    parser.add_argument("--target", action="append", default=[], help="OpenAI-compatible base URL (repeatable)")
-    parser.add_argument("--compare", help="comma-separated policies and/or URLs, run one after another")
+    parser.add_argument(
+        "--target", action="append", default=[], help="OpenAI-compatible base URL, or NAME=URL (repeatable)"
+    )
+    parser.add_argument(
+        "--compare", help="comma-separated policies and/or URLs (NAME=URL to label one), run one after another"
+    )
     parser.add_argument("--model", help="model name for --target (default: the first of GET /v1/models)")
     parser.add_argument("--api-key", help="bearer token for --target")
     parser.add_argument(
@@ -596,7 +606,11 @@ def _run(args: argparse.Namespace) -> int:
     for spec in specs:
         if spec.target:
             results.append(
-                asyncio.run(replay_target(trace, spec.target, drain_s, args.model, args.api_key, args.seed, progress))
+                asyncio.run(
+                    replay_target(
+                        trace, spec.target, drain_s, args.model, args.api_key, args.seed, progress, spec.label
+                    )
+                )
             )
         else:
             engine, _ = build_engine(

@@ -35,6 +35,10 @@ def test_policy_args_and_specs():
     specs = replay.make_specs(["dynamic"], ["http://x:1/"], {"max_batch": 4})
     assert specs[0].label == "dynamic(max_batch=4, max_wait_ms=150)"
     assert specs[1].target == "http://x:1"
+    named = replay.make_specs([], ["vllm=http://127.0.0.1:8011/"], None)[0]
+    assert (named.label, named.target) == ("vllm", "http://127.0.0.1:8011")
+    with pytest.raises(TraceError, match="expected a URL"):
+        replay.make_specs([], ["vllm=localhost"], None)
 
 
 def test_prompt_ids_are_the_same_for_every_policy_and_fit_the_context():
@@ -167,3 +171,34 @@ async def test_target_replay_stops_at_the_drain_deadline():
         await runner.cleanup()
     assert run.wall_s < 1.5
     assert compute_metrics(run).num_unfinished == 3
+
+
+def test_command_line_transforms_and_quick_window():
+    from overlap.cli import build_parser
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "replay",
+            "--trace",
+            "bursty",
+            "--scale-rate",
+            "1.5",
+            "--scale-tokens",
+            "0.5",
+            "--burst",
+            "2:1",
+            "--quick",
+            "--policy",
+            "serial",
+        ]
+    )
+    trace = replay.load_for_args(args)
+    assert trace.duration_s <= replay.QUICK_TRACE_S
+    described = trace.describe()
+    for part in ("rate x1.5", "tokens x0.5", "2x burst at 2 s for 1 s", f"first {replay.QUICK_TRACE_S:g} s"):
+        assert part in described
+    with pytest.raises(TraceError, match="--burst"):
+        replay._parse_burst("soon")
+    with pytest.raises(TraceError, match="--sim-cost"):
+        replay._parse_sim_cost("fast")
