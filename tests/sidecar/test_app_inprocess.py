@@ -1,0 +1,46 @@
+"""The aiohttp app in-process (`init_app(config)` with a fresh registry per test), with no engine behind it:
+readiness, OpenAI-shaped errors and metrics without any process."""
+
+from __future__ import annotations
+
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from overlap.sidecar.app import init_app
+from overlap.sidecar.config import SidecarConfig
+
+
+async def make_client(tmp_path, **overrides) -> TestClient:
+    config = SidecarConfig(engine_socket=str(tmp_path / "nobody.sock"), **overrides)
+    client = TestClient(TestServer(init_app(config, CollectorRegistry())))
+    await client.start_server()
+    return client
+
+
+async def test_without_an_engine_the_app_is_live_but_not_ready(tmp_path):
+    client = await make_client(tmp_path)
+    try:
+        assert (await client.get("/healthz")).status == 200
+        ready = await client.get("/readyz")
+        assert ready.status == 503 and (await ready.json())["engine_connected"] is False
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status == 503 and response.headers["Retry-After"] == "1"
+        assert (await response.json())["error"]["code"] == "engine_unavailable"
+        metrics = await (await client.get("/metrics")).text()
+        assert "overlap_engine_up 0.0" in metrics
+        assert 'overlap_requests_rejected_total{reason="engine_unavailable"} 1.0' in metrics
+        assert "vllm:num_requests_waiting" not in metrics  # no engine figures while the engine is away
+        assert (await client.get("/v1/models")).status == 200
+    finally:
+        await client.close()
+
+
+async def test_api_key_is_checked_before_anything_else(tmp_path):
+    client = await make_client(tmp_path, api_key="sk-abc12345")
+    try:
+        response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert response.status == 401 and (await response.json())["error"]["code"] == "invalid_api_key"
+        assert (await client.get("/healthz")).status == 200
+        assert (await client.get("/metrics")).status == 200
+    finally:
+        await client.close()
