@@ -10,6 +10,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 from sidecar_helpers import ADMIN_TOKEN, Stack, free_port, http, is_ready, metric_value, wait_until
@@ -170,15 +171,26 @@ def test_engine_loss_fails_in_flight_requests_at_once_and_reconnects(stack):
                                    completion(stack, max_tokens=1500, ignore_eos=True))  # fmt: skip
         results["elapsed"] = time.monotonic() - started
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
+    def long_stream():
+        body = json.dumps(completion(stack, max_tokens=1500, ignore_eos=True, stream=True)).encode()
+        request = urllib.request.Request(f"{stack.base_url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            results["events"] = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
+    for thread in threads:
+        thread.start()
+    wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 2, 10, "requests running")
     stack.engine.signal(signal.SIGKILL)
     killed_at = time.monotonic()
-    thread.join(10)
+    for thread in threads:
+        thread.join(10)
     status, _, body = results["response"]
     assert status == 503 and "engine" in body["error"]["message"]
     assert results["elapsed"] < 20 and time.monotonic() - killed_at < 3  # failed at once, not after 1500 steps
+    *tokens, error, done = results["events"]  # the stream had begun: its end says what happened
+    assert tokens and "engine" in json.loads(error[6:])["error"]["message"] and done == "data: [DONE]"
     wait_until(lambda: not is_ready(stack.base_url), 5, "readiness to go false")
     status, headers, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack))
     assert status == 503 and headers["Retry-After"]
