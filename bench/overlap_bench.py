@@ -80,15 +80,21 @@ def run_simulated(args: argparse.Namespace) -> list[dict]:
     max_tokens = 256
     blocks_per_request = -(-(8 + max_tokens) // 16)
     rows = []
+    # (label, host ms, spike ms, asynchronous device). The asynchronous device is GPU-like: the engine thread
+    # launches steps that run back to back on the device's own clock. The worker-thread rows run the CPU path's
+    # pipeline (a worker thread calls the forward) on the same device.
     cases = (
-        ("host < device", args.host_ms, None),
-        ("host > device", args.cpu_bound_host_ms, None),
-        (f"host spikes 1/{SPIKE_EVERY}", args.host_ms, args.spike_ms),
+        ("host < device", args.host_ms, None, True),
+        ("host > device", args.cpu_bound_host_ms, None, True),
+        (f"host spikes 1/{SPIKE_EVERY}", args.host_ms, args.spike_ms, True),
+        ("host < device, worker thread", args.host_ms, None, False),
     )
-    for label, host_ms, spike_ms in cases:
+    for label, host_ms, spike_ms, asynchronous in cases:
         for num_buffers in (1, 2, 3):
             _progress(f"  simulated device, {label}, num_buffers={num_buffers}: {steps} steps ...")
-            runner = SimRunner(cost, num_kv_blocks=blocks_per_request * args.batch, eos_token_id=None)
+            runner = SimRunner(
+                cost, num_kv_blocks=blocks_per_request * args.batch, eos_token_id=None, asynchronous=asynchronous
+            )
             result = measure_overlap(
                 runner,
                 num_buffers,
@@ -192,7 +198,9 @@ def run_engine_simulated(args: argparse.Namespace) -> tuple[list[dict], str | No
     rows = []
     for num_buffers in (1, 2, 3):
         _progress(f"  engine on the simulated device, num_buffers={num_buffers}: {steps} steps ...")
-        runner = SimRunner(cost, num_kv_blocks=9 * args.batch * 2, max_model_len=1024, eos_token_id=None)
+        runner = SimRunner(
+            cost, num_kv_blocks=9 * args.batch * 2, max_model_len=1024, eos_token_id=None, asynchronous=True
+        )
         try:
             result = measure_engine(runner, num_buffers, batch=args.batch, steps=steps)
         except RuntimeError as exc:

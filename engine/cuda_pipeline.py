@@ -168,8 +168,8 @@ class CudaExecutor(Executor):
         if not self._in_flight or (not block and not self.oldest_done()):
             return None
         step = self._in_flight.popleft()
-        self._forget_released()
         if step.error is not None:
+            self._forget_released()
             return StepResult(step.step_id, step.model_input, [], step.error)
         start = time.perf_counter()
         try:
@@ -182,6 +182,7 @@ class CudaExecutor(Executor):
             return StepResult(step.step_id, step.model_input, [], exc)
         finally:
             self._free_slots.append(step.slot)
+            self._forget_released()  # after the step's own token-table writes are done
         self.busy.record_interval(self._ref_host + begin_s, self._ref_host + end_s)
         self.busy.record_host("readback", time.perf_counter() - start)
         return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s)

@@ -31,7 +31,7 @@ from overlap.engine.busy import BusyTracker
 from overlap.engine.errors import ConfigError
 from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput
 
-__all__ = ["MAX_BUFFERS", "PLACEHOLDER_TOKEN", "Executor", "StepResult", "make_executor"]
+__all__ = ["MAX_BUFFERS", "PLACEHOLDER_TOKEN", "AsyncExecutor", "Executor", "StepResult", "make_executor"]
 
 MAX_BUFFERS = 4
 
@@ -233,8 +233,59 @@ class Executor:
         return model_input
 
 
+@dataclass(slots=True)
+class _Launched:
+    step_id: int
+    model_input: ModelInput
+    handle: object = None
+    error: BaseException | None = None
+
+
+class AsyncExecutor(Executor):
+    """The pipeline for a runner that launches asynchronously (`launch(ModelInput) -> handle`, `wait(handle) ->
+    tokens`, `forget(request_id)`, as the simulated device offers): the engine thread launches each step, the
+    device runs them back to back, `collect` waits for the oldest. Placeholders are filled on the device side by
+    the runner. The same structure as the CUDA path, without CUDA."""
+
+    def submit(self, model_input: ModelInput) -> int:
+        assert not self.is_full, f"submit with {self.num_in_flight} of {self._num_buffers} buffers in flight"
+        step = _Launched(self._next_step_id, model_input)
+        self._next_step_id += 1
+        try:
+            step.handle = self.runner.launch(model_input)
+        except Exception as exc:
+            step.error = exc
+        self._in_flight.append(step)
+        return step.step_id
+
+    def oldest_done(self) -> bool:
+        return bool(self._in_flight) and (
+            self._in_flight[0].error is not None or self._in_flight[0].handle.end <= time.perf_counter()
+        )
+
+    def collect(self, block: bool = True) -> StepResult | None:
+        if not self._in_flight or (not block and not self.oldest_done()):
+            return None
+        step = self._in_flight.popleft()
+        try:
+            if step.error is not None:
+                return StepResult(step.step_id, step.model_input, [], step.error)
+            try:
+                token_ids = self.runner.wait(step.handle)  # the device-side work (placeholders) happens here
+            except Exception as exc:
+                return StepResult(step.step_id, step.model_input, [], exc)
+        finally:
+            self._forget_released()  # only now has this step used its requests' device-side tokens
+        self.busy.record_interval(step.handle.start, step.handle.end)
+        return StepResult(step.step_id, step.model_input, token_ids, busy_s=step.handle.end - step.handle.start)
+
+    def _drop_device_token(self, request_id: str) -> None:
+        self.runner.forget(request_id)
+
+
 def make_executor(runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:
-    """The CUDA pipeline for a runner on a CUDA device (`OVERLAP_CUDA_PIPELINE=0` opts out), else the threaded one."""
+    """The CUDA pipeline for a runner on a CUDA device (`OVERLAP_CUDA_PIPELINE=0` opts out), the launch/wait one for
+    a runner that launches asynchronously (the simulated GPU), else the threaded one."""
     if (
         getattr(getattr(runner, "device", None), "type", None) == "cuda"
         and os.environ.get("OVERLAP_CUDA_PIPELINE", "1") != "0"
@@ -242,4 +293,6 @@ def make_executor(runner, num_buffers: int = 2, busy: BusyTracker | None = None)
         from overlap.engine.cuda_pipeline import CudaExecutor
 
         return CudaExecutor(runner, num_buffers, busy)
+    if getattr(runner, "supports_launch", False):
+        return AsyncExecutor(runner, num_buffers, busy)
     return Executor(runner, num_buffers, busy)

@@ -6,6 +6,10 @@ It keeps the real runner's contract (`execute(ModelInput) -> list[int]`, `block_
 - Time: a step with N tokens takes `fixed_s + per_token_s * N` (`CostModel`, from flags or a measured profile).
   The runner waits for it without holding the GIL, as a CUDA stream or a torch forward lets the host run on.
   Every forward's busy interval `(start, end)` on `time.perf_counter()` is recorded exactly.
+- Two ways to run: `execute()` is a synchronous forward that the executor's worker thread calls (the CPU path);
+  with `asynchronous=True` the runner also offers `launch()` / `wait()` like a CUDA stream (steps queue up and
+  run back to back on the device's own clock, independent of the GIL), driven from the engine thread by
+  `AsyncExecutor` (the CUDA path's structure).
 - Tokens: deterministic and history-dependent. The runner keeps a paged "KV pool" in which each slot holds a
   rolling hash of the sequence up to that position, written and read through the block table exactly as real K/V
   would be. The sampled token is a function of the last position's hash, so a scheduler that feeds a wrong token,
@@ -24,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.types import ModelInput
+from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput
 
 _MASK = (1 << 64) - 1
 _SEED = 0x243F6A8885A308D3  # the hash before position 0
@@ -53,6 +57,13 @@ def _wait_until(deadline: float) -> None:
         time.sleep(remaining)
     while time.perf_counter() < deadline:
         time.sleep(0)
+
+
+@dataclass(slots=True)
+class SimLaunch:
+    batch: ModelInput
+    start: float
+    end: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +129,7 @@ class SimRunner:
         max_model_len: int = 2048,
         eos_token_id: int | None = 2,
         max_intervals: int = 1 << 16,
+        asynchronous: bool = False,
     ) -> None:
         if vocab_size < 2 or block_size < 1 or num_kv_blocks < 1 or max_model_len < 2:
             raise ConfigError("SimRunner needs vocab_size >= 2, block_size >= 1, num_kv_blocks >= 1")
@@ -127,6 +139,11 @@ class SimRunner:
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
+        # asynchronous: behave like a GPU stream (launch / wait, see `launch`); the executor then launches from the
+        # engine thread and needs no worker thread (make_executor picks AsyncExecutor).
+        self.supports_launch = asynchronous
+        self._device_free_at = 0.0
+        self._device_last_token: dict[str, int] = {}  # request -> its latest sampled token, "in device memory"
         # Each KV slot holds (position, hash of tokens 0..position); None = never written.
         self._kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)
         self.busy_intervals: deque[tuple[float, float]] = deque(maxlen=max_intervals)
@@ -160,6 +177,46 @@ class SimRunner:
         self.busy_s_total += end - start
         self.num_steps += 1
         return [token for token in sampled if token is not None]
+
+    # -- the asynchronous device: a stream of steps in virtual time -------------------------------------------------
+    def launch(self, batch: ModelInput) -> SimLaunch:
+        """Queue a step, as a CUDA launch does: it starts when the device has finished the steps before it (or now)
+        and runs for the cost model's time, whatever the host threads do meanwhile. Returns at once."""
+        start = max(time.perf_counter(), self._device_free_at)
+        end = start + self.cost.step_s(batch.num_tokens)
+        self._device_free_at = end
+        self.busy_intervals.append((start, end))
+        self.busy_s_total += end - start
+        self.num_steps += 1
+        return SimLaunch(batch, start, end)
+
+    def wait(self, launched: SimLaunch) -> list[int]:
+        """Wait (without the GIL) until the step is done and return its tokens. Steps must be waited for in launch
+        order; a decode with `PLACEHOLDER_TOKEN` gets the token its sequence sampled last, as a device-side gather
+        would."""
+        _wait_until(launched.end)
+        self.last_busy_interval = (launched.start, launched.end)
+        self.last_forward_s = launched.end - launched.start
+        sampled = []
+        try:
+            for seq in launched.batch.seqs:
+                if PLACEHOLDER_TOKEN in seq.token_ids:
+                    token = self._device_last_token.get(seq.request_id)
+                    if seq.token_ids != [PLACEHOLDER_TOKEN] or token is None:
+                        raise ValueError(f"{seq.request_id}: placeholder with no token sampled before it")
+                    seq.token_ids = [token]
+                token = self._run_seq(seq)
+                if token is not None:
+                    sampled.append((seq.request_id, token))
+        except Exception:
+            for seq in launched.batch.seqs:  # never feed these sequences a stale token later
+                self._device_last_token.pop(seq.request_id, None)
+            raise
+        self._device_last_token.update(sampled)
+        return [token for _, token in sampled]
+
+    def forget(self, request_id: str) -> None:
+        self._device_last_token.pop(request_id, None)
 
     def _run_seq(self, seq) -> int | None:
         if not seq.token_ids:

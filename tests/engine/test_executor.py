@@ -3,6 +3,7 @@ simulated device's idle share against the cost model's arithmetic."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -11,18 +12,19 @@ import pytest
 from overlap.bench.overlap_load import DecodeLoad, measure_overlap, predicted_idle_share
 from overlap.engine.busy import BusyTracker
 from overlap.engine.errors import ConfigError
-from overlap.engine.executor import PLACEHOLDER_TOKEN, Executor
+from overlap.engine.executor import PLACEHOLDER_TOKEN, AsyncExecutor, Executor, make_executor
 from overlap.engine.sim_runner import CostModel, SimRunner
 from overlap.engine.types import ModelInput, ScheduledSeq
 
 
-def sim(step_ms=0.5, vocab_size=8192, num_kv_blocks=512, eos=None):
+def sim(step_ms=0.5, vocab_size=8192, num_kv_blocks=512, eos=None, asynchronous=False):
     return SimRunner(
         CostModel(step_ms / 1000, 0.0),
         vocab_size=vocab_size,
         block_size=4,
         num_kv_blocks=num_kv_blocks,
         eos_token_id=eos,
+        asynchronous=asynchronous,
     )
 
 
@@ -65,10 +67,12 @@ def test_steps_come_back_in_order_exactly_once(num_buffers):
 
 @pytest.mark.parametrize("num_buffers", [1, 2, 3])
 @pytest.mark.parametrize("use_eos", [False, True])
-def test_decode_load_outputs_are_exact_and_every_block_returns(num_buffers, use_eos):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["worker-thread", "async-device"])
+def test_decode_load_outputs_are_exact_and_every_block_returns(num_buffers, use_eos, asynchronous):
     eos = 2 if use_eos else None
-    runner = sim(step_ms=0.3, vocab_size=40 if use_eos else 8192, eos=eos)
-    executor = Executor(runner, num_buffers)
+    runner = sim(step_ms=0.3, vocab_size=40 if use_eos else 8192, eos=eos, asynchronous=asynchronous)
+    executor = make_executor(runner, num_buffers)
+    assert type(executor) is (AsyncExecutor if asynchronous else Executor)
     load = DecodeLoad(executor, batch=8, num_requests=40, prompt_len=5, max_tokens=24, eos_token_id=eos, seed=7)
     prompts = {rid: (prompt, max_tokens) for rid, prompt, max_tokens in load.pending}
     stats = load.run()
@@ -78,7 +82,7 @@ def test_decode_load_outputs_are_exact_and_every_block_returns(num_buffers, use_
         assert load.done[rid].output == expected_output(runner, prompt, max_tokens, eos), rid  # none duplicated
     assert sorted(load.free_blocks) == list(range(runner.num_kv_blocks))
     assert stats.num_tokens == sum(len(r.output) for r in load.done.values())
-    assert not executor._last_token, "finished requests' device-side tokens must be forgotten"
+    assert not executor._last_token and not runner._device_last_token, "finished requests' tokens must be forgotten"
     if use_eos and num_buffers > 1:
         assert stats.num_discarded > 0  # EOS was seen one step late and the extra token dropped
     if num_buffers == 1:
@@ -202,11 +206,12 @@ def test_predicted_idle_share_arithmetic():
     assert predicted_idle_share(3, spiky, 0.004) < predicted_idle_share(2, spiky, 0.004) - 0.1
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["worker-thread", "async-device"])
 @pytest.mark.parametrize(
     ("num_buffers", "host_ms"),
     [(1, 7.5), (2, 7.5), (2, 30.0)],
 )
-def test_measured_idle_share_matches_the_cost_model(num_buffers, host_ms):
+def test_measured_idle_share_matches_the_cost_model(num_buffers, host_ms, asynchronous):
     """The bench's shape (host 1.5 ms vs device 4 ms; host 6 vs 4) scaled by five, so that the OS scheduling latency
     of a shared machine is a small part of a step. On a shared machine one run can be disturbed by other processes:
     the best of three attempts must match."""
@@ -215,7 +220,9 @@ def test_measured_idle_share_matches_the_cost_model(num_buffers, host_ms):
         pytest.skip(f"machine overloaded (load {load:.1f} on {cores} cores): a timing comparison means nothing now")
     errors = []
     for _ in range(3):
-        runner = SimRunner(CostModel(0.020, 0.0), block_size=16, num_kv_blocks=16 * 10, eos_token_id=None)
+        runner = SimRunner(
+            CostModel(0.020, 0.0), block_size=16, num_kv_blocks=16 * 10, eos_token_id=None, asynchronous=asynchronous
+        )
         result = measure_overlap(runner, num_buffers, batch=16, steps=30, host_ms=host_ms, max_tokens=64)
         assert result.device_ms_per_step == pytest.approx(20.0, abs=0.3)  # busy time is the cost model's
         expected = predicted_idle_share(num_buffers, [result.host_ms_per_step / 1000] * 30, 0.020)
@@ -236,3 +243,19 @@ def test_busy_tracker_is_fed_by_the_executor():
     snap = busy.snapshot()
     assert snap.num_steps == 5 and snap.busy_s == pytest.approx(runner.busy_s_total)
     assert snap.idle_gap_ms["count"] == 4 and snap.idle_gap_ms["p50"] >= 0.9
+
+
+def test_async_device_runs_queued_steps_back_to_back_whatever_the_host_does():
+    """Launched steps run on the device's own clock: a host busy in Python does not delay a queued step."""
+    from overlap.bench.overlap_load import spin
+
+    runner = sim(step_ms=5, asynchronous=True)
+    executor = AsyncExecutor(runner, 3)
+    for i in range(3):
+        executor.submit(ModelInput([ScheduledSeq(f"r{i}", [5], 0, [i], True)]))
+    spin(0.02)  # the host holds the GIL well past all three steps
+    results = executor.drain()
+    assert [r.step_id for r in results] == [0, 1, 2] and all(r.error is None for r in results)
+    intervals = list(runner.busy_intervals)
+    assert all(b[0] == pytest.approx(a[1]) for a, b in itertools.pairwise(intervals))
+    assert executor.busy.snapshot().busy_ratio == pytest.approx(1.0)

@@ -17,7 +17,9 @@ from overlap.engine.types import FinishReason
 EOS = 2
 
 
-def sim_engine(num_buffers: int, *, vocab_size=48, num_kv_blocks=512, block_size=4, step_s=0.0002, **config):
+def sim_engine(
+    num_buffers: int, *, vocab_size=48, num_kv_blocks=512, block_size=4, step_s=0.0002, asynchronous=False, **config
+):
     runner = SimRunner(
         CostModel(step_s, 2e-6),
         vocab_size=vocab_size,
@@ -25,6 +27,7 @@ def sim_engine(num_buffers: int, *, vocab_size=48, num_kv_blocks=512, block_size
         num_kv_blocks=num_kv_blocks,
         max_model_len=512,
         eos_token_id=EOS,
+        asynchronous=asynchronous,
     )
     config.setdefault("max_seq_len", 512)
     engine = Engine(EngineConfig(num_buffers=num_buffers, **config), runner=runner)  # the runner sets block_size
@@ -64,6 +67,7 @@ def assert_all_blocks_back(engine: Engine) -> None:
     bm.check_invariants([])
     assert engine.executor.num_in_flight == 0 and not engine._in_flight
     assert not engine.executor._last_token and not engine.executor._forget_later
+    assert not getattr(engine.runner, "_device_last_token", None)
 
 
 def workload(n: int, seed: int, vocab_size: int = 48, max_prompt: int = 40, max_tokens: int = 30):
@@ -77,17 +81,23 @@ def workload(n: int, seed: int, vocab_size: int = 48, max_prompt: int = 40, max_
     }
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["worker-thread", "async-device"])
 @pytest.mark.parametrize("chunked", [True, False])
-def test_sim_outputs_identical_for_1_2_3_buffers_with_eos_one_step_late(chunked):
+def test_sim_outputs_identical_for_1_2_3_buffers_with_eos_one_step_late(chunked, asynchronous):
     requests = workload(80, seed=5)
     results = {}
     for num_buffers in (1, 2, 3):
         engine, runner = sim_engine(
-            num_buffers, max_num_seqs=16, max_num_batched_tokens=64 if chunked else 512, enable_chunked_prefill=chunked
+            num_buffers,
+            max_num_seqs=16,
+            max_num_batched_tokens=64 if chunked else 512,
+            enable_chunked_prefill=chunked,
+            asynchronous=asynchronous,
         )
         sampled = []
-        execute = runner.execute
-        runner.execute = lambda batch, execute=execute, sampled=sampled: sampled.append(t := execute(batch)) or t
+        name = "wait" if asynchronous else "execute"
+        run = getattr(runner, name)
+        setattr(runner, name, lambda batch, run=run, sampled=sampled: sampled.append(t := run(batch)) or t)
         outputs = run_all(engine, requests)
         assert set(outputs) == set(requests)
         for rid, (prompt, sampling) in requests.items():
@@ -106,10 +116,13 @@ def test_sim_outputs_identical_for_1_2_3_buffers_with_eos_one_step_late(chunked)
     assert results[1] == results[2] == results[3]
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["worker-thread", "async-device"])
 @pytest.mark.parametrize("num_buffers", [2, 3])
-def test_preemption_while_steps_are_in_flight_keeps_outputs_exact(num_buffers):
+def test_preemption_while_steps_are_in_flight_keeps_outputs_exact(num_buffers, asynchronous):
     requests = workload(40, seed=9, max_prompt=24, max_tokens=40)
-    engine, runner = sim_engine(num_buffers, num_kv_blocks=48, max_num_seqs=24, max_num_batched_tokens=96)
+    engine, runner = sim_engine(
+        num_buffers, num_kv_blocks=48, max_num_seqs=24, max_num_batched_tokens=96, asynchronous=asynchronous
+    )
     outputs = run_all(engine, requests)
     assert engine.stats()["num_preemptions_total"] > 0, "the pool was meant to force preemptions"
     for rid, (prompt, sampling) in requests.items():
@@ -142,9 +155,12 @@ def test_reconfigure_returns_what_was_applied_and_drains_in_order():
     assert_all_blocks_back(engine)
 
 
-async def test_soak_1000_streamed_requests_with_20_live_reconfigurations():
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["worker-thread", "async-device"])
+async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchronous):
     rng = random.Random(1234)
-    engine, runner = sim_engine(2, num_kv_blocks=160, max_num_seqs=32, max_num_batched_tokens=128)
+    engine, runner = sim_engine(
+        2, num_kv_blocks=160, max_num_seqs=32, max_num_batched_tokens=128, asynchronous=asynchronous
+    )
     requests = workload(1000, seed=77, max_prompt=32, max_tokens=24)
     abort_early = set(rng.sample(sorted(requests), 20))  # clients that leave after their first token
     received: dict[str, list] = {}
