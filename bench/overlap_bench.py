@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -271,6 +272,8 @@ def _run(args: argparse.Namespace) -> int:
                     "tiny_model_skipped": skipped,
                     "engine_rows_skipped": engine_skipped,
                     "cpu_reason": cpu_reason(rows),
+                    "load_average": os.getloadavg()[0],
+                    "num_cores": os.cpu_count(),
                     "elapsed_s": time.perf_counter() - started,
                 },
                 indent=2,
@@ -284,7 +287,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"tiny model rows skipped: {skipped}")
     else:
         print(f"tiny model on CPU: {cpu_reason(rows)}")
-    print(f"({time.perf_counter() - started:.0f} s)")
+    load = os.getloadavg()[0]
+    print(
+        f"({time.perf_counter() - started:.0f} s; load average {load:.1f} on {os.cpu_count()} cores: other processes "
+        "delay the threads' wake-ups, which shows as idle the prediction does not have)"
+    )
     return 0
 
 
