@@ -234,51 +234,64 @@ class ModelRunner:
         return F.linear(x, w.lm_head)
 
     def _attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
-        """Per-sequence attention on head-major views of the pool ([heads, len, D]): no K/V copy for a sequence whose
-        blocks form one run. Returns [T, H * D].
+        """Per-sequence attention reading the pool in place: no K/V copy for a sequence whose blocks form one run.
+        q [T, H, D] -> [T, H * D].
 
-        Prefill chunks use scaled_dot_product_attention. On CPU a decode (one query) uses two matmuls and a softmax
-        instead: SDPA's fixed cost per call is larger than the work at this size (batch 64, context 160, one thread:
-        4.0 ms per layer with SDPA, 3.0 ms this way, 2.5 ms for one batched SDPA over a contiguous cache), and it runs
-        with one intra-op thread, because a parallel region per tiny kernel costs more than it saves."""
-        q_t = q.transpose(0, 1)  # [H, T, D]
-        k_t = k_pool.transpose(0, 1)  # [KV, slots, D]
-        v_t = v_pool.transpose(0, 1)
+        Prefill chunks use scaled_dot_product_attention. On CPU a decode (one query) is six tensor ops: its query,
+        two pool slices, matmul, softmax, matmul. SDPA's fixed cost per call is larger than the work at this size
+        (batch 64, context 160, one thread: 4.0 ms per layer with SDPA, 3.0 ms with the matmuls, 2.5 ms for one
+        batched SDPA over a contiguous cache). The decode loop runs with one intra-op thread, because a parallel
+        region per tiny kernel costs more than it saves."""
+        num_tokens = q.shape[0]
+        if self.device.type != "cpu":
+            q_t, k_t, v_t = q.transpose(0, 1), k_pool.transpose(0, 1), v_pool.transpose(0, 1)
+            outs = [self._attend(q_t, k_t, v_t, s).transpose(0, 1) for s in seqs]
+            return torch.cat(outs).reshape(num_tokens, -1)
+        kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
         outs: list[torch.Tensor | None] = [None] * len(seqs)
         decodes = []
+        q_t = k_t = None
+        v_t = v_pool.transpose(0, 1)  # [KV, slots, D]
         for i, s in enumerate(seqs):
-            if s.q_len > 1 or self.device.type != "cpu":
-                outs[i] = self._attend(q_t, k_t, v_t, s)
+            if s.q_len > 1:
+                if q_t is None:
+                    q_t, k_t = q.transpose(0, 1), k_pool.transpose(0, 1)
+                outs[i] = self._attend(q_t, k_t, v_t, s).transpose(0, 1)  # [n, H, D]
             else:
                 decodes.append(i)
         if decodes:
-            q_scaled = q_t * self._scale
-            kv_heads, group, head_dim = k_t.shape[0], q_t.shape[0] // k_t.shape[0], q_t.shape[2]
+            q_g = (q * self._scale).view(num_tokens, kv_heads, -1, head_dim)  # [T, KV, group, D]
+            k_tt = k_pool.permute(1, 2, 0)  # [KV, D, slots]: K transposed, still a view
+            upcast = self.dtype != torch.float32
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 for i in decodes:
                     s = seqs[i]
-                    k, v = self._kv(k_t, v_t, s)
-                    scores = torch.matmul(q_scaled[:, s.q_start].view(kv_heads, group, head_dim), k.transpose(1, 2))
-                    probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
-                    outs[i] = torch.matmul(probs, v).view(-1, 1, head_dim)  # [H, 1, D]
+                    if s.kv_start is not None:
+                        k_T = k_tt[:, :, s.kv_start : s.kv_start + s.kv_len]
+                        v = v_t[:, s.kv_start : s.kv_start + s.kv_len]
+                    else:
+                        k_T = k_pool.index_select(0, s.kv_index).permute(1, 2, 0)
+                        v = v_pool.index_select(0, s.kv_index).transpose(0, 1)
+                    scores = torch.matmul(q_g[s.q_start], k_T)  # [KV, group, L]
+                    probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype) if upcast else scores.softmax(-1)
+                    outs[i] = torch.matmul(probs, v)  # [KV, group, D]
             finally:
                 torch.set_num_threads(threads)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # [H, T, D]
-        return out.transpose(0, 1).reshape(q.shape[0], -1)
-
-    @staticmethod
-    def _kv(k_t: torch.Tensor, v_t: torch.Tensor, s: SeqAttention) -> tuple[torch.Tensor, torch.Tensor]:
-        if s.kv_start is not None:
-            return k_t[:, s.kv_start : s.kv_start + s.kv_len], v_t[:, s.kv_start : s.kv_start + s.kv_len]
-        # Gather whole rows (KV * D contiguous values each) from the slot-major pool, then view head-major.
-        k = k_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
-        v = v_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
-        return k, v
+            if len(decodes) == len(seqs):  # a pure decode step: one stack, no reordering
+                return torch.stack(outs).view(num_tokens, -1)
+            for i in decodes:
+                outs[i] = outs[i].view(1, -1, head_dim)
+        return torch.cat(outs).view(num_tokens, -1)
 
     def _attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, s: SeqAttention) -> torch.Tensor:
-        k, v = self._kv(k_t, v_t, s)
+        """SDPA for one sequence on head-major views [heads, len, D]."""
+        if s.kv_start is not None:
+            k, v = k_t[:, s.kv_start : s.kv_start + s.kv_len], v_t[:, s.kv_start : s.kv_start + s.kv_len]
+        else:  # gather whole rows (KV * D contiguous values each) from the slot-major pool, then view head-major
+            k = k_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
+            v = v_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
         return F.scaled_dot_product_attention(
             q_t[:, s.q_start : s.q_start + s.q_len],
             k,
