@@ -628,6 +628,7 @@ def _run(args: argparse.Namespace) -> int:
             if sim_cost:
                 cfg["sim_cost"] = {"fixed_ms": sim_cost[0], "per_token_us": sim_cost[1]}
             results.append(replay_in_process(trace, engine, spec.label, cfg, drain_s, args.seed, encode, progress))
+            del engine  # free its KV pool before the next policy's engine allocates one
         last = results[-1]
         print(
             f"  {spec.label}: {sum(r.status == 'finished' for r in last.records)}/{len(last.records)} finished "

@@ -123,6 +123,13 @@ class Trace:
 # ---------------------------------------------------------------------------------------------------- loading
 
 
+# What a built-in trace already holds, so `describe()` says it next to every figure.
+_BUILTIN_NOTES = {
+    "bursty_2x": "shipped with a 2x burst at 10 s for 5 s",
+    "azure": "Azure LLM inference trace 2023 (conversation), CC-BY 4.0",
+}
+
+
 def resolve_trace(name_or_path: str) -> Trace:
     """A built-in trace by name (steady, bursty, bursty_2x, azure) or a file path."""
     path = BUILTIN_TRACES.get(name_or_path)
@@ -132,7 +139,9 @@ def resolve_trace(name_or_path: str) -> Trace:
             raise TraceError(
                 f"trace {name_or_path!r} is neither a file nor a built-in trace ({', '.join(BUILTIN_TRACES)})"
             )
-    return load_trace(path)
+    trace = load_trace(path)
+    note = _BUILTIN_NOTES.get(name_or_path)
+    return Trace(trace.requests, trace.name, (note,)) if note else trace
 
 
 def load_trace(path: str | Path) -> Trace:
