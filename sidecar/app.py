@@ -82,10 +82,12 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
+        _count_client_error(request, exc.status)
         return routes.json_response(exc.body(), status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        _count_client_error(request, exc.status)
         message = exc.text or exc.reason  # for 413, aiohttp names the limit and the body size
         error = ApiError(exc.status, message, "not_found_error" if exc.status == 404 else "invalid_request_error")
         return routes.json_response(error.body(), status=exc.status)
@@ -95,6 +97,13 @@ async def error_middleware(request: web.Request, handler):
         log.exception("unhandled error in %s %s", request.method, request.path)
         error = ApiError(500, "internal server error", "internal_error")
         return routes.json_response(error.body(), status=500)
+
+
+def _count_client_error(request: web.Request, status: int) -> None:
+    """Bad API requests count as rejections too (429 and 503 are counted where they are decided)."""
+    if 400 <= status < 500 and status != 429 and request.path.startswith("/v1/"):
+        reason = "unauthorized" if status == 401 else "invalid"
+        request.app[STATE].metrics.rejected_by[reason].inc()
 
 
 @web.middleware

@@ -43,10 +43,8 @@ class SidecarMetrics:
         )
         # Labels bound once, so every series exists (at 0) from the first scrape.
         self.finished_by = {r: self.finished.labels(r) for r in ("stop", "length", "abort", "timeout", "error")}
-        self.rejected_by = {
-            r: self.rejected.labels(r)
-            for r in ("queued_requests", "queued_tokens", "inflight", "draining", "engine_unavailable", "invalid")
-        }
+        reasons = ("queued_requests", "queued_tokens", "inflight", "draining", "engine_unavailable", "invalid")
+        self.rejected_by = {r: self.rejected.labels(r) for r in (*reasons, "unauthorized")}
 
 
 class EngineCollector(Collector):

@@ -41,6 +41,7 @@ async def test_api_key_is_checked_before_anything_else(tmp_path):
         response = await client.post("/v1/completions", json={"model": "m", "prompt": "x"})
         assert response.status == 401 and (await response.json())["error"]["code"] == "invalid_api_key"
         assert (await client.get("/healthz")).status == 200
-        assert (await client.get("/metrics")).status == 200
+        metrics = await (await client.get("/metrics")).text()
+        assert 'overlap_requests_rejected_total{reason="unauthorized"} 1.0' in metrics
     finally:
         await client.close()

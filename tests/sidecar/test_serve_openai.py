@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from sidecar_helpers import ADMIN_TOKEN, Proc, free_port, http, is_ready, overlap_cmd, wait_until
+from sidecar_helpers import ADMIN_TOKEN, Proc, free_port, http, is_ready, metric_value, overlap_cmd, wait_until
 
 GREEDY = {"temperature": 0.0}
 
@@ -194,6 +194,9 @@ def test_bad_inputs_get_the_right_4xx(server):
             failures.append(f"{name}: {status} in {elapsed:.1f}s, {data!r:.200}")
     assert not failures, "\n".join(failures)
     assert is_ready(server["url"])  # and the server is still fine
+    invalid = metric_value(http("GET", f"{server['url']}/metrics")[2], "overlap_requests_rejected_total",
+                           'reason="invalid"')  # fmt: skip
+    assert invalid >= len(_bad_cases(server["model"]))
 
 
 def test_wrong_methods_and_routes_get_openai_errors(server):
