@@ -216,7 +216,7 @@ def test_measured_idle_share_matches_the_cost_model(num_buffers, host_ms, asynch
     of a shared machine is a small part of a step. On a shared machine one run can be disturbed by other processes:
     the best of three attempts must match."""
     load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 1.5 * cores:
+    if load > 4 * cores:
         pytest.skip(f"machine overloaded (load {load:.1f} on {cores} cores): a timing comparison means nothing now")
     errors = []
     for _ in range(3):
