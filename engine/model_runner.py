@@ -10,10 +10,10 @@ layer's pool is a flat run of slots, block b holding slots b*bs .. b*bs + bs - 1
     k_pool[layer]:  | block 0: slot 0..bs-1 | block 1 | block 2 | ... |      slot = table[pos // bs] * bs + pos % bs
 
 Attention reads a sequence's K/V *in place*: when its block table is a run of consecutive block ids (what the block
-manager hands out where it can) positions 0..L-1 are the slice k_pool[layer][first*bs : first*bs + L], a view, and
-scaled_dot_product_attention runs on it directly. Only a fragmented table is gathered (index_select of its slots,
-the index computed once per step and shared by all layers). Gathering every sequence's blocks each step instead
-costs an extra write and read of the whole working set and halved throughput at batch 64 on a 2-core CPU.
+manager hands out where it can) positions 0..L-1 are the slice k_pool[layer][first*bs : first*bs + L], a view that
+attention reads directly. Only a fragmented table is gathered (index_select of its slots, the index computed once per
+step and shared by all layers). Gathering every sequence's blocks each step instead costs an extra write and read of
+the whole working set (4-7x the attention time at batch 64 on this 2-core CPU).
 Prompts are packed without padding: the step's tokens form one [num_tokens, hidden] matrix for the projections
 and MLPs; only attention is per sequence.
 """
