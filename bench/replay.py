@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 import time
@@ -182,6 +183,7 @@ def replay_in_process(
         for rid, r, p in zip(ids, requests, prepared, strict=True)
     }
     _warm_up(engine, SamplingParams)
+    load_before = _load_average()
 
     bar = _progress_bar(len(requests), label, progress)
     busy = _BusyMeter(engine)
@@ -233,6 +235,7 @@ def replay_in_process(
         if records[rid].status == "unfinished":
             engine.abort(rid)
     engine.close()
+    config = {**config, "load_average": [load_before, _load_average()]}
     return RunResult(
         label=label,
         mode="in-process",
@@ -264,6 +267,14 @@ def _record_output(record: RequestRecord, out, t: float, start: float, bar) -> N
     if out.error:
         record.detail = out.error
     bar.update(1)
+
+
+def _load_average() -> float | None:
+    """The machine's 1-minute load average (other processes compete for the cores; printed with each run)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _warm_up(engine, sampling_cls) -> None:
@@ -388,6 +399,7 @@ async def replay_target(
                 samples.append((time.monotonic() - start, in_flight, in_flight, None))
                 await asyncio.sleep(_SAMPLE_EVERY_S)
 
+        load_before = _load_average()
         sampling_task = asyncio.create_task(sampler())
         tasks = []
         for i, request in enumerate(trace.requests):
@@ -406,7 +418,7 @@ async def replay_target(
     return RunResult(
         label=label or url,
         mode="target",
-        config={"target": url, "model": model},
+        config={"target": url, "model": model, "load_average": [load_before, _load_average()]},
         records=records,
         wall_s=wall,
         submit_end_s=submit_end,
@@ -632,7 +644,8 @@ def _run(args: argparse.Namespace) -> int:
         last = results[-1]
         print(
             f"  {spec.label}: {sum(r.status == 'finished' for r in last.records)}/{len(last.records)} finished "
-            f"in {last.wall_s:.1f} s",
+            f"in {last.wall_s:.1f} s (machine load average {last.config['load_average'][0]} -> "
+            f"{last.config['load_average'][1]})",
             file=log,
         )
 
