@@ -29,7 +29,15 @@ from pathlib import Path
 import numpy as np
 
 from overlap.bench.report import RequestRecord, RunResult, table_rows, text_table, write_report
-from overlap.bench.traces import Trace, TraceError, TraceRequest, TraceTransforms, resolve_trace, truncate
+from overlap.bench.traces import (
+    DEFAULT_PRIORITY,
+    Trace,
+    TraceError,
+    TraceRequest,
+    TraceTransforms,
+    resolve_trace,
+    truncate,
+)
 
 POLICIES = ("serial", "fixed_window", "dynamic", "continuous")
 # Defaults (documented in docs/analysis.md). dynamic: field report 2's setting, max 8 requests or 150 ms; on this
@@ -380,6 +388,8 @@ async def replay_target(
                 "ignore_eos": True,
                 "stream_options": {"include_usage": True},
             }
+            if request.priority != DEFAULT_PRIORITY:  # only when the trace asks: servers differ in what they accept
+                body["priority"] = request.priority
             record.arrived = time.monotonic() - start
             in_flight += 1
             try:

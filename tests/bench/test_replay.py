@@ -111,8 +111,8 @@ def test_real_replay_on_the_tiny_model_writes_a_report(tiny_model_dir, tmp_path,
     assert (out / "report.md").is_file() and (out / "latency_cdf.png").is_file()
 
 
-async def fake_openai_server(reject_every: int = 0):
-    """Streams `max_tokens` chunks 10 ms apart; every `reject_every`-th request gets 429."""
+async def fake_openai_server(reject_every: int = 0, bodies: list | None = None):
+    """Streams `max_tokens` chunks 10 ms apart; every `reject_every`-th request gets 429; records request bodies."""
     count = 0
 
     async def models(request):
@@ -122,6 +122,8 @@ async def fake_openai_server(reject_every: int = 0):
         nonlocal count
         count += 1
         body = await request.json()
+        if bodies is not None:
+            bodies.append(body)
         assert body["model"] == "fake-model" and body["stream"] is True
         if reject_every and count % reject_every == 0:
             return web.json_response({"error": {"message": "busy"}}, status=429)
@@ -202,3 +204,16 @@ def test_command_line_transforms_and_quick_window():
         replay._parse_burst("soon")
     with pytest.raises(TraceError, match="--sim-cost"):
         replay._parse_sim_cost("fast")
+
+
+async def test_target_replay_sends_token_id_prompts_and_explicit_priorities_only():
+    bodies: list = []
+    runner, url = await fake_openai_server(bodies=bodies)
+    try:
+        trace = Trace((TraceRequest(0.0, 2, prompt_tokens=5), TraceRequest(0.01, 2, prompt="Hi", priority=0)), "p")
+        await replay.replay_target(trace, url, drain_s=5.0, progress=False)
+    finally:
+        await runner.cleanup()
+    by_prompt = {json.dumps(b["prompt"]): b for b in bodies}
+    assert "priority" not in by_prompt[json.dumps(replay.prompt_token_ids(trace.requests[0], 0, 0))]
+    assert by_prompt['"Hi"']["priority"] == 0
