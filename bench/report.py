@@ -82,7 +82,7 @@ class Metrics:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     queue_share: float | None  # sum of queue time / sum of end-to-end time (finished requests)
-    device_busy_share: float | None  # busy seconds / span
+    device_busy_share: float | None  # busy seconds / wall time of the run
     mean_batch: float | None  # mean number of running requests while any ran (from the samples)
     tail_wait_share: float | None  # slowest 1% of finished requests: share of their time spent waiting
 
@@ -122,7 +122,8 @@ def compute_metrics(run: RunResult) -> Metrics:
     queue_share = (
         sum(q for q, _ in queued) / sum(e for _, e in queued) if queued and sum(e for _, e in queued) > 0 else None
     )
-    busy = None if run.busy_s is None else min(run.busy_s / span, 1.0)
+    # busy time accumulates over the whole run (drain included), so it is shared over the run's wall time
+    busy = None if run.busy_s is None else min(run.busy_s / max(run.wall_s, 1e-9), 1.0)
     # the batch is the engine's running set; a client only sees requests in flight, so targets have none
     running = [s[2] for s in run.samples if s[2] > 0] if run.mode == "in-process" else []
     # The slowest 1% (at least one): did they wait (queued; for targets, until the first token) or compute?
