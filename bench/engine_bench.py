@@ -24,6 +24,9 @@ import sys
 import time
 
 FULL = dict(batch_sizes=(1, 16, 64, 128), num_requests=256, prompt_len=128, output_len=64)
+# Batch 1 runs its requests one after another, so its throughput does not depend on how many there are: 16 give the
+# same figure as 256 in 1/16 of the time (unless --num-requests is given).
+BATCH1_REQUESTS = 16
 QUICK = dict(batch_sizes=(16, 64), num_requests=64, prompt_len=64, output_len=16)
 
 
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     for key in ("num_requests", "prompt_len", "output_len"):
         if getattr(args, key):
             plan[key] = getattr(args, key)
+    batch1_requests = args.num_requests or min(plan["num_requests"], BATCH1_REQUESTS)
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_default_model())
     bench = _Bench(model_dir, args.dtype, args.threads, **plan)
@@ -68,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     results["startup"] = bench.startup()
     results["rows"] = []
     for batch in plan["batch_sizes"]:
-        row = {"batch": batch}
+        bench.num_requests = batch1_requests if batch == 1 else plan["num_requests"]
+        row = {"batch": batch, "num_requests": bench.num_requests}
         row["decode_ceiling_tok_s"] = bench.decode_ceiling(batch)
         row.update(bench.workload_ceiling(batch))
         row.update(bench.engine_run(batch))
@@ -197,7 +202,7 @@ class _Bench:
         num_out = 0
         c0, t0 = time.process_time(), time.perf_counter()
         for wave_start in range(0, self.num_requests, batch):
-            wave = self.prompts[wave_start : wave_start + batch]
+            wave = self.prompts[wave_start : min(wave_start + batch, self.num_requests)]
             tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(wave))]
             last = [0] * len(wave)
             for first in range(0, len(wave), max(1, budget // self.prompt_len)):
@@ -240,7 +245,7 @@ class _Bench:
         scheduler.schedule = timed_schedule
         runner = engine.runner
         greedy = SamplingParams(temperature=0, max_tokens=self.output_len, ignore_eos=True)
-        for i, prompt in enumerate(self.prompts):
+        for i, prompt in enumerate(self.prompts[: self.num_requests]):
             engine.add_request(f"req-{i}", prompt, greedy)
         num_out = num_steps = 0
         forward_s = 0.0
@@ -269,6 +274,7 @@ class _Bench:
     def paged_vs_contiguous(self, batch: int, repeats: int) -> dict:
         paged = self._runner(batch)
         contiguous = self._runner(batch, _contiguous_runner_class())
+        contiguous.weights = paged.weights  # one copy of the weights: equally warm in the CPU caches for every case
         runs_input = self._decode_inputs(paged, batch, self.prompt_len)
         scattered_input = self._decode_inputs(paged, batch, self.prompt_len, scatter=True)
         dense_input = self._decode_inputs(contiguous, batch, self.prompt_len)
@@ -282,8 +288,12 @@ class _Bench:
         cpu: dict[str, list[float]] = {name: [] for name in cases}
         for runner, model_input in cases.values():
             runner.execute(model_input)  # warm-up
-        for _ in range(repeats):  # interleaved, so load changes hit every case alike
-            for name, (runner, model_input) in cases.items():
+        order = list(cases)
+        shuffle = random.Random(2).shuffle
+        for _ in range(repeats):  # interleaved in a shuffled order, so load changes hit every case alike
+            shuffle(order)
+            for name in order:
+                runner, model_input = cases[name]
                 c0, t0 = time.process_time(), time.perf_counter()
                 runner.execute(model_input)
                 times[name].append(time.perf_counter() - t0)
@@ -341,18 +351,21 @@ def _contiguous_runner_class():
 def _table(results: dict) -> str:
     setup = results["setup"]
     lines = [
-        f"overlap bench engine: {setup['num_requests']} requests x {setup['prompt_len']} prompt x "
+        f"overlap bench engine: {setup['num_requests']} requests (reqs column) x {setup['prompt_len']} prompt x "
         f"{setup['output_len']} output tokens (EOS ignored), {setup['dtype']}, {setup['threads']} threads",
         "",
-        f"{'batch':>5} | {'decode ceiling':>14} | {'workload ceiling':>16} | {'engine':>9} | {'engine/ceiling':>14} "
+        f"{'batch':>5} | {'reqs':>4} | {'decode ceiling':>14} | {'workload ceiling':>16} | {'engine':>9} | "
+        f"{'engine/ceiling':>14} "
         f"| {'(CPU s)':>7} | {'busy':>5} | {'sched ms/step':>13} | {'steps':>6}",
-        f"{'':>5} | {'tok/s':>14} | {'out tok/s':>16} | {'out tok/s':>9} | {'':>14} | {'':>7} | {'':>5} | {'':>13} "
+        f"{'':>5} | {'':>4} | {'tok/s':>14} | {'out tok/s':>16} | {'out tok/s':>9} | {'':>14} | {'':>7} | {'':>5} | "
+        f"{'':>13} "
         f"| {'':>6}",
-        "-" * 114,
+        "-" * 121,
     ]
     for r in results["rows"]:
         lines.append(
-            f"{r['batch']:>5} | {r['decode_ceiling_tok_s']:>14.0f} | {r['workload_ceiling_tok_s']:>16.0f} | "
+            f"{r['batch']:>5} | {r['num_requests']:>4} | {r['decode_ceiling_tok_s']:>14.0f} | "
+            f"{r['workload_ceiling_tok_s']:>16.0f} | "
             f"{r['engine_tok_s']:>9.0f} | {r['engine_over_ceiling']:>14.0%} | {r['engine_over_ceiling_cpu']:>7.0%} | "
             f"{r['engine_busy']:>5.0%} | "
             f"{r['sched_ms_per_step']:>13.3f} | {r['engine_steps']:>6}"
