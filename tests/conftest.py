@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+import overlap.engine  # noqa: F401  (first: sets OpenMP's wait policy before any test module loads torch)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
