@@ -300,7 +300,14 @@ def _progress_bar(total: int, label: str, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(
-        total=total, desc=label[:32], unit="req", file=sys.stderr, disable=not enabled, leave=False, dynamic_ncols=True
+        total=total,
+        desc=label[:32],
+        unit="req",
+        file=sys.stderr,
+        disable=not enabled,
+        mininterval=0.5,
+        leave=False,
+        dynamic_ncols=True,
     )
 
 
