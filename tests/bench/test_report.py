@@ -156,7 +156,7 @@ def test_policy_comparison_orders_and_ratios():
     assert out["throughput_vs_serial"]["continuous"] == 20
     assert out["throughput_order_holds"] is True
     assert out["continuous_has_lowest_p99"] is True
-    assert out["continuous_vs_serial_step_cost_bound"] == 10  # 20 ms x 50 / 100 ms
+    assert out["continuous_vs_serial_step_cost_estimate"] == 10  # 20 ms x 50 / 100 ms
     entries[1] = entry("fixed_window", 35, 4000)  # fixed window beating dynamic breaks the order
     assert compare_policies(entries)["throughput_order_holds"] is False
 
