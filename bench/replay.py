@@ -567,6 +567,14 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=_run)
 
 
+def _reproduce_command(argv: list[str]) -> str:
+    """The command line that reproduces this report (empty when not run as `overlap ... bench replay ...`)."""
+    for i in range(1, len(argv) - 1):
+        if argv[i : i + 2] == ["bench", "replay"]:
+            return "overlap " + " ".join(shlex.quote(a) for a in argv[1:])
+    return ""
+
+
 def _parse_sim_cost(text: str | None) -> tuple[float, float] | None:
     if not text:
         return None
@@ -666,11 +674,7 @@ def _run(args: argparse.Namespace) -> int:
             file=log,
         )
 
-    command = (
-        "overlap bench replay " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-        if sys.argv[1:3] == ["bench", "replay"]
-        else ""
-    )
+    command = _reproduce_command(sys.argv)
     summary = write_report(results, out_dir, trace.describe(), args.slo_ms, command)
     summary["wall_s"] = round(time.monotonic() - started, 1)
     summary["out_dir"] = str(out_dir)

@@ -217,3 +217,9 @@ async def test_target_replay_sends_token_id_prompts_and_explicit_priorities_only
     by_prompt = {json.dumps(b["prompt"]): b for b in bodies}
     assert "priority" not in by_prompt[json.dumps(replay.prompt_token_ids(trace.requests[0], 0, 0))]
     assert by_prompt['"Hi"']["priority"] == 0
+
+
+def test_reproduce_command_keeps_global_options():
+    argv = ["/x/bin/overlap", "--log-level", "DEBUG", "bench", "replay", "--trace", "my trace.jsonl", "--quick"]
+    assert replay._reproduce_command(argv) == "overlap --log-level DEBUG bench replay --trace 'my trace.jsonl' --quick"
+    assert replay._reproduce_command(["pytest", "-q"]) == ""

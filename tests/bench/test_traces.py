@@ -159,3 +159,12 @@ def test_shipped_traces_match_their_recipes():
             f"{name}.jsonl is stale: run python -m overlap.bench.traces"
         )
     assert len(traces.resolve_trace("bursty_2x")) > len(traces.resolve_trace("bursty"))
+
+
+def test_malformed_azure_row_is_refused_with_line_and_reason(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.99,many,109\n"
+    )
+    with pytest.raises(TraceError, match=r"azure\.csv:3: .*many"):
+        traces.load_trace(path)
