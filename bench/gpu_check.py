@@ -49,20 +49,33 @@ def require_cuda() -> str:
     return torch.cuda.get_device_name(0)
 
 
-def build_random_llama(target: Path) -> Path:
-    """A randomly initialised ~1B Llama in bf16, saved as a Hugging Face folder (safetensors)."""
+# A tiny stand-in for the dry run on CPU (same code path, seconds instead of minutes).
+LLAMA_DRY_RUN = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 1024,
+}
+
+
+def build_random_llama(target: Path, shape: dict = LLAMA_1B, device: str = "cuda") -> Path:
+    """A randomly initialised Llama (default ~1.1B) in bf16, saved as a Hugging Face folder (safetensors)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**LLAMA_1B, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     num_params = sum(p.numel() for p in model.parameters())
     _progress(f"random Llama: {num_params / 1e9:.2f}B parameters, saving to {target}")
     model.save_pretrained(target, safe_serialization=True)
     del model
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return target
 
 
@@ -72,9 +85,15 @@ def measure_model(name: str, model_dir: Path, dtype: str, args: argparse.Namespa
     from overlap.engine.model_runner import ModelRunner
 
     prompt_len, max_tokens = 16, 128
-    blocks = -(-(prompt_len + max_tokens) // 16) * args.batch + 16
+    max_seq_len = 256  # prompt + output fit; the pool must hold one full-length sequence
+    blocks = -(-(prompt_len + max_tokens) // 16) * args.batch + max_seq_len // 16
     config = EngineConfig(
-        device="cuda", dtype=dtype, num_kv_blocks=blocks, max_num_seqs=args.batch, block_size=16, max_seq_len=1024
+        device=args.device,
+        dtype=dtype,
+        num_kv_blocks=blocks,
+        max_num_seqs=args.batch,
+        block_size=16,
+        max_seq_len=max_seq_len,
     )
     runner = ModelRunner(config, model_dir)
     rows = []
@@ -119,7 +138,10 @@ def format_table(rows: list[dict], gpu: str, args: argparse.Namespace) -> str:
         "  ".join("-" * w for w in widths),
     ]
     out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
-    out.append("device busy % = CUDA-event busy time of forward+sample / elapsed device time")
+    out.append(
+        "device busy % = busy time of forward+sample (from CUDA events; the forward's own time in a CPU dry run) / "
+        "elapsed device time"
+    )
     return "\n".join(out)
 
 
@@ -130,15 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-ms", type=float, default=0.0, help="extra synthetic host time per step (default 0)")
     parser.add_argument("--skip-1b", action="store_true", help="only the tiny model")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--dry-run-cpu",
+        action="store_true",
+        help="check this script on CPU: the threaded executor instead of the CUDA one, a small random Llama",
+    )
     args = parser.parse_args(argv)
-    gpu = require_cuda()
+    args.device = "cpu" if args.dry_run_cpu else "cuda"
+    gpu = "CPU (dry run)" if args.dry_run_cpu else require_cuda()
     started = time.perf_counter()
     from overlap.engine.model_builder import ensure_default_model
 
     rows = measure_model("tiny (27M)", ensure_default_model(), "float32", args)
     if not args.skip_1b:
-        with tempfile.TemporaryDirectory(prefix="overlap-llama1b-") as tmp:
-            rows += measure_model("random Llama 1.1B", build_random_llama(Path(tmp)), "bfloat16", args)
+        name, shape = ("random Llama (dry run)", LLAMA_DRY_RUN) if args.dry_run_cpu else ("random Llama 1.1B", LLAMA_1B)
+        with tempfile.TemporaryDirectory(prefix="overlap-llama-") as tmp:
+            model_dir = build_random_llama(Path(tmp), shape, args.device)
+            rows += measure_model(name, model_dir, "bfloat16", args)
     print(format_table(rows, gpu, args))
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Overlapped execution on a real NVIDIA GPU: the overlap benchmark with the real model runner (tiny model and a
 # random ~1B Llama in bf16), device busy share from CUDA events for 1 and 2 buffers, one table. Under 8 minutes.
-# Usage: bench/gpu/check.sh [--steps N] [--batch B] [--skip-1b] [--json FILE]
+# Usage: bench/gpu/check.sh [--steps N] [--batch B] [--skip-1b] [--json FILE]   (--dry-run-cpu: check it on CPU)
 # Without a GPU it exits with code 2 and says so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -77,3 +77,20 @@ def test_cuda_executor_refuses_a_cpu_runner():
     with pytest.raises(ConfigError, match="CUDA"):
         CudaExecutor(runner)
     assert type(make_executor(runner, 2)) is Executor
+
+
+def test_gpu_check_dry_run_on_cpu_exercises_everything_but_cuda(capsys, tmp_path):
+    from overlap.bench.gpu_check import main as gpu_check
+
+    out_json = tmp_path / "gpu.json"
+    assert gpu_check(["--dry-run-cpu", "--steps", "3", "--batch", "4", "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out
+    assert "tiny (27M)" in table and "random Llama (dry run)" in table
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["model"], r["num_buffers"]) for r in rows] == [
+        ("tiny (27M)", 1),
+        ("tiny (27M)", 2),
+        ("random Llama (dry run)", 1),
+        ("random Llama (dry run)", 2),
+    ]
+    assert all(r["tokens_per_s"] > 0 and 0 <= r["idle_share"] <= 1 for r in rows)
