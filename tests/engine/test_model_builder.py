@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from overlap.engine import model_builder
 
 
