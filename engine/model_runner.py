@@ -65,6 +65,9 @@ class StepInputs:
     sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
     sampling: list[SamplingParams]
     num_generated: list[int]
+    # CPU with 2+ threads: the batch cut in two halves (consecutive sequences), each run through the whole model by
+    # its own Python thread with one intra-op thread; the fields above then describe the first half only.
+    halves: tuple[StepInputs, StepInputs] | None = None
 
 
 class ModelRunner:
@@ -158,6 +161,45 @@ class ModelRunner:
             return self.forward(self.prepare(batch)).float()
 
     def prepare(self, batch: ModelInput) -> StepInputs:
+        cut = self._split_point(batch) if self.device.type == "cpu" and torch.get_num_threads() >= 2 else None
+        if cut is None:
+            return self._prepare(batch)
+        first = self._prepare(ModelInput(batch.seqs[:cut]))
+        second = self._prepare(ModelInput(batch.seqs[cut:]))
+        return StepInputs(
+            input_ids=first.input_ids,
+            positions=first.positions,
+            slots=first.slots,
+            seqs=first.seqs,
+            sample_rows=first.sample_rows,
+            sampling=first.sampling + second.sampling,
+            num_generated=first.num_generated + second.num_generated,
+            halves=(first, second),
+        )
+
+    @staticmethod
+    def _split_point(batch: ModelInput) -> int | None:
+        """Where to cut the batch in two halves of about equal work, or None to run it whole (too small or too
+        lopsided, e.g. one long prompt). A token's projections and MLP cost about as much as attending over 150
+        cached positions at decode (tiny Llama, fp32, one thread)."""
+        seqs = batch.seqs
+        if len(seqs) < 2:
+            return None
+        costs = [len(s.token_ids) * 150 + len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in seqs]
+        total = sum(costs)
+        if total < 150 * 8:  # a few tokens: the thread hand-off costs more than it saves
+            return None
+        acc, cut = 0, 0
+        while cut < len(seqs) - 1 and acc + costs[cut] <= total / 2:
+            acc += costs[cut]
+            cut += 1
+        if cut == 0 or (cut < len(seqs) - 1 and total / 2 - acc > acc + costs[cut] - total / 2):
+            acc, cut = acc + costs[cut], cut + 1
+        if max(acc, total - acc) > 0.75 * total:
+            return None
+        return cut
+
+    def _prepare(self, batch: ModelInput) -> StepInputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -209,7 +251,32 @@ class ModelRunner:
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [num sampled seqs, vocab] (model dtype). Writes the step's K/V into the pool."""
+        """Logits [num sampled seqs, vocab] (model dtype). Writes the step's K/V into the pool.
+
+        A batch prepared in two halves runs as two independent forwards, one per Python thread with one intra-op
+        thread each (torch releases the GIL inside kernels). At decode this beats one forward with 2 OpenMP threads
+        by ~20% (batch 64: 2 threads made the [64, 512] x [512, N] matmuls only ~1.2x faster than one thread,
+        while each half keeps one core busy with no barrier per kernel); prefill chunks gain ~5%. The halves write
+        disjoint KV slots."""
+        if inputs.halves is None:
+            return self._forward(inputs)
+        first, second = inputs.halves
+        threads = torch.get_num_threads()
+
+        def run_half(half: StepInputs) -> torch.Tensor:
+            torch.set_num_threads(1)  # this thread's own OpenMP setting
+            with torch.inference_mode():
+                return self._forward(half)
+
+        torch.set_num_threads(1)
+        try:
+            future = self._helper_pool().submit(run_half, second)
+            logits = self._forward(first)
+            return torch.cat([logits, future.result()])
+        finally:
+            torch.set_num_threads(threads)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
         spec, w = self.spec, self.weights
         eps, hidden = spec.rms_norm_eps, (spec.hidden_size,)
         num_tokens = inputs.input_ids.shape[0]
@@ -310,6 +377,10 @@ class ModelRunner:
         """One helper thread for the decode attention loop (None with a single intra-op thread)."""
         if threads < 2:
             return None
+        return self._helper_pool()
+
+    def _helper_pool(self):
+        """The one helper thread (a half-batch forward, or every other decode's attention), made on first use."""
         if self._helper is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -323,14 +394,16 @@ class ModelRunner:
         else:  # gather whole rows (KV * D contiguous values each) from the slot-major pool, then view head-major
             k = k_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
             v = v_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
+        # A batch dimension of one: with 4-D inputs CPU SDPA takes its flash kernel (3-D ones take the math path,
+        # ~30% slower for a 128-token chunk).
         return F.scaled_dot_product_attention(
-            q_t[:, s.q_start : s.q_start + s.q_len],
-            k,
-            v,
+            q_t[None, :, s.q_start : s.q_start + s.q_len],
+            k[None],
+            v[None],
             attn_mask=s.mask,
             is_causal=s.is_causal,
             enable_gqa=self._gqa,
-        )
+        )[0]
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)

@@ -1,0 +1,100 @@
+"""The CPU runner's two-thread paths give the same numbers as one thread: a batch cut in two halves (one forward
+per Python thread), and a lopsided batch run whole with the decode-attention helper thread."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.engine.config import EngineConfig
+from overlap.engine.model_runner import ModelRunner
+from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir: Path) -> ModelRunner:
+    runner = ModelRunner(EngineConfig(num_kv_blocks=256, max_seq_len=2048), tiny_model_dir)
+    yield runner
+    runner.close()
+
+
+def _decode(i: int, pos: int, table: list[int]) -> ScheduledSeq:
+    return ScheduledSeq(f"d{i}", [7 + i], pos, table, True, GREEDY, 1)
+
+
+def test_split_point_balances_work_and_skips_small_or_lopsided_batches():
+    table = list(range(4))
+    split = ModelRunner._split_point
+    assert split(ModelInput([_decode(0, 40, table)])) is None  # one sequence
+    assert split(ModelInput([_decode(i, 10, table) for i in range(2)])) is None  # too little work
+    assert split(ModelInput([_decode(i, 40, table) for i in range(64)])) == 32
+    prompt = ScheduledSeq("p", list(range(3, 2003)), 0, list(range(130)), True, GREEDY)
+    assert split(ModelInput([prompt] + [_decode(i, 40, table) for i in range(4)])) is None  # one long prompt
+    chunks = [ScheduledSeq(f"p{i}", list(range(3, 131)), 0, table, True, GREEDY) for i in range(16)]
+    assert split(ModelInput(chunks)) == 8
+
+
+def _step_logits(runner: ModelRunner, batch: ModelInput, threads: int) -> tuple[torch.Tensor, bool]:
+    torch.set_num_threads(threads)
+    inputs = runner.prepare(batch)
+    with torch.inference_mode():
+        return runner.forward(inputs).float(), inputs.halves is not None
+
+
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_halves_match_one_thread_on_a_mixed_batch(runner, fragmented):
+    rng = random.Random(3)
+    ids = list(range(runner.num_kv_blocks))
+    if fragmented:
+        rng.shuffle(ids)
+    tables = [ids[i * 4 : (i + 1) * 4] for i in range(12)]  # 64 positions each
+    prompts = [[rng.randrange(3, 8000) for _ in range(rng.randint(20, 40))] for _ in range(12)]
+    # Fill the cache: every prompt but its last 8 tokens.
+    fill = [ScheduledSeq(f"r{i}", p[:-8], 0, tables[i], False, GREEDY) for i, p in enumerate(prompts)]
+    torch.set_num_threads(1)
+    runner.execute(ModelInput(fill))
+    # A chunk from position 0, a chunk continuing a prompt, and decodes (the last tokens stand in for sampled ones).
+    fresh = ScheduledSeq("fresh", prompts[0][:30], 0, tables[0], True, GREEDY)
+    chunk = ScheduledSeq("chunk", prompts[1][-8:], len(prompts[1]) - 8, tables[1], True, GREEDY)
+    decodes = [
+        ScheduledSeq(f"d{i}", [prompts[i][-8]], len(prompts[i]) - 8, tables[i], True, GREEDY, 1) for i in range(2, 12)
+    ]
+    batch = ModelInput([fresh, chunk, *decodes])
+    split_logits, split = _step_logits(runner, batch, threads=2)
+    whole_logits, whole_split = _step_logits(runner, batch, threads=1)
+    assert split and not whole_split
+    assert split_logits.shape == (12, runner.vocab_size)
+    torch.testing.assert_close(split_logits, whole_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_lopsided_batch_uses_the_attention_helper_and_matches_one_thread(runner):
+    rng = random.Random(4)
+    tables = [list(range(i * 4, (i + 1) * 4)) for i in range(10)]
+    contexts = [rng.randint(10, 50) for _ in range(10)]
+    fill = [
+        ScheduledSeq(f"r{i}", [rng.randrange(3, 8000) for _ in range(n)], 0, tables[i], False, GREEDY)
+        for i, n in enumerate(contexts)
+    ]
+    torch.set_num_threads(1)
+    runner.execute(ModelInput(fill))
+    long_prompt = ScheduledSeq(
+        "long", [rng.randrange(3, 8000) for _ in range(1500)], 0, list(range(100, 200)), True, GREEDY
+    )
+    decodes = [_decode(i, contexts[i], tables[i]) for i in range(10)]  # >= 8 decodes: the helper takes half
+    batch = ModelInput([long_prompt, *decodes])
+    two, split = _step_logits(runner, batch, threads=2)
+    one, _ = _step_logits(runner, batch, threads=1)
+    assert not split  # the long prompt is most of the work: run whole
+    torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
