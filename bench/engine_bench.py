@@ -330,19 +330,18 @@ def _contiguous_runner_class():
 
     class ContiguousKVRunner(ModelRunner):
         def prepare(self, batch):
-            inputs = super().prepare(batch)
-            lmax = self._lmax = self.block_size * len(batch.seqs[0].block_table)
-            lengths = torch.tensor([s.kv_len for s in inputs.seqs])
-            mask = torch.arange(lmax).unsqueeze(0) < lengths.unsqueeze(1)
-            self._mask = mask.view(len(batch.seqs), 1, 1, lmax)
-            return inputs
+            self._lmax = self.block_size * len(batch.seqs[0].block_table)
+            return super().prepare(batch)
 
         def _attention(self, q, k_pool, v_pool, seqs):
-            num, lmax = len(seqs), self._lmax
-            assert all(s.q_len == 1 and s.kv_start == i * lmax for i, s in enumerate(seqs)), "decode-only layout"
-            k = k_pool[: num * lmax].view(num, lmax, *k_pool.shape[1:]).transpose(1, 2)
-            v = v_pool[: num * lmax].view(num, lmax, *v_pool.shape[1:]).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=self._mask, enable_gqa=self._gqa)
+            # seqs may be one half of the step (the runner cuts a CPU batch in two): start at its first slot.
+            num, lmax, first = len(seqs), self._lmax, seqs[0].kv_start
+            assert all(s.q_len == 1 and s.kv_start == first + i * lmax for i, s in enumerate(seqs)), "decode-only"
+            lengths = torch.tensor([s.kv_len for s in seqs])
+            mask = (torch.arange(lmax).unsqueeze(0) < lengths.unsqueeze(1)).view(num, 1, 1, lmax)
+            k = k_pool[first : first + num * lmax].view(num, lmax, *k_pool.shape[1:]).transpose(1, 2)
+            v = v_pool[first : first + num * lmax].view(num, lmax, *v_pool.shape[1:]).transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=self._gqa)
             return out.reshape(num, -1)
 
     return ContiguousKVRunner
