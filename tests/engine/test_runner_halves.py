@@ -98,3 +98,18 @@ def test_lopsided_batch_uses_the_attention_helper_and_matches_one_thread(runner)
     one, _ = _step_logits(runner, batch, threads=1)
     assert not split  # the long prompt is most of the work: run whole
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
+
+
+def test_fp32_cpu_linear_is_onednn_and_matches_f_linear():
+    from overlap.engine.model_runner import _pick_linear
+
+    cpu = torch.device("cpu")
+    assert _pick_linear(cpu, torch.bfloat16) is torch.nn.functional.linear
+    linear = _pick_linear(cpu, torch.float32)
+    if torch.backends.mkldnn.is_available():
+        assert linear is not torch.nn.functional.linear
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(33, 300, generator=gen), torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(linear(x[:, :200], w[:, :200]), x[:, :200] @ w[:, :200].t(), atol=1e-4, rtol=1e-4)
