@@ -233,7 +233,9 @@ def replay_in_process(
             busy_s = busy.busy_s
             stats = engine.stats()
             share = min(1.0, (busy_s - last_busy) / (t - last_sample_t))
-            samples.append((t, stats["num_waiting"], stats["num_running"], share))
+            # the batch of the last step, not the running set now: sampling right after a request finished would
+            # read 0 running, and with a steady step rhythm (serial) every sample can land there
+            samples.append((t, stats["num_waiting"], stats["last_batch_size"], share))
             bar.set_postfix(waiting=stats["num_waiting"], running=stats["num_running"], refresh=False)
             last_sample_t, last_busy = t, busy_s
     wall = time.monotonic() - start
