@@ -20,6 +20,7 @@ and MLPs; only attention is per sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from overlap.engine import sampler
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError
 from overlap.engine.model_loader import (
+    ModelWeights,
     blocks_for_bytes,
     kv_bytes_per_token,
     load_weights,
@@ -109,6 +111,9 @@ class ModelRunner:
         self._scale = spec.head_dim**-0.5
         self._helper = None  # a thread for decode attention, made on first use
         self._linear = _pick_linear(self.device, self.dtype)
+        if self._linear is not F.linear:
+            with torch.inference_mode():
+                self.weights = _prepack_for_onednn(self.weights)
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
 
@@ -460,6 +465,23 @@ def _pick_linear(device: torch.device, dtype: torch.dtype):
         return onednn(x, weight, bias, "none", [], "")
 
     return linear
+
+
+def _prepack_for_onednn(weights: ModelWeights) -> ModelWeights:
+    """The projection weights in oneDNN's blocked layout, reordered once instead of on every call: [32, 512] x
+    [512, 2752] one thread 0.53 -> 0.42 ms, [2048, 512] 27.5 -> 25.0 ms (the layout is chosen for 32 rows and serves
+    any row count with identical results). Any failure keeps the plain weights, which oneDNN's linear also takes."""
+    try:
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        layers = [
+            dataclasses.replace(
+                lw, qkv=pack(lw.qkv, 32), o=pack(lw.o, 32), gate_up=pack(lw.gate_up, 32), down=pack(lw.down, 32)
+            )
+            for lw in weights.layers
+        ]
+        return dataclasses.replace(weights, layers=layers, lm_head=pack(weights.lm_head, 32))
+    except (AttributeError, RuntimeError):
+        return weights
 
 
 def _pick_device(name: str) -> torch.device:
