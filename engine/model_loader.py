@@ -52,8 +52,10 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None once the runner split it into gate and up
     down: torch.Tensor
+    gate: torch.Tensor | None = None  # the runner's oneDNN path: gate (SiLU fused into its matmul) and up apart
+    up: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -112,6 +112,8 @@ def test_fp32_cpu_linear_is_onednn_and_matches_f_linear():
     x, w, b = torch.randn(33, 300, generator=gen), torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        swish = linear(x, w, b, post_op="swish")
+        torch.testing.assert_close(swish, torch.nn.functional.silu(x @ w.t() + b), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(linear(x[:, :200], w[:, :200]), x[:, :200] @ w[:, :200].t(), atol=1e-4, rtol=1e-4)
 
 
@@ -119,5 +121,6 @@ def test_fp32_cpu_runner_prepacks_its_projection_weights(runner):
     if runner._linear is torch.nn.functional.linear:
         pytest.skip("this torch build has no oneDNN linear")
     layer = runner.weights.layers[0]
-    for weight in (layer.qkv, layer.o, layer.gate_up, layer.down, runner.weights.lm_head):
+    assert layer.gate_up is None  # split into gate (SiLU fused) and up
+    for weight in (layer.qkv, layer.o, layer.gate, layer.up, layer.down, runner.weights.lm_head):
         assert weight.layout == torch._mkldnn
