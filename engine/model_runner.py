@@ -111,8 +111,13 @@ class ModelRunner:
         self._scale = spec.head_dim**-0.5
         self._helper = None  # a thread for decode attention, made on first use
         self._linear = _pick_linear(self.device, self.dtype)
+        self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
         if self._linear is not F.linear:
             with torch.inference_mode():
+                half = spec.head_dim // 2
+                if torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]):
+                    self.weights = _interleave_qk(self.weights, spec)
+                    self._rope_freqs = torch.complex(cos[:, :half].float(), sin[:, :half].float()).to(self.device)
                 self.weights = _prepack_for_onednn(self.weights)
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
@@ -296,8 +301,12 @@ class ModelRunner:
         num_tokens = inputs.input_ids.shape[0]
         q_size, kv_size, inter = self._q_size, self._kv_size, spec.intermediate_size
         heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        cos = self.rope_cos.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D]
-        sin = self.rope_sin_signed.index_select(0, inputs.positions).unsqueeze(1)
+        freqs = None
+        if self._rope_freqs is not None:
+            freqs = self._rope_freqs.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D/2] complex
+        else:
+            cos = self.rope_cos.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D]
+            sin = self.rope_sin_signed.index_select(0, inputs.positions).unsqueeze(1)
         x = w.embed.index_select(0, inputs.input_ids)
         for layer, lw in enumerate(w.layers):
             h = F.rms_norm(x, hidden, lw.input_norm, eps)
@@ -306,9 +315,13 @@ class ModelRunner:
             # with the sign folded into sin (three elementwise kernels, not ten). The swap is a cat of the two
             # halves, not flip(): CPU flip is a slow generic kernel (1024 tokens x 16 heads, one thread: the RoPE took
             # 2.0 ms with flip, 0.5 ms with cat; same values).
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, 2, head_dim // 2)
-            swapped = torch.cat([qk[:, :, 1:], qk[:, :, :1]], dim=2).view(num_tokens, -1, head_dim)
-            qk = torch.addcmul(qk.view(num_tokens, -1, head_dim) * cos, swapped, sin)
+            if freqs is not None:  # pair-interleaved q/k: RoPE is one complex multiply
+                pairs = torch.view_as_complex(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, -1, 2))
+                qk = torch.view_as_real(pairs * freqs).view(num_tokens, heads + kv_heads, head_dim)
+            else:
+                qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, 2, head_dim // 2)
+                swapped = torch.cat([qk[:, :, 1:], qk[:, :, :1]], dim=2).view(num_tokens, -1, head_dim)
+                qk = torch.addcmul(qk.view(num_tokens, -1, head_dim) * cos, swapped, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
             k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
@@ -475,6 +488,24 @@ def _pick_linear(device: torch.device, dtype: torch.dtype):
         return onednn(x, weight, bias, post_op, [], "")
 
     return linear
+
+
+def _interleave_qk(weights: ModelWeights, spec) -> ModelWeights:
+    """Reorder each q and k head's rows from (x_0..x_{D/2-1}, y_0..y_{D/2-1}) to (x_0, y_0, x_1, y_1, ...), so that
+    rotate_half-style RoPE becomes one complex multiply on (x_j, y_j) pairs (the CPU RoPE took three elementwise
+    passes plus a copy, ~9% of a prefill step). Scores are unchanged: q and k get the same reordering of each head's
+    dimensions and q.k sums over all of them; v keeps its order. The KV pool then holds K in this order too."""
+    half = spec.head_dim // 2
+    in_head = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()  # [D]
+    qk_heads = spec.num_heads + spec.num_kv_heads
+    rows = (torch.arange(qk_heads).unsqueeze(1) * spec.head_dim + in_head).flatten()
+    rows = torch.cat([rows, torch.arange(qk_heads * spec.head_dim, weights.layers[0].qkv.shape[0])])  # v as is
+    layers = []
+    for lw in weights.layers:
+        rows_here = rows.to(lw.qkv.device)
+        bias = None if lw.qkv_bias is None else lw.qkv_bias.index_select(0, rows_here)
+        layers.append(dataclasses.replace(lw, qkv=lw.qkv.index_select(0, rows_here), qkv_bias=bias))
+    return dataclasses.replace(weights, layers=layers)
 
 
 def _prepack_for_onednn(weights: ModelWeights) -> ModelWeights:

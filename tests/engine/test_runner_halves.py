@@ -122,5 +122,7 @@ def test_fp32_cpu_runner_prepacks_its_projection_weights(runner):
         pytest.skip("this torch build has no oneDNN linear")
     layer = runner.weights.layers[0]
     assert layer.gate_up is None  # split into gate (SiLU fused) and up
+    # q/k rows pair-interleaved, RoPE as a complex multiply: the transformers-equality tests run this path
+    assert runner._rope_freqs is not None and runner._rope_freqs.is_complex()
     for weight in (layer.qkv, layer.o, layer.gate, layer.up, layer.down, runner.weights.lm_head):
         assert weight.layout == torch._mkldnn
