@@ -16,6 +16,12 @@ step and shared by all layers). Gathering every sequence's blocks each step inst
 the whole working set (4-7x the attention time at batch 64 on this 2-core CPU).
 Prompts are packed without padding: the step's tokens form one [num_tokens, hidden] matrix for the projections
 and MLPs; only attention is per sequence.
+
+CPU fast path (fp32, measured on a 2-core AMD EPYC; batch-64 decode step 61 -> 25 ms, 2048-token prefill step
+510 -> 230 ms against the per-sequence-matmul runner): projections through oneDNN with weights prepacked once (torch's
+fp32 matmul goes to MKL, AVX2-only on AMD), SiLU fused into the gate matmul, RoPE as one complex multiply on
+pair-interleaved q/k rows, decode attention as multiply-and-sum over slot-major K/V rows, and with 2+ threads each
+step's batch cut into two halves that run whole forwards on two Python threads with one intra-op thread each.
 """
 
 from __future__ import annotations
