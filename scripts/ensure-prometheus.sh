@@ -15,4 +15,4 @@ printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/pol
 apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 rm -f /usr/sbin/policy-rc.d
 pkill -x prometheus 2>/dev/null || true
-prometheus --version | head -1
+prometheus --version 2>&1 | sed -n 1p

@@ -19,5 +19,5 @@ with zipfile.ZipFile(sys.argv[1]) as z:
             dst.write(src.read())
         os.chmod(target, 0o755)
 PY
-"$dest/bin/kubectl" version --client=true | head -1
+"$dest/bin/kubectl" version --client=true | sed -n 1p  # sed reads all: head would SIGPIPE kubectl under pipefail
 "$dest/bin/helm" version --short
