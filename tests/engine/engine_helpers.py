@@ -159,5 +159,12 @@ def run_to_completion(engine: Engine, max_steps: int = 100_000) -> dict[str, lis
     raise AssertionError(f"engine did not finish within {max_steps} steps")
 
 
+def add_and_run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Add every (prompt, sampling) request, then step until all have finished."""
+    for rid, (prompt, sampling) in requests.items():
+        engine.add_request(rid, prompt, sampling)
+    return run_to_completion(engine)
+
+
 def tokens_of(outputs: list) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import add_and_run, tokens_of
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.types import FinishReason
@@ -52,20 +53,10 @@ def _prompts(n: int, seed: int, min_len: int = 1, max_len: int = 80) -> list[lis
 
 
 def _run(engine: Engine, requests: dict[str, tuple[list[int], int]]) -> dict[str, list]:
-    for rid, (prompt, max_tokens) in requests.items():
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
-    outputs: dict[str, list] = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    assert not engine.has_unfinished()
-    return outputs
-
-
-def _tokens(outputs: list) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
+    """Greedy requests given as (prompt, max_tokens)."""
+    return add_and_run(
+        engine, {rid: (prompt, SamplingParams(max_tokens=n, temperature=0)) for rid, (prompt, n) in requests.items()}
+    )
 
 
 def _engine(model_dir: Path, **config) -> Engine:
@@ -78,7 +69,7 @@ def test_one_request_matches_transformers(tiny_model_dir: Path, hf_greedy) -> No
     engine = _engine(tiny_model_dir)
     prompt = _prompts(1, seed=1, min_len=20, max_len=20)[0]
     outputs = _run(engine, {"one": (prompt, 24)})
-    assert _tokens(outputs["one"]) == hf_greedy(prompt, 24)
+    assert tokens_of(outputs["one"]) == hf_greedy(prompt, 24)
     assert outputs["one"][-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
     assert engine.model_dir == tiny_model_dir and engine.vocab_size == 8192
 
@@ -96,7 +87,7 @@ def test_32_mixed_length_requests_batched_match_transformers(
     requests = {f"r{i}": (p, rng.randint(4, 16)) for i, p in enumerate(_prompts(32, seed=2))}
     outputs = _run(engine, requests)
     for rid, (prompt, max_tokens) in requests.items():
-        assert _tokens(outputs[rid]) == hf_greedy(prompt, max_tokens), rid
+        assert tokens_of(outputs[rid]) == hf_greedy(prompt, max_tokens), rid
     stats = engine.stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
     assert stats["avg_batch_size"] > 4  # they really ran together
@@ -113,7 +104,7 @@ def test_forced_preemption_and_resume_match_transformers(tiny_model_dir: Path, h
     preempted = [rid for rid, outs in outputs.items() if outs[-1].times.num_preemptions > 0]
     assert preempted
     for rid, (prompt, max_tokens) in requests.items():
-        assert _tokens(outputs[rid]) == hf_greedy(prompt, max_tokens), rid
+        assert tokens_of(outputs[rid]) == hf_greedy(prompt, max_tokens), rid
     assert engine.stats()["num_free_kv_blocks"] == 10
 
 
@@ -123,7 +114,7 @@ def test_repeated_prompt_hits_the_prefix_cache_with_identical_outputs(tiny_model
     first = _run(engine, {"first": (prompt, 16)})["first"]
     second = _run(engine, {"second": (prompt, 16)})["second"]
     assert second[-1].num_cached_tokens == 64  # 4 full blocks of 16; the 70th token is recomputed
-    assert _tokens(second) == _tokens(first) == hf_greedy(prompt, 16)
+    assert tokens_of(second) == tokens_of(first) == hf_greedy(prompt, 16)
     stats = engine.stats()
     assert stats["prefix_cache_hits_total"] == 64 and stats["prefix_cache_hit_rate"] == 64 / 140
 

@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from engine_helpers import add_and_run, tokens_of
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.sim_runner import CostModel, SimRunner
@@ -41,23 +42,6 @@ def expected(runner: SimRunner, prompt: list[int], max_tokens: int, ignore_eos: 
         if token == EOS and not ignore_eos:
             break
     return out
-
-
-def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
-    for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
-    outputs: dict[str, list] = {}
-    for _ in range(100_000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    assert not engine.has_unfinished()
-    return outputs
-
-
-def tokens_of(outputs: list) -> list[int]:
-    return [t for out in outputs for t in out.new_token_ids]
 
 
 def assert_all_blocks_back(engine: Engine) -> None:
@@ -98,7 +82,7 @@ def test_sim_outputs_identical_for_1_2_3_buffers_with_eos_one_step_late(chunked,
         name = "wait" if asynchronous else "execute"
         run = getattr(runner, name)
         setattr(runner, name, lambda batch, run=run, sampled=sampled: sampled.append(t := run(batch)) or t)
-        outputs = run_all(engine, requests)
+        outputs = add_and_run(engine, requests)
         assert set(outputs) == set(requests)
         for rid, (prompt, sampling) in requests.items():
             got = tokens_of(outputs[rid])
@@ -123,7 +107,7 @@ def test_preemption_while_steps_are_in_flight_keeps_outputs_exact(num_buffers, a
     engine, runner = sim_engine(
         num_buffers, num_kv_blocks=48, max_num_seqs=24, max_num_batched_tokens=96, asynchronous=asynchronous
     )
-    outputs = run_all(engine, requests)
+    outputs = add_and_run(engine, requests)
     assert engine.stats()["num_preemptions_total"] > 0, "the pool was meant to force preemptions"
     for rid, (prompt, sampling) in requests.items():
         assert tokens_of(outputs[rid]) == expected(runner, prompt, sampling.max_tokens, sampling.ignore_eos), rid
@@ -259,7 +243,7 @@ def test_tiny_model_greedy_is_identical_for_1_2_3_buffers_and_equals_transformer
             )
         )
         sampling = {rid: SamplingParams(max_tokens=n, temperature=0) for rid, (_, n) in requests.items()}
-        outputs = run_all(engine, {rid: (prompt, sampling[rid]) for rid, (prompt, _) in requests.items()})
+        outputs = add_and_run(engine, {rid: (prompt, sampling[rid]) for rid, (prompt, _) in requests.items()})
         results[num_buffers] = {rid: tokens_of(outs) for rid, outs in outputs.items()}
         assert_all_blocks_back(engine)
     assert results[1] == results[2] == results[3]
@@ -275,7 +259,7 @@ def test_adaptive_buffers_drop_to_one_when_host_time_is_negligible_and_say_why()
     requests = {
         f"a{i}": ([5 + i, 6, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for i in range(2)
     }
-    outputs = run_all(engine, requests)
+    outputs = add_and_run(engine, requests)
     for rid, (prompt, _) in requests.items():
         assert tokens_of(outputs[rid]) == expected(runner, prompt, 30, ignore_eos=True)
     stats = engine.stats()
