@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # it would shadow the standard library's `operator`. Python 3.11+ leaves it off with this variable.
 export PYTHONSAFEPATH := 1
 
-.PHONY: help venv run test test-fast lint bench bench-quick model tools prometheus chart-check crd-sync clean
+.PHONY: help venv run test lint bench bench-quick model tools prometheus chart-check crd-sync clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
