@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     batch1_requests = args.num_requests or min(plan["num_requests"], BATCH1_REQUESTS)
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_default_model())
-    bench = _Bench(model_dir, args.dtype, args.threads, **plan)
+    bench = EngineBench(model_dir, args.dtype, args.threads, **plan)
 
     started = time.perf_counter()
     results = {"setup": {**plan, "model": model_dir, "dtype": args.dtype, "threads": args.threads}}
@@ -94,7 +95,7 @@ def _progress(message: str) -> None:
     print(f"[bench engine] {message}", file=sys.stderr, flush=True)
 
 
-class _Bench:
+class EngineBench:
     def __init__(self, model_dir, dtype, threads, batch_sizes, num_requests, prompt_len, output_len) -> None:
         self.model_dir = model_dir
         self.dtype = dtype
@@ -146,7 +147,10 @@ class _Bench:
             f" num_threads={self.threads})); print(time.perf_counter() - t)"
         )
         t0 = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        # PYTHONSAFEPATH: with `-c` the current folder (maybe the repo root, whose operator/ shadows the stdlib) would
+        # otherwise lead sys.path
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
         fresh_total = time.perf_counter() - t0
         _progress(f"start-up: {in_process:.2f} s in process, {fresh_total:.2f} s in a fresh process")
         return {

@@ -8,50 +8,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import subprocess
 import sys
 import tempfile
-import time
 
 
-def make_workload(num_requests: int, prompt_len: int, max_tokens: int, vocab_size: int, seed: int = 0) -> dict:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(num_requests)]
-    return {"prompts": prompts, "max_tokens": max_tokens}
-
-
-def run_overlap(model: str, workload: dict, batch_size: int) -> dict:
-    import torch
-
-    from overlap.engine import Engine, EngineConfig, SamplingParams
-
-    torch.set_num_threads(2)
-    started = time.perf_counter()
-    engine = Engine(EngineConfig(model=model, max_num_seqs=batch_size, max_seq_len=512, num_threads=2))
-    startup_s = time.perf_counter() - started
-    sampling = SamplingParams(max_tokens=workload["max_tokens"], temperature=0.0, ignore_eos=True)
-
-    def generate(prompts: list[list[int]]) -> int:
-        for i, ids in enumerate(prompts):
-            engine.add_request(f"r{i}", ids, sampling)
-        num_tokens = 0
-        while engine.has_unfinished():
-            num_tokens += sum(len(out.new_token_ids) for out in engine.step())
-        return num_tokens
-
-    generate(workload["prompts"][:8])  # warm-up, as on the peer side
-    started = time.perf_counter()
-    num_tokens = generate(workload["prompts"])
-    elapsed = time.perf_counter() - started
-    engine.close()
+def run_overlap(bench, batch_size: int) -> dict:
+    """`overlap bench engine`'s own measurement of the engine on this workload (one definition of both)."""
+    startup_s = bench.startup()["engine_init_s"]  # Engine() in process, like the peer's LLM()
+    bench.engine_run(min(8, batch_size))  # warm-up, as on the peer side (its first generate)
+    row = bench.engine_run(batch_size)
     return {
         "system": "overlap",
         "batch_size": batch_size,
-        "requests": len(workload["prompts"]),
-        "output_tokens": num_tokens,
-        "elapsed_s": elapsed,
-        "output_tokens_per_s": num_tokens / elapsed,
+        "requests": bench.num_requests,
+        "output_tokens": bench.num_requests * bench.output_len,
+        "elapsed_s": row["engine_s"],
+        "output_tokens_per_s": row["engine_tok_s"],
         "startup_s": startup_s,
     }
 
@@ -79,18 +52,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from transformers import AutoConfig
+    from overlap.bench.engine_bench import EngineBench
 
-    vocab_size = AutoConfig.from_pretrained(args.model).vocab_size
-    workload = make_workload(64 if args.quick else args.requests, 128, 64, vocab_size)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    num_requests = 64 if args.quick else args.requests
+    bench = EngineBench(args.model, "float32", 2, batch_sizes, num_requests, prompt_len=128, output_len=64)
+    workload = {"prompts": bench.prompts, "max_tokens": bench.output_len}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload, f)
     peer_rows = run_peer(args.peer_python, args.model, f.name, batch_sizes)
     overlap_rows = []
     for batch_size in batch_sizes:
         print(f"running Overlap at batch {batch_size} ...", file=sys.stderr)
-        overlap_rows.append(run_overlap(args.model, workload, batch_size))
+        overlap_rows.append(run_overlap(bench, batch_size))
     rows = []
     for ours, peer in zip(overlap_rows, peer_rows, strict=True):
         ratio = ours["output_tokens_per_s"] / peer["output_tokens_per_s"]
