@@ -5,73 +5,67 @@ swapping this one object. `continuous` admits whenever there is room (the schedu
 and KV pool still apply). The other three batch whole requests and let the batch run until every member has
 finished before the next batch starts, as static batching does, so head-of-line blocking shows up as it does in
 practice.
+
+The contract: at every step that has room, the scheduler calls `num_to_admit(now, arrivals, num_running)` with
+`arrivals` the waiting requests' arrival times (the engine's clock), sorted oldest first: a read-only view the
+queue keeps sorted as requests come and go, so the call costs O(1) or one bisection. A policy decides how many
+requests start; which ones is the waiting queue's order (its head first).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import math
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from overlap.engine.errors import ConfigError
 
 
+class BatchingPolicy(Protocol):
+    def num_to_admit(self, now: float, arrivals: Sequence[float], num_running: int) -> int: ...
+
+
 @dataclass(slots=True)
 class Continuous:
-    def num_to_admit(self, now: float, num_waiting: int, oldest_arrival: float | None, num_running: int) -> int:
-        return num_waiting
+    def num_to_admit(self, now: float, arrivals: Sequence[float], num_running: int) -> int:
+        return len(arrivals)
 
 
 @dataclass(slots=True)
 class Serial:
     """One request at a time."""
 
-    def num_to_admit(self, now: float, num_waiting: int, oldest_arrival: float | None, num_running: int) -> int:
-        return 1 if num_running == 0 and num_waiting else 0
+    def num_to_admit(self, now: float, arrivals: Sequence[float], num_running: int) -> int:
+        return 1 if num_running == 0 and arrivals else 0
 
 
 @dataclass(slots=True)
 class FixedWindow:
-    """Time-window batching: the clock is cut into fixed windows of `window_ms`; the requests that come in during
-    one window form one batch, dispatched once the window has closed and the device is free. Batches queue up in
-    window order while the device is busy, so the batch size follows the arrival rate (rate x window), not the
-    backlog: under load this is the conservative policy field report 2 measured.
-
-    The scheduler tells a policy only how many requests wait, so arrivals are counted as the growth of the queue
-    between calls (the scheduler consults the policy at every step that has room, and requests enter the engine at
-    step boundaries anyway); a request the scheduler could not admit with its batch joins the current window."""
+    """Time-window batching: the clock is cut into windows of `window_ms` from the first arrival; the requests
+    that arrived in one window form one batch, dispatched once that window has closed and the device is free.
+    Batches go out in window order, oldest first, while the device works through a backlog, so the batch size
+    follows the arrival rate (rate x window), not the backlog: under load this is the conservative policy field
+    report 2 measured. The oldest window that still holds a waiting request is the next batch (requests the
+    scheduler could not admit with their window's batch go out together after it)."""
 
     window_ms: float = 50.0
-    _origin: float | None = None  # start of window 0
-    _num_assigned: int = 0  # waiting requests already counted into a window
-    _windows: deque = field(default_factory=deque)  # [window end, count] of closed-or-open windows, oldest first
+    _origin: float | None = None  # start of window 0: the first arrival seen
 
-    def num_to_admit(self, now: float, num_waiting: int, oldest_arrival: float | None, num_running: int) -> int:
-        window_s = self.window_ms / 1000
-        if self._origin is None:
-            if not num_waiting:
-                return 0
-            self._origin = oldest_arrival if oldest_arrival is not None else now
-        gone = self._num_assigned - num_waiting  # aborted or timed out: take them off the oldest windows
-        while gone > 0 and self._windows:
-            taken = min(gone, self._windows[0][1])
-            self._windows[0][1] -= taken
-            self._num_assigned -= taken
-            gone -= taken
-            if not self._windows[0][1]:
-                self._windows.popleft()
-        new = num_waiting - self._num_assigned
-        if new:
-            end = self._origin + (int((now - self._origin) // window_s) + 1) * window_s
-            if self._windows and self._windows[-1][0] == end:
-                self._windows[-1][1] += new
-            else:
-                self._windows.append([end, new])
-            self._num_assigned = num_waiting
-        if num_running or not self._windows or now < self._windows[0][0]:
+    def num_to_admit(self, now: float, arrivals: Sequence[float], num_running: int) -> int:
+        if not arrivals:
             return 0
-        count = self._windows.popleft()[1]
-        self._num_assigned -= count
-        return count
+        if self._origin is None:
+            self._origin = arrivals[0]
+        if num_running:
+            return 0
+        window_s = self.window_ms / 1000
+        end = self._origin + (math.floor((arrivals[0] - self._origin) / window_s) + 1) * window_s
+        if now < end:
+            return 0
+        # at least the oldest one, in case rounding put the window's end at or before its arrival
+        return max(1, bisect_left(arrivals, end))
 
 
 @dataclass(slots=True)
@@ -81,24 +75,26 @@ class Dynamic:
     max_batch: int = 8
     max_wait_ms: float = 150.0
 
-    def num_to_admit(self, now: float, num_waiting: int, oldest_arrival: float | None, num_running: int) -> int:
-        if num_running or not num_waiting:
+    def num_to_admit(self, now: float, arrivals: Sequence[float], num_running: int) -> int:
+        if num_running or not arrivals:
             return 0
-        if num_waiting >= self.max_batch or now - oldest_arrival >= self.max_wait_ms / 1000:
-            return min(num_waiting, self.max_batch)
+        if len(arrivals) >= self.max_batch or now - arrivals[0] >= self.max_wait_ms / 1000:
+            return min(len(arrivals), self.max_batch)
         return 0
 
 
 _POLICIES = {"continuous": Continuous, "serial": Serial, "fixed_window": FixedWindow, "dynamic": Dynamic}
 
 
-def make_batching_policy(name: str, args: dict[str, float] | None = None):
+def make_batching_policy(name: str, args: dict[str, float] | None = None) -> BatchingPolicy:
     """Build a policy by name; `args` are its keyword arguments (window_ms, max_batch, max_wait_ms)."""
     try:
         cls = _POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown batching policy {name!r}; choose one of {', '.join(_POLICIES)}") from None
     args = dict(args or {})
+    if any(key.startswith("_") for key in args):
+        raise ConfigError(f"batching policy {name!r} does not take {sorted(args)}")
     if "max_batch" in args:
         args["max_batch"] = int(args["max_batch"])
     try:

@@ -14,8 +14,9 @@ been served and keeps its place instead).
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.request import Request
@@ -33,6 +34,9 @@ class RequestQueue:
         self._level_of: dict[str, int] = {}
         self._num_by_priority = [0] * self.num_priorities
         self._deadlines: list[tuple[float, int, Request]] = []  # heap; stale entries skipped lazily
+        # every queued request's arrival time, kept sorted for the batching policy (new arrivals are the latest,
+        # so insort appends; a pop deletes near the front: a memmove of pointers, cheap at thousands)
+        self._arrivals: list[float] = []
         self._next_aging_check = 0.0  # no request can qualify for promotion before this time
 
     @property
@@ -72,6 +76,7 @@ class RequestQueue:
             self._levels[level].move_to_end(rid, last=False)
         self._level_of[rid] = level
         self._num_by_priority[min(request.priority, self.num_priorities - 1)] += 1
+        insort(self._arrivals, request.times.arrived)
 
     def peek(self) -> Request | None:
         for level in self._levels:
@@ -99,6 +104,7 @@ class RequestQueue:
     def _forget(self, request: Request) -> None:
         del self._level_of[request.request_id]
         self._num_by_priority[min(request.priority, self.num_priorities - 1)] -= 1
+        del self._arrivals[bisect_left(self._arrivals, request.times.arrived)]
 
     # ---- time-driven changes -----------------------------------------------------------------------------------
     def pop_expired(self, now: float) -> list[Request]:
@@ -158,8 +164,11 @@ class RequestQueue:
             yield from level.values()
 
     def oldest_arrival(self) -> float | None:
-        fronts = [next(iter(level.values())).times.arrived for level in self._levels if level]
-        return min(fronts) if fronts else None
+        return self._arrivals[0] if self._arrivals else None
+
+    def arrival_times(self) -> Sequence[float]:
+        """The queued requests' arrival times, oldest first (what a batching policy reads; do not modify)."""
+        return self._arrivals
 
     def num_by_priority(self) -> list[int]:
         return list(self._num_by_priority)

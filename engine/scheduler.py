@@ -170,7 +170,7 @@ class Scheduler:
         # 3. admission
         waiting = self.waiting
         if waiting and budget > 0 and len(running) < self.max_num_seqs:
-            num_to_admit = self.policy.num_to_admit(now, len(waiting), waiting.oldest_arrival(), len(running))
+            num_to_admit = self.policy.num_to_admit(now, waiting.arrival_times(), len(running))
             while num_to_admit > 0 and waiting and budget > 0 and len(running) < self.max_num_seqs:
                 request = waiting.peek()
                 if not self.enable_chunked_prefill and request.num_tokens > budget:
