@@ -334,10 +334,11 @@ def _contiguous_runner_class():
 
     class ContiguousKVRunner(ModelRunner):
         def prepare(self, batch):
+            self._decode_kernel = None  # every decode goes through _attention_torch, overridden below
             self._lmax = self.block_size * len(batch.seqs[0].block_table)
             return super().prepare(batch)
 
-        def _attention(self, q, k_pool, v_pool, seqs):
+        def _attention_torch(self, q, k_pool, v_pool, seqs):
             # seqs may be one half of the step (the runner cuts a CPU batch in two): start at its first slot.
             num, lmax, first = len(seqs), self._lmax, seqs[0].kv_start
             assert all(s.q_len == 1 and s.kv_start == first + i * lmax for i, s in enumerate(seqs)), "decode-only"

@@ -27,10 +27,14 @@ CHAT_TEMPLATE = (
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
+def cache_root() -> Path:
+    """Overlap's cache folder: `$OVERLAP_CACHE_DIR`, default ~/.cache/overlap."""
+    return Path(os.environ.get("OVERLAP_CACHE_DIR") or Path.home() / ".cache" / "overlap")
+
+
 def default_model_dir() -> Path:
-    """Where the default model lives: `$OVERLAP_CACHE_DIR/tiny-llama-v1` (default cache: ~/.cache/overlap)."""
-    cache = os.environ.get("OVERLAP_CACHE_DIR") or Path.home() / ".cache" / "overlap"
-    return Path(cache) / MODEL_NAME
+    """Where the default model lives: `<cache_root>/tiny-llama-v1`."""
+    return cache_root() / MODEL_NAME
 
 
 def is_complete(model_dir: Path) -> bool:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from overlap.engine import sampler
+from overlap.engine import native, sampler
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError
 from overlap.engine.model_loader import (
@@ -73,6 +73,9 @@ class StepInputs:
     sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
     sampling: list[SamplingParams]
     num_generated: list[int]
+    # CPU fp32 with the native kernel: the step's decodes (one query token each), attended by one kernel call per
+    # layer; `seqs` then holds only the prompt chunks.
+    decode_plan: native.DecodePlan | None = None
     # CPU with 2+ threads: the batch cut in two halves (consecutive sequences), each run through the whole model by
     # its own Python thread with one intra-op thread; the fields above then describe the first half only.
     halves: tuple[StepInputs, StepInputs] | None = None
@@ -116,6 +119,10 @@ class ModelRunner:
         self._gqa = spec.num_kv_heads != spec.num_heads
         self._scale = spec.head_dim**-0.5
         self._helper = None  # a thread for decode attention, made on first use
+        # Decode attention in one native call per layer (fp32 CPU); None: per-sequence torch ops.
+        self._decode_kernel = None
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            self._decode_kernel = native.decode_attention_kernel()
         self._linear = _pick_linear(self.device, self.dtype)
         self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
         if self._linear is not F.linear:
@@ -231,6 +238,10 @@ class ModelRunner:
         slots: list[int] = []
         seqs: list[SeqAttention] = []
         sample_rows: list[int] = []
+        use_kernel = self._decode_kernel is not None
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        decode_rows: list[int] = []
         for seq in batch.seqs:
             n = len(seq.token_ids)
             start = seq.start_pos
@@ -251,6 +262,14 @@ class ModelRunner:
             q_start = len(ids)
             ids.extend(seq.token_ids)
             positions.extend(range(start, end))
+            if seq.do_sample:
+                sample_rows.append(q_start + n - 1)
+            if n == 1 and use_kernel:
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_tables.append(table)
+                decode_lens.append(end)
+                decode_rows.append(q_start)
+                continue
             if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
                 kv_start, kv_index = first * bs, None
                 slots.extend(range(kv_start + start, kv_start + end))
@@ -262,8 +281,6 @@ class ModelRunner:
             if n > 1 and start > 0:
                 mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
             seqs.append(SeqAttention(q_start, n, end, kv_start, kv_index, mask, is_causal=n > 1 and start == 0))
-            if seq.do_sample:
-                sample_rows.append(q_start + n - 1)
         device = self.device
         return StepInputs(
             input_ids=torch.tensor(ids, device=device),
@@ -273,6 +290,7 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, device=device, dtype=torch.long),
             sampling=[s.sampling for s in batch.seqs if s.do_sample],
             num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
+            decode_plan=native.DecodePlan(decode_tables, decode_lens, decode_rows, bs) if decode_tables else None,
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -333,7 +351,7 @@ class ModelRunner:
             k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
             k_pool.index_copy_(0, inputs.slots, k)
             v_pool.index_copy_(0, inputs.slots, v)
-            attn = self._attention(q, k_pool, v_pool, inputs.seqs)
+            attn = self._attention(q, k_pool, v_pool, inputs)
             x = linear(attn, lw.o).add_(x)  # the residual added in place into the projection's fresh output
             h = F.rms_norm(x, hidden, lw.post_norm, eps)
             if lw.gate_up is None:  # oneDNN: SiLU as the gate matmul's post-op, no separate pass
@@ -347,7 +365,28 @@ class ModelRunner:
         x = F.rms_norm(x.index_select(0, inputs.sample_rows), hidden, w.norm, eps)
         return linear(x, w.lm_head)
 
-    def _attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, inputs: StepInputs):
+        """q [T, H, D] -> [T, H * D]: the native kernel for the decodes when the step has a plan, else torch ops."""
+        if inputs.decode_plan is None:
+            return self._attention_torch(q, k_pool, v_pool, inputs.seqs)
+        num_tokens, heads, head_dim = q.shape
+        out = q.new_empty(num_tokens, heads, head_dim)
+        plan, kernel = inputs.decode_plan, self._decode_kernel
+        threads = torch.get_num_threads()
+        if threads >= 2 and plan.num_seqs >= 8:  # a batch run whole: the helper thread takes half the context
+            mid = plan.mid
+            future = self._helper_pool().submit(kernel, q, k_pool, v_pool, plan, out, mid, plan.num_seqs, self._scale)
+            kernel(q, k_pool, v_pool, plan, out, 0, mid, self._scale)
+            future.result()
+        else:
+            kernel(q, k_pool, v_pool, plan, out, 0, plan.num_seqs, self._scale)
+        if inputs.seqs:
+            q_t, k_t, v_t = q.transpose(0, 1), k_pool.transpose(0, 1), v_pool.transpose(0, 1)
+            for s in inputs.seqs:
+                out[s.q_start : s.q_start + s.q_len] = self._attend(q_t, k_t, v_t, s).transpose(0, 1)
+        return out.view(num_tokens, -1)
+
+    def _attention_torch(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
         """Per-sequence attention reading the pool in place: no K/V copy for a sequence whose blocks form one run.
         q [T, H, D] -> [T, H * D].
 

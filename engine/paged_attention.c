@@ -1,0 +1,100 @@
+/* Decode attention over the paged KV pool, fp32, one query token per sequence.
+ *
+ * Built on first use by engine/native.py (cc -O3 -march=native) and called through ctypes, which releases the GIL,
+ * so the runner's two Python threads can each run a share of the sequences. One call covers a layer's decodes:
+ * torch's per-sequence ops cost ~5 kernel launches per sequence and layer (about 11 of a 25 ms batch-64 step on a
+ * 2-core CPU), while the work itself only has to stream each sequence's K/V rows once.
+ *
+ * Layouts (the runner's, see model_runner.py):
+ *   q         row r, head h at q[r * q_row_stride + h * head_dim]
+ *   k/v pool  [num_slots, num_kv_heads, head_dim] contiguous; slot = block_table[pos / block_size] * block_size
+ *             + pos % block_size
+ *   out       row r, head h at out[r * out_row_stride + h * head_dim]
+ * Sequence s (seq_begin <= s < seq_end) reads its query from row q_rows[s], attends to positions 0 .. ctx_lens[s]-1
+ * through the blocks block_tables[table_starts[s] ...], and writes its output to row q_rows[s].
+ * Query heads h share KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+ *
+ * Returns 0, or -1 when scratch memory cannot be allocated (the caller then raises).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
+                                   const int32_t *block_tables, const int32_t *table_starts, const int32_t *ctx_lens,
+                                   const int32_t *q_rows, float *out, int64_t out_row_stride, int32_t seq_begin,
+                                   int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
+                                   int32_t block_size, float scale) {
+    const int32_t group = num_heads / num_kv_heads;
+    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    int32_t max_len = 1;
+    for (int32_t s = seq_begin; s < seq_end; s++)
+        if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
+    /* scores[h * max_len + p]: one row of attention weights per query head */
+    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + (size_t)num_heads * head_dim));
+    if (scores == NULL) return -1;
+    float *q_scaled = scores + (size_t)num_heads * max_len;
+
+    for (int32_t s = seq_begin; s < seq_end; s++) {
+        const int32_t len = ctx_lens[s];
+        const int32_t *table = block_tables + table_starts[s];
+        const float *q_row = q + (int64_t)q_rows[s] * q_row_stride;
+        for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = q_row[i] * scale;
+
+        /* q . k for every position, streaming K rows in position order */
+        for (int32_t p0 = 0; p0 < len; p0 += block_size) {
+            const float *k_block = k_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
+            const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+            for (int32_t r = 0; r < rows; r++) {
+                const float *k_row = k_block + (int64_t)r * slot_stride;
+                for (int32_t h = 0; h < num_heads; h++) {
+                    const float *k_head = k_row + (int64_t)(h / group) * head_dim;
+                    const float *q_head = q_scaled + (int64_t)h * head_dim;
+                    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                    for (int32_t d = 0; d < head_dim; d++) acc += q_head[d] * k_head[d];
+                    scores[(int64_t)h * max_len + p0 + r] = acc;
+                }
+            }
+        }
+
+        /* softmax per head, normalised once at the end of the V pass */
+        float inv_sum[num_heads];
+        for (int32_t h = 0; h < num_heads; h++) {
+            float *row = scores + (int64_t)h * max_len;
+            float top = row[0];
+            for (int32_t p = 1; p < len; p++) top = row[p] > top ? row[p] : top;
+            float sum = 0.0f;
+            for (int32_t p = 0; p < len; p++) {
+                row[p] = expf(row[p] - top);
+                sum += row[p];
+            }
+            inv_sum[h] = 1.0f / sum;
+        }
+
+        /* weighted sum of V rows, accumulated straight into the output row */
+        float *o = out + (int64_t)q_rows[s] * out_row_stride;
+        memset(o, 0, sizeof(float) * num_heads * head_dim);
+        for (int32_t p0 = 0; p0 < len; p0 += block_size) {
+            const float *v_block = v_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
+            const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+            for (int32_t r = 0; r < rows; r++) {
+                const float *v_row = v_block + (int64_t)r * slot_stride;
+                for (int32_t h = 0; h < num_heads; h++) {
+                    const float *v_head = v_row + (int64_t)(h / group) * head_dim;
+                    const float w = scores[(int64_t)h * max_len + p0 + r];
+                    float *o_head = o + (int64_t)h * head_dim;
+#pragma omp simd
+                    for (int32_t d = 0; d < head_dim; d++) o_head[d] += w * v_head[d];
+                }
+            }
+        }
+        for (int32_t h = 0; h < num_heads; h++) {
+            float *o_head = o + (int64_t)h * head_dim;
+            for (int32_t d = 0; d < head_dim; d++) o_head[d] *= inv_sum[h];
+        }
+    }
+    free(scores);
+    return 0;
+}

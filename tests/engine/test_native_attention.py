@@ -1,0 +1,87 @@
+"""The native paged decode-attention kernel gives what plain softmax attention gives, and the runner gives the same
+logits with it as with its torch ops."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.engine import native
+from overlap.engine.config import EngineConfig
+from overlap.engine.model_runner import ModelRunner
+from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+
+kernel = native.decode_attention_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the runner uses torch ops")
+
+
+def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H, D], k/v [L, KV, D] -> [H, D] by the textbook formula, in float64."""
+    group = q_row.shape[0] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)  # [L, H, D]
+    v = v.double().repeat_interleave(group, dim=1)
+    probs = (torch.einsum("hd,lhd->hl", q_row.double(), k) * scale).softmax(-1)
+    return torch.einsum("hl,lhd->hd", probs, v).float()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 8, 16), (8, 2, 16), (4, 1, 8)])
+def test_kernel_matches_reference_on_scattered_blocks(heads, kv_heads, block_size):
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    rng = random.Random(heads)
+    head_dim, num_blocks = 64, 64
+    k_pool = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen)
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 37]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    # Queries as a strided view (every other row of a wider matrix), as the runner slices them out of q/k rows.
+    wide = torch.randn(2 * len(lens), heads + kv_heads, head_dim, generator=gen)
+    q = wide[:, :heads]
+    rows = [2 * i + 1 for i in range(len(lens))]
+    out = torch.full((2 * len(lens), heads, head_dim), float("nan"))
+    plan = native.DecodePlan(tables, lens, rows, block_size)
+    scale = head_dim**-0.5
+    kernel(q, k_pool, v_pool, plan, out, 0, 2, scale)  # two calls over disjoint sequence ranges, as two threads do
+    kernel(q, k_pool, v_pool, plan, out, 2, len(lens), scale)
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        expected = _reference(q[rows[i]], k_pool[slots], v_pool[slots], scale)
+        torch.testing.assert_close(out[rows[i]], expected, atol=1e-5, rtol=1e-4)
+    assert torch.isnan(out[0::2]).all()  # rows that are not decodes stay untouched
+
+
+def test_plan_cuts_the_work_in_two_halves_of_about_equal_context():
+    plan = native.DecodePlan([[0]] * 4, [100, 10, 10, 80], [0, 1, 2, 3], 16)
+    assert plan.mid == 1  # 100 vs 100
+    assert native.DecodePlan([[0]] * 3, [1, 1, 1], [0, 1, 2], 16).mid == 2
+
+
+def test_runner_logits_same_with_kernel_and_torch_ops(tiny_model_dir: Path):
+    runner = ModelRunner(EngineConfig(num_kv_blocks=128, max_seq_len=512), tiny_model_dir)
+    assert runner._decode_kernel is not None
+    rng = random.Random(5)
+    ids = list(range(runner.num_kv_blocks))
+    rng.shuffle(ids)  # fragmented block tables
+    tables = [ids[i * 4 : (i + 1) * 4] for i in range(10)]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    prompts = [[rng.randrange(3, 8000) for _ in range(rng.randint(10, 50))] for _ in range(10)]
+    runner.execute(
+        ModelInput([ScheduledSeq(f"r{i}", p[:-1], 0, tables[i], False, greedy) for i, p in enumerate(prompts)])
+    )
+    fresh = ScheduledSeq("fresh", prompts[0][:20], 0, tables[0], True, greedy)
+    decodes = [ScheduledSeq(f"d{i}", p[-1:], len(p) - 1, tables[i], True, greedy, 1) for i, p in enumerate(prompts)]
+    batch = ModelInput([fresh, *decodes[1:]])
+    with_kernel = runner.compute_logits(batch)
+    inputs = runner.prepare(batch)
+    assert any(half.decode_plan is not None for half in inputs.halves or (inputs,))
+    runner._decode_kernel = None
+    try:
+        assert runner.prepare(batch).decode_plan is None
+        without = runner.compute_logits(batch)
+    finally:
+        runner.close()
+    torch.testing.assert_close(with_kernel, without, atol=1e-4, rtol=1e-4)
