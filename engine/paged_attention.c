@@ -21,79 +21,95 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* One sequence. Always inlined into the three call sites below, so for the common head sizes (64, 128) head_dim is
+ * a constant: the compiler unrolls the per-head loops and keeps a head's output accumulator in vector registers. */
+static inline __attribute__((always_inline)) void attend_one(const float *q_row, const float *k_pool,
+                                                             const float *v_pool, const int32_t *table, int32_t len,
+                                                             float *o, float *scores, int32_t max_len,
+                                                             float *q_scaled, int32_t num_heads, int32_t num_kv_heads,
+                                                             const int32_t head_dim, int32_t block_size, float scale) {
+    const int32_t group = num_heads / num_kv_heads;
+    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = q_row[i] * scale;
+
+    /* scores[h * max_len + p] = q_h . k_p, streaming K rows in position order (each row holds every KV head) */
+    for (int32_t p0 = 0; p0 < len; p0 += block_size) {
+        const float *k_block = k_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
+        const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+        for (int32_t r = 0; r < rows; r++) {
+            const float *k_row = k_block + (int64_t)r * slot_stride;
+            for (int32_t h = 0; h < num_heads; h++) {
+                const float *k_head = k_row + (int64_t)(h / group) * head_dim;
+                const float *q_head = q_scaled + (int64_t)h * head_dim;
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int32_t d = 0; d < head_dim; d++) acc += q_head[d] * k_head[d];
+                scores[(int64_t)h * max_len + p0 + r] = acc;
+            }
+        }
+    }
+
+    /* softmax per head */
+    for (int32_t h = 0; h < num_heads; h++) {
+        float *row = scores + (int64_t)h * max_len;
+        float top = row[0];
+        for (int32_t p = 1; p < len; p++) top = row[p] > top ? row[p] : top;
+        float sum = 0.0f;
+        for (int32_t p = 0; p < len; p++) {
+            row[p] = expf(row[p] - top);
+            sum += row[p];
+        }
+        const float inv_sum = 1.0f / sum;
+        for (int32_t p = 0; p < len; p++) row[p] *= inv_sum;
+    }
+
+    /* o_h = sum_p w_hp v_p, one head at a time with its accumulator in registers */
+    for (int32_t h = 0; h < num_heads; h++) {
+        float acc[head_dim];
+        for (int32_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+        const float *w = scores + (int64_t)h * max_len;
+        const int64_t head_offset = (int64_t)(h / group) * head_dim;
+        for (int32_t p0 = 0; p0 < len; p0 += block_size) {
+            const float *v_block = v_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride + head_offset;
+            const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+            for (int32_t r = 0; r < rows; r++) {
+                const float *v_head = v_block + (int64_t)r * slot_stride;
+                const float w_p = w[p0 + r];
+#pragma omp simd
+                for (int32_t d = 0; d < head_dim; d++) acc[d] += w_p * v_head[d];
+            }
+        }
+        memcpy(o + (int64_t)h * head_dim, acc, sizeof(float) * head_dim);
+    }
+}
+
 int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
                                    const int32_t *block_tables, const int32_t *table_starts, const int32_t *ctx_lens,
                                    const int32_t *q_rows, float *out, int64_t out_row_stride, int32_t seq_begin,
                                    int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                                    int32_t block_size, float scale) {
-    const int32_t group = num_heads / num_kv_heads;
-    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     int32_t max_len = 1;
     for (int32_t s = seq_begin; s < seq_end; s++)
         if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
-    /* scores[h * max_len + p]: one row of attention weights per query head */
+    /* scratch: one row of attention weights per query head, then the scaled query */
     float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + (size_t)num_heads * head_dim));
     if (scores == NULL) return -1;
     float *q_scaled = scores + (size_t)num_heads * max_len;
 
     for (int32_t s = seq_begin; s < seq_end; s++) {
-        const int32_t len = ctx_lens[s];
-        const int32_t *table = block_tables + table_starts[s];
         const float *q_row = q + (int64_t)q_rows[s] * q_row_stride;
-        for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = q_row[i] * scale;
-
-        /* q . k for every position, streaming K rows in position order */
-        for (int32_t p0 = 0; p0 < len; p0 += block_size) {
-            const float *k_block = k_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
-            const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
-            for (int32_t r = 0; r < rows; r++) {
-                const float *k_row = k_block + (int64_t)r * slot_stride;
-                for (int32_t h = 0; h < num_heads; h++) {
-                    const float *k_head = k_row + (int64_t)(h / group) * head_dim;
-                    const float *q_head = q_scaled + (int64_t)h * head_dim;
-                    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                    for (int32_t d = 0; d < head_dim; d++) acc += q_head[d] * k_head[d];
-                    scores[(int64_t)h * max_len + p0 + r] = acc;
-                }
-            }
-        }
-
-        /* softmax per head, normalised once at the end of the V pass */
-        float inv_sum[num_heads];
-        for (int32_t h = 0; h < num_heads; h++) {
-            float *row = scores + (int64_t)h * max_len;
-            float top = row[0];
-            for (int32_t p = 1; p < len; p++) top = row[p] > top ? row[p] : top;
-            float sum = 0.0f;
-            for (int32_t p = 0; p < len; p++) {
-                row[p] = expf(row[p] - top);
-                sum += row[p];
-            }
-            inv_sum[h] = 1.0f / sum;
-        }
-
-        /* weighted sum of V rows, accumulated straight into the output row */
         float *o = out + (int64_t)q_rows[s] * out_row_stride;
-        memset(o, 0, sizeof(float) * num_heads * head_dim);
-        for (int32_t p0 = 0; p0 < len; p0 += block_size) {
-            const float *v_block = v_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
-            const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
-            for (int32_t r = 0; r < rows; r++) {
-                const float *v_row = v_block + (int64_t)r * slot_stride;
-                for (int32_t h = 0; h < num_heads; h++) {
-                    const float *v_head = v_row + (int64_t)(h / group) * head_dim;
-                    const float w = scores[(int64_t)h * max_len + p0 + r];
-                    float *o_head = o + (int64_t)h * head_dim;
-#pragma omp simd
-                    for (int32_t d = 0; d < head_dim; d++) o_head[d] += w * v_head[d];
-                }
-            }
-        }
-        for (int32_t h = 0; h < num_heads; h++) {
-            float *o_head = o + (int64_t)h * head_dim;
-            for (int32_t d = 0; d < head_dim; d++) o_head[d] *= inv_sum[h];
-        }
+        const int32_t *table = block_tables + table_starts[s];
+        const int32_t len = ctx_lens[s];
+        if (head_dim == 64)
+            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 64,
+                       block_size, scale);
+        else if (head_dim == 128)
+            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 128,
+                       block_size, scale);
+        else
+            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads,
+                       head_dim, block_size, scale);
     }
     free(scores);
     return 0;
