@@ -15,7 +15,7 @@ from overlap.engine.model_runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 kernel = native.decode_attention_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C compiler: the runner uses torch ops")
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the runner uses torch ops")
 
 
 def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -27,6 +27,7 @@ def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return torch.einsum("hl,lhd->hd", probs, v).float()
 
 
+@needs_kernel
 @pytest.mark.parametrize(("heads", "kv_heads", "block_size"), [(8, 8, 16), (8, 2, 16), (4, 1, 8)])
 def test_kernel_matches_reference_on_scattered_blocks(heads, kv_heads, block_size):
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
@@ -60,6 +61,7 @@ def test_plan_cuts_the_work_in_two_halves_of_about_equal_context():
     assert native.DecodePlan([[0]] * 3, [1, 1, 1], [0, 1, 2], 16).mid == 2
 
 
+@needs_kernel
 def test_runner_logits_same_with_kernel_and_torch_ops(tiny_model_dir: Path):
     runner = ModelRunner(EngineConfig(num_kv_blocks=128, max_seq_len=512), tiny_model_dir)
     assert runner._decode_kernel is not None
@@ -85,3 +87,14 @@ def test_runner_logits_same_with_kernel_and_torch_ops(tiny_model_dir: Path):
     finally:
         runner.close()
     torch.testing.assert_close(with_kernel, without, atol=1e-4, rtol=1e-4)
+
+
+def test_without_a_compiler_the_runner_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.decode_attention_kernel.__wrapped__() is None
+    assert "native decode attention unavailable" in caplog.text and "using torch ops" in caplog.text
+    monkeypatch.setenv("OVERLAP_NATIVE", "0")
+    monkeypatch.delenv("CC")
+    assert native.decode_attention_kernel.__wrapped__() is None
+    assert not (tmp_path / "native").exists() or not any((tmp_path / "native").glob("*.so"))
