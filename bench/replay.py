@@ -40,21 +40,20 @@ from overlap.bench.traces import (
 )
 
 POLICIES = ("serial", "fixed_window", "dynamic", "continuous")
-# Defaults (documented in docs/analysis.md). dynamic: field report 2's setting, max 8 requests or 150 ms; on this
-# kind of CPU a batch of 8 already runs several times cheaper per token than batch 1 (a batch-1 step is bound by
-# reading the weights), and 150 ms stays under half a 1 s SLO. fixed_window: 50 ms windows, so a window holds a few
-# requests at the shipped traces' rates (batch ~ rate x window: ~3 in a 60 req/s burst).
+# Defaults (documented in docs/analysis.md). dynamic: sized for the replayed trace's mean arrival rate by the
+# advisor's rule (`overlap bench advise`: batch wait ~ max_batch / rate, under half the SLO), capped by the sequence
+# cap; the fixed arguments below are field report 2's setting, used only when no rate is known. fixed_window: 50 ms
+# windows, a time parameter that does not follow the rate (batch ~ rate x window: ~12 in a 250 req/s burst).
 DEFAULT_POLICY_ARGS: dict[str, dict[str, float]] = {
     "serial": {},
     "fixed_window": {"window_ms": 50},
     "dynamic": {"max_batch": 8, "max_wait_ms": 150},
     "continuous": {},
 }
-DEFAULT_MAX_NUM_SEQS = 64  # field report 2's watermark; the sequence cap of every policy
+DEFAULT_MAX_NUM_SEQS = 256  # the sequence cap of every policy (see below)
 DEFAULT_SLO_MS = 1000.0
-# One intra-op thread: with two OpenMP threads on a 2-core machine that other processes also use, a forward stalls
-# whenever one core is taken (measured 3-6x slower steps under load); one thread degrades gracefully.
-DEFAULT_NUM_THREADS = 1
+# None: the engine's own default (torch's intra-op threads, one per core), as `overlap serve` runs it.
+DEFAULT_NUM_THREADS: int | None = None
 QUICK_TRACE_S = 15.0  # --quick replays the first seconds of the trace
 DEFAULT_DRAIN_S = 10.0
 QUICK_DRAIN_S = 8.0
@@ -92,16 +91,43 @@ def policy_label(policy: str, args: dict[str, float]) -> str:
     return f"{policy}({', '.join(f'{k}={v:g}' for k, v in args.items())})"
 
 
-def make_specs(policies: list[str], targets: list[str], policy_args: dict[str, float] | None) -> list[RunSpec]:
+def default_policy_args(
+    policy: str, rate: float | None = None, slo_ms: float = DEFAULT_SLO_MS, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+) -> tuple[dict[str, float], str | None]:
+    """A policy's default arguments, and for `dynamic` with a known arrival rate the advisor's arithmetic that
+    sized them (None otherwise)."""
+    if policy == "dynamic" and rate:
+        from overlap.bench.advise import advise
+
+        advice = advise(rate, slo_ms, max_num_seqs)
+        note = (
+            f"dynamic arguments from the advisor for the trace's mean rate (`overlap bench advise --rate {rate:.1f} "
+            f"--slo-ms {slo_ms:g} --max-batch-cap {max_num_seqs}`): " + "; ".join(advice.arithmetic)
+        )
+        return {"max_batch": advice.max_batch, "max_wait_ms": advice.max_wait_ms}, note
+    return dict(DEFAULT_POLICY_ARGS[policy]), None
+
+
+def make_specs(
+    policies: list[str],
+    targets: list[str],
+    policy_args: dict[str, float] | None,
+    rate: float | None = None,
+    slo_ms: float = DEFAULT_SLO_MS,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+) -> tuple[list[RunSpec], list[str]]:
     """Run specs for the given policies (each with its default args, or `policy_args` when only one policy is
-    asked for) and targets."""
-    specs = []
+    asked for) and targets, and notes on how the default arguments were chosen."""
+    specs, notes = [], []
     for policy in policies:
         if policy not in POLICIES:
             raise TraceError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-        args = dict(DEFAULT_POLICY_ARGS[policy])
         if policy_args and len(policies) == 1:
-            args.update(policy_args)
+            args, note = {**DEFAULT_POLICY_ARGS[policy], **policy_args}, None
+        else:
+            args, note = default_policy_args(policy, rate, slo_ms, max_num_seqs)
+        if note:
+            notes.append(note)
         specs.append(RunSpec(policy_label(policy, args), policy=policy, policy_args=args))
     for item in targets:
         label, sep, url = item.partition("=")
@@ -110,7 +136,7 @@ def make_specs(policies: list[str], targets: list[str], policy_args: dict[str, f
         if "://" not in url:
             raise TraceError(f"target {item!r}: expected a URL such as http://127.0.0.1:8000 (or NAME=URL)")
         specs.append(RunSpec(label.rstrip("/"), target=url.rstrip("/")))
-    return specs
+    return specs, notes
 
 
 # ---------------------------------------------------------------------------------------------------- prompts
@@ -342,6 +368,12 @@ def build_engine(
     return Engine(config, runner=runner), config
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _tokenizer_encode(model_dir: Path):
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
@@ -541,8 +573,7 @@ def add_parser(subparsers) -> None:
         "--num-threads",
         type=int,
         default=DEFAULT_NUM_THREADS,
-        help=f"torch intra-op threads for the in-process engine (default {DEFAULT_NUM_THREADS}: "
-        "robust on a small shared machine; 2+ on an idle one)",
+        help="torch intra-op threads for the in-process engine (default: the engine's, one per core)",
     )
     parser.add_argument(
         "--dtype",
@@ -630,14 +661,18 @@ def _run(args: argparse.Namespace) -> int:
         raise TraceError("nothing to run: give --policy, --target or --compare")
     if args.policy_args and len(policies) != 1:
         raise TraceError("--policy-args applies to a single --policy; --compare uses each policy's defaults")
-    specs = make_specs(policies, targets, parse_policy_args(args.policy_args))
     sim_cost = _parse_sim_cost(args.sim_cost)
     trace = load_for_args(args)
+    specs, notes = make_specs(
+        policies, targets, parse_policy_args(args.policy_args), trace.mean_rate, args.slo_ms, args.max_num_seqs
+    )
     drain_s = args.drain_s if args.drain_s is not None else (QUICK_DRAIN_S if args.quick else DEFAULT_DRAIN_S)
     out_dir = Path(args.out or f"reports/replay-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}")
     progress = not args.no_progress
     log = sys.stderr if args.json else sys.stdout
     print(f"trace {trace.describe()}", file=log)
+    for note in notes:
+        print(note, file=log)
     started = time.monotonic()
 
     results = []
@@ -661,7 +696,7 @@ def _run(args: argparse.Namespace) -> int:
                 "batching": spec.policy,
                 "batching_args": spec.policy_args,
                 "max_num_seqs": args.max_num_seqs,
-                "num_threads": args.num_threads,
+                "num_threads": args.num_threads or _torch_threads(),
                 "dtype": args.dtype,
             }
             if sim_cost:
@@ -669,15 +704,16 @@ def _run(args: argparse.Namespace) -> int:
             results.append(replay_in_process(trace, engine, spec.label, cfg, drain_s, args.seed, encode, progress))
             del engine  # free its KV pool before the next policy's engine allocates one
         last = results[-1]
+        num_left = sum(r.status == "unfinished" for r in last.records)
         print(
             f"  {spec.label}: {sum(r.status == 'finished' for r in last.records)}/{len(last.records)} finished "
-            f"in {last.wall_s:.1f} s (machine load average {last.config['load_average'][0]} -> "
-            f"{last.config['load_average'][1]})",
+            f"in {last.wall_s:.1f} s, {num_left} still queued or running at the drain deadline (machine load "
+            f"average {last.config['load_average'][0]} -> {last.config['load_average'][1]})",
             file=log,
         )
 
     command = _reproduce_command(sys.argv)
-    summary = write_report(results, out_dir, trace.describe(), args.slo_ms, command)
+    summary = write_report(results, out_dir, trace.describe(), args.slo_ms, command, notes)
     summary["wall_s"] = round(time.monotonic() - started, 1)
     summary["out_dir"] = str(out_dir)
     (out_dir / "report.json").write_text(json.dumps(summary, indent=2) + "\n")

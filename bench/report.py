@@ -290,7 +290,9 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
 # ---------------------------------------------------------------------------------------------------- the report
 
 
-def summarize(runs: list[RunResult], trace_description: str, slo_ms: float, command: str = "") -> dict:
+def summarize(
+    runs: list[RunResult], trace_description: str, slo_ms: float, command: str = "", notes: list[str] | None = None
+) -> dict:
     """The report as a JSON-able dict: per run its config, metrics and diagnosis; plus comparisons."""
     entries = []
     for run in runs:
@@ -310,6 +312,7 @@ def summarize(runs: list[RunResult], trace_description: str, slo_ms: float, comm
         "trace": trace_description,
         "slo_ms": slo_ms,
         "command": command,
+        "notes": list(notes or []),
         "runs": entries,
         "comparison": compare_policies(entries),
     }
@@ -358,12 +361,18 @@ def compare_policies(entries: list[dict]) -> dict:
 
 
 def write_report(
-    runs: list[RunResult], out_dir: str | Path, trace_description: str, slo_ms: float, command: str = ""
+    runs: list[RunResult],
+    out_dir: str | Path,
+    trace_description: str,
+    slo_ms: float,
+    command: str = "",
+    notes: list[str] | None = None,
 ) -> dict:
-    """Write report.md, report.json and the PNG plots into `out_dir`; return the summary dict."""
+    """Write report.md, report.json and the PNG plots into `out_dir`; return the summary dict. `notes` (e.g. how
+    the policies' arguments were chosen) are printed under the trace."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarize(runs, trace_description, slo_ms, command)
+    summary = summarize(runs, trace_description, slo_ms, command, notes)
     plots = plot_all(runs, out_dir, trace_description)
     summary["plots"] = plots
     (out_dir / "report.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -379,6 +388,9 @@ def render_markdown(summary: dict) -> str:
         f"Trace: {summary['trace']}",
         "",
     ]
+    lines += [f"- {note}" for note in summary.get("notes") or []]
+    if summary.get("notes"):
+        lines.append("")
     if summary.get("command"):
         lines += ["Reproduce:", "", "```", summary["command"], "```", ""]
     lines += [

@@ -32,13 +32,26 @@ def test_policy_args_and_specs():
         replay.parse_policy_args("max_batch=lots")
     with pytest.raises(TraceError, match="unknown policy"):
         replay.make_specs(["greedy"], [], None)
-    specs = replay.make_specs(["dynamic"], ["http://x:1/"], {"max_batch": 4})
-    assert specs[0].label == "dynamic(max_batch=4, max_wait_ms=150)"
-    assert specs[1].target == "http://x:1"
-    named = replay.make_specs([], ["vllm=http://127.0.0.1:8011/"], None)[0]
+    specs, notes = replay.make_specs(["dynamic"], ["http://x:1/"], {"max_batch": 4}, rate=100)
+    assert specs[0].label == "dynamic(max_batch=4, max_wait_ms=150)"  # explicit arguments win over the advisor
+    assert specs[1].target == "http://x:1" and notes == []
+    named = replay.make_specs([], ["vllm=http://127.0.0.1:8011/"], None)[0][0]
     assert (named.label, named.target) == ("vllm", "http://127.0.0.1:8011")
     with pytest.raises(TraceError, match="expected a URL"):
         replay.make_specs([], ["vllm=localhost"], None)
+
+
+def test_dynamic_defaults_follow_the_advisor_for_the_trace_rate():
+    # 100 req/s, 1 s SLO: a 500 ms wait budget holds 50 arrivals; filling 50 takes 500 ms
+    specs, notes = replay.make_specs(["fixed_window", "dynamic"], [], None, rate=100, slo_ms=1000, max_num_seqs=64)
+    assert specs[0].policy_args == {"window_ms": 50}
+    assert specs[1].policy_args == {"max_batch": 50, "max_wait_ms": 500}
+    assert len(notes) == 1 and "--rate 100.0 --slo-ms 1000" in notes[0] and "max_batch = floor(50.00) = 50" in notes[0]
+    # the sequence cap bounds the batch, and the wait shrinks to the time it takes to fill it
+    capped, _ = replay.make_specs(["dynamic"], [], None, rate=400, slo_ms=1000, max_num_seqs=64)
+    assert capped[0].policy_args == {"max_batch": 64, "max_wait_ms": 160}
+    # without a rate: field report 2's fixed setting
+    assert replay.make_specs(["dynamic"], [], None)[0][0].policy_args == {"max_batch": 8, "max_wait_ms": 150}
 
 
 def test_prompt_ids_are_the_same_for_every_policy_and_fit_the_context():
@@ -185,7 +198,7 @@ def test_command_line_transforms_and_quick_window():
             "--trace",
             "bursty",
             "--scale-rate",
-            "1.5",
+            "0.5",
             "--scale-tokens",
             "0.5",
             "--burst",
@@ -198,7 +211,7 @@ def test_command_line_transforms_and_quick_window():
     trace = replay.load_for_args(args)
     assert trace.duration_s <= replay.QUICK_TRACE_S
     described = trace.describe()
-    for part in ("rate x1.5", "tokens x0.5", "2x burst at 2 s for 1 s", f"first {replay.QUICK_TRACE_S:g} s"):
+    for part in ("rate x0.5", "tokens x0.5", "2x burst at 2 s for 1 s", f"first {replay.QUICK_TRACE_S:g} s"):
         assert part in described
     with pytest.raises(TraceError, match="--burst"):
         replay._parse_burst("soon")
