@@ -453,15 +453,15 @@ def shift_to_zero(trace: Trace) -> Trace:
 # The shipped traces and how they were made (`python -m overlap.bench.traces` rewrites them; a test checks that the
 # files match). Sized for the tiny default model on a 2-core CPU. `steady` stays under what continuous batching
 # serves there. `bursty` (what the scheduling analysis and its figures use) offers more than continuous batching
-# serves at all: 2 s bursts at 250 req/s and 2 s lulls at 50 req/s, 150 req/s on average, about 2x what continuous
-# batching serves on that machine (3x in the bursts). So a backlog remains at the drain deadline for every policy,
-# and throughput measures each policy's capacity, not the offered rate. Short prompts and longer outputs (4-12 and
-# 32-64 tokens) make it a decode-heavy workload, where batching pays most, and the spread of output lengths is what
-# head-of-line blocking feeds on in the static policies.
+# serves at all: 2 s bursts at 300 req/s and 2 s lulls at 60 req/s, ~180 req/s on average, about 3x what
+# continuous batching serves on that machine (5x in the bursts). So a backlog remains at the drain deadline for
+# every policy, even on a faster engine, and throughput measures each policy's capacity, not the offered rate.
+# Short prompts and long, widely spread outputs (4-12 and 16-128 tokens) make it a decode-heavy workload, where
+# batching pays most, and give the static policies the head-of-line blocking real output lengths cause.
 BUILTIN_RECIPES = {
     "steady": lambda: poisson(rate=24, duration_s=30, seed=11, prompt_tokens=(8, 24), max_tokens=(24, 40)),
     "bursty": lambda: on_off_bursts(
-        rate_on=250, rate_off=50, on_s=2, off_s=2, duration_s=20, seed=12, prompt_tokens=(4, 12), max_tokens=(32, 64)
+        rate_on=300, rate_off=60, on_s=2, off_s=2, duration_s=20, seed=12, prompt_tokens=(4, 12), max_tokens=(16, 128)
     ),
     "bursty_2x": lambda: inject_burst(BUILTIN_RECIPES["bursty"](), at_s=8, length_s=4, factor=2, seed=13),
 }
