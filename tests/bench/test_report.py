@@ -165,9 +165,15 @@ def test_write_report_makes_markdown_json_and_pngs(tmp_path):
     runs = [synthetic_compute_bound(), synthetic_head_of_line()]
     runs[0].label, runs[1].label = "serial", "continuous"
     runs[0].samples = [(t, 3, 1, 0.9) for t in range(5)]
-    summary = write_report(runs, tmp_path, "synthetic trace; transforms: none", slo_ms=1000, command="overlap x")
-    assert (tmp_path / "report.md").read_text().count("| serial |") == 1
+    note = "dynamic arguments from the advisor: max_batch = floor(7.80) = 7"
+    summary = write_report(
+        runs, tmp_path, "synthetic trace; transforms: none", slo_ms=1000, command="overlap x", notes=[note]
+    )
+    markdown = (tmp_path / "report.md").read_text()
+    assert markdown.count("| serial |") == 1
+    assert f"- {note}" in markdown  # how the arguments were chosen, next to the trace
     data = json.loads((tmp_path / "report.json").read_text())
+    assert data["notes"] == [note]
     assert data["runs"][0]["diagnosis"]["cause"] == "compute-bound"
     for name in summary["plots"].values():
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
