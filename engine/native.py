@@ -56,6 +56,14 @@ class DecodeAttentionKernel:
         """q [rows, heads, D] (rows may be strided, heads and D dense); k/v pool [slots, kv_heads, D] contiguous;
         out [rows, heads, D] contiguous. All fp32 on CPU; the caller guarantees it (the runner checks once)."""
         heads, head_dim = q.shape[1], q.shape[2]
+        # The C code trusts these layouts; a mismatch would read or write the wrong memory, so check them (cheap).
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError("paged decode attention: q rows must be dense [heads, head_dim], the pools contiguous")
+        if not out.is_contiguous() or out.shape[1:] != q.shape[1:] or k_pool.shape[2] != head_dim:
+            raise ValueError(
+                f"paged decode attention: shapes q {tuple(q.shape)}, out {tuple(out.shape)}, "
+                f"pool {tuple(k_pool.shape)} do not match"
+            )
         status = self._fn(
             q.data_ptr(),
             q.stride(0),

@@ -98,3 +98,14 @@ def test_without_a_compiler_the_runner_falls_back_with_one_warning(tmp_path, mon
     monkeypatch.delenv("CC")
     assert native.decode_attention_kernel.__wrapped__() is None
     assert not (tmp_path / "native").exists() or not any((tmp_path / "native").glob("*.so"))
+
+
+@needs_kernel
+def test_kernel_refuses_layouts_it_would_misread():
+    pool = torch.zeros(32, 2, 64)
+    plan = native.DecodePlan([[0]], [4], [0], 16)
+    out = torch.empty(1, 4, 64)
+    with pytest.raises(ValueError, match="dense"):
+        kernel(torch.zeros(1, 64, 4).transpose(1, 2), pool, pool, plan, out, 0, 1, 0.125)
+    with pytest.raises(ValueError, match="do not match"):
+        kernel(torch.zeros(1, 4, 64), pool, pool, plan, torch.empty(1, 4, 32), 0, 1, 0.125)
