@@ -333,8 +333,11 @@ def _contiguous_runner_class():
     from overlap.engine.model_runner import ModelRunner
 
     class ContiguousKVRunner(ModelRunner):
-        def prepare(self, batch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             self._decode_kernel = None  # every decode goes through _attention_torch, overridden below
+
+        def prepare(self, batch):
             self._lmax = self.block_size * len(batch.seqs[0].block_table)
             return super().prepare(batch)
 

@@ -50,6 +50,9 @@ from overlap.engine.model_loader import (
 )
 from overlap.engine.types import ModelInput, SamplingParams
 
+# A step's decode attention is shared with the helper thread only from this many decodes on: below it the hand-off
+# costs more than the second thread saves.
+MIN_DECODES_TO_SHARE = 8
 CPU_KV_BUDGET_BYTES = 1 << 30  # default CPU pool: what max_num_seqs full-length sequences need, at most 1 GiB
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -375,45 +378,39 @@ class ModelRunner:
         num_tokens, heads, head_dim = q.shape
         out = q.new_empty(num_tokens, heads, head_dim)
         plan, kernel = inputs.decode_plan, self._decode_kernel
-        threads = torch.get_num_threads()
-        if threads >= 2 and plan.num_seqs >= 8:  # a batch run whole: the helper thread takes half the context
-            mid = plan.mid
-            future = self._helper_pool().submit(kernel, q, k_pool, v_pool, plan, out, mid, plan.num_seqs, self._scale)
-            kernel(q, k_pool, v_pool, plan, out, 0, mid, self._scale)
+        helper = self._decode_helper(plan.num_seqs)
+        if helper is not None:  # a batch run whole: the helper thread takes half the context
+            future = helper.submit(kernel, q, k_pool, v_pool, plan, out, plan.mid, plan.num_seqs, self._scale)
+            kernel(q, k_pool, v_pool, plan, out, 0, plan.mid, self._scale)
             future.result()
         else:
             kernel(q, k_pool, v_pool, plan, out, 0, plan.num_seqs, self._scale)
-        if inputs.seqs:
-            q_t, k_t, v_t = q.transpose(0, 1), k_pool.transpose(0, 1), v_pool.transpose(0, 1)
-            for s in inputs.seqs:
-                out[s.q_start : s.q_start + s.q_len] = self._attend(q_t, k_t, v_t, s).transpose(0, 1)
+        for s in inputs.seqs:
+            out[s.q_start : s.q_start + s.q_len] = self._attend(q, k_pool, v_pool, s)
         return out.view(num_tokens, -1)
 
     def _attention_torch(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
         """Per-sequence attention reading the pool in place: no K/V copy for a sequence whose blocks form one run.
         q [T, H, D] -> [T, H * D].
 
-        Prefill chunks use scaled_dot_product_attention. On CPU a decode (one query) is six tensor ops: its query,
-        two pool slices, matmul, softmax, matmul. SDPA's fixed cost per call is larger than the work at this size
-        (batch 64, context 160, one thread: 4.0 ms per layer with SDPA, 3.0 ms with the matmuls, 2.5 ms for one
-        batched SDPA over a contiguous cache). The decode loop runs with one intra-op thread per Python thread, because
-        an OpenMP region per tiny kernel costs more than it saves; with 2+ threads configured, a helper thread takes
-        every other sequence (paged decode then measured within 3% of the contiguous cache at batch 64 and 128)."""
+        The path of CUDA, bf16 and CPUs without the native kernel. Prefill chunks use scaled_dot_product_attention.
+        On CPU a decode (one query) is six tensor ops: its query, two pool slices, matmul, softmax, matmul. SDPA's
+        fixed cost per call is larger than the work at this size (batch 64, context 160, one thread: 4.0 ms per layer
+        with SDPA, 3.0 ms with the matmuls, 2.5 ms for one batched SDPA over a contiguous cache). The decode loop runs
+        with one intra-op thread per Python thread, because an OpenMP region per tiny kernel costs more than it saves;
+        with 2+ threads configured, a helper thread takes every other sequence (with the oneDNN projections, paged
+        decode on this path measured 23% slower than the contiguous cache at batch 64)."""
         num_tokens = q.shape[0]
         if self.device.type != "cpu":
-            q_t, k_t, v_t = q.transpose(0, 1), k_pool.transpose(0, 1), v_pool.transpose(0, 1)
-            outs = [self._attend(q_t, k_t, v_t, s).transpose(0, 1) for s in seqs]
+            outs = [self._attend(q, k_pool, v_pool, s) for s in seqs]
             return torch.cat(outs).reshape(num_tokens, -1)
         kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
         outs: list[torch.Tensor | None] = [None] * len(seqs)
         decodes = []
-        q_t = k_t = None
         v_t = v_pool.transpose(0, 1)  # [KV, slots, D]
         for i, s in enumerate(seqs):
             if s.q_len > 1:
-                if q_t is None:
-                    q_t, k_t = q.transpose(0, 1), k_pool.transpose(0, 1)
-                outs[i] = self._attend(q_t, k_t, v_t, s).transpose(0, 1)  # [n, H, D]
+                outs[i] = self._attend(q, k_pool, v_pool, s)  # [n, H, D]
             else:
                 decodes.append(i)
         if decodes:
@@ -455,11 +452,11 @@ class ModelRunner:
                     outs[i] = (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(0)  # [KV, group, D]
 
             threads = torch.get_num_threads()
+            # Attention at decode is bound by reading K/V; a second thread doubles the bandwidth in use. Python
+            # threads, not OpenMP: torch releases the GIL inside each kernel, and no barrier per kernel.
+            helper = self._decode_helper(len(decodes))
             torch.set_num_threads(1)
             try:
-                # Attention at decode is bound by reading K/V; a second thread doubles the bandwidth in use. Python
-                # threads, not OpenMP: torch releases the GIL inside each kernel, and no barrier per kernel.
-                helper = self._decode_pool(threads) if len(decodes) >= 8 else None
                 if helper is None:
                     attend_decodes(decodes)
                 else:
@@ -474,9 +471,10 @@ class ModelRunner:
                 outs[i] = outs[i].view(1, -1, head_dim)
         return torch.cat(outs).view(num_tokens, -1)
 
-    def _decode_pool(self, threads: int):
-        """One helper thread for the decode attention loop (None with a single intra-op thread)."""
-        if threads < 2:
+    def _decode_helper(self, num_decodes: int):
+        """The helper thread that takes half of a step's decode attention, or None: one intra-op thread configured
+        (the step's halves already run on two threads), or too few decodes for the hand-off to pay."""
+        if torch.get_num_threads() < 2 or num_decodes < MIN_DECODES_TO_SHARE:
             return None
         return self._helper_pool()
 
@@ -488,23 +486,22 @@ class ModelRunner:
             self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-attn")
         return self._helper
 
-    def _attend(self, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, s: SeqAttention) -> torch.Tensor:
-        """SDPA for one sequence on head-major views [heads, len, D]."""
+    def _attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, s: SeqAttention) -> torch.Tensor:
+        """SDPA for one sequence: q [T, H, D] and the slot-major pools [slots, KV, D] -> its rows [q_len, H, D]."""
         if s.kv_start is not None:
-            k, v = k_t[:, s.kv_start : s.kv_start + s.kv_len], v_t[:, s.kv_start : s.kv_start + s.kv_len]
-        else:  # gather whole rows (KV * D contiguous values each) from the slot-major pool, then view head-major
-            k = k_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
-            v = v_t.transpose(0, 1).index_select(0, s.kv_index).transpose(0, 1)
-        # A batch dimension of one: with 4-D inputs CPU SDPA takes its flash kernel (3-D ones take the math path,
-        # ~30% slower for a 128-token chunk).
+            k, v = k_pool[s.kv_start : s.kv_start + s.kv_len], v_pool[s.kv_start : s.kv_start + s.kv_len]
+        else:  # gather whole rows (KV * D contiguous values each)
+            k, v = k_pool.index_select(0, s.kv_index), v_pool.index_select(0, s.kv_index)
+        # Head-major views with a batch dimension of one: with 4-D inputs CPU SDPA takes its flash kernel (3-D ones
+        # take the math path, ~30% slower for a 128-token chunk).
         return F.scaled_dot_product_attention(
-            q_t[None, :, s.q_start : s.q_start + s.q_len],
-            k[None],
-            v[None],
+            q[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=s.mask,
             is_causal=s.is_causal,
             enable_gqa=self._gqa,
-        )[0]
+        )[0].transpose(0, 1)
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
