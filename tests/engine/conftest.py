@@ -1,11 +1,40 @@
-"""Engine tests import their helpers (fake runner, factories) from `engine_helpers.py` next to this file."""
+"""Engine tests import their helpers (fake runner, factories) from `engine_helpers.py` next to this file; the
+transformers reference for the tiny model is the `hf_greedy` fixture below."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
+
 # Only this test folder goes on sys.path (never the repo root: its operator/ folder shadows the stdlib).
 _here = str(Path(__file__).parent)
 if _here not in sys.path:
     sys.path.insert(0, _here)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model_dir: Path):
+    """prompt, max_new_tokens -> transformers' greedy continuation (stops at EOS like the engine), memoised."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    cache: dict[tuple, list[int]] = {}
+
+    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            cache[key] = out[0, len(prompt) :].tolist()
+        return cache[key]
+
+    return generate

@@ -22,31 +22,6 @@ def _two_threads():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(tiny_model_dir: Path):
-    """prompt, max_new_tokens -> transformers' greedy continuation (stops at EOS like the engine), memoised."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    cache: dict[tuple, list[int]] = {}
-
-    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_new_tokens)
-        if key not in cache:
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
-            cache[key] = out[0, len(prompt) :].tolist()
-        return cache[key]
-
-    return generate
-
-
 def _prompts(n: int, seed: int, min_len: int = 1, max_len: int = 80) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 8192) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]

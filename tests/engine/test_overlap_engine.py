@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from pathlib import Path
 
 import pytest
 from engine_helpers import add_and_run, tokens_of
@@ -203,27 +202,6 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
 
 
 # ---- the real tiny model ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hf_greedy(tiny_model_dir: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-    def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
-        with torch.inference_mode():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        return out[0, len(prompt) :].tolist()
-
-    return generate
-
-
 def test_tiny_model_greedy_is_identical_for_1_2_3_buffers_and_equals_transformers(tiny_model_dir, hf_greedy):
     import torch
 
