@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from overlap.engine.busy import BusyTracker
 from overlap.engine.errors import ConfigError
-from overlap.engine.executor import MAX_BUFFERS, PLACEHOLDER_TOKEN, Executor, StepResult
+from overlap.engine.executor import MAX_BUFFERS, Executor, StepResult, placeholder_source
 from overlap.engine.types import ModelInput, ScheduledSeq
 
 
@@ -99,12 +99,8 @@ class CudaExecutor(Executor):
         host_seqs = []
         offset = 0
         for seq in seqs:
-            if PLACEHOLDER_TOKEN in seq.token_ids:
-                if seq.token_ids != [PLACEHOLDER_TOKEN]:
-                    raise ValueError(f"{seq.request_id}: a placeholder must be a decode step's only token")
-                row = self._rows.get(seq.request_id)
-                if row is None:
-                    raise ValueError(f"{seq.request_id}: placeholder but no earlier step sampled a token for it")
+            row = placeholder_source(seq, self._rows)  # the token-table row holding its latest token
+            if row is not None:
                 gather_pos.append(offset)
                 gather_rows.append(row)
                 seq = ScheduledSeq(

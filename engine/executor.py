@@ -24,15 +24,25 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from overlap.engine.busy import BusyTracker
 from overlap.engine.errors import ConfigError
 from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput
 
-__all__ = ["MAX_BUFFERS", "PLACEHOLDER_TOKEN", "AsyncExecutor", "Executor", "StepResult", "make_executor"]
+__all__ = [
+    "MAX_BUFFERS",
+    "PLACEHOLDER_TOKEN",
+    "AsyncExecutor",
+    "Executor",
+    "StepResult",
+    "make_executor",
+    "placeholder_source",
+]
+T = TypeVar("T")
 
 MAX_BUFFERS = 4
 # The worker thread needs the GIL to start each forward. While the engine thread runs Python (scheduling) it gets it
@@ -63,6 +73,20 @@ class _InFlight:
     step_id: int
     model_input: ModelInput
     future: Future
+
+
+def placeholder_source(seq, latest: Mapping[str, T]) -> T | None:
+    """None for a sequence that carries its tokens; for a placeholder, what `latest` holds for its request (the
+    token itself, or where the device keeps it). A placeholder must be a decode's only token and must follow a step
+    that sampled for the request; anything else is a scheduling bug, raised as ValueError."""
+    if PLACEHOLDER_TOKEN not in seq.token_ids:
+        return None
+    if seq.token_ids != [PLACEHOLDER_TOKEN]:
+        raise ValueError(f"{seq.request_id}: a placeholder must be a decode step's only token")
+    source = latest.get(seq.request_id)
+    if source is None:
+        raise ValueError(f"{seq.request_id}: placeholder but no earlier step sampled a token for it")
+    return source
 
 
 def check_num_buffers(num_buffers: int) -> int:
@@ -231,12 +255,8 @@ class Executor:
         # The step's own ScheduledSeq objects get the token (a fresh list: the scheduler's list is never mutated),
         # so postprocessing sees what was fed; a copy per sequence would cost the device ~2 us each.
         for seq in seqs:
-            if PLACEHOLDER_TOKEN in seq.token_ids:
-                if seq.token_ids != [PLACEHOLDER_TOKEN]:
-                    raise ValueError(f"{seq.request_id}: a placeholder must be a decode step's only token")
-                token = self._last_token.get(seq.request_id)
-                if token is None:
-                    raise ValueError(f"{seq.request_id}: placeholder but no earlier step sampled a token for it")
+            token = placeholder_source(seq, self._last_token)
+            if token is not None:
                 seq.token_ids = [token]
         return model_input
 
