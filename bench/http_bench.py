@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -229,7 +230,6 @@ def _launch_serve(args, port: int):
 
 def _children_cpu_s(proc) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the sidecar and engine processes under `overlap serve`."""
-    import os
     from pathlib import Path
 
     if proc is None:
@@ -263,7 +263,6 @@ def _stop(proc) -> None:
 def _config_with_threads(config_path: str | None, num_threads: int) -> str:
     """A temporary engine config file: `config_path`'s fields plus num_threads (read by both runs)."""
     import atexit
-    import os
     import tempfile
 
     from overlap.engine.server import read_config_file
@@ -316,9 +315,9 @@ def _run(args: argparse.Namespace) -> int:
             name = "overlap serve (HTTP)"
         asyncio.run(run_http(url, model, warm_prompts, args.output_len, args.concurrency, name, None))
         bar = tqdm(total=n, desc=name, unit="req", file=sys.stderr, leave=False)
-        cpu_before = _children_cpu_s(proc)
+        cpu_before, client_cpu_before = _children_cpu_s(proc), time.process_time()
         http_result = asyncio.run(run_http(url, model, prompts, args.output_len, args.concurrency, name, bar))
-        cpu_after = _children_cpu_s(proc)
+        cpu_after, client_cpu_s = _children_cpu_s(proc), time.process_time() - client_cpu_before
         bar.close()
     finally:
         if proc is not None:
@@ -329,6 +328,10 @@ def _run(args: argparse.Namespace) -> int:
             report[f"{role}_cpu_s"] = round(cpu_after[role] - cpu_before[role], 2)
     if "sidecar_cpu_s" in report:
         report["sidecar_cpu_ms_per_request"] = round(1000 * report["sidecar_cpu_s"] / n, 2)
+    # This process only runs the HTTP client meanwhile: the load generator's share of the cores the server has.
+    report["load_generator_cpu_s"] = round(client_cpu_s, 2)
+    shared_s = client_cpu_s + report.get("sidecar_cpu_s", 0.0)
+    report["sidecar_and_load_generator_machine_share"] = round(shared_s / (http_result.wall_s * os.cpu_count()), 3)
     if http_result.overheads_s:
         report["client_overhead_p50_ms"] = round(1000 * _percentile(http_result.overheads_s, 50), 2)
         report["client_overhead_p99_ms"] = round(1000 * _percentile(http_result.overheads_s, 99), 2)
@@ -385,5 +388,7 @@ def _print_table(report: dict) -> None:
         per_request = report["sidecar_cpu_ms_per_request"]
         print(f"CPU during the HTTP run: sidecar {report['sidecar_cpu_s']:.2f} s ({per_request:.2f} ms per request), "
               f"engine {report['engine_cpu_s']:.2f} s")  # fmt: skip
+    print(f"load generator (this process): {report['load_generator_cpu_s']:.2f} s CPU; with the sidecar "
+          f"{report['sidecar_and_load_generator_machine_share']:.1%} of the machine's CPU time")  # fmt: skip
     if "launch_to_ready_s" in report:
         print(f"launch to ready: {report['launch_to_ready_s']:.2f} s")

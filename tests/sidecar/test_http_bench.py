@@ -25,3 +25,5 @@ def test_bench_http_json_on_a_tiny_workload():
     assert 0 <= report["sidecar_overhead_p50_ms"] <= report["sidecar_overhead_p99_ms"]
     assert report["sidecar_overhead_p50_ms"] <= report["client_overhead_p50_ms"] <= report["client_overhead_p99_ms"]
     assert 0 < report["launch_to_ready_s"] < 240
+    assert report["load_generator_cpu_s"] > 0  # it parsed 64 streamed chunks
+    assert 0 < report["sidecar_and_load_generator_machine_share"] <= 1
