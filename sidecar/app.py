@@ -28,6 +28,10 @@ from overlap.sidecar.text import TextProcessor
 
 log = logging.getLogger(__name__)
 
+# After our own grace period, how long aiohttp waits for a handler before cancelling it (its default is 60 s,
+# which would stretch a SIGTERM well past the grace period the pod was given).
+_HANDLER_CANCEL_WAIT_S = 1.0
+
 
 def init_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -> web.Application:
     registry = registry if registry is not None else CollectorRegistry()
@@ -187,14 +191,15 @@ async def serve(config: SidecarConfig, registry: CollectorRegistry | None = None
     in-flight requests get up to `grace_period_s` to finish; the rest are aborted."""
     app = init_app(config, registry)
     state = app[STATE]
-    runners = [web.AppRunner(app, handler_cancellation=True, access_log=None)]
+    runner_args = {"handler_cancellation": True, "access_log": None, "shutdown_timeout": _HANDLER_CANCEL_WAIT_S}
+    runners = [web.AppRunner(app, **runner_args)]
     await runners[0].setup()
     await web.TCPSite(runners[0], config.host, config.port).start()
     log.info("sidecar listening on http://%s:%d", config.host, config.port)
     if config.admin_port is not None:
         from overlap.sidecar.admin import init_admin_app
 
-        admin = web.AppRunner(init_admin_app(state, config.admin_token), handler_cancellation=True, access_log=None)
+        admin = web.AppRunner(init_admin_app(state, config.admin_token), **runner_args)
         await admin.setup()
         await web.TCPSite(admin, config.admin_host, config.admin_port).start()
         runners.append(admin)

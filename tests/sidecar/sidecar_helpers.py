@@ -71,8 +71,15 @@ class Proc:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGUSR1)  # `overlap` dumps every thread's stack: where it hung
+                time.sleep(1)
                 os.kill(self.pid, signal.SIGKILL)
                 self.popen.wait()
+                self.log.close()
+                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-60:])
+                raise AssertionError(
+                    f"{' '.join(self.cmd[5:7])} ignored SIGTERM for {timeout:g} s; log:\n{tail}"
+                ) from None
         self.log.close()
         return self.popen.returncode
 
@@ -145,7 +152,7 @@ class Stack:
     def start_sidecar(self, *extra: str, port: int | None = None, env: dict | None = None) -> Proc:
         cmd = overlap_cmd(
             "sidecar", "--engine-socket", str(self.socket), "--host", "127.0.0.1", "--port", str(port or self.port),
-            "--admin-port", str(self.admin_port if port is None else free_port()),
+            "--admin-host", "127.0.0.1", "--admin-port", str(self.admin_port if port is None else free_port()),
             "--admin-token-file", str(self.token_file), "--watch-config", str(self.config_file),
             "--watch-interval-s", "0.3", "--grace-period-s", "20", *self.sidecar_args, *extra,
         )  # fmt: skip

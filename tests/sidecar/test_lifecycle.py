@@ -203,6 +203,36 @@ def test_engine_loss_fails_in_flight_requests_at_once_and_reconnects(stack):
     assert status == 200 and body["usage"]["completion_tokens"] == 8
 
 
+def test_sigterm_cuts_off_requests_that_outlive_the_grace_period(stack):
+    port = free_port()
+    proc = stack.start_sidecar("--grace-period-s", "1", port=port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: is_ready(url), 60, "second sidecar", proc)
+        body = completion(stack, max_tokens=1500, ignore_eos=True)  # 1500 steps of 10 ms: 15 s
+        outcome = {}
+
+        def long_request():
+            try:
+                outcome["status"] = http("POST", f"{url}/v1/completions", body)[0]
+            except OSError as exc:  # the connection closes under it: that is the cut-off
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=long_request, daemon=True)
+        thread.start()
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
+        started = time.monotonic()
+        proc.signal(signal.SIGTERM)
+        assert proc.popen.wait(10) == 0
+        assert time.monotonic() - started < 5  # 1 s of grace, then the handler is cancelled, not waited for
+        thread.join(5)
+        assert "status" not in outcome or outcome["status"] >= 500, outcome
+        # The cut-off request was aborted in the engine, not left running.
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 0, 5, "engine abort")
+    finally:
+        proc.stop()
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(stack):
     results = {}
 
