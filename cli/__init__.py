@@ -7,6 +7,7 @@ table of contents. Registration must stay cheap: heavy imports (torch, kopf) hap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import importlib
 import logging
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where every thread is
+    with contextlib.suppress(ValueError, OSError):  # stderr without a file descriptor (captured): skip
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints where every thread is
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
