@@ -305,12 +305,14 @@ def _run(args: argparse.Namespace) -> int:
     from overlap.engine.errors import ConfigError
     from overlap.sidecar.serve import get_json
 
+    n = args.num_requests if args.num_requests is not None else (64 if args.quick else 512)
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
+    sizes = {"--num-requests": n, "--rounds": rounds, "--concurrency": args.concurrency,
+             "--prompt-len": args.prompt_len, "--output-len": args.output_len}  # fmt: skip
+    if bad := [f"{name} {value}" for name, value in sizes.items() if value < 1]:
+        raise ConfigError(f"{', '.join(bad)}: must be >= 1")
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the launched server is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    n = args.num_requests or (64 if args.quick else 512)
-    rounds = args.rounds or (1 if args.quick else 3)
-    if rounds < 1:
-        raise ConfigError("--rounds must be >= 1")
     warmup = min(n, 8 if args.quick else args.concurrency)
     if args.num_threads:
         args.config = _config_with_threads(args.config, args.num_threads)

@@ -29,3 +29,10 @@ def test_bench_http_json_on_a_tiny_workload():
     assert 0 < report["launch_to_ready_s"] < 240
     assert report["load_generator_cpu_s"] > 0  # it parsed 64 streamed chunks
     assert 0 < report["sidecar_and_load_generator_machine_share"] <= 1
+
+
+def test_bench_http_refuses_sizes_below_one(capsys):
+    from overlap.cli import main
+
+    assert main(["bench", "http", "--rounds", "0", "--output-len", "-1"]) == 2
+    assert "--rounds 0, --output-len -1: must be >= 1" in capsys.readouterr().err
