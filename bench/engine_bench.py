@@ -55,15 +55,24 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from overlap.engine.errors import ConfigError
     from overlap.engine.model_builder import ensure_default_model
 
     plan = dict(QUICK if args.quick else FULL)
     if args.batch_sizes:
-        plan["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+        try:
+            plan["batch_sizes"] = tuple(int(b) for b in args.batch_sizes.split(","))
+        except ValueError:
+            raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
     for key in ("num_requests", "prompt_len", "output_len"):
-        if getattr(args, key):
+        if getattr(args, key) is not None:
             plan[key] = getattr(args, key)
-    batch1_requests = args.num_requests or min(plan["num_requests"], BATCH1_REQUESTS)
+    sizes = {"--threads": args.threads, "--batch-sizes": min(plan["batch_sizes"]),
+             "--num-requests": plan["num_requests"], "--prompt-len": plan["prompt_len"],
+             "--output-len": plan["output_len"]}  # fmt: skip
+    if bad := [f"{name} {value}" for name, value in sizes.items() if value < 1]:
+        raise ConfigError(f"{', '.join(bad)}: must be >= 1")
+    batch1_requests = args.num_requests if args.num_requests is not None else min(plan["num_requests"], BATCH1_REQUESTS)
     torch.set_num_threads(args.threads)
     model_dir = args.model or str(ensure_default_model())
     bench = EngineBench(model_dir, args.dtype, args.threads, **plan)

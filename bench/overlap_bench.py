@@ -57,9 +57,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--spike-ms", type=float, default=7.0, help=f"host time of every {SPIKE_EVERY}th step in the spikes rows"
     )
-    parser.add_argument("--steps", type=int, help="measured steps per simulated row (default 1500, quick 300)")
+    parser.add_argument("--steps", type=int, help="measured steps per simulated row (default 1500, quick 200)")
     parser.add_argument("--no-model", action="store_true", help="skip the real tiny model rows")
-    parser.add_argument("--model-steps", type=int, help="measured steps per model row (default 60, quick 12)")
+    parser.add_argument("--model-steps", type=int, help="measured steps per model row (default 40, quick 10)")
     parser.add_argument("--model-batch", type=int, default=64, help="sequences per step on the tiny model")
     parser.set_defaults(func=_run)
 
