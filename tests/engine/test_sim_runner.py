@@ -67,7 +67,7 @@ def test_forward_releases_the_gil():
         count += 1
     elapsed = time.perf_counter() - start
     worker.join()
-    assert elapsed < 0.35
+    assert elapsed < 2.0  # a 0.2 s step: generous, so a loaded CI machine cannot fail it
     assert count > 10_000, "the host thread could not run while the simulated device was busy"
 
 
