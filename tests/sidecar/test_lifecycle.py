@@ -223,8 +223,8 @@ def test_sigterm_cuts_off_requests_that_outlive_the_grace_period(stack):
         wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
         started = time.monotonic()
         proc.signal(signal.SIGTERM)
-        assert proc.popen.wait(10) == 0
-        assert time.monotonic() - started < 5  # 1 s of grace, then the handler is cancelled, not waited for
+        assert proc.popen.wait(12) == 0
+        assert time.monotonic() - started < 8  # 1 s of grace, then cancelled (waiting for it would take ~15 s)
         thread.join(5)
         assert "status" not in outcome or outcome["status"] >= 500, outcome
         # The cut-off request was aborted in the engine, not left running.
