@@ -163,9 +163,6 @@ class RequestQueue:
         for level in self._levels:
             yield from level.values()
 
-    def oldest_arrival(self) -> float | None:
-        return self._arrivals[0] if self._arrivals else None
-
     def arrival_times(self) -> Sequence[float]:
         """The queued requests' arrival times, oldest first (what a batching policy reads; do not modify)."""
         return self._arrivals

@@ -101,12 +101,12 @@ def test_deadlines_expire_queued_requests_only_before_they_are_scheduled() -> No
     assert len(queue) == 2
 
 
-def test_oldest_arrival() -> None:
+def test_oldest_arrival_leads_the_arrival_times() -> None:
     queue = make_request_queue("priority", 3, aging_s=100)
-    assert queue.oldest_arrival() is None
+    assert list(queue.arrival_times()) == []
     queue.add(create_requests(1, priority=2, arrived=1.0)[0], 1.0)
     queue.add(create_requests(1, priority=0, arrived=3.0)[0], 3.0)
-    assert queue.oldest_arrival() == 1.0
+    assert queue.arrival_times()[0] == 1.0
 
 
 def test_unknown_policy() -> None:
