@@ -111,14 +111,6 @@ def make_prompts(n: int, prompt_len: int, seed: int) -> list[list[int]]:
 # ---- in-process engine -----------------------------------------------------------------------------------------
 
 
-def run_engine(engine, prompts: list[list[int]], output_len: int, concurrency: int, bar) -> RunResult:
-    """Closed loop on the bare engine: keep `concurrency` requests in flight, step() until all are done."""
-    from overlap.engine import SamplingParams
-
-    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
-    return _engine_loop(engine, prompts, sampling, concurrency, bar)
-
-
 def _start_engine(args: argparse.Namespace):
     """The in-process engine, with the same model and config file as the launched server."""
     from overlap.engine.config import EngineConfig
@@ -128,7 +120,11 @@ def _start_engine(args: argparse.Namespace):
     return Engine(load_engine_config(args.config, args.model) if (args.config or args.model) else EngineConfig())
 
 
-def _engine_loop(engine, prompts, sampling, concurrency: int, bar) -> RunResult:
+def run_engine(engine, prompts: list[list[int]], output_len: int, concurrency: int, bar) -> RunResult:
+    """Closed loop on the bare engine: keep `concurrency` requests in flight, step() until all are done."""
+    from overlap.engine import SamplingParams
+
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     pending = list(enumerate(prompts))
     pending.reverse()
     started: dict[str, float] = {}
