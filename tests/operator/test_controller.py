@@ -1,0 +1,182 @@
+"""The control loop's policy: `decide` on hand-made signal sequences (pure, no Kubernetes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap.operator import spec as specs
+from overlap.operator.controller import (
+    HOLD,
+    RETUNE,
+    SCALE_DOWN,
+    SCALE_UP,
+    Current,
+    History,
+    Policy,
+    ScalingPolicy,
+    Signals,
+    TuningPolicy,
+    decide,
+)
+
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_buffers": 2}
+SCALING = ScalingPolicy(
+    mode="builtin",
+    min_replicas=1,
+    max_replicas=8,
+    up_watermark=32,
+    down_watermark=4,
+    up_window_s=30,
+    down_window_s=120,
+    up_cooldown_s=60,
+    down_cooldown_s=120,
+    interval_s=15,
+)
+
+
+def run(waiting_per_replica: list[float], policy: Policy, replicas: int = 2, step_s: float = 15) -> list:
+    """Tick the loop over a sequence of readings, carrying each decision out; the decisions in order."""
+    history, current, decisions = History(), Current(replicas, dict(ENGINE)), []
+    for i, per_replica in enumerate(waiting_per_replica):
+        signals = Signals(time=i * step_s, ready_replicas=current.replicas, queue_depth=per_replica * current.replicas)
+        decision = decide(signals, current, history, policy)
+        history.record(signals, decision)
+        current = Current(decision.replicas, decision.engine)
+        decisions.append(decision)
+    return decisions
+
+
+def test_scales_up_only_after_a_whole_window_above_the_watermark():
+    decisions = run([40, 40, 40], Policy(scaling=SCALING))
+    # t=0 and t=15: the window (30 s) is not covered yet; t=30: it is, every reading above 32.
+    assert [d.action for d in decisions] == [HOLD, HOLD, SCALE_UP]
+    assert "watermark 32" in decisions[2].reason
+
+
+def test_a_dip_below_the_watermark_restarts_the_window():
+    decisions = run([40, 40, 10, 40, 40, 40], Policy(scaling=SCALING))
+    assert [d.action for d in decisions] == [HOLD, HOLD, HOLD, HOLD, HOLD, SCALE_UP]
+
+
+def test_scale_up_is_proportional_and_capped_at_max_replicas():
+    decisions = run([100, 100, 100], Policy(scaling=SCALING), replicas=2)
+    assert decisions[-1].replicas == 7  # ceil(2 x 100 / 32)
+    decisions = run([400, 400, 400], Policy(scaling=SCALING), replicas=2)
+    assert decisions[-1].replicas == 8
+
+
+def test_cooldown_spaces_scale_ups():
+    decisions = run([40] * 8, Policy(scaling=SCALING))
+    ups = [i * 15 for i, d in enumerate(decisions) if d.action == SCALE_UP]
+    assert ups == [30, 90]  # 60 s cooldown; the window is already covered after the first move
+
+
+def test_scales_down_one_replica_after_the_window_below_and_the_cooldown():
+    decisions = run([1] * 12, Policy(scaling=SCALING), replicas=4)
+    downs = [(i * 15, d.replicas) for i, d in enumerate(decisions) if d.action == SCALE_DOWN]
+    assert downs == [(120, 3)]  # window 120 s covered at t=120, then 120 s of cooldown (next would be t=240)
+
+
+def test_never_below_min_or_above_max_and_out_of_bounds_is_put_back():
+    policy = Policy(scaling=SCALING)
+    assert all(d.replicas >= 1 for d in run([0] * 40, policy, replicas=1))
+    decision = decide(Signals(0, 9, 0), Current(9, ENGINE), History(), policy)
+    assert (decision.action, decision.replicas) == (SCALE_DOWN, 8)
+    assert "outside 1..8" in decision.reason
+
+
+@pytest.mark.parametrize("mode", ["off", "external"])
+def test_other_modes_never_scale(mode):
+    policy = Policy(scaling=ScalingPolicy(mode=mode, up_window_s=0, up_cooldown_s=0))
+    assert {d.action for d in run([500] * 5, policy)} == {HOLD}
+
+
+def test_missing_signal_holds_and_says_why():
+    decision = decide(Signals(0, ready_replicas=0), Current(2, ENGINE), History(), Policy(scaling=SCALING))
+    assert decision.action == HOLD and "no queue signal" in decision.reason
+
+
+TUNING = TuningPolicy(
+    enabled=True,
+    interval_s=30,
+    bounds={"max_num_seqs": (16, 128), "max_num_batched_tokens": (512, 4096), "num_buffers": (1, 3)},
+    p99_slo_s=2.0,
+)
+
+
+def tune_once(engine=ENGINE, tuning=TUNING, **readings) -> object:
+    signals = Signals(time=100, ready_replicas=1, **readings)
+    return decide(signals, Current(1, dict(engine)), History(), Policy(tuning=tuning))
+
+
+def test_kv_pressure_halves_the_batch():
+    decision = tune_once(queue_depth=10, kv_cache_usage=0.97)
+    assert decision.action == RETUNE and decision.engine["max_num_seqs"] == 32
+    assert decision.changes == {"max_num_seqs": (64, 32)}
+
+
+def test_latency_over_slo_from_queueing_raises_the_batch_from_execution_lowers_it():
+    queueing = tune_once(queue_depth=50, p99_latency_s=5.0, queue_time_share=0.8)
+    assert queueing.engine["max_num_seqs"] == 128 and "80% of it queueing" in queueing.reason
+    execution = tune_once(queue_depth=0, p99_latency_s=5.0, queue_time_share=0.1)
+    assert execution.engine["max_num_seqs"] == 32
+
+
+def test_at_the_bound_the_next_knob_moves():
+    at_floor = {**ENGINE, "max_num_seqs": 16}
+    decision = tune_once(at_floor, queue_depth=0, p99_latency_s=5.0, queue_time_share=0.1)
+    assert decision.changes == {"max_num_batched_tokens": (2048, 1024)}
+
+
+def test_idle_device_with_a_queue_adds_a_buffer_then_raises_the_batch():
+    decision = tune_once(queue_depth=20, device_busy=0.4)
+    assert decision.changes == {"num_buffers": (2, 3)}
+    decision = tune_once({**ENGINE, "num_buffers": 3}, queue_depth=20, device_busy=0.4)
+    assert decision.changes == {"max_num_seqs": (64, 128)}
+
+
+def test_idle_device_without_a_queue_is_left_alone():
+    assert tune_once(queue_depth=0, device_busy=0.1).action == HOLD
+
+
+def test_knobs_without_bounds_are_never_tuned_and_retunes_keep_their_interval():
+    tuning = TuningPolicy(enabled=True, interval_s=30, bounds={"num_buffers": (1, 2)})
+    assert tune_once(tuning=tuning, queue_depth=20, kv_cache_usage=0.99).action == HOLD
+    history = History()
+    policy = Policy(tuning=TUNING)
+    first = decide(Signals(0, 1, 20, device_busy=0.4), Current(1, ENGINE), history, policy)
+    history.record(Signals(0, 1, 20, device_busy=0.4), first)
+    again = decide(Signals(15, 1, 20, device_busy=0.4), Current(1, first.engine), history, policy)
+    later = decide(Signals(30, 1, 20, device_busy=0.4), Current(1, first.engine), history, policy)
+    assert (first.action, again.action, later.action) == (RETUNE, HOLD, RETUNE)
+
+
+def test_scaling_goes_before_tuning():
+    policy = Policy(scaling=ScalingPolicy(mode="builtin", up_window_s=0, up_cooldown_s=0), tuning=TUNING)
+    decision = decide(Signals(0, 1, 100, device_busy=0.2), Current(1, ENGINE), History(), policy)
+    assert decision.action == SCALE_UP and decision.engine == ENGINE
+
+
+def test_policy_from_a_defaulted_spec():
+    spec = specs.with_defaults(
+        {
+            "model": {"servedName": "m", "path": "/models/m"},
+            "autoscaling": {"mode": "builtin", "maxReplicas": 6},
+            "tuning": {
+                "enabled": True,
+                "bounds": {"numBuffers": {"min": 1, "max": 3}},
+                "latencySLO": {"p99Seconds": 4},
+            },
+        }
+    )
+    policy = Policy.from_spec(spec)
+    assert policy.scaling.max_replicas == 6 and policy.scaling.up_watermark == 32
+    assert policy.tuning.bounds == {"num_buffers": (1, 3)} and policy.tuning.p99_slo_s == 4
+    assert policy.interval_s() == 15
+    assert Policy().interval_s() == float("inf")
+
+
+def test_decision_status_matches_the_crd():
+    decision = decide(Signals(0, 1, 0), Current(1, ENGINE), History(), Policy())
+    status = decision.to_status("2026-01-01T00:00:00Z")
+    assert set(status) == {"time", "action", "reason", "replicas", "engine"}
