@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
-from prometheus_client.aiohttp import make_aiohttp_handler
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from overlap.engine import protocol as p
 from overlap.sidecar import routes, schemas
@@ -58,11 +57,25 @@ def init_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -
     return app
 
 
+def metrics_handler(registry: CollectorRegistry):
+    """GET /metrics in the classic text format, whatever the scraper's Accept header offers.
+
+    prometheus-client 0.26 writes the OpenMetrics format that Prometheus asks for by default with `vllm:` sample
+    names turned into `vllm_` while their TYPE lines keep the colon (prometheus/client_python#1177), so Prometheus
+    would store none of the `vllm:` series that routers and KEDA recipes query. The text format has no such step.
+    """
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return metrics
+
+
 def setup_routes(app: web.Application) -> None:
     state = app[STATE]
     for method, path, _, handler, _ in routes.ROUTES:
         app.router.add_route(method, path, handler)
-    app.router.add_get("/metrics", make_aiohttp_handler(state.registry))
+    app.router.add_get("/metrics", metrics_handler(state.registry))
     document = schemas.openapi_document(
         [(m, path, summary, body) for m, path, summary, _, body in routes.ROUTES]
         + [("GET", "/metrics", "Prometheus metrics", None), ("GET", "/openapi.json", "This document", None)]

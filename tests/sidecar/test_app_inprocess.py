@@ -4,9 +4,9 @@ readiness, OpenAI-shaped errors and metrics without any process."""
 from __future__ import annotations
 
 from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
-from overlap.sidecar.app import init_app
+from overlap.sidecar.app import init_app, metrics_handler
 from overlap.sidecar.config import SidecarConfig
 
 
@@ -43,5 +43,24 @@ async def test_api_key_is_checked_before_anything_else(tmp_path):
         assert (await client.get("/healthz")).status == 200
         metrics = await (await client.get("/metrics")).text()
         assert 'overlap_requests_rejected_total{reason="unauthorized"} 1.0' in metrics
+    finally:
+        await client.close()
+
+
+async def test_metrics_keep_colon_names_when_the_scraper_asks_for_openmetrics():
+    """Prometheus sends an OpenMetrics Accept header; `vllm:` samples must keep their names (client_python#1177)."""
+    from aiohttp import web
+
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_waiting", "waiting", registry=registry).set(3)
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler(registry))
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+        response = await client.get("/metrics", headers={"Accept": accept})
+        assert response.headers["Content-Type"].startswith("text/plain;")
+        assert "\nvllm:num_requests_waiting 3.0\n" in await response.text()
     finally:
         await client.close()
