@@ -13,6 +13,7 @@ _BENCH_MODULES = (
     "overlap.bench.http_bench",  # overlap bench http
     "overlap.bench.replay",  # overlap bench replay
     "overlap.bench.advise",  # overlap bench advise
+    "overlap.bench.control_replay",  # overlap bench control
 )
 
 

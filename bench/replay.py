@@ -592,6 +592,13 @@ def add_parser(subparsers) -> None:
         help="run the policies on the engine's simulated device instead of the model: a step of N "
         "tokens takes FIXED_MS + N x PER_TOKEN_US (fast, for trying policies and traces)",
     )
+    add_transform_arguments(parser)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_run)
+
+
+def add_transform_arguments(parser) -> None:
+    """The trace-transform flags `load_for_args` reads (shared with `overlap bench control`)."""
     scaling = parser.add_argument_group("trace transforms (printed next to every figure)")
     scaling.add_argument("--start-s", type=float, default=0.0, help="skip the trace's first seconds")
     scaling.add_argument("--duration-s", type=float, help="keep this many seconds of the (unscaled) trace")
@@ -600,8 +607,6 @@ def add_parser(subparsers) -> None:
     scaling.add_argument("--max-prompt-tokens", type=int, help="cap prompt tokens after scaling")
     scaling.add_argument("--max-output-tokens", type=int, help="cap output tokens after scaling")
     scaling.add_argument("--burst", help="inject a burst: AT_S:LENGTH_S[:FACTOR] on the scaled time axis (FACTOR 2)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.set_defaults(func=_run)
 
 
 def _reproduce_command(argv: list[str]) -> str:

@@ -1,0 +1,129 @@
+"""`overlap bench control`: the operator's decide() closed over simulated replicas, on a tiny synthetic trace."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import time
+
+import pytest
+
+from overlap.bench import control_replay
+from overlap.bench.traces import on_off_bursts
+from overlap.cli import main
+
+# 1.5 s at 200 req/s, then 2.5 s at 20 req/s. A replica (5 ms + 150 us per token, 8 sequences, 8 + 16 tokens per
+# request) serves ~73 req/s, so the first phase needs ~3 replicas and the second well under one.
+MAX_REPLICAS = 4
+
+
+@pytest.fixture(scope="module")
+def burst_file(tmp_path_factory):
+    trace = on_off_bursts(200, 20, on_s=1.5, off_s=2.5, duration_s=4, seed=3, prompt_tokens=(8, 8), max_tokens=(16, 16))
+    path = tmp_path_factory.mktemp("control") / "burst.jsonl"
+    trace.save_jsonl(path)
+    return path
+
+
+def control_args(trace, *extra) -> list[str]:
+    # time scale 300: up window 0.1 s, down window and cooldown 1 s, tick 0.05 s
+    return [
+        "bench", "control", "--trace", str(trace), "--max-replicas", str(MAX_REPLICAS), "--max-num-seqs", "8",
+        "--time-scale", "300", "--cold-start-s", "0.2", "--drain-s", "3", "--sim-cost", "5,150", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report(burst_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("control-out")
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = main(control_args(burst_file, "--runs", "static-min,static-max,autoscale", "--json", "--out", str(out)))
+    assert rc == 0, stderr.getvalue()
+    return json.loads(stdout.getvalue()), out, stderr.getvalue()
+
+
+def test_autoscale_scales_up_then_down_and_loses_nothing(report):
+    data, _, _ = report
+    runs = {run["label"]: run for run in data["runs"]}
+    auto = runs["autoscale"]
+    actions = [d["action"] for d in auto["decisions"]]
+    assert "scale-up" in actions and "scale-down" in actions
+    assert actions.index("scale-up") < len(actions) - 1 - actions[::-1].index("scale-down")  # up first, down later
+    assert auto["finished"] == auto["requests"] and auto["unfinished"] == 0 and auto["rejected"] == 0
+    assert max(k["replicas"] for k in auto["timeline"]) > 1
+    assert auto["timeline"][-1]["replicas"] < max(k["replicas"] for k in auto["timeline"])
+    assert runs["static-min"]["replica_seconds"] < auto["replica_seconds"] < runs["static-max"]["replica_seconds"]
+    # more replicas when the load needs them: autoscale beats one replica's P99 by a wide margin
+    assert auto["latency_p99_ms"] < runs["static-min"]["latency_p99_ms"] / 2
+
+
+def test_json_fields_are_consistent(report):
+    data, out, log = report
+    assert data["setup"]["scaling"]["max_replicas"] == MAX_REPLICAS
+    assert data["setup"]["scaling"]["up_window_s"] == pytest.approx(30 / 300)
+    for run in data["runs"]:
+        assert run["finished"] + run["unfinished"] + run["rejected"] == run["requests"]
+        assert run["mean_replicas"] == pytest.approx(run["replica_seconds"] / run["wall_s"], rel=0.02)
+        assert run["scale_ups"] == sum(d["action"] == "scale-up" for d in run["decisions"])
+        assert run["scale_downs"] == sum(d["action"] == "scale-down" for d in run["decisions"])
+        assert all(1 <= k["replicas"] <= MAX_REPLICAS for k in run["timeline"])
+        assert 0 <= run["slo_attainment"] <= run["finished"] / run["requests"]
+        assert run["latency_p50_ms"] <= run["latency_p99_ms"]
+    static_max = data["runs"][1]
+    assert static_max["label"] == "static-max" and static_max["decisions"] == []
+    assert static_max["mean_replicas"] == pytest.approx(MAX_REPLICAS, rel=0.02)
+    assert (out / "control.png").stat().st_size > 0 and (out / "report.json").is_file()
+    assert "static-max" in log and "repl-s" in log  # the table went to stderr with --json
+
+
+def test_a_draining_replica_finishes_what_it_holds():
+    from overlap.engine import SamplingParams
+
+    parser = argparse.ArgumentParser()
+    control_replay.add_parser(parser.add_subparsers())
+    setup, _ = control_replay.setup_from_args(parser.parse_args(["control", "--trace", "steady", "--no-progress"]))
+    finished = []
+    start = time.monotonic()
+    replica = control_replay.Replica(
+        "r", setup, {"max_num_seqs": 4}, lambda: time.monotonic() - start, 0.0, finished.append
+    )
+    try:
+        for i in range(12):
+            replica.submit(f"q{i}", [11, 12, 13], SamplingParams(max_tokens=4, ignore_eos=True), time.monotonic())
+        replica.drain(time.monotonic() - start)
+        assert not replica.is_ready(time.monotonic() - start)
+        deadline = time.monotonic() + 10
+        while replica.stopped is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        replica.close()
+    assert replica.stopped is not None and len(finished) == 12 and all(out.finished for out in finished)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--runs", "autoscale,bogus"], "unknown run bogus"),
+        (["--min-replicas", "0"], "--min-replicas"),
+        (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas"),
+        (["--time-scale", "0"], "--time-scale must be > 0"),
+        (["--interval-s", "-1"], "--interval-s must be > 0"),
+        (["--slo-s", "nan"], "--slo-s must be > 0"),
+        (["--sim-cost", "fast"], "--sim-cost"),
+        (["--scale-rate", "-2"], "factor must be > 0"),
+        (["--trace", "no-such-trace"], "neither a file nor a built-in trace"),
+    ],
+)
+def test_bad_arguments_get_one_line_errors(extra, message, capsys, tmp_path):
+    assert main(["bench", "control", "--out", str(tmp_path), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_argparse_refuses_non_numbers(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "control", "--max-replicas", "many"])
+    assert exc.value.code == 2 and "invalid int value" in capsys.readouterr().err
