@@ -461,6 +461,10 @@ def summarize_run(run: ControlRun, slo_s: float) -> dict:
     records = run.result.records
     wall = run.result.wall_s
     within = sum(r.status == "finished" and r.e2e is not None and r.e2e <= slo_s for r in records)
+    # SLO misses (late, unfinished or refused) per tick, counted at the tick that ends the interval they arrived in
+    late = [r.arrived for r in records if not (r.status == "finished" and r.e2e is not None and r.e2e <= slo_s)]
+    where = np.minimum(np.searchsorted([k.t for k in run.ticks], late), len(run.ticks) - 1)
+    misses = np.bincount(where, minlength=len(run.ticks))
     counts = {
         action: sum(d["action"] == action for d in run.decisions) for action in ("scale-up", "scale-down", "retune")
     }
@@ -496,8 +500,9 @@ def summarize_run(run: ControlRun, slo_s: float) -> dict:
                 "replicas": k.replicas,
                 "queue_depth": k.queue_depth,
                 "action": k.action,
+                "slo_misses": int(missed),
             }
-            for k in run.ticks
+            for k, missed in zip(run.ticks, misses, strict=True)
         ],
     }
 

@@ -72,6 +72,8 @@ def test_json_fields_are_consistent(report):
         assert all(1 <= k["replicas"] <= MAX_REPLICAS for k in run["timeline"])
         assert 0 <= run["slo_attainment"] <= run["finished"] / run["requests"]
         assert run["latency_p50_ms"] <= run["latency_p99_ms"]
+        missed = run["requests"] - round(run["slo_attainment"] * run["requests"])
+        assert sum(k["slo_misses"] for k in run["timeline"]) == missed
     static_max = data["runs"][1]
     assert static_max["label"] == "static-max" and static_max["decisions"] == []
     assert static_max["mean_replicas"] == pytest.approx(MAX_REPLICAS, rel=0.02)
