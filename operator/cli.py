@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def register(subparsers) -> None:
@@ -28,6 +29,11 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (/metrics)"
     )
+    parser.add_argument(
+        "--prometheus-url",
+        metavar="URL",
+        help="Prometheus the control loop queries when a spec names none (env OVERLAP_PROMETHEUS_URL)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     parser.set_defaults(func=_run_operator)
 
@@ -36,6 +42,10 @@ def _run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     import overlap.operator.handlers  # noqa: F401  (registers the handlers)
+    from overlap.operator import control  # registers the control loop's timer
+
+    if args.prometheus_url:
+        os.environ[control.PROMETHEUS_URL_ENV] = args.prometheus_url
 
     if args.metrics_port:
         import prometheus_client

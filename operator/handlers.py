@@ -56,6 +56,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None
         kopf.warn(dict(body), reason="InvalidSpec", message=problem)
         RECONCILES.labels("invalid_spec").inc()
         raise kopf.PermanentError(problem) from exc
+    config = specs.tuned_config(config, spec, body.get("status"))
 
     if kube.create_if_absent(children.adopt(children.build_admin_secret(name, namespace), body)):
         kopf.info(dict(body), reason="Created", message=f"Secret {children.admin_secret_name(name)} (admin token)")
@@ -112,7 +113,7 @@ def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) 
         # Cheap pre-check: most events are our own writes or the controller's status updates.
         spec = specs.with_defaults(owner.get("spec") or {})
         try:
-            config = specs.check_spec(spec)
+            config = specs.tuned_config(specs.check_spec(spec), spec, owner.get("status"))
         except specs.SpecError:
             return  # reconcile reports it as Degraded
         built = children.build_children(owner, spec, config, with_servicemonitor=False)

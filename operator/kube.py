@@ -140,6 +140,20 @@ def read_service(name: str, namespace: str) -> dict[str, Any] | None:
             raise
 
 
+def ready_pod_ips(namespace: str, selector: str) -> list[str]:
+    """The IPs of the Ready pods matching a label selector (the control loop talks to their admin ports)."""
+    api = kubernetes.client.CoreV1Api()
+    with api_errors(f"listing pods {selector} in {namespace}"):
+        pods = json.loads(api.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False).data)
+    ips = []
+    for pod in pods.get("items") or []:
+        pod_status = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod_status.get("conditions") or [])
+        if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
+            ips.append(pod_status["podIP"])
+    return ips
+
+
 def api_groups() -> set[str]:
     with api_errors("API discovery"):
         return {group.name for group in kubernetes.client.ApisApi().get_api_versions().groups}

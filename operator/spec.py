@@ -185,3 +185,25 @@ def restart_hash(config: EngineConfig) -> str:
     """A hash of the knobs the engine cannot change live: it goes into the pod template, so pods roll on change."""
     frozen = {key: value for key, value in config.to_dict().items() if key not in LIVE_KNOBS}
     return hashlib.sha256(json.dumps(frozen, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tuned_config(config: EngineConfig, spec: Mapping[str, Any], status: Mapping[str, Any] | None) -> EngineConfig:
+    """`config` with the knobs the tuner set (kept in status.engineConfig), while tuning is on.
+
+    With spec.tuning.enabled, spec.engine's tunable knobs are start values and the tuner owns them afterwards, as
+    the autoscaler owns spec.replicas; a tuned value outside today's bounds is dropped (the spec's value returns).
+    """
+    tuning = spec.get("tuning") or {}
+    applied = (status or {}).get("engineConfig") or {}
+    if not tuning.get("enabled") or not applied:
+        return config
+    bounds = tuning.get("bounds") or {}
+    tuned = {}
+    for knob in TUNABLE_KNOBS:
+        field, value = ENGINE_FIELDS[knob], applied.get(ENGINE_FIELDS[knob])
+        if knob in bounds and isinstance(value, int) and bounds[knob]["min"] <= value <= bounds[knob]["max"]:
+            tuned[field] = value
+    try:
+        return config.replace(**tuned)
+    except ConfigError:  # e.g. a token budget below max_seq_len once chunked prefill was turned off
+        return config

@@ -133,6 +133,34 @@ def wait_for(
 OPERATOR_TOKEN = "operator-token"  # the operator's identity in the API's request log (RBAC checks)
 
 
+def operator_requests(cluster: Cluster) -> set[tuple[str, str, str]]:
+    """(verb, API group, resource[/subresource]) of every request the operator made, from the API's log."""
+    verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
+    used = set()
+    for request in list(cluster.api._requests):
+        if request.headers.get("Authorization") != f"Bearer {OPERATOR_TOKEN}" or request.resource is None:
+            continue
+        if not request.resource.plural:
+            continue  # discovery: allowed to every authenticated user
+        method = str(request.method.value).upper()
+        if method == "GET":
+            verb = "watch" if request.params.get("watch") == "true" else "get" if request.name else "list"
+        else:
+            verb = verbs[method]
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        used.add((verb, request.resource.group, resource))
+    return used
+
+
+def chart_grants() -> set[tuple[str, str, str]]:
+    """(verb, API group, resource) that the chart's ClusterRole grants the operator (rendered by the real helm)."""
+    helm = [str(REPO / ".tools" / "bin" / "helm"), "template", "overlap", str(REPO / "charts" / "overlap")]
+    docs = yaml.safe_load_all(subprocess.run(helm, capture_output=True, text=True, check=True).stdout)
+    (role,) = [d for d in docs if d and d["kind"] == "ClusterRole"]
+    return {(verb, group, resource) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}  # fmt: skip
+
+
 def write_kubeconfig(path: Path, url: str, namespace: str, token: str = "test-token") -> Path:
     config = {
         "apiVersion": "v1",

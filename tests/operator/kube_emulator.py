@@ -12,7 +12,7 @@ kmock parses the URLs, serves discovery and reads, and renders errors. This subc
 | status is not a subresource, no /scale             | /status writes only status, the main path never does; /scale |
 | lists lack kind; selectors ignored                 | kind + resourceVersion; label and field selectors    |
 | watches: resourceVersion, timeoutSeconds ignored,  | a replayable event log; timeouts end the stream;     |
-|   octet-stream content type                        |   application/json                                   |
+|   octet-stream content type, no sendInitialEvents  |   application/json; the initial-events-end bookmark  |
 | no CRD validation, no server-side printing         | defaulting + schema + CEL (crd_admission); Tables    |
 | no OpenAPI: kubectl apply wants --validate=false   | /openapi/v3 says "fieldValidation supported", no more |
 | no garbage collector                               | owner references followed on delete (background)     |
@@ -571,6 +571,8 @@ class ApiServer(kmock.KubernetesEmulator):
         def wanted(res, event: dict) -> bool:
             obj = event["object"]
             meta = obj.get("metadata", {})
+            if event["type"] == "BOOKMARK":
+                return res == request.resource
             return (
                 res == request.resource
                 and (request.namespace is None or meta.get("namespace") == request.namespace)
@@ -581,10 +583,22 @@ class ApiServer(kmock.KubernetesEmulator):
 
         queue: asyncio.Queue = asyncio.Queue()
         async with self._lock:  # replay and subscribe atomically: no event falls in between
-            if since and since != "0":
+            initial = request.params.get("sendInitialEvents") == "true"
+            if since and since != "0" and not initial:
                 backlog = [(res, ev) for rv, res, ev in self.events if rv > int(since)]
             else:
                 backlog = [(request.resource, {"type": "ADDED", "object": obj}) for obj in self._visible(request)]
+            if initial:  # a streaming list (kubectl's WatchList): the bookmark says the initial objects are all sent
+                res = request.resource
+                end = {
+                    "apiVersion": f"{res.group}/{res.version}".lstrip("/"),
+                    "kind": self.infos[res][0],
+                    "metadata": {
+                        "resourceVersion": str(self.last_rv),
+                        "annotations": {"k8s.io/initial-events-end": "true"},
+                    },
+                }
+                backlog.append((res, {"type": "BOOKMARK", "object": end}))
             self.watchers.add(queue)
         try:
             for res, event in backlog:

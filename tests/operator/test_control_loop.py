@@ -1,0 +1,261 @@
+"""The control loop end to end: real Prometheus scrapes a real sidecar and engine process, the real operator reads
+it, scales the InferenceService on the queue watermark and retunes the running engine through its admin port.
+
+What the harness plays: the Deployment controller (readyReplicas) and the pod (a Pod object whose IP is 127.0.0.1,
+so the operator's admin PUT reaches the sidecar started here). The engine is the real Engine and EngineServer with
+the sidecar tests' scripted runner (tests/sidecar/fake_engine_server.py: no torch, a fixed time per step).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import NAMESPACE, chart_grants, operator_requests, running_operator, wait_for
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "sidecar"))
+
+from sidecar_helpers import ADMIN_TOKEN, Proc, Stack, free_port, http
+
+from overlap.operator import signals
+from overlap.operator.controller import Signals
+
+NAME = "looped"
+SCRAPE_S = 1
+
+
+class Prometheus:
+    """Debian's prometheus on 127.0.0.1, scraping the given targets every second; stopped by PID."""
+
+    def __init__(self, workdir: Path, targets: dict[str, dict[str, str]]) -> None:
+        config = {
+            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
+            "scrape_configs": [
+                {
+                    "job_name": "overlap",
+                    "static_configs": [{"targets": [t], "labels": lab} for t, lab in targets.items()],
+                }
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            "prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]  # fmt: skip
+        self.proc = Proc(cmd, workdir / "prometheus.log")
+        wait_for(lambda: http("GET", f"{self.url}/-/ready", timeout=2)[0] == 200, 30, "Prometheus to be ready")
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    """An engine (scripted runner, 20 ms steps) and a sidecar, serving like one pod of NAME."""
+    stack = Stack(tmp_path_factory.mktemp("pod", numbered=True), tiny_model_dir, step_s=0.02)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory: pytest.TempPathFactory, served: Stack) -> Iterator[Prometheus]:
+    try:
+        subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=Path(__file__).parents[2])
+    except subprocess.CalledProcessError:
+        pytest.skip("prometheus is not installed: run `make prometheus`")
+    labels = {"namespace": NAMESPACE, "service": NAME}
+    server = Prometheus(tmp_path_factory.mktemp("prometheus"), {f"127.0.0.1:{served.port}": labels})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Load:
+    """Clients that keep `clients` long streams open against the sidecar until stopped."""
+
+    def __init__(self, base_url: str, model: str, clients: int) -> None:
+        self.stopped = threading.Event()
+        self.statuses: list[int] = []
+        body = {"model": model, "prompt": "tick tock", "max_tokens": 40, "ignore_eos": True}
+        self.threads = [
+            threading.Thread(target=self._loop, args=(f"{base_url}/v1/completions", body), daemon=True)
+            for _ in range(clients)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _loop(self, url: str, body: dict) -> None:
+        while not self.stopped.is_set():
+            self.statuses.append(http("POST", url, body, timeout=60)[0])
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for thread in self.threads:
+            thread.join(90)
+
+
+def test_signals_read_from_prometheus_match_the_sidecar(prometheus: Prometheus, served: Stack):
+    queries = signals.queries_for(NAMESPACE, NAME)
+    wait_for(lambda: signals.query(prometheus.url, queries["queueDepth"]) is not None, 20, "the first scrape")
+    reading = signals.read_signals(prometheus.url, queries, ready_replicas=1, now=time.time())
+    assert reading.queue_depth == 0  # idle: the sidecar says 0 waiting, Prometheus too
+    assert reading.kv_cache_usage == 0
+    assert 0 <= reading.device_busy <= 1
+    assert reading.p99_latency_s is None  # no request finished yet: no reading rather than a made-up 0
+    other = signals.queries_for(NAMESPACE, "another-service")
+    assert signals.query(prometheus.url, other["queueDepth"]) is None  # the selector keeps services apart
+
+
+def test_prometheus_problems_get_clear_errors(prometheus: Prometheus):
+    with pytest.raises(signals.PrometheusError, match=r"Prometheus refused 'sum\(': 400"):
+        signals.query(prometheus.url, "sum(")
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(signals.PrometheusError, match=f"cannot query Prometheus at {nobody}: .*refused"):
+        signals.query(nobody, "up")
+
+
+def _service(spec_extra: dict, admin_port: int) -> str:
+    spec = {
+        "model": {"servedName": "tiny", "path": "/models/tiny"},
+        "resources": {"gpus": 0},
+        "replicas": 1,
+        "engine": {"maxNumSeqs": 2},
+        "sidecar": {"adminPort": admin_port},
+        **spec_extra,
+    }
+    manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": NAME}}
+    return yaml.safe_dump({**manifest, "spec": spec})
+
+
+def _play_pod(cluster, name: str) -> None:
+    """A Ready pod of the service whose IP is loopback: the sidecar of `served` answers for it."""
+    labels = {"app.kubernetes.io/name": "overlap", "overlap.dev/inferenceservice": name}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"{name}-0", "labels": labels},
+        "spec": {"containers": [{"name": "sidecar", "image": "overlap"}]},
+    }
+    cluster.core.create_namespaced_pod(NAMESPACE, pod)
+    ready = {"podIP": "127.0.0.1", "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    cluster.core.patch_namespaced_pod_status(f"{name}-0", NAMESPACE, {"status": ready})
+
+
+def _live_config(served: Stack, token: str) -> dict:
+    status, _, body = http("GET", f"{served.admin_url}/admin/config", headers={"Authorization": f"Bearer {token}"})
+    assert status == 200, body
+    return body["config"]
+
+
+def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometheus, served, tmp_path):
+    spec_extra = {
+        # Window 0 and a 5 s tick: the test sees a decision within seconds; the windows are tested in test_controller.
+        "autoscaling": {
+            "mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "queueWatermarkPerReplica": 2,
+            "scaleDownWatermark": 1, "scaleUpWindowSeconds": 0, "scaleUpCooldownSeconds": 600, "intervalSeconds": 5,
+        },
+        "tuning": {
+            "enabled": True, "intervalSeconds": 5, "latencySLO": {"p99Seconds": 0.05},
+            "bounds": {"maxNumSeqs": {"min": 1, "max": 8}},
+        },
+    }  # fmt: skip
+    folder = tmp_path / "operator"
+    folder.mkdir()
+    with running_operator(
+        cluster, folder, "--namespace", NAMESPACE, "--standalone", "--prometheus-url", prometheus.url
+    ) as operator:
+        # The admin token Secret exists before the service (the operator creates it only when absent), holding
+        # the token the running sidecar was started with, as the pod would have mounted it.
+        token = ADMIN_TOKEN
+        secret = {
+            "metadata": {"name": f"{NAME}-admin-token"},
+            "data": {"token": base64.b64encode(token.encode()).decode()},
+        }
+        cluster.core.create_namespaced_secret(NAMESPACE, secret)
+        cluster.apply("-f", "-", stdin=_service(spec_extra, served.admin_port))
+        # Play the kubelet: the pod mounts the ConfigMap's engine.json, which the sidecar watches.
+        configmap = wait_for(lambda: cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE), 20, "CM")
+        served.config_file.write_text(configmap.data["engine.json"])
+        wait_for(lambda: _live_config(served, token)["max_num_seqs"] == 2, 20, "the sidecar to apply the file")
+        _play_pod(cluster, NAME)
+        wait_for(lambda: cluster.apps.read_namespaced_deployment(NAME, NAMESPACE), 20, "the Deployment")
+        cluster.play_deployment_controller(NAME)
+
+        load = Load(served.base_url, served.model, clients=10)  # 2 running, ~8 waiting: 8 per replica > 2
+        try:
+            scaled = wait_for(
+                lambda: (s := cluster.service(NAME))["spec"]["replicas"] == 3 and s,
+                60,
+                "the control loop to scale up",
+            )
+            decision = scaled["status"]["lastDecision"]
+            assert decision["action"] == "scale-up" and decision["replicas"] == 3
+            assert "waiting per ready replica > watermark 2" in decision["reason"]
+            assert scaled["status"]["signals"]["queueDepth"] > 2
+            wait_for(
+                lambda: cluster.apps.read_namespaced_deployment(NAME, NAMESPACE).spec.replicas == 3,
+                20,
+                "the Deployment to follow spec.replicas",
+            )
+            # At maxReplicas, with P99 over the (tiny) SLO and most of it queueing: the loop retunes max_num_seqs.
+            retuned = wait_for(
+                lambda: (s := cluster.service(NAME))["status"].get("lastDecision", {}).get("action") == "retune" and s,
+                60,
+                "the control loop to retune",
+            )
+        finally:
+            load.stop()
+
+        decision = retuned["status"]["lastDecision"]
+        assert "max_num_seqs 2 -> 4" in decision["reason"] and "queueing" in decision["reason"]
+        assert retuned["status"]["engineConfig"]["max_num_seqs"] == 4
+        # The running engine got it through the admin port, not through a file sync (the harness did not copy it).
+        assert _live_config(served, token)["max_num_seqs"] == 4
+        assert json.loads(served.config_file.read_text())["max_num_seqs"] == 2
+        engine_json = json.loads(
+            cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE).data["engine.json"]
+        )
+        assert engine_json["max_num_seqs"] == 4  # new and restarted pods start tuned
+        conditions = {c["type"]: c for c in retuned["status"]["conditions"]}
+        assert conditions["Tuned"]["status"] == "True" and conditions["Scaling"]["status"] in ("True", "False")
+        events = cluster.core.list_namespaced_event(NAMESPACE).items
+        assert {"ScaledUp", "Retuned"} <= {e.reason for e in events if e.involved_object.name == NAME}
+        # Every request the clients sent was served: nothing refused, nothing lost while the knobs moved.
+        assert load.statuses and set(load.statuses) == {200}
+        assert "control loop: scale-up" in operator.log()
+        used = operator_requests(cluster)
+        assert ("list", "", "pods") in used and used <= chart_grants(), sorted(used - chart_grants())
+
+        # A reconcile (any spec edit) keeps the tuned value: the tuner owns the knob while tuning is on.
+        patch = {"spec": {"sidecar": {"gracePeriodSeconds": 20}}}
+        cluster.custom.patch_namespaced_custom_object(
+            "overlap.dev", "v1alpha1", NAMESPACE, "inferenceservices", NAME, patch
+        )
+        wait_for(
+            lambda: (s := cluster.service(NAME))["status"]["observedGeneration"] == s["metadata"]["generation"],
+            20,
+            "the reconcile of the edit",
+        )
+        engine_json = json.loads(
+            cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE).data["engine.json"]
+        )
+        assert engine_json["max_num_seqs"] == 4
+        cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE)  # waits for kopf to remove its finalizer
+
+
+def test_signals_to_status_leaves_missing_readings_out():
+    reading = Signals(time=0, ready_replicas=2, queue_depth=5, device_busy=None)
+    assert signals.to_status(reading) == {"readyReplicas": 2, "queueDepth": 5, "waitingPerReplica": 2.5}
