@@ -130,6 +130,16 @@ def test_operator_runs_one_replica_replaced_not_overlapped() -> None:
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_prometheus_url_reaches_the_operator_only_when_set() -> None:
+    def operator_args(*args: str) -> list[str]:
+        (deployment,) = by_kind(render(*args), "Deployment")
+        return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert not any(a.startswith("--prometheus-url") for a in operator_args())
+    url = "--prometheus-url=http://prometheus-operated.monitoring:9090"
+    assert url in operator_args("-f", str(CHART / "ci" / "example-values.yaml"))
+
+
 def test_example_inferenceservice_is_a_post_install_hook() -> None:
     docs = render("-f", str(CHART / "ci" / "example-values.yaml"))
     (example,) = by_kind(docs, "InferenceService")
