@@ -140,6 +140,15 @@ def test_prometheus_url_reaches_the_operator_only_when_set() -> None:
     assert url in operator_args("-f", str(CHART / "ci" / "example-values.yaml"))
 
 
+def test_dashboard_configmap_carries_the_dashboard_json() -> None:
+    assert not [d for d in by_kind(render(), "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+    (configmap,) = by_kind(render("--set", "dashboards.enabled=true"), "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(configmap["data"]["overlap-inferenceservice.json"])
+    assert dashboard == json.loads((CHART / "files" / "dashboards" / "overlap.json").read_text())
+    assert all(panel["targets"] for panel in dashboard["panels"])
+
+
 def test_example_inferenceservice_is_a_post_install_hook() -> None:
     docs = render("-f", str(CHART / "ci" / "example-values.yaml"))
     (example,) = by_kind(docs, "InferenceService")

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import NAMESPACE, chart_grants, operator_requests, running_operator, wait_for
+from conftest import NAMESPACE, REPO, chart_grants, operator_requests, running_operator, wait_for
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "sidecar"))
 
@@ -117,6 +119,18 @@ def test_signals_read_from_prometheus_match_the_sidecar(prometheus: Prometheus, 
     assert reading.p99_latency_s is None  # no request finished yet: no reading rather than a made-up 0
     other = signals.queries_for(NAMESPACE, "another-service")
     assert signals.query(prometheus.url, other["queueDepth"]) is None  # the selector keeps services apart
+
+
+def test_every_dashboard_query_parses_and_reads_series_the_sidecar_exposes(prometheus: Prometheus, served: Stack):
+    dashboard = json.loads((REPO / "charts" / "overlap" / "files" / "dashboards" / "overlap.json").read_text())
+    exposed = {line.split("{")[0].split(" ")[0] for line in served.metrics().splitlines() if not line.startswith("#")}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$namespace", NAMESPACE).replace("$service", NAME)
+            for metric in re.findall(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{", expr):
+                assert metric in exposed, f"panel {panel['title']!r} reads {metric}, which the sidecar does not expose"
+            status, _, body = http("GET", f"{prometheus.url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}")
+            assert status == 200 and body["status"] == "success", (panel["title"], body)
 
 
 def test_prometheus_problems_get_clear_errors(prometheus: Prometheus):
