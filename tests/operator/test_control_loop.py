@@ -250,6 +250,8 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
         # Every request the clients sent was served: nothing refused, nothing lost while the knobs moved.
         assert load.statuses and set(load.statuses) == {200}
         assert "control loop: scale-up" in operator.log()
+        wide = cluster.kubectl("get", "oisvc", NAME, "-o", "wide").stdout.splitlines()
+        assert wide[0].split()[-2:] == ["WAITING", "DECISION"] and wide[1].split()[-1] == "retune"
         used = operator_requests(cluster)
         assert ("list", "", "pods") in used and used <= chart_grants(), sorted(used - chart_grants())
 
