@@ -555,14 +555,14 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
         axes[1].step(t, [k["replicas"] for k in run["timeline"]], where="post", label=run["label"], lw=1.2)
         axes[2].plot(t, [k["queue_depth"] for k in run["timeline"]], label=run["label"], lw=0.9)
     axes[1].set_ylabel("replicas (asked)")
-    axes[1].legend(fontsize=7, ncol=4, loc="upper left")
     axes[2].set_ylabel("waiting requests")
     axes[2].set_yscale("symlog", linthresh=10)
     axes[2].set_xlabel("replayed time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
-    axes[0].set_title(title, fontsize=8)
-    fig.tight_layout()
+    axes[0].set_title(textwrap.fill(title, 110), fontsize=7)
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=len(runs), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
@@ -784,7 +784,7 @@ def _run(args: argparse.Namespace) -> int:
     report = compare(setup, names)
     report["wall_s"] = round(time.monotonic() - started, 1)
     header, rows = table(report["runs"])
-    plot(report["runs"], out_dir / "control.png", textwrap.shorten(setup.trace.describe(), 150))
+    plot(report["runs"], out_dir / "control.png", setup.trace.describe())
     (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out_dir / "report.md").write_text(
         "\n".join(
