@@ -587,8 +587,15 @@ def add_parser(subparsers) -> None:
         "--trace", default=DEFAULT_TRACE, help="azure | steady | bursty | bursty_2x | a .jsonl/.csv file"
     )
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
-    parser.add_argument("--min-replicas", type=int, default=DEFAULT_MIN_REPLICAS)
-    parser.add_argument("--max-replicas", type=int, default=DEFAULT_MAX_REPLICAS)
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=DEFAULT_MIN_REPLICAS,
+        help="static-min's fleet, autoscaling's floor and start",
+    )
+    parser.add_argument(
+        "--max-replicas", type=int, default=DEFAULT_MAX_REPLICAS, help="static-max's fleet, autoscaling's ceiling"
+    )
     parser.add_argument(
         "--time-scale",
         type=float,
