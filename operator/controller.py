@@ -10,16 +10,22 @@ before anything moves, and cooldowns space the moves out. Scaling up is proporti
 `ceil(replicas x load / target)`), scaling down goes one replica at a time, since an idle replica costs less than
 a cold start under the next burst.
 
-Engine knobs follow what the device is doing, one knob per decision so that the next tick measures its effect:
+Nothing moves while replicas are still starting (spec asks for more than are ready): a backlog built during a
+cold start does not shrink in proportion to the replicas on their way, so scaling again on it overshoots.
 
-| reading | what it means | move |
+Engine knobs follow what the device is doing, one knob per decision so that the next tick measures its effect.
+Readings are averaged over the last tuning interval, and the table's thresholds leave a dead band between
+"mostly queueing" and "mostly execution":
+
+| reading (interval average) | what it means | move |
 |---|---|---|
 | KV cache almost full | sequences get preempted and recomputed | max_num_seqs / 2 |
-| latency over the SLO, mostly queueing | too little concurrency | max_num_seqs x 2 |
-| latency over the SLO, mostly execution | steps too large | max_num_seqs / 2, then max_num_batched_tokens / 2 |
+| latency over the SLO, > 60% of it queueing | too little concurrency | max_num_seqs x 2 |
+| latency over the SLO, < 30% of it queueing | steps too large | max_num_seqs / 2, then max_num_batched_tokens / 2 |
 | device often idle while requests queue | the host cannot feed the device | num_buffers + 1, then max_num_seqs x 2 |
 
-Every move stays inside `tuning.bounds`; a knob without bounds is never tuned.
+Every move stays inside `tuning.bounds`; a knob without bounds is never tuned. The tuner waits a whole interval
+after any move (its own or a scale), and does not undo its own last move of a knob within three intervals.
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Thresholds of the tuning table above (shares and ratios, 0..1).
 KV_PRESSURE = 0.90  # KV usage above this: preemptions are near
-QUEUEING_SHARE = 0.5  # queue time above this share of end-to-end latency: latency is mostly waiting
+QUEUEING_SHARE = 0.6  # queue time above this share of end-to-end latency: latency is mostly waiting
+EXECUTION_SHARE = 0.3  # queue time below this share: latency is mostly execution (in between: hold)
+UNDO_AFTER_INTERVALS = 3  # a knob's last move may be reversed only after this many tuning intervals
 DEVICE_IDLE = 0.70  # device busy below this while requests wait: the host is the bottleneck
 
 HOLD, SCALE_UP, SCALE_DOWN, RETUNE = "hold", "scale-up", "scale-down", "retune"
@@ -158,12 +166,13 @@ class Decision:
 class History:
     """What the loop remembers between ticks: recent signals and when it last acted (kept by the caller)."""
 
-    def __init__(self, keep_s: float = 900.0) -> None:
+    def __init__(self, keep_s: float = 3600.0) -> None:
         self.keep_s = keep_s
         self.samples: deque[Signals] = deque()
         self.last_scale_up: float | None = None
         self.last_scale_down: float | None = None
         self.last_retune: float | None = None
+        self.last_moves: dict[str, tuple[float, int]] = {}  # knob -> (time, +1 up / -1 down) of its last retune
 
     def record(self, signals: Signals, decision: Decision) -> None:
         """Remember this tick's reading and the decision taken on it (call after carrying it out)."""
@@ -176,6 +185,13 @@ class History:
             self.last_scale_down = signals.time
         elif decision.action == RETUNE:
             self.last_retune = signals.time
+            for knob, (old, new) in decision.changes.items():
+                self.last_moves[knob] = (signals.time, 1 if new > old else -1)
+
+    def last_move(self) -> float | None:
+        """When the loop last moved anything (replicas or knobs)."""
+        times = [t for t in (self.last_scale_up, self.last_scale_down, self.last_retune) if t is not None]
+        return max(times, default=None)
 
     def window(self, now: float, seconds: float) -> list[Signals]:
         """The samples of the last `seconds` before `now`."""
@@ -188,6 +204,10 @@ class History:
 
 def decide(signals: Signals, current: Current, history: History, policy: Policy) -> Decision:
     """This tick's decision. Scaling comes first: a retune measured across a replica change would mislead."""
+    pending = current.replicas - signals.ready_replicas
+    if pending > 0 and signals.queue_depth is not None and _in_bounds(current, policy.scaling):
+        reason = f"{pending} of {current.replicas} replicas still starting; waiting for them before the next move"
+        return Decision(HOLD, reason, current.replicas, dict(current.engine))
     scaled = _scale(signals, current, history, policy.scaling)
     if scaled is not None:
         return scaled
@@ -196,6 +216,10 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
         if tuned is not None:
             return tuned
     return Decision(HOLD, _hold_reason(signals, policy), current.replicas, dict(current.engine))
+
+
+def _in_bounds(current: Current, policy: ScalingPolicy) -> bool:
+    return policy.mode != "builtin" or policy.min_replicas <= current.replicas <= policy.max_replicas
 
 
 def _since(then: float | None, now: float) -> float:
@@ -258,9 +282,11 @@ def _scale(signals: Signals, current: Current, history: History, policy: Scaling
 
 
 def _tune(signals: Signals, current: Current, history: History, policy: TuningPolicy) -> Decision | None:
-    if _since(history.last_retune, signals.time) < policy.interval_s:
-        return None
+    now = signals.time
+    if _since(history.last_move(), now) < policy.interval_s:
+        return None  # the last move's effect is not measured yet
     engine = dict(current.engine)
+    signals = _averaged([*history.window(now, policy.interval_s), signals])
 
     def move(knob: str, factor: float, step: int = 0) -> dict[str, float] | None:
         """The engine with `knob` scaled by `factor` (or stepped by `step`) inside its bounds; None if it can't move."""
@@ -274,10 +300,16 @@ def _tune(signals: Signals, current: Current, history: History, policy: TuningPo
             return None
         return {**engine, knob: new}
 
+    def undoes(knob: str, moved: dict[str, float]) -> bool:
+        """Would this reverse the knob's own last move, made less than UNDO_AFTER_INTERVALS intervals ago?"""
+        when, direction = history.last_moves.get(knob, (None, 0))
+        recent = _since(when, now) < UNDO_AFTER_INTERVALS * policy.interval_s
+        return recent and (moved[knob] - engine[knob]) * direction < 0
+
     def retune(candidates: list[tuple[str, float, int]], why: str) -> Decision | None:
         for knob, factor, step in candidates:
             moved = move(knob, factor, step)
-            if moved is not None:
+            if moved is not None and not undoes(knob, moved):
                 changes = {knob: (engine[knob], moved[knob])}
                 text = f"{why}: {knob} {engine[knob]:g} -> {moved[knob]:g}"
                 return Decision(RETUNE, text, current.replicas, moved, changes)
@@ -290,7 +322,7 @@ def _tune(signals: Signals, current: Current, history: History, policy: TuningPo
     if over is not None:
         if share is not None and share > QUEUEING_SHARE:
             return retune([("max_num_seqs", 2, 0)], f"{over}, {share:.0%} of it queueing")
-        if share is not None:
+        if share is not None and share < EXECUTION_SHARE:
             candidates = [("max_num_seqs", 0.5, 0), ("max_num_batched_tokens", 0.5, 0)]
             return retune(candidates, f"{over}, {1 - share:.0%} of it execution")
     waiting = signals.queue_depth is not None and signals.queue_depth > 0
@@ -298,6 +330,17 @@ def _tune(signals: Signals, current: Current, history: History, policy: TuningPo
         candidates = [("num_buffers", 1, 1), ("max_num_seqs", 2, 0)]
         return retune(candidates, f"device busy {busy:.0%} (< {DEVICE_IDLE:.0%}) while requests wait")
     return None
+
+
+def _averaged(samples: list[Signals]) -> Signals:
+    """The last sample with each signal replaced by its mean over `samples` (missing readings left out)."""
+
+    def mean(name: str) -> float | None:
+        values = [v for s in samples if (v := getattr(s, name)) is not None]
+        return sum(values) / len(values) if values else None
+
+    names = ("queue_depth", "device_busy", "queue_time_share", "p99_latency_s", "ttft_p99_s", "kv_cache_usage")
+    return replace(samples[-1], **{name: mean(name) for name in names})
 
 
 def _over_slo(signals: Signals, policy: TuningPolicy) -> str | None:

@@ -224,6 +224,9 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
                 20,
                 "the Deployment to follow spec.replicas",
             )
+            # The loop waits for the new replicas before its next move; play them ready (their load still lands
+            # on the one real sidecar, so the queue stays long).
+            cluster.play_deployment_controller(NAME)
             # At maxReplicas, with P99 over the (tiny) SLO and most of it queueing: the loop retunes max_num_seqs.
             retuned = wait_for(
                 lambda: (s := cluster.service(NAME))["status"].get("lastDecision", {}).get("action") == "retune" and s,

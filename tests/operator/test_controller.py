@@ -180,3 +180,52 @@ def test_decision_status_matches_the_crd():
     decision = decide(Signals(0, 1, 0), Current(1, ENGINE), History(), Policy())
     status = decision.to_status("2026-01-01T00:00:00Z")
     assert set(status) == {"time", "action", "reason", "replicas", "engine"}
+
+
+def test_nothing_moves_while_replicas_are_still_starting():
+    policy = Policy(scaling=ScalingPolicy(mode="builtin", up_window_s=0, up_cooldown_s=0), tuning=TUNING)
+    # Asked for 3, 1 ready: the backlog built during the cold start must not trigger another scale-up.
+    decision = decide(Signals(0, ready_replicas=1, queue_depth=500), Current(3, ENGINE), History(), policy)
+    assert decision.action == HOLD and "2 of 3 replicas still starting" in decision.reason
+    # Once they are ready, the same backlog scales again.
+    decision = decide(Signals(0, ready_replicas=3, queue_depth=500), Current(3, ENGINE), History(), policy)
+    assert decision.action == SCALE_UP
+
+
+def test_the_tuner_waits_a_whole_interval_after_a_scale_move():
+    history = History()
+    history.last_scale_up = 90.0
+    signals = Signals(time=100, ready_replicas=1, queue_depth=20, device_busy=0.4)
+    assert decide(signals, Current(1, ENGINE), history, Policy(tuning=TUNING)).action == HOLD
+    later = Signals(time=121, ready_replicas=1, queue_depth=20, device_busy=0.4)
+    assert decide(later, Current(1, ENGINE), history, Policy(tuning=TUNING)).action == RETUNE
+
+
+def test_between_queueing_and_execution_the_tuner_holds():
+    assert tune_once(queue_depth=5, p99_latency_s=5.0, queue_time_share=0.45).action == HOLD
+
+
+def test_readings_are_averaged_over_the_interval():
+    history = History()
+    for t in range(0, 100, 15):  # a calm interval...
+        calm = Signals(t, 1, 2, device_busy=0.95, queue_time_share=0.1, p99_latency_s=0.5)
+        history.record(calm, decide(calm, Current(1, ENGINE), history, Policy(tuning=TUNING)))
+    spike = Signals(100, 1, 2, device_busy=0.95, queue_time_share=0.1, p99_latency_s=3.0)  # ...then one spike
+    assert decide(spike, Current(1, ENGINE), history, Policy(tuning=TUNING)).action == HOLD  # mean P99 1.2 s
+    assert tune_once(queue_depth=2, device_busy=0.95, queue_time_share=0.1, p99_latency_s=3.0).action == RETUNE
+
+
+def test_the_tuner_does_not_undo_its_own_last_move_soon():
+    history, engine = History(), dict(ENGINE)
+    first = decide(Signals(0, 1, 50, p99_latency_s=5.0, queue_time_share=0.9), Current(1, engine), history,
+                   Policy(tuning=TUNING))  # fmt: skip
+    history.record(Signals(0, 1, 50, p99_latency_s=5.0, queue_time_share=0.9), first)
+    assert first.changes == {"max_num_seqs": (64, 128)}
+    execution = dict(p99_latency_s=5.0, queue_time_share=0.1)
+    # 40 s later latency looks like execution: halving max_num_seqs would undo the last move, so the next knob moves.
+    second = decide(Signals(40, 1, 0, **execution), Current(1, first.engine), History(), Policy(tuning=TUNING))
+    assert second.changes == {"max_num_seqs": (128, 64)}  # (a fresh history has no last move to protect)
+    guarded = decide(Signals(40, 1, 0, **execution), Current(1, first.engine), history, Policy(tuning=TUNING))
+    assert guarded.changes == {"max_num_batched_tokens": (2048, 1024)}
+    later = decide(Signals(100, 1, 0, **execution), Current(1, first.engine), history, Policy(tuning=TUNING))
+    assert later.changes == {"max_num_seqs": (128, 64)}  # after 3 intervals (90 s) it may reverse
