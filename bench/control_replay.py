@@ -107,6 +107,7 @@ class Setup:
         tuning = TuningPolicy(
             enabled=plan.tune,
             interval_s=TuningPolicy().interval_s / self.time_scale,
+            signal_window_s=SIGNAL_WINDOW_S / self.time_scale,
             bounds=TUNING_BOUNDS if plan.tune else {},
             p99_slo_s=self.slo_s,
         )

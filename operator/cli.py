@@ -34,6 +34,13 @@ def register(subparsers) -> None:
         metavar="URL",
         help="Prometheus the control loop queries when a spec names none (env OVERLAP_PROMETHEUS_URL)",
     )
+    parser.add_argument(
+        "--signal-window-s",
+        type=float,
+        metavar="S",
+        help="rate window of the latency signals; the tuner also waits this long after a move (default 60; "
+        "env OVERLAP_SIGNAL_WINDOW_S)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     parser.set_defaults(func=_run_operator)
 
@@ -46,6 +53,10 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     if args.prometheus_url:
         os.environ[control.PROMETHEUS_URL_ENV] = args.prometheus_url
+    if args.signal_window_s is not None:
+        if args.signal_window_s < 1:
+            raise SystemExit(f"overlap operator: --signal-window-s must be >= 1, got {args.signal_window_s:g}")
+        os.environ[control.SIGNAL_WINDOW_ENV] = str(args.signal_window_s)
 
     if args.metrics_port:
         import prometheus_client

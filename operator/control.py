@@ -40,6 +40,7 @@ from overlap.operator.controller import HOLD, RETUNE, SCALE_DOWN, SCALE_UP, Curr
 # The timer's own period; each service's loop runs at its spec's interval (>= 5 s, the CRD's minimum) on top.
 TICK_S = 5.0
 PROMETHEUS_URL_ENV = "OVERLAP_PROMETHEUS_URL"  # the operator-wide default; spec.prometheus.url wins
+SIGNAL_WINDOW_ENV = "OVERLAP_SIGNAL_WINDOW_S"  # the latency signals' rate window (--signal-window-s)
 ADMIN_TIMEOUT_S = 5.0
 
 DECISIONS = Counter("overlap_operator_decisions_total", "Control loop decisions carried out", ["action"])
@@ -60,7 +61,7 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
         config = specs.check_spec(spec)
     except specs.SpecError:
         return  # reconcile reports it as Degraded; nothing to control
-    policy = Policy.from_spec(spec)
+    policy = Policy.from_spec(spec, signal_window_s=signal_window_s())
     now = time.time()
     state: LoopState = memo.setdefault("control", LoopState())
     if now - state.last_tick < policy.interval_s() - TICK_S / 2:
@@ -87,7 +88,8 @@ def run_tick(
         problem = "no Prometheus to read: set spec.prometheus.url or the operator's --prometheus-url"
         kube.patch_status(name, namespace, lambda cur: _loop_conditions(cur, policy, None, problem, when))
         return None
-    queries = signals.queries_for(namespace, name, spec["prometheus"].get("queries"))
+    window_s = policy.tuning.signal_window_s
+    queries = signals.queries_for(namespace, name, spec["prometheus"].get("queries"), window_s)
     try:
         reading = signals.read_signals(
             base_url, queries, ready_replicas=current_status.get("readyReplicas") or 0, now=now
@@ -131,6 +133,10 @@ def run_tick(
     else:
         logger.debug(f"control loop: hold: {decision.reason}")
     return decision
+
+
+def signal_window_s() -> float:
+    return float(os.environ.get(SIGNAL_WINDOW_ENV) or signals.DEFAULT_WINDOW_S)
 
 
 def _scale(name: str, namespace: str, replicas: int) -> None:

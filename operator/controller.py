@@ -24,8 +24,10 @@ Readings are averaged over the last tuning interval, and the table's thresholds 
 | latency over the SLO, < 30% of it queueing | steps too large | max_num_seqs / 2, then max_num_batched_tokens / 2 |
 | device often idle while requests queue | the host cannot feed the device | num_buffers + 1, then max_num_seqs x 2 |
 
-Every move stays inside `tuning.bounds`; a knob without bounds is never tuned. The tuner waits a whole interval
-after any move (its own or a scale), and does not undo its own last move of a knob within three intervals.
+Every move stays inside `tuning.bounds`; a knob without bounds is never tuned. After any move (its own or a
+scale) the tuner waits a whole interval and at least the latency signals' window (the PromQL's one minute), so
+it judges the move on readings taken after it; it does not undo its own last move of a knob within three such
+waits.
 """
 
 from __future__ import annotations
@@ -96,6 +98,9 @@ class TuningPolicy:
     enabled: bool = False
     interval_s: float = 30
     bounds: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # How far back the latency signals look (the operator's PromQL rate window): after a move the tuner waits at
+    # least this long, or it would judge the move on readings taken before it.
+    signal_window_s: float = 60
     p99_slo_s: float | None = None
     ttft_slo_s: float | None = None
 
@@ -106,8 +111,9 @@ class Policy:
     tuning: TuningPolicy = TuningPolicy()
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> Policy:
-        """The policy of an InferenceService spec (with the CRD's defaults filled in: spec.with_defaults)."""
+    def from_spec(cls, spec: Mapping[str, Any], signal_window_s: float = 60) -> Policy:
+        """The policy of an InferenceService spec (with the CRD's defaults filled in: spec.with_defaults) for an
+        operator whose latency signals look back `signal_window_s`."""
         from overlap.operator.spec import ENGINE_FIELDS, TUNABLE_KNOBS
 
         auto = spec["autoscaling"]
@@ -134,6 +140,7 @@ class Policy:
                 bounds={ENGINE_FIELDS[k]: (bounds[k]["min"], bounds[k]["max"]) for k in TUNABLE_KNOBS if k in bounds},
                 p99_slo_s=slo.get("p99Seconds"),
                 ttft_slo_s=slo.get("ttftP99Seconds"),
+                signal_window_s=signal_window_s,
             ),
         )
 
@@ -283,8 +290,9 @@ def _scale(signals: Signals, current: Current, history: History, policy: Scaling
 
 def _tune(signals: Signals, current: Current, history: History, policy: TuningPolicy) -> Decision | None:
     now = signals.time
-    if _since(history.last_move(), now) < policy.interval_s:
-        return None  # the last move's effect is not measured yet
+    settle_s = max(policy.interval_s, policy.signal_window_s)
+    if _since(history.last_move(), now) < settle_s:
+        return None  # the last move's effect is not in the readings yet
     engine = dict(current.engine)
     signals = _averaged([*history.window(now, policy.interval_s), signals])
 
@@ -303,7 +311,7 @@ def _tune(signals: Signals, current: Current, history: History, policy: TuningPo
     def undoes(knob: str, moved: dict[str, float]) -> bool:
         """Would this reverse the knob's own last move, made less than UNDO_AFTER_INTERVALS intervals ago?"""
         when, direction = history.last_moves.get(knob, (None, 0))
-        recent = _since(when, now) < UNDO_AFTER_INTERVALS * policy.interval_s
+        recent = _since(when, now) < UNDO_AFTER_INTERVALS * settle_s
         return recent and (moved[knob] - engine[knob]) * direction < 0
 
     def retune(candidates: list[tuple[str, float, int]], why: str) -> Decision | None:

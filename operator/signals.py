@@ -2,8 +2,9 @@
 
 Each signal is one PromQL query over the sidecars' `/metrics` (docs/sidecar.md lists the series). `$selector`
 in a query expands to this service's label matchers: `namespace="NS",service="NAME"`, the labels a
-ServiceMonitor scrape puts on every series (the operator creates one per service). A spec can override any query
-(`spec.prometheus.queries`), e.g. for a Prometheus that labels its targets differently.
+ServiceMonitor scrape puts on every series (the operator creates one per service); `$window` to the rate window
+of the latency signals. A spec can override any query (`spec.prometheus.queries`, with the same placeholders),
+e.g. for a Prometheus that labels its targets differently.
 """
 
 from __future__ import annotations
@@ -16,23 +17,23 @@ from collections.abc import Mapping
 
 from overlap.operator.controller import Signals
 
-# The trailing window of the rate-based signals: 4 scrapes at the ServiceMonitor's default 15 s interval.
-RATE_WINDOW = "1m"
+# The trailing window of the rate-based signals (`$window` in a query): by default a minute, 4 scrapes at the
+# ServiceMonitor's default 15 s interval; the operator's --signal-window-s changes it, and the tuner waits that
+# long after a move (TuningPolicy.signal_window_s).
+DEFAULT_WINDOW_S = 60.0
 
 DEFAULT_QUERIES: dict[str, str] = {
     "queueDepth": "sum(vllm:num_requests_waiting{$selector})",
     "deviceBusy": "avg(overlap_device_busy_ratio{$selector})",
     "queueTimeShare": (
-        f"sum(rate(overlap_request_queue_time_seconds_sum{{$selector}}[{RATE_WINDOW}]))"
-        f" / sum(rate(overlap_e2e_request_latency_seconds_sum{{$selector}}[{RATE_WINDOW}]))"
+        "sum(rate(overlap_request_queue_time_seconds_sum{$selector}[$window]))"
+        " / sum(rate(overlap_e2e_request_latency_seconds_sum{$selector}[$window]))"
     ),
     "p99Latency": (
-        "histogram_quantile(0.99, sum by (le) "
-        f"(rate(overlap_e2e_request_latency_seconds_bucket{{$selector}}[{RATE_WINDOW}])))"
+        "histogram_quantile(0.99, sum by (le) (rate(overlap_e2e_request_latency_seconds_bucket{$selector}[$window])))"
     ),
     "ttftP99": (
-        "histogram_quantile(0.99, sum by (le) "
-        f"(rate(overlap_time_to_first_token_seconds_bucket{{$selector}}[{RATE_WINDOW}])))"
+        "histogram_quantile(0.99, sum by (le) (rate(overlap_time_to_first_token_seconds_bucket{$selector}[$window])))"
     ),
     "kvCacheUsage": "max(vllm:kv_cache_usage_perc{$selector})",
 }
@@ -56,11 +57,13 @@ def selector(namespace: str, name: str) -> str:
     return f'namespace="{namespace}",service="{name}"'
 
 
-def queries_for(namespace: str, name: str, overrides: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Every signal's PromQL with `$selector` expanded (overrides from the spec win)."""
-    matchers = selector(namespace, name)
+def queries_for(
+    namespace: str, name: str, overrides: Mapping[str, str] | None = None, window_s: float = DEFAULT_WINDOW_S
+) -> dict[str, str]:
+    """Every signal's PromQL with `$selector` and `$window` expanded (overrides from the spec win)."""
+    matchers, window = selector(namespace, name), f"{window_s:g}s"
     chosen = {**DEFAULT_QUERIES, **(overrides or {})}
-    return {key: query.replace("$selector", matchers) for key, query in chosen.items()}
+    return {key: query.replace("$selector", matchers).replace("$window", window) for key, query in chosen.items()}
 
 
 def query(base_url: str, promql: str, timeout_s: float = TIMEOUT_S) -> float | None:

@@ -189,7 +189,15 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
     folder = tmp_path / "operator"
     folder.mkdir()
     with running_operator(
-        cluster, folder, "--namespace", NAMESPACE, "--standalone", "--prometheus-url", prometheus.url
+        cluster,
+        folder,
+        "--namespace",
+        NAMESPACE,
+        "--standalone",
+        "--prometheus-url",
+        prometheus.url,
+        "--signal-window-s",
+        "5",
     ) as operator:
         # The admin token Secret exists before the service (the operator creates it only when absent), holding
         # the token the running sidecar was started with, as the pod would have mounted it.

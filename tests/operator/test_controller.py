@@ -101,6 +101,7 @@ TUNING = TuningPolicy(
     interval_s=30,
     bounds={"max_num_seqs": (16, 128), "max_num_batched_tokens": (512, 4096), "num_buffers": (1, 3)},
     p99_slo_s=2.0,
+    signal_window_s=30,  # the latency readings look back as far as the interval (the operator's is a minute)
 )
 
 
@@ -229,3 +230,12 @@ def test_the_tuner_does_not_undo_its_own_last_move_soon():
     assert guarded.changes == {"max_num_batched_tokens": (2048, 1024)}
     later = decide(Signals(100, 1, 0, **execution), Current(1, first.engine), history, Policy(tuning=TUNING))
     assert later.changes == {"max_num_seqs": (128, 64)}  # after 3 intervals (90 s) it may reverse
+
+
+def test_after_a_move_the_tuner_waits_for_the_latency_window_too():
+    tuning = TuningPolicy(enabled=True, interval_s=30, bounds={"num_buffers": (1, 3)}, signal_window_s=60)
+    history = History()
+    history.last_retune = 0.0
+    waiting = {"ready_replicas": 1, "queue_depth": 20, "device_busy": 0.4}
+    assert decide(Signals(45, **waiting), Current(1, ENGINE), history, Policy(tuning=tuning)).action == HOLD
+    assert decide(Signals(61, **waiting), Current(1, ENGINE), history, Policy(tuning=tuning)).action == RETUNE
