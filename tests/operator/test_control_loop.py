@@ -181,9 +181,11 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
             "mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "queueWatermarkPerReplica": 2,
             "scaleDownWatermark": 1, "scaleUpWindowSeconds": 0, "scaleUpCooldownSeconds": 600, "intervalSeconds": 5,
         },
+        # maxNumSeqs may go 2 -> 4 and no further up, and the tuner does not undo a move within three waits:
+        # the knob stays 4 while the test checks where it landed.
         "tuning": {
             "enabled": True, "intervalSeconds": 5, "latencySLO": {"p99Seconds": 0.05},
-            "bounds": {"maxNumSeqs": {"min": 1, "max": 8}},
+            "bounds": {"maxNumSeqs": {"min": 1, "max": 4}},
         },
     }  # fmt: skip
     folder = tmp_path / "operator"
@@ -219,7 +221,7 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
         load = Load(served.base_url, served.model, clients=10)  # 2 running, ~8 waiting: 8 per replica > 2
         try:
             scaled = wait_for(
-                lambda: (s := cluster.service(NAME))["spec"]["replicas"] == 3 and s,
+                lambda: (s := cluster.service(NAME))["spec"]["replicas"] == 3 and "lastDecision" in s["status"] and s,
                 60,
                 "the control loop to scale up",
             )
