@@ -31,6 +31,7 @@ import numpy as np
 
 from overlap.bench.report import RequestRecord, RunResult, compute_metrics, markdown_table, text_table
 from overlap.bench.traces import Trace, TraceError, truncate
+from overlap.operator.signals import DEFAULT_WINDOW_S
 
 RUNS = ("static-min", "static-max", "autoscale", "autoscale+tune")
 DEFAULT_TRACE = "azure"
@@ -47,7 +48,8 @@ DEFAULT_SLO_S = 1.0  # P99 end-to-end latency objective, replayed seconds
 DEFAULT_DRAIN_S = 10.0
 QUICK_TRACE_S = 15.0
 QUICK_DRAIN_S = 3.0
-SIGNAL_WINDOW_S = 60.0  # the operator's latency queries look at the last minute (divided by --time-scale)
+# The operator's latency queries look at the last minute (its --signal-window-s default), divided by --time-scale.
+SIGNAL_WINDOW_S = DEFAULT_WINDOW_S
 # autoscale+tune: the tuner may move these knobs inside these bounds (a knob without bounds is never tuned).
 TUNING_BOUNDS = {"max_num_seqs": (8, 128), "max_num_batched_tokens": (256, 4096), "num_buffers": (1, 3)}
 _PROGRESS_EVERY_S = 5.0
