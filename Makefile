@@ -54,12 +54,14 @@ bench: venv model  ## every benchmark, full size (prints tables; see README "Per
 	$(BIN)/overlap bench overlap
 	$(BIN)/overlap bench http
 	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
+	$(BIN)/overlap bench control
 
 bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench engine --quick
 	$(BIN)/overlap bench overlap --quick
 	$(BIN)/overlap bench http --quick
 	$(BIN)/overlap bench replay --quick --compare serial,fixed_window,dynamic,continuous
+	$(BIN)/overlap bench control --quick
 
 CHART := charts/overlap
 CHART_VALUES := $(sort $(wildcard $(CHART)/ci/*-values.yaml))
