@@ -288,3 +288,25 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
 def test_signals_to_status_leaves_missing_readings_out():
     reading = Signals(time=0, ready_replicas=2, queue_depth=5, device_busy=None)
     assert signals.to_status(reading) == {"readyReplicas": 2, "queueDepth": 5, "waitingPerReplica": 2.5}
+
+
+def test_without_prometheus_the_loop_holds_and_says_why(cluster, tmp_path):
+    nobody = f"http://127.0.0.1:{free_port()}"
+    spec = {
+        "model": {"servedName": "tiny", "path": "/models/tiny"},
+        "autoscaling": {"mode": "builtin", "intervalSeconds": 5},
+        "prometheus": {"url": nobody},
+    }
+    manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "blind"}}
+    with running_operator(cluster, tmp_path, "--namespace", NAMESPACE, "--standalone"):
+        cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
+
+        def scaling_condition():
+            conditions = cluster.service("blind").get("status", {}).get("conditions", [])
+            return next((c for c in conditions if c["type"] == "Scaling"), None)
+
+        condition = wait_for(scaling_condition, 30, "the Scaling condition")
+        assert condition["status"] == "Unknown" and condition["reason"] == "NoSignals"
+        assert f"cannot query Prometheus at {nobody}" in condition["message"]
+        assert cluster.service("blind")["spec"]["replicas"] == 1  # nothing moved
+        cluster.kubectl("delete", "oisvc", "blind", "-n", NAMESPACE)
