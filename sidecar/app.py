@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # After our own grace period, how long aiohttp waits for a handler before cancelling it (its default is 60 s,
 # which would stretch a SIGTERM well past the grace period the pod was given).
 _HANDLER_CANCEL_WAIT_S = 1.0
+_TASK_STOP_WAIT_S = 2.0  # how long shutdown waits for the engine client's background tasks after cancelling them
 
 
 def init_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -> web.Application:
@@ -194,9 +195,11 @@ async def _engine_ctx(app: web.Application):
     yield
     for task in tasks:
         task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    # Bounded: a task that swallowed its cancel must not hold the sidecar past its shutdown.
+    _, still_running = await asyncio.wait(tasks, timeout=_TASK_STOP_WAIT_S)
+    for task in still_running:
+        log.error("background task %s did not stop within %g s of its cancel; leaving it", task.get_name(),
+                  _TASK_STOP_WAIT_S)  # fmt: skip
 
 
 async def serve(config: SidecarConfig, registry: CollectorRegistry | None = None) -> None:

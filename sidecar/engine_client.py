@@ -66,7 +66,8 @@ class EngineClient:
         return len(self._streams)
 
     async def wait_connected(self, timeout: float | None = None) -> None:
-        await asyncio.wait_for(self._connected.wait(), timeout)
+        async with asyncio.timeout(timeout):  # never asyncio.wait_for: see _ask
+            await self._connected.wait()
 
     # ---- connection lifecycle -------------------------------------------------------------------------------
 
@@ -187,7 +188,11 @@ class EngineClient:
         self._replies[seq] = future
         try:
             self._send(make(seq))
-            return await asyncio.wait_for(future, timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the reply instead of raising when the
+            # task is cancelled as the reply arrives (CPython gh-86296), and a poller that lost its cancel kept the
+            # sidecar from ever finishing its shutdown.
+            async with asyncio.timeout(timeout):
+                return await future
         except TimeoutError as exc:
             raise EngineUnavailable(f"the engine did not answer within {timeout:g} s") from exc
         finally:
