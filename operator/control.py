@@ -32,6 +32,7 @@ import kopf
 import kubernetes
 from prometheus_client import Counter
 
+from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError
 from overlap.operator import children, kube, signals, status
 from overlap.operator import spec as specs
@@ -73,7 +74,7 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
 def run_tick(
     body: Mapping[str, Any],
     spec: Mapping[str, Any],
-    config: Any,
+    config: EngineConfig,
     policy: Policy,
     state: LoopState,
     now: float,
@@ -153,7 +154,7 @@ def _scale(name: str, namespace: str, replicas: int) -> None:
         )
 
 
-def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: Any, logger: logging.Logger) -> None:
+def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConfig, logger: logging.Logger) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     kube.apply(children.adopt(children.build_configmap(name, namespace, engine), body))
     knobs = {specs.ENGINE_FIELDS[k]: getattr(engine, specs.ENGINE_FIELDS[k]) for k in specs.TUNABLE_KNOBS}
