@@ -102,7 +102,7 @@ def run_tick(
         return None
 
     engine = specs.tuned_config(config, spec, current_status)
-    live = {specs.ENGINE_FIELDS[k]: getattr(engine, specs.ENGINE_FIELDS[k]) for k in specs.TUNABLE_KNOBS}
+    live = specs.tunable_values(engine)
     decision = decide(reading, Current(spec["replicas"], live), state.history, policy)
     if decision.action == RETUNE:
         try:
@@ -157,7 +157,7 @@ def _scale(name: str, namespace: str, replicas: int) -> None:
 def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConfig, logger: logging.Logger) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     kube.apply(children.adopt(children.build_configmap(name, namespace, engine), body))
-    knobs = {specs.ENGINE_FIELDS[k]: getattr(engine, specs.ENGINE_FIELDS[k]) for k in specs.TUNABLE_KNOBS}
+    knobs = specs.tunable_values(engine)
     secret = kube.read("Secret", children.admin_secret_name(name), namespace)
     if secret is None:
         logger.warning(f"control loop: no admin Secret for {namespace}/{name}; pods pick the change up from the file")

@@ -195,10 +195,13 @@ class History:
             for knob, (old, new) in decision.changes.items():
                 self.last_moves[knob] = (signals.time, 1 if new > old else -1)
 
+    def last_scale(self) -> float | None:
+        """When the loop last moved the replica count."""
+        return max((t for t in (self.last_scale_up, self.last_scale_down) if t is not None), default=None)
+
     def last_move(self) -> float | None:
         """When the loop last moved anything (replicas or knobs)."""
-        times = [t for t in (self.last_scale_up, self.last_scale_down, self.last_retune) if t is not None]
-        return max(times, default=None)
+        return max((t for t in (self.last_scale(), self.last_retune) if t is not None), default=None)
 
     def window(self, now: float, seconds: float) -> list[Signals]:
         """The samples of the last `seconds` before `now`."""
@@ -273,13 +276,12 @@ def _scale(signals: Signals, current: Current, history: History, policy: Scaling
         )
         return Decision(SCALE_UP, reason, target, engine)
     down_window = [*history.window(now, policy.down_window_s), signals]
-    last_move = max((t for t in (history.last_scale_up, history.last_scale_down) if t is not None), default=None)
     if (
         per_replica < policy.down_watermark
         and current.replicas > low
         and (policy.down_window_s == 0 or history.covers(now, policy.down_window_s))
         and _all_below(down_window, policy.down_watermark)
-        and _since(last_move, now) >= policy.down_cooldown_s
+        and _since(history.last_scale(), now) >= policy.down_cooldown_s
     ):
         reason = (
             f"{per_replica:.1f} waiting per ready replica < {policy.down_watermark:g} for {policy.down_window_s:g} s"

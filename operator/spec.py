@@ -187,6 +187,11 @@ def restart_hash(config: EngineConfig) -> str:
     return hashlib.sha256(json.dumps(frozen, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def tunable_values(config: EngineConfig) -> dict[str, int]:
+    """The tuner's knobs in `config` (snake_case, as the engine and its admin API name them)."""
+    return {ENGINE_FIELDS[knob]: getattr(config, ENGINE_FIELDS[knob]) for knob in TUNABLE_KNOBS}
+
+
 def tuned_config(config: EngineConfig, spec: Mapping[str, Any], status: Mapping[str, Any] | None) -> EngineConfig:
     """`config` with the knobs the tuner set (kept in status.engineConfig), while tuning is on.
 
