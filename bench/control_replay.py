@@ -31,6 +31,7 @@ import numpy as np
 
 from overlap.bench.report import RequestRecord, RunResult, compute_metrics, markdown_table, text_table
 from overlap.bench.traces import Trace, TraceError, truncate
+from overlap.operator.controller import ScalingPolicy
 from overlap.operator.signals import DEFAULT_WINDOW_S
 
 RUNS = ("static-min", "static-max", "autoscale", "autoscale+tune")
@@ -48,6 +49,7 @@ DEFAULT_SLO_S = 1.0  # P99 end-to-end latency objective, replayed seconds
 DEFAULT_DRAIN_S = 10.0
 QUICK_TRACE_S = 15.0
 QUICK_DRAIN_S = 3.0
+CRD_SCALING = ScalingPolicy()  # the CRD's autoscaling defaults (seconds in operator time)
 # The operator's latency queries look at the last minute (its --signal-window-s default), divided by --time-scale.
 SIGNAL_WINDOW_S = DEFAULT_WINDOW_S
 # autoscale+tune: the tuner may move these knobs inside these bounds (a knob without bounds is never tuned).
@@ -79,16 +81,14 @@ class Setup:
     cold_start_s: float
     slo_s: float
     drain_s: float
-    up_watermark: float = 32
-    down_watermark: float = 4
+    up_watermark: float = CRD_SCALING.up_watermark
+    down_watermark: float = CRD_SCALING.down_watermark
     seed: int = 0
     progress: bool = True
     log: object = sys.stdout
 
-    def scaling_policy(self, mode: str):
-        from overlap.operator.controller import ScalingPolicy
-
-        crd = ScalingPolicy()  # the CRD's defaults, in operator seconds
+    def scaling_policy(self, mode: str) -> ScalingPolicy:
+        crd = CRD_SCALING
         k = self.time_scale
         return ScalingPolicy(
             mode=mode,
@@ -615,10 +615,16 @@ def add_parser(subparsers) -> None:
         help="seconds before a new replica serves (default %(default)g)",
     )
     parser.add_argument(
-        "--up-watermark", type=float, default=32, help="waiting requests per ready replica to scale up (CRD default 32)"
+        "--up-watermark",
+        type=float,
+        default=CRD_SCALING.up_watermark,
+        help="waiting requests per ready replica to scale up (CRD default %(default)g)",
     )
     parser.add_argument(
-        "--down-watermark", type=float, default=4, help="waiting per ready replica to scale down (CRD default 4)"
+        "--down-watermark",
+        type=float,
+        default=CRD_SCALING.down_watermark,
+        help="waiting per ready replica to scale down (CRD default %(default)g)",
     )
     parser.add_argument(
         "--slo-s", type=float, default=DEFAULT_SLO_S, help="P99 latency SLO (tuning, attainment; default %(default)g)"
@@ -681,8 +687,6 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
     trace = load_for_args(trace_args)
     if args.quick:
         trace = truncate(trace, duration_s=QUICK_TRACE_S)
-    from overlap.operator.controller import ScalingPolicy
-
     setup = Setup(
         trace=trace,
         cost_ms_us=_parse_sim_cost(args.sim_cost) or DEFAULT_SIM_COST,
@@ -690,7 +694,7 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
         max_replicas=args.max_replicas,
         max_num_seqs=args.max_num_seqs,
         time_scale=args.time_scale,
-        interval_s=args.interval_s or ScalingPolicy().interval_s / args.time_scale,
+        interval_s=args.interval_s or CRD_SCALING.interval_s / args.time_scale,
         cold_start_s=args.cold_start_s,
         slo_s=args.slo_s,
         drain_s=args.drain_s if args.drain_s is not None else (QUICK_DRAIN_S if args.quick else DEFAULT_DRAIN_S),

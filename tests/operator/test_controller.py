@@ -175,6 +175,9 @@ def test_policy_from_a_defaulted_spec():
     assert policy.tuning.bounds == {"num_buffers": (1, 3)} and policy.tuning.p99_slo_s == 4
     assert policy.interval_s() == 15
     assert Policy().interval_s() == float("inf")
+    # The dataclasses' defaults are the CRD's (the bench builds its policies from them).
+    bare = specs.with_defaults({"model": {"servedName": "m", "path": "/models/m"}})
+    assert Policy.from_spec(bare) == Policy()
 
 
 def test_decision_status_matches_the_crd():
