@@ -257,7 +257,9 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
         )
         assert engine_json["max_num_seqs"] == 4  # new and restarted pods start tuned
         conditions = {c["type"]: c for c in retuned["status"]["conditions"]}
-        assert conditions["Tuned"]["status"] == "True" and conditions["Scaling"]["status"] in ("True", "False")
+        assert conditions["Tuned"]["status"] == "True" and conditions["Tuned"]["reason"] == "Retuned"
+        # The retune's tick held the replicas: Scaling went back to Stable after the scale-up's tick.
+        assert (conditions["Scaling"]["status"], conditions["Scaling"]["reason"]) == ("False", "Stable")
         events = cluster.core.list_namespaced_event(NAMESPACE).items
         assert {"ScaledUp", "Retuned"} <= {e.reason for e in events if e.involved_object.name == NAME}
         # Every request the clients sent was served: nothing refused, nothing lost while the knobs moved.
