@@ -104,7 +104,8 @@ def add_parser(subparsers) -> None:
                         "prints the throughput ratio to it (target >= 1.2) and both P99s")  # fmt: skip
     parser.add_argument("--peer-model", help="model name at --peer (default: the first of /v1/models)")
     parser.add_argument("--peer-name", help="the peer's name in the table (default: its URL)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompt token ids")
+    parser.add_argument("--seed", type=int, help="seed of the prompt token ids (default: a new one each run, printed, "
+                        "so a long-lived --target or --peer never serves a repeat from its prefix cache)")  # fmt: skip
     parser.set_defaults(func=_run)
 
 
@@ -318,10 +319,13 @@ def _run(args: argparse.Namespace) -> int:
     warmup = min(n, 8 if args.quick else args.concurrency)
     if args.num_threads:
         args.config = _config_with_threads(args.config, args.num_threads)
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1 << 30)
     warm_prompts = make_prompts(warmup, args.prompt_len, args.seed + 1)
     report: dict = {
         "workload": {"concurrency": args.concurrency, "requests": n, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "ignore_eos": True, "stream": True, "rounds": rounds},
+                     "output_len": args.output_len, "ignore_eos": True, "stream": True, "rounds": rounds,
+                     "seed": args.seed},
     }  # fmt: skip
 
     proc = engine = None
@@ -423,7 +427,7 @@ def _print_table(report: dict) -> None:
     w = report["workload"]
     print(f"workload: {w['concurrency']} concurrent streaming clients, {w['requests']} requests per run, "
           f"{w['prompt_len']} prompt / {w['output_len']} output tokens, EOS ignored; {w['rounds']} round(s), "
-          "figures pooled over them")  # fmt: skip
+          f"figures pooled over them; prompts from --seed {w['seed']}")  # fmt: skip
     header = (
         f"{'run':<28} {'out tok/s':>10} {'req/s':>8} {'p50 lat s':>10} {'p99 lat s':>10} {'p50 TTFT s':>11} "
         f"{'errors':>7}"

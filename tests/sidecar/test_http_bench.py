@@ -26,6 +26,7 @@ def test_bench_http_json_on_a_tiny_workload(tmp_short, tiny_model_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["workload"]["concurrency"] == 4 and report["workload"]["rounds"] == 2
+    assert isinstance(report["workload"]["seed"], int)  # drawn for this run: --seed N repeats its prompts
     for run in ("http", "engine", "peer"):
         assert report[run]["requests"] == 2 * 8 and report[run]["errors"] == 0
         assert report[run]["output_tokens"] == 2 * 8 * 8  # EOS ignored: exactly output-len each
