@@ -316,7 +316,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(bad)}: must be >= 1")
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the launched server is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    warmup = min(n, 8 if args.quick else args.concurrency)
+    # A full wave of warm-up on every side, --quick too: the first full-size prefill and decode steps of a fresh
+    # process pay for new oneDNN primitives and first touches of the KV pool. With 8 warm-up requests, --quick
+    # measured HTTP / in-process at 0.82-0.91 (the HTTP run goes first); with 64, 0.92-0.94.
+    warmup = min(n, args.concurrency)
     if args.num_threads:
         args.config = _config_with_threads(args.config, args.num_threads)
     if args.seed is None:
