@@ -220,6 +220,22 @@ async def run_http(url: str, model: str, prompts, output_len: int, concurrency: 
     return result
 
 
+def _served_model(url: str, flag: str) -> str:
+    """The first model a server lists at /v1/models; a clear error when it cannot be reached or lists none."""
+    from overlap.engine.errors import ConfigError
+    from overlap.sidecar.serve import get_json
+
+    try:
+        status, body = get_json(f"{url}/v1/models", timeout=10)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{flag} {url}: cannot read {url}/v1/models ({exc})") from None
+    models = body.get("data") if status == 200 else None
+    if not models:
+        hint = f"; pass {flag}-model" if flag.startswith("--") else ""
+        raise ConfigError(f"{flag} {url}: GET /v1/models answered {status} with no model{hint}")
+    return models[0]["id"]
+
+
 def _launch_serve(args, port: int):
     import subprocess
     import tempfile
@@ -306,7 +322,6 @@ def _run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from overlap.engine.errors import ConfigError
-    from overlap.sidecar.serve import get_json
 
     n = args.num_requests if args.num_requests is not None else (64 if args.quick else 512)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 3)
@@ -338,9 +353,13 @@ def _run(args: argparse.Namespace) -> int:
     cpu_s = {"sidecar": 0.0, "engine": 0.0}
     client_cpu_s = 0.0
     try:
+        if args.peer:  # checked first: a bad URL is reported before anything is launched
+            peer_url = args.peer.rstrip("/")
+            peer_model = args.peer_model or _served_model(peer_url, "--peer")
+            peer_name = args.peer_name or f"peer {peer_url}"
         if args.target:
             url = args.target.rstrip("/")
-            model = args.target_model or get_json(f"{url}/v1/models")[1]["data"][0]["id"]
+            model = args.target_model or _served_model(url, "--target")
             name = f"HTTP {url}"
         else:
             with socket.socket() as s:
@@ -349,13 +368,10 @@ def _run(args: argparse.Namespace) -> int:
             print("launching overlap serve ...", file=sys.stderr, flush=True)
             proc, url, ready_s = _launch_serve(args, port)
             report["launch_to_ready_s"] = round(ready_s, 2)
-            model = get_json(f"{url}/v1/models")[1]["data"][0]["id"]
+            model = _served_model(url, "the launched overlap serve")
             name = "overlap serve (HTTP)"
         asyncio.run(run_http(url, model, warm_prompts, args.output_len, args.concurrency, name, None))
         if args.peer:
-            peer_url = args.peer.rstrip("/")
-            peer_model = args.peer_model or get_json(f"{peer_url}/v1/models")[1]["data"][0]["id"]
-            peer_name = args.peer_name or f"peer {peer_url}"
 
             def run_peer(prompts, bar) -> RunResult:
                 return asyncio.run(

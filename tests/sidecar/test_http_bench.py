@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from sidecar_helpers import Stack, child_env, overlap_cmd
+from sidecar_helpers import Stack, child_env, free_port, overlap_cmd
 
 
 @pytest.mark.slow
@@ -50,3 +50,12 @@ def test_bench_http_refuses_sizes_below_one(capsys):
 
     assert main(["bench", "http", "--rounds", "0", "--output-len", "-1"]) == 2
     assert "--rounds 0, --output-len -1: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--peer", "--target"])
+def test_bench_http_reports_an_unreachable_server_before_launching_anything(flag, capsys):
+    from overlap.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["bench", "http", "--quick", flag, url]) == 2
+    assert f"{flag} {url}: cannot read {url}/v1/models" in capsys.readouterr().err
