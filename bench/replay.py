@@ -408,7 +408,9 @@ async def replay_target(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         if model is None:
-            model = await _first_model(session, url)
+            from overlap.bench.http_bench import served_model
+
+            model = await served_model(session, url, "--target", "--model")
         records = [RequestRecord(f"r{i}", r.arrival_s) for i, r in enumerate(trace.requests)]
         bar = _progress_bar(len(records), url, progress)
         in_flight = 0
@@ -478,17 +480,6 @@ async def replay_target(
         submit_end_s=submit_end,
         samples=samples,
     )
-
-
-async def _first_model(session, url: str) -> str:
-    async with session.get(f"{url}/v1/models") as response:
-        if response.status != 200:
-            raise TraceError(f"{url}/v1/models answered HTTP {response.status}; pass --model")
-        data = await response.json()
-    models = data.get("data") or []
-    if not models:
-        raise TraceError(f"{url}/v1/models lists no model; pass --model")
-    return models[0]["id"]
 
 
 async def _stream_completion(session, url: str, body: dict, record: RequestRecord, start: float) -> None:

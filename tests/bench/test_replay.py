@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import socket
 
 import pytest
 from aiohttp import web
@@ -268,3 +270,13 @@ def test_reproduce_command_keeps_global_options():
     argv = ["/x/bin/overlap", "--log-level", "DEBUG", "bench", "replay", "--trace", "my trace.jsonl", "--quick"]
     assert replay._reproduce_command(argv) == "overlap --log-level DEBUG bench replay --trace 'my trace.jsonl' --quick"
     assert replay._reproduce_command(["pytest", "-q"]) == ""
+
+
+async def test_target_replay_reports_an_unreachable_target():
+    from overlap.engine.errors import ConfigError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(ConfigError, match=re.escape(f"--target {url}: cannot read {url}/v1/models")):
+        await replay.replay_target(burst_trace(1, 0.0, 1), url, drain_s=1.0, progress=False)
