@@ -324,6 +324,28 @@ def test_step_without_sampling_returns_no_tokens(runner):
     assert runner.execute(ModelInput([seq])) == []
 
 
+def test_last_layer_runs_only_the_sampled_rows(runner, hf_model, monkeypatch):
+    """Past its K/V writes the last layer feeds only the logits: a prompt chunk's other rows skip it, and the
+    sampled row's logits are still transformers' own."""
+    prompt, chunk = _prompts(1, seed=3)[0] + [7] * 20, [11] * 12  # 20+ tokens, sampled; 12, a non-final chunk
+    seqs = [
+        ScheduledSeq("a", prompt, 0, [40, 41, 42, 43], True, GREEDY),
+        ScheduledSeq("b", chunk, 0, [50], False, GREEDY),
+    ]
+    rows: list[int] = []
+    monkeypatch.setattr(runner, "_split_point", lambda batch: None)  # one forward, so one sequence of calls
+    linear = runner._linear
+    monkeypatch.setattr(runner, "_linear", lambda x, *args, **kw: rows.append(x.shape[0]) or linear(x, *args, **kw))
+    logits = runner.compute_logits(ModelInput(seqs))
+    total = len(prompt) + len(chunk)
+    last_full = max(i for i, n in enumerate(rows) if n == total)  # the last layer's qkv projection
+    after = rows[last_full + 1 :]  # o, the MLP (2 or 3 calls), lm_head: one row each
+    assert len(after) >= 4 and set(after) == {1}, rows
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits[0], expected, rtol=1e-4, atol=1e-4)
+
+
 def test_block_table_outside_the_pool_is_refused(runner):
     seq = ScheduledSeq("a", [1, 2, 3], 0, [runner.num_kv_blocks], True, GREEDY)
     with pytest.raises(ValueError, match="outside the pool"):
