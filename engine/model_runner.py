@@ -380,8 +380,8 @@ class ModelRunner:
             k_pool.index_copy_(0, inputs.slots, k)
             v_pool.index_copy_(0, inputs.slots, v)
             if layer == last and inputs.last_layer is not None:
-                # Past its K/V, the last layer only feeds the logits: skip the rows nobody samples (a prompt chunk's
-                # all but last token), about 1/num_layers of a prefill step's FLOPs.
+                # Past its K/V, the last layer only feeds the logits: skip the rows nobody samples (every token of a
+                # prompt chunk but the last one, and all of a non-final chunk).
                 if inputs.sample_rows.numel() == 0:
                     return x.new_empty(0, spec.vocab_size)
                 q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
@@ -400,9 +400,15 @@ class ModelRunner:
             x = x.index_select(0, inputs.sample_rows)
         return linear(F.rms_norm(x, hidden, w.norm, eps), w.lm_head)
 
-    def _attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan, seqs) -> torch.Tensor:
-        """q [T, H, D] -> [T, H * D]: the native kernel for the decodes in `plan` (a DecodePlan or None), torch ops
-        for `seqs`."""
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        plan: native.DecodePlan | None,
+        seqs: list[SeqAttention],
+    ) -> torch.Tensor:
+        """q [T, H, D] -> [T, H * D]: the native kernel for the decodes in `plan`, torch ops for `seqs`."""
         if plan is None:
             return self._attention_torch(q, k_pool, v_pool, seqs)
         num_tokens, heads, head_dim = q.shape
