@@ -23,8 +23,8 @@
 
 /* One sequence. Always inlined into the three call sites below, so for the common head sizes (64, 128) head_dim is
  * a constant and the compiler unrolls the per-head loops. Both passes read K and V rows whole, in position order:
- * an earlier V pass went head by head, so it read every V row in num_heads strided pieces and ran at about two thirds
- * of the memory bandwidth that the row-order pass reaches. */
+ * an earlier V pass went head by head, reading every V row in num_heads strided pieces, and a batch-64 decode step
+ * was slower for it (`overlap bench engine`; the runs are in docs/engine.md). */
 static inline __attribute__((always_inline)) void attend_one(const float *q_row, const float *k_pool,
                                                              const float *v_pool, const int32_t *table, int32_t len,
                                                              float *o, float *scores, int32_t max_len,
