@@ -9,27 +9,40 @@ TOOLS := .tools
 # Where the CPU wheel of torch lies on this kind of machine (pip also reads PIP_FIND_LINKS).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
-# The repo root holds a folder named `operator`; with the current directory on sys.path (python -c, python -m)
-# it would shadow the standard library's `operator`. Python 3.11+ leaves it off with this variable.
-export PYTHONSAFEPATH := 1
+# Each component is its own distribution (engine/, sidecar/, operator/, bench/, each with a pyproject.toml); a
+# target installs, in editable mode, the ones it needs. The stamps remember what is installed.
+SERVE_COMPONENTS := -e 'engine[model]' -e 'sidecar[serve]'
+ALL_COMPONENTS := $(SERVE_COMPONENTS) -e operator -e bench
+COMPONENT_PYPROJECTS := engine/pyproject.toml sidecar/pyproject.toml operator/pyproject.toml bench/pyproject.toml
 
-.PHONY: help venv run test lint bench bench-quick model tools prometheus chart-check crd-sync clean
+.PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus chart-check crd-sync clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
 
-venv: $(VENV)/.stamp  ## create .venv with Overlap and its dev tools
+venv: $(VENV)/.stamp  ## create .venv with every component (editable) and the dev tools
 
-$(VENV)/.stamp: pyproject.toml
+venv-serve: $(VENV)/.stamp-serve  ## create .venv with what `overlap serve` needs (engine with the model stack, sidecar)
+
+$(VENV)/.stamp-base:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(FIND_LINKS) -e '.[dev]'
+	@# a .venv from before the split holds one `overlap` distribution whose finder claims every overlap.* name
+	@$(BIN)/pip uninstall -q -y overlap 2>/dev/null || true
 	@touch $@
 
-model: venv  ## build the tiny default model into the cache (once)
+$(VENV)/.stamp-serve: $(VENV)/.stamp-base engine/pyproject.toml sidecar/pyproject.toml
+	$(BIN)/pip install -q $(FIND_LINKS) $(SERVE_COMPONENTS)
+	@touch $@
+
+$(VENV)/.stamp: $(VENV)/.stamp-base pyproject.toml $(COMPONENT_PYPROJECTS)
+	$(BIN)/pip install -q $(FIND_LINKS) $(ALL_COMPONENTS) --group dev
+	@touch $@ $(VENV)/.stamp-serve
+
+model: venv-serve  ## build the tiny default model into the cache (once)
 	$(BIN)/overlap model build-tiny
 
-run: venv model  ## serve the default model on http://127.0.0.1:8000 (OpenAI API)
+run: venv-serve model  ## serve the default model on http://127.0.0.1:8000 (OpenAI API)
 	$(BIN)/overlap serve --host 127.0.0.1 --port 8000
 
 tools: $(TOOLS)/bin/kubectl $(TOOLS)/bin/helm  ## fetch kubectl and helm (never the ones on PATH)
@@ -81,4 +94,4 @@ chart-check: venv tools  ## helm lint; helm template (default + ci/ values) | ku
 	$(BIN)/pytest -q tests/chart
 
 clean:  ## remove build outputs (keeps .venv and the model cache)
-	rm -rf build *.egg-info .pytest_cache .ruff_cache
+	rm -rf build */build */src/*.egg-info .pytest_cache .ruff_cache

@@ -12,6 +12,6 @@ import overlap.engine  # noqa: F401  (first: sets OpenMP's wait policy before an
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The tiny default model's folder, built once into the cache (`$OVERLAP_CACHE_DIR`, default ~/.cache/overlap)."""
-    from overlap.engine.model_builder import ensure_default_model
+    from overlap.engine.model.builder import ensure_default_model
 
     return ensure_default_model()

@@ -5,11 +5,10 @@
 # Without a GPU it exits with code 2 and says so.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export PYTHONSAFEPATH=1  # the repo root's operator/ folder must never shadow the standard library
 PY=python3
 if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
 if ! "$PY" -c "import overlap.bench.gpu_check" 2>/dev/null; then
-  echo "bench/gpu/check.sh: cannot import overlap with $PY; install it first: pip install -e . (with a CUDA build of torch)" >&2
+  echo "bench/gpu/check.sh: cannot import overlap with $PY; install it first: pip install -e engine -e sidecar -e operator -e bench (with a CUDA build of torch)" >&2
   exit 2
 fi
 exec timeout 480 "$PY" -m overlap.bench.gpu_check "$@"

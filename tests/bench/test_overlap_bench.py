@@ -68,10 +68,10 @@ def test_gpu_check_fails_clearly_without_cuda():
 
 
 def test_cuda_executor_refuses_a_cpu_runner():
-    from overlap.engine.cuda_pipeline import CudaExecutor
     from overlap.engine.errors import ConfigError
-    from overlap.engine.executor import Executor, make_executor
-    from overlap.engine.sim_runner import CostModel, SimRunner
+    from overlap.engine.execution import Executor, make_executor
+    from overlap.engine.execution.cuda import CudaExecutor
+    from overlap.engine.model.sim_runner import CostModel, SimRunner
 
     runner = SimRunner(CostModel(0.0, 0.0))
     with pytest.raises(ConfigError, match="CUDA"):

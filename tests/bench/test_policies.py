@@ -1,14 +1,14 @@
-"""Batching-policy semantics on a fake clock (engine/batching.py), as the scheduler consults them: at every step,
-with the waiting requests' arrival times (oldest first) and the number running."""
+"""Batching-policy semantics on a fake clock (overlap.engine.batching.policies), as the scheduler consults them: at
+every step, with the waiting requests' arrival times (oldest first) and the number running."""
 
 from __future__ import annotations
 
 import pytest
 
-from overlap.engine.batching import make_batching_policy
+from overlap.engine.batching.policies import make_batching_policy
 from overlap.engine.errors import ConfigError
-from overlap.engine.request import Request
-from overlap.engine.request_queue import make_request_queue
+from overlap.engine.requests.queue import make_request_queue
+from overlap.engine.requests.request import Request
 from overlap.engine.types import RequestTimes, SamplingParams
 
 

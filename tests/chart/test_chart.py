@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+
+# The CRD admission of the operator tests (schema + CEL), to check rendered InferenceServices too.
+from tests.support.kube import admission as crd_admission
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "overlap"
@@ -19,9 +21,6 @@ CRD_SOURCE = REPO / "crds" / "inferenceservices.overlap.dev.yaml"
 VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
 K8S_VERSION = kubernetes_validate.latest_version()
 
-# The CRD admission of the operator tests (schema + CEL), to check rendered InferenceServices too.
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-import crd_admission  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not HELM.exists(), reason="helm is not in .tools/bin: run `make tools`")
 

@@ -1,6 +1,6 @@
 """Measure the scheduler's CPU time per step (no model: a constant-token runner), as a table.
 
-    PYTHONSAFEPATH=1 PYTHONPATH=tests/engine .venv/bin/python tests/engine/scheduler_cpu.py
+    .venv/bin/python -m tests.engine.scheduler_cpu
 
 Workload: 4 x batch requests of 128 prompt tokens and 64 output tokens (ignore EOS), block size 16, a KV pool the
 size the CPU runner picks for the tiny model (2730 blocks), prefix caching on. `schedule()` is timed with
@@ -13,9 +13,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from engine_helpers import ConstantRunner
-
 from overlap.engine import Engine, EngineConfig, SamplingParams
+from tests.support.engine import ConstantRunner
 
 
 def measure(batch: int) -> dict:

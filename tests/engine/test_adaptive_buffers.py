@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from overlap.engine.adaptive_buffers import BufferAdvisor, decide
+from overlap.engine.execution.adaptive_buffers import BufferAdvisor, decide
 
 
 def test_decide_follows_the_pipeline_arithmetic():

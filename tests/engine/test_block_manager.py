@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from engine_helpers import create_requests
-
-from overlap.engine.block_manager import BlockManager
+from overlap.engine.batching.block_manager import BlockManager
+from tests.support.engine import create_requests
 
 
 def test_allocate_reserves_the_whole_prompt_and_free_returns_it() -> None:

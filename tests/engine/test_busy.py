@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from overlap.engine.busy import BusyTracker
+from overlap.engine.execution.busy import BusyTracker
 
 
 def test_ratio_and_gaps_from_intervals():

@@ -8,10 +8,10 @@ import json
 import time
 
 import pytest
-from engine_helpers import VOCAB, create_engine, reference_tokens, run_to_completion, tokens_of
 
 from overlap.engine import ConfigError, Engine, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
 from overlap.engine.types import FinishReason
+from tests.support.engine import VOCAB, create_engine, reference_tokens, run_to_completion, tokens_of
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -140,7 +140,7 @@ STATS_KEYS = {
     "prefix_cache_hits_total", "num_preemptions_total", "num_prompt_tokens_total", "num_generation_tokens_total",
     "num_steps_total", "last_step_time_s", "avg_step_time_s", "last_batch_size", "avg_batch_size",
     "schedule_time_s_avg", "device_busy_ratio", "requests_finished_total", "config",
-    # overlapped execution (engine/executor.py, engine/busy.py)
+    # overlapped execution (overlap.engine.execution.base, overlap.engine.execution.busy)
     "device_busy_window_s", "device_idle_gap_ms", "host_ms_per_step", "num_buffers", "num_steps_in_flight",
     "buffer_decisions",
 }  # fmt: skip

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import add_and_run, tokens_of
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.types import FinishReason
+from tests.support.engine import add_and_run, tokens_of
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,12 +3,12 @@ no request is lost or duplicated, and every completed request's tokens equal the
 
 from __future__ import annotations
 
-from engine_helpers import create_engine, reference_tokens
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from overlap.engine.request import RequestStatus
+from overlap.engine.requests.request import RequestStatus
 from overlap.engine.types import FinishReason, SamplingParams
+from tests.support.engine import create_engine, reference_tokens
 
 NUM_BLOCKS = 12  # of 4 slots: a request needs up to 10, so decode growth often forces preemptions
 

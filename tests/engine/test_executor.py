@@ -10,11 +10,11 @@ import time
 import pytest
 
 from overlap.bench.overlap_load import DecodeLoad, measure_overlap, predicted_idle_share
-from overlap.engine.busy import BusyTracker
 from overlap.engine.errors import ConfigError
-from overlap.engine.executor import PLACEHOLDER_TOKEN, AsyncExecutor, Executor, make_executor
-from overlap.engine.sim_runner import CostModel, SimRunner
-from overlap.engine.types import ModelInput, ScheduledSeq
+from overlap.engine.execution import AsyncExecutor, Executor, make_executor
+from overlap.engine.execution.busy import BusyTracker
+from overlap.engine.model.sim_runner import CostModel, SimRunner
+from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput, ScheduledSeq
 
 
 def sim(step_ms=0.5, vocab_size=8192, num_kv_blocks=512, eos=None, asynchronous=False):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.engine import model_builder
+from overlap.engine.model import builder as model_builder
 
 
 def _digest(path: Path) -> str:
@@ -69,8 +69,8 @@ def test_refuses_to_overwrite_a_foreign_folder(tmp_path: Path):
 
 
 def test_concurrent_ensure_builds_one_complete_model(tmp_path: Path):
-    env = {**os.environ, "OVERLAP_CACHE_DIR": str(tmp_path), "PYTHONSAFEPATH": "1"}
-    code = "from overlap.engine.model_builder import ensure_default_model; print(ensure_default_model())"
+    env = {**os.environ, "OVERLAP_CACHE_DIR": str(tmp_path)}
+    code = "from overlap.engine.model.builder import ensure_default_model; print(ensure_default_model())"
     children = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
     ]

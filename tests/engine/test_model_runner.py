@@ -11,7 +11,7 @@ import torch
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ModelLoadError
-from overlap.engine.model_runner import ModelRunner
+from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
@@ -283,7 +283,7 @@ def test_seeded_sampling_is_reproducible(runner):
 
 
 def test_top_k_and_top_p_are_respected(runner):
-    from overlap.engine import sampler
+    from overlap.engine.model import sampler
 
     prompt = [1, 40, 50, 60]
     logits = runner.compute_logits(ModelInput([ScheduledSeq("s", prompt, 0, [10], True, GREEDY)]))[0]

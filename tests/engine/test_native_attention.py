@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from overlap.engine import native
 from overlap.engine.config import EngineConfig
-from overlap.engine.model_runner import ModelRunner
+from overlap.engine.model import native
+from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 kernel = native.decode_attention_kernel()

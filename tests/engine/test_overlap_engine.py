@@ -8,11 +8,11 @@ import asyncio
 import random
 
 import pytest
-from engine_helpers import add_and_run, tokens_of
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
-from overlap.engine.sim_runner import CostModel, SimRunner
+from overlap.engine.model.sim_runner import CostModel, SimRunner
 from overlap.engine.types import FinishReason
+from tests.support.engine import add_and_run, tokens_of
 
 EOS = 2
 
@@ -231,7 +231,7 @@ def test_tiny_model_greedy_is_identical_for_1_2_3_buffers_and_equals_transformer
 
 
 def test_adaptive_buffers_drop_to_one_when_host_time_is_negligible_and_say_why():
-    from overlap.engine.adaptive_buffers import BufferAdvisor
+    from overlap.engine.execution.adaptive_buffers import BufferAdvisor
 
     engine, runner = sim_engine(2, step_s=0.05, adaptive_buffers=True)  # host time ~0.2% of a step
     engine._advisor = BufferAdvisor(every_steps=6)  # decide often, so the test stays short

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from engine_helpers import create_requests
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.request_queue import FifoRequestQueue, PriorityRequestQueue, make_request_queue
+from overlap.engine.requests.queue import FifoRequestQueue, PriorityRequestQueue, make_request_queue
+from tests.support.engine import create_requests
 
 
 def _drain(queue) -> list[str]:

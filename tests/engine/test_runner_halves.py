@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from overlap.engine.config import EngineConfig
-from overlap.engine.model_runner import ModelRunner
+from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -101,7 +101,7 @@ def test_lopsided_batch_uses_the_attention_helper_and_matches_one_thread(runner)
 
 
 def test_fp32_cpu_linear_is_onednn_and_matches_f_linear():
-    from overlap.engine.model_runner import _pick_linear
+    from overlap.engine.model.runner import _pick_linear
 
     cpu = torch.device("cpu")
     assert _pick_linear(cpu, torch.bfloat16) is torch.nn.functional.linear

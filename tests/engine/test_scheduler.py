@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from engine_helpers import create_requests, create_scheduler, reference_tokens, run_step
-
-from overlap.engine.request import RequestStatus
+from overlap.engine.requests.request import RequestStatus
 from overlap.engine.types import FinishReason
+from tests.support.engine import create_requests, create_scheduler, reference_tokens, run_step
 
 
 def _run_all(scheduler, runner, now: float = 0.0, dt: float = 0.01, max_steps: int = 10_000) -> float:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.sim_runner import CostModel, SimRunner
+from overlap.engine.model.sim_runner import CostModel, SimRunner
 from overlap.engine.types import ModelInput, ScheduledSeq
 
 

@@ -3,7 +3,7 @@ it, scales the InferenceService on the queue watermark and retunes the running e
 
 What the harness plays: the Deployment controller (readyReplicas) and the pod (a Pod object whose IP is 127.0.0.1,
 so the operator's admin PUT reaches the sidecar started here). The engine is the real Engine and EngineServer with
-the sidecar tests' scripted runner (tests/sidecar/fake_engine_server.py: no torch, a fixed time per step).
+the sidecar tests' scripted runner (tests/support/fake_engine_server.py: no torch, a fixed time per step).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import base64
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -21,14 +20,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import NAMESPACE, REPO, chart_grants, operator_requests, running_operator, wait_for
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "sidecar"))
-
-from sidecar_helpers import ADMIN_TOKEN, Proc, Stack, free_port, http
-
-from overlap.operator import signals
-from overlap.operator.controller import Signals
+from overlap.operator.control import signals
+from overlap.operator.control.policy import Signals
+from tests.support.cluster import NAMESPACE, REPO, chart_grants, operator_requests, running_operator, wait_for
+from tests.support.sidecar import ADMIN_TOKEN, Proc, Stack, free_port, http
 
 NAME = "looped"
 SCRAPE_S = 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from overlap.operator import spec as specs
-from overlap.operator.controller import (
+from overlap.operator.control.policy import (
     HOLD,
     RETUNE,
     SCALE_DOWN,

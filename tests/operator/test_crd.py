@@ -1,8 +1,9 @@
 """The CRD refuses invalid InferenceServices with the message a user would read.
 
 kmock enforces neither OpenAPI schemas nor CEL: the schema and the `x-kubernetes-validations` rules are evaluated
-here (crd_admission.py: structural defaulting, schema checks, CEL via cel-python), both directly and through the
-emulated API server with the real kubectl, which prints what `kubectl apply` prints against a real cluster.
+here (tests/support/kube/admission.py: structural defaulting, schema checks, CEL via cel-python), both directly
+and through the emulated API server with the real kubectl, which prints what `kubectl apply` prints against a
+real cluster.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ import copy
 import json
 from pathlib import Path
 
-import crd_admission
 import pytest
 import yaml
 
 from overlap.operator import spec as specs
+from tests.support.kube import admission as crd_admission
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "inferenceservices.overlap.dev.yaml").read_text())

@@ -1,4 +1,5 @@
-"""The test API server behaves like a real one where the operator tests rely on it (kube_emulator.py's table)."""
+"""The test API server behaves like a real one where the operator tests rely on it (the table in
+tests/support/kube/server.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import urllib.request
 
 import kubernetes
 import pytest
-from conftest import NAMESPACE
 from kubernetes.client.exceptions import ApiException
+
+from tests.support.cluster import NAMESPACE
 
 SERVICE = {
     "apiVersion": "overlap.dev/v1alpha1",

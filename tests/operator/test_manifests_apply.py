@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import NAMESPACE, REPO
+
+from tests.support.cluster import NAMESPACE, REPO
 
 HELM = REPO / ".tools" / "bin" / "helm"
 

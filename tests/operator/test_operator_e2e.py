@@ -1,7 +1,7 @@
 """`overlap operator` (the real kopf operator, as a subprocess) against the emulated API, driven by the real kubectl.
 
 The harness plays two controllers a real cluster runs: the Deployment controller (`play_deployment_controller`
-sets readyReplicas) and the garbage collector (kube_emulator.py deletes what an owner reference points at).
+sets readyReplicas) and the garbage collector (tests/support/kube deletes what an owner reference points at).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import time
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import NAMESPACE, REPO, chart_grants, operator_requests, wait_for
+
+from tests.support.cluster import NAMESPACE, REPO, chart_grants, operator_requests, wait_for
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import NAMESPACE, REPO, running_operator, wait_for
+from tests.support.cluster import NAMESPACE, REPO, running_operator, wait_for
 
 EXAMPLE = (REPO / "examples" / "inferenceservice.yaml").read_text()
 

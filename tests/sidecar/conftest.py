@@ -1,18 +1,12 @@
-"""Sidecar tests import their helpers from `sidecar_helpers.py` next to this file."""
+"""Fixtures for the sidecar tests; their helpers are in `tests.support.sidecar`."""
 
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-# Only this test folder goes on sys.path (never the repo root: its operator/ folder shadows the stdlib).
-_here = str(Path(__file__).parent)
-if _here not in sys.path:
-    sys.path.insert(0, _here)
 
 
 @pytest.fixture

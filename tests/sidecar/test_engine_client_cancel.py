@@ -11,8 +11,8 @@ import asyncio
 
 import pytest
 
-from overlap.engine import protocol as p
-from overlap.sidecar.engine_client import EngineClient, EngineUnavailable
+from overlap.engine.serving import protocol as p
+from overlap.engine.serving.client import EngineClient, EngineUnavailable
 
 
 class _Writer:

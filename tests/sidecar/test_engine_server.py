@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from overlap.engine import protocol as p
 from overlap.engine.config import EngineConfig
-from overlap.engine.engine import Engine
+from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError
-from overlap.engine.server import EngineServer, load_engine_config
+from overlap.engine.serving import protocol as p
+from overlap.engine.serving.server import EngineServer, load_engine_config
 from overlap.engine.types import SamplingParams
 
 

@@ -7,7 +7,8 @@ import json
 import subprocess
 
 import pytest
-from sidecar_helpers import Stack, child_env, free_port, overlap_cmd
+
+from tests.support.sidecar import Stack, child_env, free_port, overlap_cmd
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import time
 import urllib.request
 
 import pytest
-from sidecar_helpers import ADMIN_TOKEN, Stack, free_port, http, is_ready, metric_value, wait_until
+
+from tests.support.sidecar import ADMIN_TOKEN, Stack, free_port, http, is_ready, metric_value, wait_until
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -114,7 +115,7 @@ def test_request_timeout_gives_504_and_frees_the_engine(stack):
 
 def test_api_key_guards_the_public_api(stack):
     port = free_port()
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "TEST_OVERLAP_KEY": "sk-test-1234"}
+    env = {**os.environ, "TEST_OVERLAP_KEY": "sk-test-1234"}
     proc = stack.start_sidecar("--api-key-env", "TEST_OVERLAP_KEY", port=port, env=env)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from sidecar_helpers import Stack, metric_value, wait_until
+
+from tests.support.sidecar import Stack, metric_value, wait_until
 
 CAPACITY = 16  # --max-inflight and --max-queued-requests
 PROMPT = [100, 101, 102, 103]  # token ids: an exact prompt length

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import openai
 import pytest
-from sidecar_helpers import ADMIN_TOKEN, Proc, free_port, http, is_ready, metric_value, overlap_cmd, wait_until
+
+from tests.support.sidecar import ADMIN_TOKEN, Proc, free_port, http, is_ready, metric_value, overlap_cmd, wait_until
 
 GREEDY = {"temperature": 0.0}
 

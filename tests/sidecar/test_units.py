@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from overlap.engine import protocol as p
+from overlap.engine.serving import protocol as p
 from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.text import TextProcessor
@@ -105,7 +105,7 @@ def test_admission_watermarks_and_retry_after():
 
 
 def test_tokenizer_shipped_in_hello_when_the_model_folder_is_not_mounted(tiny_model_dir, text):
-    from overlap.engine.server import read_tokenizer_files
+    from overlap.engine.serving.server import read_tokenizer_files
     from overlap.sidecar.app import _tokenizer_source
 
     files = read_tokenizer_files(tiny_model_dir)

@@ -43,7 +43,7 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* The operator's permissions: only the resources and verbs it uses (see operator/kube.py, operator/handlers.py). */}}
+{{/* The operator's permissions: only the resources and verbs it uses (see operator/src/overlap/operator/kube.py, operator/src/overlap/operator/handlers.py). */}}
 {{- define "overlap.rules" -}}
 - apiGroups: [overlap.dev]
   resources: [inferenceservices]

@@ -1,0 +1,23 @@
+# The sidecar image: `overlap sidecar` (OpenAI API, admission, metrics, live config) without torch or the model
+# stack; set it as an InferenceService's `spec.images.sidecar` to keep the pod's HTTP container small.
+# Build from the repository root:  docker build -f docker/sidecar.Dockerfile -t ghcr.io/overlap-dev/overlap-sidecar:0.1.0 .
+# (Not built in CI here: no Docker daemon, no network to the registries.)
+ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/overlap
+COPY engine /src/engine
+COPY sidecar /src/sidecar
+RUN /opt/overlap/bin/pip install /src/engine /src/sidecar
+
+FROM ${PYTHON_IMAGE}
+COPY --from=build /opt/overlap /opt/overlap
+# HOME and the tokenizer cache live on the /tmp emptyDir (the root filesystem is read-only in the pod).
+ENV PATH=/opt/overlap/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp OVERLAP_CACHE_DIR=/tmp/overlap-cache
+RUN groupadd --gid 10001 overlap && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin overlap
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8000 8001
+ENTRYPOINT ["overlap"]
+CMD ["sidecar", "--help"]

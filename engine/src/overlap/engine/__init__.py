@@ -1,0 +1,24 @@
+"""overlap.engine: request queues, scheduler, KV block manager, model runner and async executor.
+
+This package imports nothing else from Overlap; the sidecar, operator and benchmarks import its public types.
+"""
+
+from overlap.engine import _openmp  # noqa: F401  (before anything loads torch)
+from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.core import Engine
+from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+
+__all__ = [
+    "LIVE_KNOBS",
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "FinishReason",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "OverlapError",
+    "RequestOutput",
+    "RequestTimes",
+    "SamplingParams",
+]

@@ -1,0 +1,348 @@
+"""Batch assembly (layer 2): which requests run in the next step, and with how many tokens each.
+
+The scheduler owns the `waiting` RequestQueue and the `running` list (kept sorted by priority, then arrival), and
+talks to the BlockManager. `schedule()` returns a `ScheduledBatch`, the handle of "what was scheduled", and
+`postprocess(batch, sampled)` applies that step's sampled tokens later; nothing in between depends on the step
+having finished, so an executor can keep several batches in flight.
+
+Overlap (overlap.engine.execution): a running request whose last sampled token is still in flight is scheduled for its
+next decode anyway, with `PLACEHOLDER_TOKEN` as input (the executor feeds the real token on the device side);
+`num_placeholders` counts such tokens. `max_tokens` and `max_seq_len` are respected at schedule time by counting
+them; EOS and stop ids are only seen when the token is read back, one step late: the request finishes then, its
+blocks are freed, and the token its already-scheduled extra step samples is dropped. Freeing those blocks at once
+is safe because steps run on the device in submission order: whatever later step gets them writes after the
+extra step, and the extra step writes only a position of a block that is not yet published to the prefix cache.
+A preemption bumps the request's `epoch`, so tokens of steps scheduled before it are dropped as well.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from overlap.engine.batching.block_manager import BlockManager
+from overlap.engine.batching.policies import make_batching_policy
+from overlap.engine.config import EngineConfig
+from overlap.engine.requests.queue import make_request_queue
+from overlap.engine.requests.request import Request, RequestStatus
+from overlap.engine.types import PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
+
+
+def _priority_key(request: Request) -> tuple[int, float, int]:
+    return request.sort_key
+
+
+def _arrival_key(request: Request) -> tuple[int, float, int]:
+    return (0, request.times.arrived, request.arrival_seq)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """One step's work: the runner's input plus what postprocess needs to apply its result."""
+
+    model_input: ModelInput
+    requests: list[Request]  # parallel to model_input.seqs
+    num_computed_after: list[int]  # each request's computed length once this step has run
+    finished: list[Request] = field(default_factory=list)  # finished while scheduling (timeouts)
+    preempted: list[Request] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)  # each request's epoch when scheduled (see postprocess)
+    scheduled_at: float = 0.0  # time.monotonic() when it was scheduled
+    schedule_cpu_s: float = 0.0  # CPU time the scheduling decision took (set by the engine)
+    schedule_wall_s: float = 0.0  # wall time it took on the engine thread (set by the engine)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.model_input.seqs
+
+
+class Scheduler:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, max_seq_len: int, eos_token_id: int | None
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_seq_len = max_seq_len
+        self.eos_token_id = eos_token_id
+        self.waiting = make_request_queue(config.queue_policy, config.num_priority_levels, config.aging_s)
+        self.running: list[Request] = []
+        # Under FIFO priorities are ignored: the preemption victim is simply the latest arrival, and nobody is
+        # preempted to admit someone else.
+        self.use_priorities = config.queue_policy == "priority"
+        self._running_key = _priority_key if self.use_priorities else _arrival_key
+        self.num_priority_levels = config.num_priority_levels
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.policy = make_batching_policy(config.batching, config.batching_args)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.num_preemptions_total = 0
+        self.num_preempted = 0  # preempted requests now waiting to resume
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    def reconfigure(self, config: EngineConfig) -> None:
+        """Live knobs; called between steps."""
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.waiting.aging_s = config.aging_s if self.waiting.aging_s is not None else None
+
+    # ---- requests in and out -----------------------------------------------------------------------------------
+    def add_request(self, request: Request, now: float) -> None:
+        request.status = RequestStatus.WAITING
+        request.times.queued = now
+        self.waiting.add(request, now)
+
+    def abort(self, request_id: str, now: float) -> Request | None:
+        """Finish a queued or running request with reason ABORT; None if it is neither."""
+        request = self.waiting.remove(request_id)
+        if request is None:
+            request = next((r for r in self.running if r.request_id == request_id), None)
+            if request is None:
+                return None
+            self._finish(request, FinishReason.ABORT, now)
+            return request
+        if request.status is RequestStatus.PREEMPTED:
+            self.num_preempted -= 1
+        request.finish(FinishReason.ABORT, now)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def schedule(self, now: float) -> ScheduledBatch:
+        # The scheduling rule:
+        # 1. Queued requests whose deadline has passed finish with `timeout`; aging promotes long waiters.
+        # 2. Running requests go first, in (priority, arrival) order, under the token budget and the KV pool:
+        #    a. decodes, one token each. A decode whose next block cannot be had preempts the lowest-priority,
+        #       latest running request (possibly itself; recompute: its blocks are freed, its generated tokens
+        #       kept, and it goes back to the front of its queue level) until the block can be had;
+        #    b. then the next chunk of each partially prefilled prompt (its blocks were reserved at admission).
+        # 3. Then admission, as many as the batching policy allows: the queue's head (highest level first, FIFO
+        #    within a level) starts while the sequence cap and the token budget have room and the KV pool can
+        #    hold its whole prompt (prefix-cache hits reused); those blocks are reserved now. Without chunked
+        #    prefill its prompt must fit the remaining budget whole. If only the pool is in the way and running
+        #    requests of strictly lower priority hold enough blocks, the lowest-priority, latest of them are
+        #    preempted for it. The first head that cannot start ends admission: nothing jumps the queue.
+        # The runner gets prefill chunks first, then decodes.
+        bm = self.block_manager
+        running = self.running
+        finished = self.waiting.pop_expired(now)
+        for request in finished:
+            request.finish(FinishReason.TIMEOUT, now)
+        self.waiting.update(now)
+
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, tuple[Request, int]] = {}  # request id -> (request, num tokens)
+        preempted: list[Request] = []
+
+        # 2a. decodes
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            if request.num_tokens + request.num_placeholders - request.num_computed_tokens != 1 or (
+                request.num_placeholders and self._has_all_tokens_in_flight(request)
+            ):
+                i += 1
+                continue
+            while not bm.append_slots(request, 1):
+                victim = running[-1]
+                self._preempt(victim, now)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = (request, 1)
+                budget -= 1
+                i += 1
+
+        # 2b. chunks of partially prefilled prompts
+        for request in running:
+            if budget <= 0:
+                break
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:
+                n = min(remaining, budget)
+                if n < remaining and not self.enable_chunked_prefill:
+                    continue
+                scheduled[request.request_id] = (request, n)
+                budget -= n
+
+        # 3. admission
+        waiting = self.waiting
+        if waiting and budget > 0 and len(running) < self.max_num_seqs:
+            num_to_admit = self.policy.num_to_admit(now, waiting.arrival_times(), len(running))
+            while num_to_admit > 0 and waiting and budget > 0 and len(running) < self.max_num_seqs:
+                request = waiting.peek()
+                if not self.enable_chunked_prefill and request.num_tokens > budget:
+                    break
+                num_cached = bm.allocate(request)
+                if num_cached is None:
+                    victims = self._victims_for(request)
+                    if not victims:
+                        break
+                    for victim in victims:
+                        # back to its own priority's level, so it cannot sit ahead of `request` after aging
+                        victim.queue_level = victim.priority
+                        self._preempt(victim, now)
+                        preempted.append(victim)
+                        if victim.request_id in scheduled:
+                            budget += scheduled.pop(victim.request_id)[1]
+                    continue  # retry the head: the victims went back behind it (their own, lower level)
+                waiting.pop()
+                num_to_admit -= 1
+                self._start(request, num_cached, now)
+                remaining = request.num_tokens - request.num_computed_tokens
+                n = min(remaining, budget)
+                scheduled[request.request_id] = (request, n)
+                budget -= n
+
+        batch = self._build_batch(scheduled, finished, preempted)
+        batch.scheduled_at = now
+        return batch
+
+    def _build_batch(
+        self, scheduled: dict[str, tuple[Request, int]], finished: list[Request], preempted: list[Request]
+    ) -> ScheduledBatch:
+        prefills: list[tuple[Request, ScheduledSeq, int]] = []
+        decodes: list[tuple[Request, ScheduledSeq, int]] = []
+        for request, n in scheduled.values():
+            start = request.num_computed_tokens
+            end = start + n
+            placeholders = request.num_placeholders
+            seq = ScheduledSeq(
+                request_id=request.request_id,
+                # a decode whose input token is still in flight gets a placeholder (start == num_tokens then)
+                token_ids=request.all_token_ids[start:end] if start < request.num_tokens else [PLACEHOLDER_TOKEN],
+                start_pos=start,
+                # the live list: block ids are only ever appended to it, and free() replaces it, so a runner that
+                # reads it while later steps are scheduled sees this step's table unchanged
+                block_table=request.block_ids,
+                do_sample=end == request.num_tokens + placeholders,
+                sampling=request.sampling,
+                num_generated=request.num_output_tokens + placeholders,
+            )
+            request.num_computed_tokens = end
+            if seq.do_sample:
+                request.num_placeholders += 1
+            is_decode = n == 1 and (request.num_output_tokens or placeholders)
+            (decodes if is_decode else prefills).append((request, seq, end))
+        items = prefills + decodes
+        return ScheduledBatch(
+            model_input=ModelInput(seqs=[seq for _, seq, _ in items]),
+            requests=[request for request, _, _ in items],
+            num_computed_after=[end for _, _, end in items],
+            finished=finished,
+            preempted=preempted,
+            epochs=[request.epoch for request, _, _ in items],
+        )
+
+    def _has_all_tokens_in_flight(self, request: Request) -> bool:
+        """Every token the request may still produce is already being sampled by a step in flight."""
+        produced = request.num_output_tokens + request.num_placeholders
+        return (
+            produced >= request.sampling.max_tokens or request.num_tokens + request.num_placeholders >= self.max_seq_len
+        )
+
+    def _start(self, request: Request, num_cached: int, now: float) -> None:
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = now
+            request.num_cached_tokens = num_cached
+            self.num_prompt_tokens_total += request.num_prompt_tokens
+        if request.status is RequestStatus.PREEMPTED:
+            self.num_preempted -= 1
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._running_key)
+
+    def _victims_for(self, request: Request) -> list[Request]:
+        """Running requests of strictly lower priority to preempt, lowest and latest first, so that `request`'s
+        blocks fit; [] if even all of them would not make room (or priorities are off)."""
+        if not self.use_priorities:
+            return []
+        needed = self.block_manager.num_blocks_for(request.num_tokens) - self.block_manager.num_free_blocks
+        victims = []
+        for victim in reversed(self.running):
+            if needed <= 0 or victim.priority <= request.priority:
+                break
+            victims.append(victim)
+            needed -= sum(1 for b in victim.block_ids if self.block_manager.ref_counts[b] == 1)
+        return victims if needed <= 0 else []
+
+    def _preempt(self, request: Request, now: float) -> None:
+        """Recompute-style preemption: free the KV, keep the generated tokens, requeue at the front."""
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.num_placeholders = 0
+        request.epoch += 1  # tokens of its steps still in flight are dropped
+        request.status = RequestStatus.PREEMPTED
+        self.num_preempted += 1
+        request.times.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.add_front(request, now)
+
+    def preempt(self, request_id: str, now: float) -> bool:
+        """Preempt a running request on purpose (tests, operators draining load)."""
+        request = next((r for r in self.running if r.request_id == request_id), None)
+        if request is None:
+            return False
+        self._preempt(request, now)
+        return True
+
+    # ---- after the step ----------------------------------------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int], now: float) -> list[Request]:
+        """Apply one step's sampled tokens (one per seq with do_sample, in order); returns the requests that got a
+        token, finished ones included."""
+        bm = self.block_manager
+        updated = []
+        samples = iter(sampled_token_ids)
+        epochs = batch.epochs or [request.epoch for request in batch.requests]
+        for request, seq, computed, epoch in zip(
+            batch.requests, batch.model_input.seqs, batch.num_computed_after, epochs, strict=True
+        ):
+            token = next(samples) if seq.do_sample else None
+            if request.status is not RequestStatus.RUNNING or request.epoch != epoch:
+                continue  # finished (EOS one step late, abort) or preempted after it was scheduled: dropped
+            bm.register_computed_blocks(request, computed)
+            if token is None:
+                continue
+            request.num_placeholders -= 1
+            request.append_output_token(token)
+            self.num_generation_tokens_total += 1
+            if request.times.first_token is None:
+                request.times.first_token = now
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, now)
+            updated.append(request)
+        return updated
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        sampling = request.sampling
+        if not sampling.ignore_eos and token == self.eos_token_id:
+            return FinishReason.STOP
+        if token in sampling.stop_token_ids:
+            return FinishReason.STOP
+        if request.num_output_tokens >= sampling.max_tokens or request.num_tokens >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def fail(self, batch: ScheduledBatch, message: str, now: float) -> list[Request]:
+        """A step failed: finish its requests with ERROR and release their blocks."""
+        failed = []
+        epochs = batch.epochs or [request.epoch for request in batch.requests]
+        for request, epoch in zip(batch.requests, epochs, strict=True):
+            if request.status is RequestStatus.RUNNING and request.epoch == epoch:
+                self._finish(request, FinishReason.ERROR, now, error=message)
+                failed.append(request)
+        return failed
+
+    def _finish(self, request: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.finish(reason, now, error)
+
+    # ---- inspection --------------------------------------------------------------------------------------------
+    def num_running_by_priority(self) -> list[int]:
+        counts = [0] * self.num_priority_levels
+        for request in self.running:
+            counts[min(request.priority, self.num_priority_levels - 1)] += 1
+        return counts

@@ -1,0 +1,37 @@
+"""`overlap model ...` and `overlap engine`: the engine package's subcommands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    model = subparsers.add_parser("model", help="build or inspect models")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    build = model_sub.add_parser("build-tiny", help="build the tiny default Llama model (fixed seed) into DIR")
+    build.add_argument("dir", nargs="?", help="target folder (default: the cache folder used by `overlap serve`)")
+    build.add_argument("--force", action="store_true", help="rebuild even if DIR already holds the model")
+    build.set_defaults(func=_build_tiny)
+
+    engine = subparsers.add_parser(
+        "engine",
+        help="run the engine process alone, serving token ids on a Unix socket (the pod's engine container)",
+    )
+    engine.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    engine.add_argument("--config", help="JSON or YAML file of EngineConfig fields (snake_case)")
+    engine.add_argument("--model", help="local Hugging Face model folder (default: the tiny default model)")
+    engine.set_defaults(func=_run_engine)
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from overlap.engine.model.builder import build_tiny_model, default_model_dir
+
+    path = build_tiny_model(args.dir or default_model_dir(), force=args.force)
+    print(path)
+    return 0
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from overlap.engine.serving.server import run_engine_server
+
+    return run_engine_server(socket_path=args.socket, config_path=args.config, model=args.model)

@@ -1,0 +1,481 @@
+"""The public Engine: validate requests, then step = schedule -> execute -> postprocess.
+
+Execution goes through the executor's N-buffered pipeline (overlap.engine.execution, `config.num_buffers`): `step()`
+schedules and submits steps while a buffer is free, then postprocesses the oldest one, so with 2 buffers step
+N+1 is scheduled while step N runs; with 1 it is plain synchronous execution.
+
+Callers (sidecar engine server, benchmarks, tests) may call `add_request`, `abort`, `reconfigure` and `stats` from
+any thread; those only validate and queue a message. `step()` runs on one thread at a time: it applies the queued
+messages at the step boundary, then does one step. `generate()` drives `step()` from a background thread for
+in-process asyncio use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlap.engine.batching.block_manager import BlockManager
+from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
+from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
+from overlap.engine.execution import StepResult, make_executor
+from overlap.engine.execution.adaptive_buffers import BufferAdvisor
+from overlap.engine.requests.request import Request
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+
+_WINDOW_STEPS = 128  # sliding window for the step-time, batch-size and busy-ratio averages
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What executing one ScheduledBatch produced."""
+
+    sampled: list[int]  # one token per seq with do_sample, in order
+    forward_s: float  # device busy time of the step (the runner's own measure when it has one)
+    error: str | None = None  # set when the step failed; its requests finish with ERROR
+
+
+def _load_runner(config: EngineConfig, model_dir: Path):
+    from overlap.engine.model.runner import ModelRunner
+
+    return ModelRunner(config, model_dir)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, *, runner=None, model_dir: Path | str | None = None) -> None:
+        """`runner` (tests, simulated devices) replaces the model runner; it needs `execute(ModelInput) ->
+        list[int]` and the attributes `num_kv_blocks`, `block_size`, `vocab_size`, `eos_token_id`, `max_model_len`."""
+        self.config = config
+        if runner is None:
+            if model_dir is None:
+                if config.model:
+                    model_dir = Path(config.model)
+                else:
+                    from overlap.engine.model.builder import ensure_default_model
+
+                    model_dir = ensure_default_model()
+            model_dir = Path(model_dir)
+            if not model_dir.is_dir():
+                raise ModelLoadError(f"model folder {str(model_dir)!r} does not exist (config.model)")
+            runner = _load_runner(config, model_dir)
+        self.runner = runner
+        if model_dir is None:  # an injected runner: it may know its folder
+            model_dir = getattr(runner, "model_dir", None) or config.model or "."
+        self.model_dir = Path(model_dir)
+        self.max_model_len = min(config.max_seq_len, int(runner.max_model_len))
+        self.vocab_size = int(runner.vocab_size)
+        self.eos_token_id = runner.eos_token_id
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_id)
+
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._lock = threading.Lock()  # guards the inbox, the live-id set and the pending config
+        self._inbox: list[tuple[str, object]] = []  # ("add", Request) | ("abort", request_id), in call order
+        self._live_ids: set[str] = set()  # ids accepted and not yet finished (duplicate check)
+        self._pending_config: EngineConfig | None = None
+        self._step_lock = threading.Lock()
+
+        self._num_steps_total = 0
+        self._finished_by_reason: Counter[str] = Counter()
+        # (step start, wall seconds, forward seconds, batch size, schedule cpu seconds) per executed step
+        self._window: deque[tuple[float, float, float, int, float]] = deque(maxlen=_WINDOW_STEPS)
+        # Layer 3: the N-buffered pipeline, and the handles of the steps in flight (same order as its deque).
+        self.executor = make_executor(runner, config.num_buffers)
+        self._in_flight: deque[ScheduledBatch] = deque()
+        self._advisor = BufferAdvisor()  # measures always; changes num_buffers only with config.adaptive_buffers
+
+        self._driver: threading.Thread | None = None
+        self._driver_wakeup = threading.Event()
+        self._closing = False
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    # ---- requests in ---------------------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        priority: int = 1,
+        timeout_s: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validate and queue a request; it enters the scheduler at the next step. Raises InvalidRequestError."""
+        now = time.monotonic()
+        request = self._validate(request_id, prompt_token_ids, sampling, priority, timeout_s, arrival_time, now)
+        with self._lock:
+            if request_id in self._live_ids:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            self._live_ids.add(request_id)
+            self._inbox.append(("add", request))
+        self._driver_wakeup.set()
+
+    def _validate(self, request_id, prompt, sampling, priority, timeout_s, arrival_time, now) -> Request:
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        try:
+            prompt = list(prompt)
+        except TypeError:
+            raise InvalidRequestError("prompt_token_ids must be a list of token ids") from None
+        if not prompt:
+            raise InvalidRequestError("empty prompt: prompt_token_ids must hold at least one token id")
+        if not all(type(t) is int for t in prompt):
+            bad = next(t for t in prompt if type(t) is not int)
+            raise InvalidRequestError(f"token ids must be integers, got {bad!r}")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        max_len = self.max_model_len
+        if len(prompt) >= max_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; max_seq_len is {max_len}, so it must be at most {max_len - 1}"
+            )
+        if len(prompt) + sampling.max_tokens > max_len:
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) exceeds max_seq_len {max_len}"
+            )
+        blocks = self.block_manager.num_blocks_for(len(prompt) + sampling.max_tokens)
+        if blocks > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the pool holds {self.block_manager.num_blocks}"
+            )
+        levels = self.config.num_priority_levels
+        if type(priority) is not int or not 0 <= priority < levels:
+            raise InvalidRequestError(
+                f"priority must be an integer in 0..{levels - 1} (0 is highest), got {priority!r}"
+            )
+        if timeout_s is not None and (not isinstance(timeout_s, int | float) or not timeout_s > 0):
+            raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}")
+        arrived = now if arrival_time is None else float(arrival_time)
+        if timeout_s is None:
+            timeout_s = self.config.default_timeout_s
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            times=RequestTimes(arrived=arrived),
+            priority=priority,
+            deadline=None if timeout_s is None else arrived + timeout_s,
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request with reason ABORT; its final output comes from the next step. False if unknown or
+        already finished."""
+        with self._lock:
+            if request_id not in self._live_ids:
+                return False
+            self._inbox.append(("abort", request_id))
+        self._driver_wakeup.set()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live_ids)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step: apply queued input, then schedule -> execute -> postprocess through the executor: it
+        schedules and submits steps while one of `num_buffers` is free, then this postprocesses the oldest step in
+        flight (waiting for it if needed). Returns [] at once when nothing can run."""
+        with self._step_lock:
+            outputs = self._process_input(time.monotonic())
+
+            def schedule():
+                batch = self.schedule()
+                outputs.extend(self._outputs_for(batch.finished))  # timeouts, reported now
+                batch.finished = []
+                if batch.is_empty:
+                    return None
+                self._in_flight.append(batch)
+                return batch.model_input
+
+            result = self.executor.step(schedule)
+            if result is not None:
+                outputs += self._apply_result(result)
+            return outputs
+
+    def _apply_result(self, result: StepResult) -> list[RequestOutput]:
+        """Postprocess the oldest step in flight; feed the measurements to the buffer advisor."""
+        batch = self._in_flight.popleft()
+        assert batch.model_input is result.model_input, "the executor returned steps out of order"
+        if result.error is not None:
+            outcome = StepOutcome([], result.busy_s, f"{type(result.error).__name__}: {result.error}")
+        else:
+            outcome = StepOutcome(result.token_ids, result.busy_s)
+        start = time.perf_counter()
+        outputs = self.postprocess(batch, outcome)
+        postprocess_s = time.perf_counter() - start
+        self.executor.busy.record_host("postprocess", postprocess_s)
+        self._advisor.record(batch.schedule_wall_s + postprocess_s, result.busy_s)
+        if self.config.adaptive_buffers:
+            wanted = self._advisor.advise(self.executor.num_buffers)
+            if wanted is not None:
+                self.executor.set_num_buffers(wanted)
+                self.config = self.config.replace(num_buffers=wanted)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Postprocess every step still in flight, oldest first."""
+        outputs = []
+        while self.executor.num_in_flight:
+            outputs += self._apply_result(self.executor.collect())
+        return outputs
+
+    def schedule(self) -> ScheduledBatch:
+        """Decide the next step's work (the handle postprocess applies the result to)."""
+        cpu0 = time.thread_time()
+        wall0 = time.perf_counter()
+        batch = self.scheduler.schedule(time.monotonic())
+        batch.schedule_cpu_s = time.thread_time() - cpu0
+        batch.schedule_wall_s = time.perf_counter() - wall0
+        return batch
+
+    def execute(self, batch: ScheduledBatch) -> StepOutcome:
+        """Run the forward synchronously, bypassing the executor (CPU-time measurements of the scheduler); a failure
+        becomes an error message for the batch's requests, not an exception."""
+        t0 = time.perf_counter()
+        try:
+            sampled = self.runner.execute(batch.model_input)
+            if hasattr(sampled, "tolist"):
+                sampled = sampled.tolist()
+            num_samples = sum(1 for s in batch.model_input.seqs if s.do_sample)
+            if len(sampled) != num_samples:
+                raise RuntimeError(f"runner returned {len(sampled)} tokens for {num_samples} sampled sequences")
+        except Exception as exc:  # the engine keeps serving the other requests
+            # The step wrote only at or past each sequence's computed length: never into a block that is shared or
+            # published to the prefix cache (those lie below it), so the cache stays valid.
+            return StepOutcome([], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+        forward_s = getattr(self.runner, "last_forward_time_s", None)
+        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0)
+
+    def postprocess(self, batch: ScheduledBatch, outcome: StepOutcome | None) -> list[RequestOutput]:
+        """Apply a step's outcome to the requests in `batch`; also reports what finished while scheduling."""
+        now = time.monotonic()
+        outputs = self._outputs_for(batch.finished)
+        if outcome is None:
+            return outputs
+        if outcome.error is not None:
+            outputs += self._outputs_for(self.scheduler.fail(batch, outcome.error, now))
+        else:
+            outputs += self._outputs_for(self.scheduler.postprocess(batch, outcome.sampled, now))
+        self._num_steps_total += 1
+        wall = now - batch.scheduled_at
+        self._window.append((batch.scheduled_at, wall, outcome.forward_s, len(batch.requests), batch.schedule_cpu_s))
+        return outputs
+
+    def _process_input(self, now: float) -> list[RequestOutput]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            pending, self._pending_config = self._pending_config, None
+        if pending is not None:
+            self._apply_config(pending)
+        aborted = []
+        for kind, item in inbox:
+            if kind == "add":
+                self._requests[item.request_id] = item
+                self.scheduler.add_request(item, now)
+            else:
+                request = self.scheduler.abort(item, now)
+                if request is not None:
+                    aborted.append(request)
+        return self._outputs_for(aborted)
+
+    def _outputs_for(self, requests: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        finished_ids = []
+        for request in requests:
+            finished = request.is_finished
+            outputs.append(
+                RequestOutput(
+                    request_id=request.request_id,
+                    new_token_ids=request.take_new_tokens(),
+                    finished=finished,
+                    finish_reason=request.finish_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_output_tokens=request.num_output_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    times=request.times if finished else None,
+                    error=request.error,
+                )
+            )
+            if finished:
+                finished_ids.append(request.request_id)
+                self._finished_by_reason[request.finish_reason.value] += 1
+                self._requests.pop(request.request_id, None)
+        if finished_ids:
+            self.executor.forget(finished_ids)
+            with self._lock:
+                self._live_ids.difference_update(finished_ids)
+        return outputs
+
+    # ---- live configuration ------------------------------------------------------------------------------------
+    def reconfigure(self, **knobs) -> dict:
+        """Change live knobs (LIVE_KNOBS); they take effect at the next step boundary. Returns the config dict that
+        will be applied (max_num_seqs bounded by the KV pool: every running sequence holds at least one block)."""
+        unknown = set(knobs) - LIVE_KNOBS
+        if unknown:
+            raise ConfigError(
+                f"not live-configurable: {', '.join(sorted(unknown))}; choose from {', '.join(sorted(LIVE_KNOBS))}"
+            )
+        with self._lock:
+            base = self._pending_config or self.config
+            try:
+                new = base.replace(**knobs)
+            except TypeError as exc:
+                raise ConfigError(str(exc)) from None
+            if new.max_num_seqs > self.block_manager.num_blocks:
+                new = new.replace(max_num_seqs=self.block_manager.num_blocks)
+            self._pending_config = new
+        # Between steps already? Then this is the boundary.
+        if self._step_lock.acquire(blocking=False):
+            try:
+                with self._lock:
+                    pending, self._pending_config = self._pending_config, None
+                if pending is not None:
+                    self._apply_config(pending)
+            finally:
+                self._step_lock.release()
+        return new.to_dict()
+
+    def _apply_config(self, config: EngineConfig) -> None:
+        self.config = config
+        self.scheduler.reconfigure(config)
+        # Steps already in flight finish in order; fewer buffers keep the deque "full" until enough have.
+        self.executor.set_num_buffers(config.num_buffers)
+
+    # ---- stats -------------------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """A flat, JSON-serialisable snapshot; safe to call from any thread (counters only, no iteration over the
+        scheduler's live collections)."""
+        scheduler = self.scheduler
+        with self._lock:
+            num_incoming = sum(1 for kind, _ in self._inbox if kind == "add")
+        bm = self.block_manager
+        window = list(self._window)
+        busy = self.executor.busy.snapshot(now=time.perf_counter())  # device busy intervals, measured where run
+        last = window[-1] if window else (0.0, 0.0, 0.0, 0, 0.0)
+        n = max(len(window), 1)
+        return {
+            "num_waiting": len(scheduler.waiting) + num_incoming,
+            "num_running": len(scheduler.running),
+            "num_preempted": scheduler.num_preempted,
+            "num_waiting_by_priority": scheduler.waiting.num_by_priority(),
+            "num_running_by_priority": scheduler.num_running_by_priority(),
+            "kv_usage": bm.usage,
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "prefix_cache_queries_total": bm.prefix_cache_queries,
+            "prefix_cache_hits_total": bm.prefix_cache_hits,
+            "num_preemptions_total": scheduler.num_preemptions_total,
+            "num_prompt_tokens_total": scheduler.num_prompt_tokens_total,
+            "num_generation_tokens_total": scheduler.num_generation_tokens_total,
+            "num_steps_total": self._num_steps_total,
+            "last_step_time_s": last[1],
+            "avg_step_time_s": sum(w[1] for w in window) / n,
+            "last_batch_size": last[3],
+            "avg_batch_size": sum(w[3] for w in window) / n,
+            "schedule_time_s_avg": sum(w[4] for w in window) / n,
+            "device_busy_ratio": busy.busy_ratio,
+            "device_busy_window_s": busy.window_s,
+            "device_idle_gap_ms": busy.idle_gap_ms,
+            "host_ms_per_step": busy.host_ms_per_step,
+            "num_buffers": self.executor.num_buffers,
+            "num_steps_in_flight": self.executor.num_in_flight,
+            "buffer_decisions": [d.to_dict() for d in self._advisor.decisions],
+            "requests_finished_total": {
+                reason.value: self._finished_by_reason[reason.value] for reason in FinishReason
+            },
+            "config": self.config.to_dict(),
+        }
+
+    # ---- asyncio convenience -----------------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        priority: int = 1,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs. A background thread drives `step()` while any generate() is active (do not
+        call step() yourself meanwhile). Leaving the iterator early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        try:
+            self.add_request(request_id, prompt_token_ids, sampling, priority=priority, timeout_s=timeout_s)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        self._ensure_driver()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _ensure_driver(self) -> None:
+        with self._lock:
+            if self._driver is None or not self._driver.is_alive():
+                self._closing = False
+                self._driver = threading.Thread(target=self._drive, name="overlap-engine-step", daemon=True)
+                self._driver.start()
+
+    def _drive(self) -> None:
+        while not self._closing:
+            self._driver_wakeup.clear()
+            if not self.has_unfinished() and not self.executor.num_in_flight:
+                self._driver_wakeup.wait(timeout=0.5)
+                continue
+            try:
+                outputs = self.step()
+            except Exception as exc:  # an engine bug: tell every waiting stream instead of hanging it
+                for loop, queue in list(self._streams.values()):
+                    self._deliver(loop, queue, RuntimeError(f"engine step failed: {exc!r}"))
+                time.sleep(0.01)
+                continue
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    self._deliver(*stream, output)
+            if not outputs and not self.scheduler.running:
+                time.sleep(0.001)  # requests wait on the batching policy or a full pool: do not spin
+
+    @staticmethod
+    def _deliver(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+        with contextlib.suppress(RuntimeError):  # that event loop is closed; its generator is gone
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def close(self) -> None:
+        """Stop the generate() driver thread, finish the steps still in flight and stop the executor's worker thread
+        (a later step() starts it again)."""
+        self._closing = True
+        self._driver_wakeup.set()
+        if self._driver is not None and self._driver is not threading.current_thread():
+            self._driver.join(timeout=5)
+        self._driver = None
+        with self._step_lock:
+            outputs = self._drain()
+            self.executor.close()
+        for output in outputs:  # to whoever still listens
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                self._deliver(*stream, output)

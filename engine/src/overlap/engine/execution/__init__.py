@@ -1,0 +1,31 @@
+"""Execution (DESIGN.md, layer 3): the N-buffered pipeline of model steps and what measures it.
+
+`base.Executor` runs steps synchronously or on a worker thread (CPU runners); `launch.AsyncExecutor` drives a
+runner that launches steps itself (the simulated device); `cuda.CudaExecutor` uses CUDA streams and events.
+`busy` accounts for device-busy time and `adaptive_buffers` advises the buffer count.
+"""
+
+from __future__ import annotations
+
+import os
+
+from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult
+from overlap.engine.execution.busy import BusyTracker
+from overlap.engine.execution.launch import AsyncExecutor
+
+__all__ = ["MAX_BUFFERS", "AsyncExecutor", "Executor", "StepResult", "make_executor"]
+
+
+def make_executor(runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:
+    """The CUDA pipeline for a runner on a CUDA device (`OVERLAP_CUDA_PIPELINE=0` opts out), the launch/wait one for
+    a runner that launches asynchronously (the simulated GPU), else the threaded one."""
+    if (
+        getattr(getattr(runner, "device", None), "type", None) == "cuda"
+        and os.environ.get("OVERLAP_CUDA_PIPELINE", "1") != "0"
+    ):
+        from overlap.engine.execution.cuda import CudaExecutor
+
+        return CudaExecutor(runner, num_buffers, busy)
+    if getattr(runner, "supports_launch", False):
+        return AsyncExecutor(runner, num_buffers, busy)
+    return Executor(runner, num_buffers, busy)

@@ -1,0 +1,199 @@
+"""The execution layer's CUDA path: the same N-buffered pipeline as `Executor`, with no worker thread.
+
+UNTESTED HERE: the development machine has no GPU. `bench/gpu/check.sh` is this module's test; the CPU test suite
+only checks that it refuses to start without CUDA.
+
+On CUDA, launches are asynchronous, so the engine thread itself launches step N+1 while the device still runs
+step N. Per step:
+
+    h2d stream:      runner.prepare()'s host-to-device copies              --event--+
+    compute stream:  (wait) placeholder gather -> forward -> sample -> token table update -> end event --+
+    d2h stream:      (wait) sampled tokens -> this buffer slot's pinned host buffer -> done event
+
+- Ordering is by events only; the host waits on one step's `done` event in `collect`, never on the device.
+- Device-side placeholders: a device tensor holds each running request's latest sampled token (one row per
+  request, assigned at its first sample, returned by `forget`). A decode scheduled with `PLACEHOLDER_TOKEN` gets its
+  input id gathered from that table on the compute stream, so it never waits for a device-to-host copy.
+- Readback goes into pinned buffers preallocated per buffer slot (no allocation, no pageable copy in the loop).
+  The step's inputs are still built by `ModelRunner.prepare` (pageable copies, on their own stream so they do
+  not wait for the running step); staging them through per-slot pinned buffers as well is the next step.
+- Busy time comes from CUDA events around forward + sample, placed on one clock by a reference event.
+- CUDA graphs for common decode batch sizes: not done. The runner's attention loops over sequences with
+  per-sequence KV lengths, which a graph cannot capture; it needs a fixed-shape paged-attention kernel first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from overlap.engine.errors import ConfigError
+from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult, placeholder_source
+from overlap.engine.execution.busy import BusyTracker
+from overlap.engine.types import ModelInput, ScheduledSeq
+
+
+@dataclass(slots=True)
+class _CudaStep:
+    step_id: int
+    model_input: ModelInput
+    slot: int | None = None
+    num_sampled: int = 0
+    start: object = None  # torch.cuda.Event
+    end: object = None
+    done: object = None
+    error: BaseException | None = None
+
+
+class CudaExecutor(Executor):
+    """`Executor`'s interface for a `ModelRunner` on a CUDA device (needs its prepare / forward / sample)."""
+
+    def __init__(self, runner, num_buffers: int = 2, busy: BusyTracker | None = None, max_seqs: int | None = None):
+        import torch
+
+        if getattr(getattr(runner, "device", None), "type", None) != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("CudaExecutor needs a model runner on a CUDA device")
+        super().__init__(runner, num_buffers, busy)
+        self._torch = torch
+        device = runner.device
+        self._device = device
+        self._h2d = torch.cuda.Stream(device)
+        self._compute = torch.cuda.Stream(device)
+        self._d2h = torch.cuda.Stream(device)
+        self._max_seqs = max_seqs or runner.config.max_num_seqs
+        num_rows = 4 * self._max_seqs + 64
+        self._token_table = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self._rows: dict[str, int] = {}
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self._pinned = [torch.empty(self._max_seqs, dtype=torch.long, pin_memory=True) for _ in range(MAX_BUFFERS)]
+        self._free_slots = deque(range(MAX_BUFFERS))
+        # One clock for busy intervals: a reference event and the host time it completed at (one sync, at start).
+        self._ref = torch.cuda.Event(enable_timing=True)
+        self._ref.record(self._compute)
+        self._ref.synchronize()
+        self._ref_host = time.perf_counter()
+
+    # -- the pipeline --------------------------------------------------------------------------------------------
+    def submit(self, model_input: ModelInput) -> int:
+        assert not self.is_full, f"submit with {self.num_in_flight} of {self.num_buffers} buffers in flight"
+        step = _CudaStep(self._next_step_id, model_input)
+        self._next_step_id += 1
+        try:
+            self._launch(step)
+        except Exception as exc:  # bad input or a launch failure: handed back with the step, in order
+            step.error = exc
+            self.forget(seq.request_id for seq in model_input.seqs)
+            if step.slot is not None:
+                self._free_slots.append(step.slot)
+                step.slot = None
+        self._in_flight.append(step)
+        return step.step_id
+
+    def _launch(self, step: _CudaStep) -> None:
+        torch = self._torch
+        runner = self.runner
+        seqs = step.model_input.seqs
+        # Host side: placeholder positions in the packed token matrix and token-table rows.
+        gather_pos, gather_rows, sample_rows = [], [], []
+        host_seqs = []
+        offset = 0
+        for seq in seqs:
+            row = placeholder_source(seq, self._rows)  # the token-table row holding its latest token
+            if row is not None:
+                gather_pos.append(offset)
+                gather_rows.append(row)
+                seq = ScheduledSeq(
+                    seq.request_id, [0], seq.start_pos, seq.block_table, seq.do_sample, seq.sampling, seq.num_generated
+                )
+            if seq.do_sample:
+                sample_rows.append(self._row_for(seq.request_id))
+            host_seqs.append(seq)
+            offset += len(seq.token_ids)
+        if len(sample_rows) > self._max_seqs:
+            raise ValueError(f"{len(sample_rows)} sampled sequences exceed the readback buffer ({self._max_seqs})")
+        step.slot = self._free_slots.popleft()
+        step.num_sampled = len(sample_rows)
+
+        with torch.cuda.stream(self._h2d):
+            inputs = runner.prepare(ModelInput(host_seqs))
+            gather_pos_t = torch.tensor(gather_pos, dtype=torch.long, device=self._device)
+            gather_rows_t = torch.tensor(gather_rows, dtype=torch.long, device=self._device)
+            sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self._device)
+            staged = torch.cuda.Event()
+            staged.record(self._h2d)
+        # Tensors made on the h2d stream and used on the compute stream: tell the caching allocator.
+        for tensor in [*_tensors_of(inputs), gather_pos_t, gather_rows_t, sample_rows_t]:
+            tensor.record_stream(self._compute)
+
+        step.start = torch.cuda.Event(enable_timing=True)
+        step.end = torch.cuda.Event(enable_timing=True)
+        step.done = torch.cuda.Event()
+        self._compute.wait_event(staged)
+        with torch.cuda.stream(self._compute), torch.inference_mode():
+            step.start.record(self._compute)
+            if gather_pos:
+                inputs.input_ids.index_copy_(0, gather_pos_t, self._token_table.index_select(0, gather_rows_t))
+            logits = runner.forward(inputs)
+            tokens = runner.sample(logits, inputs).to(torch.long)
+            if sample_rows:
+                self._token_table.index_copy_(0, sample_rows_t, tokens)
+            step.end.record(self._compute)
+        self._d2h.wait_event(step.end)
+        with torch.cuda.stream(self._d2h):
+            if sample_rows:
+                self._pinned[step.slot][: len(sample_rows)].copy_(tokens, non_blocking=True)
+            tokens.record_stream(self._d2h)
+            step.done.record(self._d2h)
+
+    def _row_for(self, request_id: str) -> int:
+        row = self._rows.get(request_id)
+        if row is None:
+            if not self._free_rows:
+                raise RuntimeError("device token table full: finished requests were not forgotten")
+            row = self._rows[request_id] = self._free_rows.pop()
+        return row
+
+    def oldest_done(self) -> bool:
+        if not self._in_flight:
+            return False
+        step = self._in_flight[0]
+        return step.error is not None or step.done.query()
+
+    def collect(self, block: bool = True) -> StepResult | None:
+        if not self._in_flight or (not block and not self.oldest_done()):
+            return None
+        step = self._in_flight.popleft()
+        if step.error is not None:
+            self._forget_released()
+            return StepResult(step.step_id, step.model_input, [], step.error)
+        start = time.perf_counter()
+        try:
+            step.done.synchronize()  # this step's readback only, never the whole device
+            tokens = self._pinned[step.slot][: step.num_sampled].tolist()
+            begin_s = self._ref.elapsed_time(step.start) / 1000
+            end_s = self._ref.elapsed_time(step.end) / 1000
+        except Exception as exc:  # an asynchronous CUDA error surfaces here
+            self.forget(seq.request_id for seq in step.model_input.seqs)
+            return StepResult(step.step_id, step.model_input, [], exc)
+        finally:
+            self._free_slots.append(step.slot)
+            self._forget_released()  # after the step's own token-table writes are done
+        self.busy.record_interval(self._ref_host + begin_s, self._ref_host + end_s)
+        self.busy.record_host("readback", time.perf_counter() - start)
+        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s)
+
+    def _drop_device_token(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def close(self) -> list[StepResult]:
+        return self.drain()
+
+
+def _tensors_of(inputs) -> list:
+    tensors = [inputs.input_ids, inputs.positions, inputs.slots, inputs.sample_rows]
+    for seq in inputs.seqs:
+        tensors += [t for t in (seq.kv_index, seq.mask) if t is not None]
+    return tensors

@@ -1,0 +1,111 @@
+"""Public types of the engine: what callers (sidecar, benchmarks) send in and get back, and the contract
+between the scheduler and the model runner. Plain data, no torch import at module level."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from overlap.engine.errors import InvalidRequestError
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens reached (or the model's context)
+    ABORT = "abort"  # the caller aborted it (client went away)
+    TIMEOUT = "timeout"  # its deadline passed while it was queued
+    ERROR = "error"  # a failure inside a step; the message says what
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy; top_k 0 and top_p 1 mean "off"."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """The five timestamps field report 2 asks for, in `time.monotonic()` seconds (system-wide on Linux, so
+    comparable across the engine and sidecar processes). None until the event happens."""
+
+    arrived: float
+    queued: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request: the tokens sampled since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, including new_token_ids
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    times: RequestTimes | None = None  # set on the finishing output
+    error: str | None = None  # set when finish_reason is ERROR
+
+
+# A decode step's input token that the host does not know yet: the token this sequence sampled in its latest
+# step, still on the device. The executor fills it in on the device side before the forward
+# (overlap.engine.execution).
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: the scheduler -> model runner contract.
+
+    The runner writes K/V for `token_ids` at positions `start_pos .. start_pos + len(token_ids) - 1` into the
+    slots given by `block_table` (slot = block_table[pos // block_size] * block_size + pos % block_size), attends
+    over positions 0 .. start_pos + len(token_ids) - 1, and samples one token if `do_sample`.
+    """
+
+    request_id: str
+    token_ids: list[int]  # a prefill chunk, or the one token of a decode step
+    start_pos: int  # absolute position of token_ids[0]; tokens before it are already in the KV pool
+    block_table: list[int]  # KV block ids covering at least positions 0 .. start_pos + len(token_ids) - 1
+    do_sample: bool  # last chunk of the prompt, or a decode step
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_generated: int = 0  # tokens generated so far; with `sampling.seed` it makes sampling reproducible
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """Everything the runner needs for one forward pass. Prefill chunks come first, then decodes."""
+
+    seqs: list[ScheduledSeq]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)

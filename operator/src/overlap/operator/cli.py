@@ -1,0 +1,73 @@
+"""`overlap operator`: run the InferenceService operator (kopf) against the current cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "operator", help="run the Kubernetes operator for InferenceService objects (overlap.dev/v1alpha1)"
+    )
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace", "-n", action="append", metavar="NS", help="watch this namespace (repeatable; default: all)"
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument(
+        "--standalone",
+        action="store_true",
+        default=True,
+        help="no peering with other operator replicas (the default: run one replica, Recreate strategy)",
+    )
+    peering.add_argument("--peering", metavar="NAME", help="coordinate with peers via this KopfPeering object")
+    parser.add_argument(
+        "--liveness", metavar="URL", help="serve kopf's liveness probe here, e.g. http://0.0.0.0:8080/healthz"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (/metrics)"
+    )
+    parser.add_argument(
+        "--prometheus-url",
+        metavar="URL",
+        help="Prometheus the control loop queries when a spec names none (env OVERLAP_PROMETHEUS_URL)",
+    )
+    parser.add_argument(
+        "--signal-window-s",
+        type=float,
+        metavar="S",
+        help="rate window of the latency signals; the tuner also waits this long after a move (default 60; "
+        "env OVERLAP_SIGNAL_WINDOW_S)",
+    )
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
+    parser.set_defaults(func=_run_operator)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    import overlap.operator.handlers  # noqa: F401  (registers the handlers)
+    from overlap.operator.control import loop  # registers the control loop's timer
+
+    if args.prometheus_url:
+        os.environ[loop.PROMETHEUS_URL_ENV] = args.prometheus_url
+    if args.signal_window_s is not None:
+        if args.signal_window_s < 1:
+            raise SystemExit(f"overlap operator: --signal-window-s must be >= 1, got {args.signal_window_s:g}")
+        os.environ[loop.SIGNAL_WINDOW_ENV] = str(args.signal_window_s)
+
+    if args.metrics_port:
+        import prometheus_client
+
+        prometheus_client.start_http_server(args.metrics_port, addr=args.metrics_host)
+
+    kopf.run(
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
+    return 0

@@ -1,0 +1,222 @@
+"""The control loop: a kopf timer per InferenceService that reads Prometheus, decides, and carries it out.
+
+Each tick (the faster of spec.autoscaling.intervalSeconds and spec.tuning.intervalSeconds, for the loops that
+are on): read the signals (overlap.operator.control.signals), `decide` (overlap.operator.control.policy), then
+
+- scale: patch spec.replicas (the operator owns it with autoscaling.mode builtin); the update handler rolls it
+  into the Deployment;
+- retune: write the knobs to status.engineConfig and the ConfigMap (new and restarted pods start tuned, running
+  sidecars' file watch picks it up), and PUT them to every ready pod's admin port at once (bearer token from the
+  service's Secret) so the change does not wait for the kubelet's ConfigMap sync;
+- always: status.signals (what it saw), status.lastDecision and the Scaling / Tuned conditions; an Event per move.
+
+The history the windows and cooldowns need lives in kopf's per-object memo: an operator restart starts the
+windows afresh, which only delays the next move.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+import kubernetes
+from prometheus_client import Counter
+
+from overlap.engine.config import EngineConfig
+from overlap.engine.errors import ConfigError
+from overlap.operator import children, kube, status
+from overlap.operator import spec as specs
+from overlap.operator.control import signals
+from overlap.operator.control.policy import (
+    HOLD,
+    RETUNE,
+    SCALE_DOWN,
+    SCALE_UP,
+    Current,
+    Decision,
+    History,
+    Policy,
+    decide,
+)
+
+# The timer's own period; each service's loop runs at its spec's interval (>= 5 s, the CRD's minimum) on top.
+TICK_S = 5.0
+PROMETHEUS_URL_ENV = "OVERLAP_PROMETHEUS_URL"  # the operator-wide default; spec.prometheus.url wins
+SIGNAL_WINDOW_ENV = "OVERLAP_SIGNAL_WINDOW_S"  # the latency signals' rate window (--signal-window-s)
+ADMIN_TIMEOUT_S = 5.0
+
+DECISIONS = Counter("overlap_operator_decisions_total", "Control loop decisions carried out", ["action"])
+
+_EVENT_REASONS = {SCALE_UP: "ScaledUp", SCALE_DOWN: "ScaledDown", RETUNE: "Retuned"}
+
+
+@dataclass
+class LoopState:
+    history: History = field(default_factory=History)
+    last_tick: float = -math.inf
+
+
+@kopf.timer(children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S)
+def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    spec = specs.with_defaults(body.get("spec") or {})
+    try:
+        config = specs.check_spec(spec)
+    except specs.SpecError:
+        return  # reconcile reports it as Degraded; nothing to control
+    policy = Policy.from_spec(spec, signal_window_s=signal_window_s())
+    now = time.time()
+    state: LoopState = memo.setdefault("control", LoopState())
+    if now - state.last_tick < policy.interval_s() - TICK_S / 2:
+        return  # not due (or both loops off: the interval is infinite)
+    state.last_tick = now
+    run_tick(body, spec, config, policy, state, now, logger)
+
+
+def run_tick(
+    body: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    config: EngineConfig,
+    policy: Policy,
+    state: LoopState,
+    now: float,
+    logger: logging.Logger,
+) -> Decision | None:
+    """One pass of the loop for one service; the decision carried out, or None when there were no signals."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    current_status = body.get("status") or {}
+    base_url = spec["prometheus"].get("url") or os.environ.get(PROMETHEUS_URL_ENV, "")
+    when = status.now_iso()
+    if not base_url:
+        problem = "no Prometheus to read: set spec.prometheus.url or the operator's --prometheus-url"
+        kube.patch_status(name, namespace, lambda cur: _loop_conditions(cur, policy, None, problem, when))
+        return None
+    window_s = policy.tuning.signal_window_s
+    queries = signals.queries_for(namespace, name, spec["prometheus"].get("queries"), window_s)
+    try:
+        reading = signals.read_signals(
+            base_url, queries, ready_replicas=current_status.get("readyReplicas") or 0, now=now
+        )
+    except signals.PrometheusError as exc:
+        problem = str(exc)
+        logger.warning(f"control loop: {problem}")
+        kube.patch_status(name, namespace, lambda cur: _loop_conditions(cur, policy, None, problem, when))
+        return None
+
+    engine = specs.tuned_config(config, spec, current_status)
+    live = specs.tunable_values(engine)
+    decision = decide(reading, Current(spec["replicas"], live), state.history, policy)
+    if decision.action == RETUNE:
+        try:
+            engine = engine.replace(**decision.engine)
+        except ConfigError as exc:  # a move the engine refuses (e.g. budget below max_seq_len): hold instead
+            decision = Decision(HOLD, f"retune refused by the engine config: {exc}", decision.replicas, live)
+    if decision.action in (SCALE_UP, SCALE_DOWN):
+        _scale(name, namespace, decision.replicas)
+    state.history.record(reading, decision)
+
+    def compute(cur: dict[str, Any]) -> dict[str, Any]:
+        new = _loop_conditions(cur, policy, decision, None, when)
+        new["signals"] = signals.to_status(reading)
+        if decision.action != HOLD:
+            new["lastDecision"] = decision.to_status(when)
+        if decision.action == RETUNE:
+            new["engineConfig"] = {k: v for k, v in engine.to_dict().items() if v is not None}
+        return new
+
+    kube.patch_status(name, namespace, compute)
+    if decision.action == RETUNE:
+        # After the status: a reconcile builds the ConfigMap from status.engineConfig, so it must hold the new
+        # knobs before the ConfigMap changes (or the operator's own drift repair would put the old ones back).
+        _retune(body, spec, engine, logger)
+    if decision.action != HOLD:
+        DECISIONS.labels(decision.action).inc()
+        logger.info(f"control loop: {decision.action}: {decision.reason}")
+        kopf.info(dict(body), reason=_EVENT_REASONS[decision.action], message=decision.reason)
+    else:
+        logger.debug(f"control loop: hold: {decision.reason}")
+    return decision
+
+
+def signal_window_s() -> float:
+    return float(os.environ.get(SIGNAL_WINDOW_ENV) or signals.DEFAULT_WINDOW_S)
+
+
+def _scale(name: str, namespace: str, replicas: int) -> None:
+    api = kubernetes.client.CustomObjectsApi()
+    with kube.api_errors(f"scaling InferenceService {namespace}/{name}"):
+        api.patch_namespaced_custom_object(
+            children.GROUP,
+            children.VERSION,
+            namespace,
+            children.PLURAL,
+            name,
+            {"spec": {"replicas": replicas}},
+            _content_type=kube.MERGE_PATCH,
+        )
+
+
+def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConfig, logger: logging.Logger) -> None:
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    kube.apply(children.adopt(children.build_configmap(name, namespace, engine), body))
+    knobs = specs.tunable_values(engine)
+    secret = kube.read("Secret", children.admin_secret_name(name), namespace)
+    if secret is None:
+        logger.warning(f"control loop: no admin Secret for {namespace}/{name}; pods pick the change up from the file")
+        return
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    for pod_ip in kube.ready_pod_ips(namespace, children.selector_string(name)):
+        url = f"http://{pod_ip}:{spec['sidecar']['adminPort']}/admin/config"
+        try:
+            put_admin_config(url, token, knobs)
+        except OSError as exc:  # that pod gets it from the ConfigMap file instead
+            logger.warning(f"control loop: PUT {url} failed ({exc}); the pod picks the change up from the file")
+
+
+def put_admin_config(url: str, token: str, knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """PUT /admin/config on one sidecar; what it applied."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(dict(knobs)).encode(),
+        method="PUT",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=ADMIN_TIMEOUT_S) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        raise OSError(f"{exc.code} {exc.read()[:200].decode(errors='replace')}") from exc
+
+
+def _loop_conditions(
+    owner: Mapping[str, Any], policy: Policy, decision: Decision | None, problem: str | None, when: str
+) -> dict[str, Any]:
+    """Scaling and Tuned conditions for the loops that are on (messages stay stable while holding, so a quiet
+    service's status is not rewritten every tick)."""
+    generation = (owner.get("status") or {}).get("observedGeneration")
+    new = []
+    if policy.scaling.mode == "builtin":
+        if problem is not None:
+            new.append(status.condition(status.SCALING, None, "NoSignals", problem, generation, when))
+        elif decision.action in (SCALE_UP, SCALE_DOWN):
+            reason = _EVENT_REASONS[decision.action]
+            new.append(status.condition(status.SCALING, True, reason, decision.reason, generation, when))
+        else:
+            message = "replicas follow the queue watermark"
+            new.append(status.condition(status.SCALING, False, "Stable", message, generation, when))
+    if policy.tuning.enabled:
+        if problem is not None:
+            new.append(status.condition(status.TUNED, None, "NoSignals", problem, generation, when))
+        elif decision.action == RETUNE:
+            new.append(status.condition(status.TUNED, True, "Retuned", decision.reason, generation, when))
+    old = (owner.get("status") or {}).get("conditions") or []
+    return {"conditions": status.merge_conditions(old, new)}

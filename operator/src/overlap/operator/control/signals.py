@@ -1,0 +1,111 @@
+"""The control loop's load signals, read from Prometheus's HTTP API (`GET /api/v1/query`).
+
+Each signal is one PromQL query over the sidecars' `/metrics` (docs/sidecar.md lists the series). `$selector`
+in a query expands to this service's label matchers: `namespace="NS",service="NAME"`, the labels a
+ServiceMonitor scrape puts on every series (the operator creates one per service); `$window` to the rate window
+of the latency signals. A spec can override any query (`spec.prometheus.queries`, with the same placeholders),
+e.g. for a Prometheus that labels its targets differently.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+
+from overlap.operator.control.policy import Signals
+
+# The trailing window of the rate-based signals (`$window` in a query): by default a minute, 4 scrapes at the
+# ServiceMonitor's default 15 s interval; the operator's --signal-window-s changes it, and the tuner waits that
+# long after a move (TuningPolicy.signal_window_s).
+DEFAULT_WINDOW_S = 60.0
+
+DEFAULT_QUERIES: dict[str, str] = {
+    "queueDepth": "sum(vllm:num_requests_waiting{$selector})",
+    "deviceBusy": "avg(overlap_device_busy_ratio{$selector})",
+    "queueTimeShare": (
+        "sum(rate(overlap_request_queue_time_seconds_sum{$selector}[$window]))"
+        " / sum(rate(overlap_e2e_request_latency_seconds_sum{$selector}[$window]))"
+    ),
+    "p99Latency": (
+        "histogram_quantile(0.99, sum by (le) (rate(overlap_e2e_request_latency_seconds_bucket{$selector}[$window])))"
+    ),
+    "ttftP99": (
+        "histogram_quantile(0.99, sum by (le) (rate(overlap_time_to_first_token_seconds_bucket{$selector}[$window])))"
+    ),
+    "kvCacheUsage": "max(vllm:kv_cache_usage_perc{$selector})",
+}
+# spec.prometheus.queries key -> Signals field
+SIGNAL_FIELDS = {
+    "queueDepth": "queue_depth",
+    "deviceBusy": "device_busy",
+    "queueTimeShare": "queue_time_share",
+    "p99Latency": "p99_latency_s",
+    "ttftP99": "ttft_p99_s",
+    "kvCacheUsage": "kv_cache_usage",
+}
+TIMEOUT_S = 5.0
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus could not be asked, or refused a query; the message says which and why."""
+
+
+def selector(namespace: str, name: str) -> str:
+    return f'namespace="{namespace}",service="{name}"'
+
+
+def queries_for(
+    namespace: str, name: str, overrides: Mapping[str, str] | None = None, window_s: float = DEFAULT_WINDOW_S
+) -> dict[str, str]:
+    """Every signal's PromQL with `$selector` and `$window` expanded (overrides from the spec win)."""
+    matchers, window = selector(namespace, name), f"{window_s:g}s"
+    chosen = {**DEFAULT_QUERIES, **(overrides or {})}
+    return {key: query.replace("$selector", matchers).replace("$window", window) for key, query in chosen.items()}
+
+
+def query(base_url: str, promql: str, timeout_s: float = TIMEOUT_S) -> float | None:
+    """An instant query's single value; None when it returns no series or NaN (no traffic yet)."""
+    url = f"{base_url.rstrip('/')}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            body = json.load(response)
+    except urllib.error.HTTPError as exc:  # 400: a bad query; Prometheus says why in the body
+        try:
+            detail = json.load(exc).get("error", exc.reason)
+        except ValueError:
+            detail = exc.reason
+        raise PrometheusError(f"Prometheus refused {promql!r}: {exc.code} {detail}") from exc
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise PrometheusError(f"cannot query Prometheus at {base_url}: {reason}") from exc
+    result = (body.get("data") or {}).get("result") or []
+    if body.get("status") != "success" or not result:
+        return None
+    value = float(result[0]["value"][1])
+    return None if value != value else value  # NaN (0/0 over an idle window): no reading
+
+
+def read_signals(
+    base_url: str, queries: Mapping[str, str], *, ready_replicas: int, now: float, timeout_s: float = TIMEOUT_S
+) -> Signals:
+    """One reading of every signal (expanded queries from `queries_for`)."""
+    values = {SIGNAL_FIELDS[key]: query(base_url, promql, timeout_s) for key, promql in queries.items()}
+    return Signals(time=now, ready_replicas=ready_replicas, **values)
+
+
+def to_status(signals: Signals) -> dict[str, float]:
+    """The CRD's status.signals: what the controller saw at its last tick (missing signals left out)."""
+    fields = {
+        "readyReplicas": signals.ready_replicas,
+        "queueDepth": signals.queue_depth,
+        "waitingPerReplica": signals.waiting_per_replica(),
+        "deviceBusy": signals.device_busy,
+        "queueTimeShare": signals.queue_time_share,
+        "p99LatencySeconds": signals.p99_latency_s,
+        "ttftP99Seconds": signals.ttft_p99_s,
+        "kvCacheUsage": signals.kv_cache_usage,
+    }
+    return {key: round(value, 4) for key, value in fields.items() if value is not None}

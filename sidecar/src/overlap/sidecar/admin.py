@@ -1,0 +1,109 @@
+"""The admin port: read and apply the engine's live configuration (bearer token, never on the public Service),
+and the file-watch mode that applies a mounted ConfigMap file when it changes."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from overlap.engine.config import LIVE_KNOBS
+from overlap.engine.errors import ConfigError
+from overlap.engine.serving.client import EngineUnavailable
+from overlap.sidecar.middlewares import error_middleware
+from overlap.sidecar.routes import json_response, read_body
+from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches, engine_unavailable
+
+log = logging.getLogger(__name__)
+
+ADMIN_TOKEN = web.AppKey("admin_token", str)
+
+
+class LiveKnobs(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of PUT /admin/config: any subset of the engine's live knobs (overlap.engine.LIVE_KNOBS)."""
+
+    max_num_seqs: int | msgspec.UnsetType = msgspec.UNSET
+    max_num_batched_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    num_buffers: int | msgspec.UnsetType = msgspec.UNSET
+    aging_s: float | msgspec.UnsetType = msgspec.UNSET
+    default_timeout_s: float | msgspec.UnsetType | None = msgspec.UNSET
+
+
+assert set(LiveKnobs.__struct_fields__) == set(LIVE_KNOBS), "LiveKnobs must list exactly the engine's LIVE_KNOBS"
+
+
+@web.middleware
+async def bearer_auth(request: web.Request, handler):
+    if not bearer_matches(request.headers.get("Authorization", ""), request.app[ADMIN_TOKEN]):
+        raise ApiError(401, "a valid admin bearer token is required", "authentication_error",
+                       headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+    return await handler(request)
+
+
+async def get_config(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        stats = await state.client.stats()
+    except EngineUnavailable as exc:
+        raise engine_unavailable() from exc
+    return json_response({"config": stats.get("config", {}), "live_knobs": sorted(LIVE_KNOBS)})
+
+
+async def put_config(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    patch = await read_body(request, LiveKnobs)
+    knobs = {k: v for k in LIVE_KNOBS if (v := getattr(patch, k)) is not msgspec.UNSET}
+    if not knobs:
+        raise ApiError(400, f"nothing to apply: send some of {', '.join(sorted(LIVE_KNOBS))}")
+    try:
+        config = await state.client.reconfigure(knobs)
+    except ConfigError as exc:
+        raise ApiError(400, f"not applied: {exc}") from exc
+    except EngineUnavailable as exc:
+        raise engine_unavailable() from exc
+    log.info("live config applied through the admin API: %s", knobs)
+    return json_response({"applied": {k: config.get(k) for k in knobs}, "config": config})
+
+
+def init_admin_app(state: ServerState, token: str) -> web.Application:
+    app = web.Application(middlewares=[error_middleware, bearer_auth], client_max_size=64 * 1024)
+    app[STATE] = state
+    app[ADMIN_TOKEN] = token
+    app.router.add_get("/admin/config", get_config)
+    app.router.add_put("/admin/config", put_config)
+    return app
+
+
+async def watch_config_file(state: ServerState, path: Path, interval_s: float) -> None:
+    """Apply the live knobs of `path` whenever its content changes (a ConfigMap update swaps the file)."""
+    from overlap.engine.serving.server import read_config_file
+
+    applied_digest: str | None = None
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            continue  # not mounted yet, or mid-swap
+        if digest == applied_digest or not state.client.connected:
+            continue
+        try:
+            fields = read_config_file(path)
+            current = (await state.client.stats()).get("config", {})
+            changes = {k: v for k, v in fields.items() if k in LIVE_KNOBS and current.get(k) != v}
+            restart_only = sorted(k for k, v in fields.items() if k not in LIVE_KNOBS and current.get(k) != v)
+            if changes:
+                await state.client.reconfigure(changes)
+                log.info("applied live config from %s: %s", path, changes)
+            if restart_only:
+                log.warning("%s changes %s, which take effect only when the engine restarts", path, restart_only)
+            applied_digest = digest
+        except ConfigError as exc:
+            log.error("config file %s not applied: %s", path, exc)
+            applied_digest = digest  # retry only when the file changes again
+        except EngineUnavailable:
+            pass  # retried at the next tick

@@ -1,0 +1,161 @@
+"""The sidecar's one configuration object, validated at construction, and the single source of its flags.
+
+`FLAGS` lists every command-line flag (`--max-inflight`, ...) with its `OVERLAP_*` environment variable; the
+parser (`add_flags`), the config (`SidecarConfig.from_args`) and the command line `overlap serve` and the operator
+hand to a sidecar (`SidecarConfig.to_argv`) are all derived from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlap.engine.errors import ConfigError
+
+ENV_PREFIX = "OVERLAP_"
+
+
+@dataclass(slots=True)
+class SidecarConfig:
+    engine_socket: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None  # None: no admin listener
+    admin_token_file: str | None = None  # where the admin token comes from (a mounted Secret) ...
+    admin_token_env: str | None = None  # ... or an environment variable naming it
+    api_key_env: str | None = None  # an environment variable holding the API key for /v1/*
+    watch_config: str | None = None  # an engine config file (ConfigMap mount) whose live knobs are applied on change
+    watch_interval_s: float = 2.0
+    served_model_name: str | None = None  # default: the engine's model folder name
+    tokenizer: str | None = None  # default: the engine's model folder
+
+    # Admission: past any of these a request gets 429 before any engine work.
+    max_queued_requests: int = 64  # admitted, not yet producing tokens (field report 2's watermark)
+    max_queued_tokens: int = 65536  # prompt tokens of those queued requests
+    max_inflight: int = 256  # admitted and unfinished
+    request_timeout_s: float = 600.0  # default and upper bound; a request may only lower it
+    max_body_bytes: int = 1024 * 1024
+    grace_period_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    stats_interval_s: float = 0.5  # how often engine stats are polled (metrics, readiness)
+
+    # The secrets themselves, read by `from_args`; never flags, never in `to_argv`.
+    admin_token: str | None = None  # bearer token for /admin/*; admin routes refuse everything when unset
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        check(bool(self.engine_socket), "engine_socket is required")
+        check(0 <= self.port < 65536, f"port must be in 0..65535, got {self.port}")
+        check(self.admin_port is None or 0 <= self.admin_port < 65536, "admin_port must be in 0..65535")
+        check(self.max_queued_requests >= 1, "max_queued_requests must be >= 1")
+        check(self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1")
+        check(self.max_inflight >= 1, "max_inflight must be >= 1")
+        check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
+        check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
+        check(self.stats_interval_s > 0, "stats_interval_s must be > 0")
+        check(self.watch_interval_s > 0, "watch_interval_s must be > 0")
+        check(self.admin_token is None or len(self.admin_token) >= 8, "the admin token must be at least 8 characters")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SidecarConfig:
+        """The config of parsed flags (`add_flags`), with the secrets read from the files and variables they name."""
+        values = {flag.field: getattr(args, flag.field) for flag in FLAGS}
+        admin_token = read_secret(values["admin_token_file"], values["admin_token_env"], "admin token")
+        if values["admin_port"] is not None and admin_token is None:
+            raise ConfigError("--admin-port needs --admin-token-file or --admin-token-env")
+        api_key = read_secret(None, values["api_key_env"], "API key")
+        return cls(engine_socket=args.engine_socket, **values, admin_token=admin_token, api_key=api_key)
+
+    def to_argv(self) -> list[str]:
+        """The `overlap sidecar` flags that reproduce this config (secrets by reference only)."""
+        argv = ["--engine-socket", self.engine_socket]
+        for flag in FLAGS:
+            value = getattr(self, flag.field)
+            if value is not None:
+                argv += [flag.name, str(value)]
+        return argv
+
+    def replace(self, **changes) -> SidecarConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _optional_int(text: str) -> int | None:
+    return None if text == "" else int(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    field: str  # the SidecarConfig field it sets
+    type: object  # what argparse converts the text with
+    help: str
+
+    @property
+    def name(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.field.upper()
+
+
+FLAGS = (
+    Flag("host", str, "address of the public API"),
+    Flag("port", int, "public API port"),
+    Flag("admin_host", str, "address of the admin API"),
+    Flag("admin_port", _optional_int, "admin API port for GET/PUT /admin/config; needs an admin token"),
+    Flag("admin_token_file", str, "file holding the admin bearer token (a mounted Secret)"),
+    Flag("admin_token_env", str, "name of an environment variable holding the admin bearer token"),
+    Flag("api_key_env", str, "name of an environment variable holding an API key required on /v1/* (off by default)"),
+    Flag("served_model_name", str, "model name clients use (default: the model folder's name)"),
+    Flag("tokenizer", str, "tokenizer folder (default: the engine's model folder)"),
+    Flag("max_queued_requests", int, "admission watermark: requests admitted but not started"),
+    Flag("max_queued_tokens", int, "admission watermark: prompt tokens of queued requests"),
+    Flag("max_inflight", int, "admission cap on unfinished requests"),
+    Flag("request_timeout_s", float, "per-request timeout; a request may only lower it"),
+    Flag("max_body_bytes", int, "largest request body accepted, in bytes"),
+    Flag("grace_period_s", float, "on SIGTERM, how long in-flight requests may take to finish"),
+    Flag("watch_config", str, "engine config file (ConfigMap mount) whose live knobs are applied when it changes"),
+    Flag("watch_interval_s", float, "how often the watched config file is checked"),
+)
+_FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
+assert all(flag.field in _FIELDS for flag in FLAGS), "every flag sets a SidecarConfig field"
+
+
+def add_flags(parser: argparse.ArgumentParser, *, listen_on_all: bool = False) -> None:
+    """The sidecar's flags, each defaulting to its `OVERLAP_*` variable, else to SidecarConfig's default. In a
+    container (`listen_on_all`) the two listeners default to every address."""
+    for flag in FLAGS:
+        default = _FIELDS[flag.field].default
+        if listen_on_all and flag.field in ("host", "admin_host"):
+            default = "0.0.0.0"
+        env = os.environ.get(flag.env)
+        shown = "" if default is None else f"; default {default}"
+        # argparse converts a text default with `type` like a given flag, so a bad variable is a usage error.
+        parser.add_argument(flag.name, type=flag.type, default=default if env is None else env,
+                            help=f"{flag.help} ({flag.env}{shown})")  # fmt: skip
+
+
+def read_secret(file_path: str | None, env_name: str | None, what: str) -> str | None:
+    """A secret from a file (Kubernetes Secret mount) or an environment variable; None when neither is given."""
+    if file_path:
+        try:
+            value = Path(file_path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the {what} file {file_path}: {exc}") from exc
+        if not value:
+            raise ConfigError(f"the {what} file {file_path} is empty")
+        return value
+    if env_name:
+        value = os.environ.get(env_name, "").strip()
+        if not value:
+            raise ConfigError(f"the {what} environment variable {env_name} is unset or empty")
+        return value
+    return None

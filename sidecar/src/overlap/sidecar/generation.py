@@ -1,0 +1,175 @@
+"""One request's life in the sidecar: admitted, submitted to the engine, streamed back as text deltas, accounted
+for (metrics, admission) whatever way it ends, and aborted in the engine when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from overlap.engine.serving.client import EngineRejected, EngineUnavailable
+from overlap.engine.types import SamplingParams
+from overlap.sidecar.state import ApiError, ServerState, engine_unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Delta:
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # set on the last delta: "stop" | "length"
+    timing: dict | None = None  # on the last delta: engine-side timestamps (time.monotonic, system-wide)
+
+
+class Generation:
+    """One admitted, submitted request. Iterate it for deltas; it accounts for itself and aborts if abandoned."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        stop: list[str],
+        *,
+        priority: int,
+        timeout_s: float,
+        arrival: float,
+    ) -> None:
+        self.state, self.request_id, self.arrival, self.timeout_s = state, request_id, arrival, timeout_s
+        self.num_prompt_tokens = len(prompt_token_ids)
+        admission = state.admission
+        rejection = admission.check(len(prompt_token_ids))
+        if rejection is not None:
+            state.metrics.rejected_by[rejection.reason].inc()
+            raise ApiError(
+                429,
+                rejection.message + "; retry later",
+                "rate_limit_error",
+                code=rejection.reason,
+                headers={"Retry-After": str(rejection.retry_after_s)},
+            )
+        try:
+            self.stream = state.client.submit(
+                request_id, prompt_token_ids, sampling, priority=priority, timeout_s=timeout_s
+            )
+        except EngineUnavailable as exc:
+            state.metrics.rejected_by["engine_unavailable"].inc()
+            raise engine_unavailable() from exc
+        admission.admit(request_id, len(prompt_token_ids))
+        self.detokenizer = state.text.detokenizer(prompt_token_ids, stop)
+        self.done = False
+        self._closed = False
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        state, metrics = self.state, self.state.metrics
+        last_token_at: float | None = None
+        reason = "abort"
+        num_output = 0
+        try:
+            async with asyncio.timeout(self.timeout_s - (time.monotonic() - self.arrival)):
+                while True:
+                    try:
+                        out = await self.stream.next()
+                    except EngineUnavailable as exc:
+                        reason = "error"
+                        raise ApiError(
+                            503, f"{exc}; the request was lost", "service_unavailable", code="engine_unavailable"
+                        ) from exc
+                    except EngineRejected as exc:
+                        reason = "error"
+                        if exc.kind == "invalid_request":
+                            raise ApiError(400, str(exc)) from exc
+                        if exc.kind == "shutting_down":
+                            raise ApiError(503, str(exc), "service_unavailable", code="draining") from exc
+                        raise ApiError(500, str(exc), "internal_error") from exc
+                    now = time.monotonic()
+                    if out.new_token_ids:
+                        if last_token_at is None:
+                            state.admission.started(self.request_id)
+                            metrics.ttft.observe(now - self.arrival)
+                        else:
+                            gap = (now - last_token_at) / len(out.new_token_ids)
+                            for _ in out.new_token_ids:
+                                metrics.itl.observe(gap)
+                        last_token_at = now
+                    num_output = out.num_output_tokens
+                    text = self.detokenizer.push(out.new_token_ids)
+                    if out.finished:
+                        self.done = True
+                        reason = self._finish_reason(out)
+                        text += self.detokenizer.flush()
+                        self._observe_engine_times(out)
+                        yield Delta(text, self.num_prompt_tokens, num_output, reason, self._timing(out))
+                        return
+                    if self.detokenizer.stopped:  # a stop string matched: the engine need not go on
+                        self.done = True
+                        reason = "stop"
+                        state.client.abort(self.request_id)
+                        yield Delta(text, self.num_prompt_tokens, num_output, "stop")
+                        return
+                    if text:
+                        yield Delta(text, self.num_prompt_tokens, num_output)
+        except TimeoutError as exc:
+            reason = "timeout"
+            raise ApiError(
+                504, f"the request timed out after {self.timeout_s:g} s", "timeout_error", code="timeout"
+            ) from exc
+        finally:
+            self._close(reason, num_output)
+
+    def close(self) -> None:
+        """Account for a generation that was never iterated (the client went away first); idempotent."""
+        self._close("abort", 0)
+
+    def _close(self, reason: str, num_output: int) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        state, metrics = self.state, self.state.metrics
+        if not self.done:
+            state.client.abort(self.request_id)  # client gone, timed out, or failed: free the engine's slot
+        state.admission.finished(self.request_id)
+        metrics.finished_by[reason].inc()
+        metrics.e2e.observe(time.monotonic() - self.arrival)
+        metrics.prompt_tokens.inc(self.num_prompt_tokens)
+        metrics.generation_tokens.inc(num_output)
+
+    def _finish_reason(self, out) -> str:
+        reason = out.finish_reason
+        if self.detokenizer.stopped or reason == "stop":
+            return "stop"
+        if reason == "length":
+            return "length"
+        if reason == "timeout":
+            raise TimeoutError  # queued past its deadline in the engine
+        if reason == "abort":
+            raise ApiError(503, "the engine aborted the request", "service_unavailable", code="aborted")
+        raise ApiError(500, f"the engine failed on this request: {out.error or reason}", "internal_error")
+
+    def _observe_engine_times(self, out) -> None:
+        t = out.times
+        if t is None:
+            return
+        if t.first_scheduled is not None:
+            self.state.metrics.queue_time.observe(max(0.0, t.first_scheduled - t.arrived))
+            if t.first_token is not None:
+                self.state.metrics.prefill_time.observe(max(0.0, t.first_token - t.first_scheduled))
+
+    def _timing(self, out) -> dict | None:
+        t = out.times
+        if t is None:
+            return None
+        return {
+            "sidecar_arrived": self.arrival,
+            "sidecar_final_received": time.monotonic(),
+            "engine_arrived": t.arrived,
+            "engine_first_scheduled": t.first_scheduled,
+            "engine_first_token": t.first_token,
+            "engine_finished": t.finished,
+            "num_preemptions": t.num_preemptions,
+        }

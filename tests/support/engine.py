@@ -1,0 +1,170 @@
+"""Helpers for CPU-cheap engine tests: a fake runner that keeps a paged "KV pool" of token ids, and factories.
+
+`FakeRunner` honours the ScheduledSeq contract literally: it writes each scheduled token into the slot its block
+table names, and reads the whole prefix back from the pool before "sampling". The sampled token is a hash of the
+sequence it read, so any scheduler or block-manager bug that feeds a wrong token, a wrong position, or a block
+that another request has overwritten changes the tokens versus `reference_tokens()`, the same function computed
+serially on the plain token list.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from overlap.engine.batching.block_manager import BlockManager
+from overlap.engine.batching.scheduler import Scheduler
+from overlap.engine.config import EngineConfig
+from overlap.engine.core import Engine
+from overlap.engine.requests.request import Request
+from overlap.engine.types import ModelInput, RequestTimes, SamplingParams
+
+VOCAB = 64
+EOS = 1
+
+
+def next_token(sequence: tuple[int, ...], vocab_size: int = VOCAB) -> int:
+    """The fake model: a deterministic function of the whole sequence so far."""
+    return hash(sequence) % vocab_size
+
+
+def reference_tokens(prompt: list[int], sampling: SamplingParams, eos: int | None = EOS) -> list[int]:
+    """What a correct engine must produce for `prompt` with the fake model (greedy, serial, no KV)."""
+    sequence = list(prompt)
+    out: list[int] = []
+    while len(out) < sampling.max_tokens:
+        token = next_token(tuple(sequence))
+        out.append(token)
+        sequence.append(token)
+        if (not sampling.ignore_eos and token == eos) or token in sampling.stop_token_ids:
+            break
+    return out
+
+
+class FakeRunner:
+    def __init__(self, num_kv_blocks: int = 256, block_size: int = 4, max_model_len: int = 512) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.vocab_size = VOCAB
+        self.eos_token_id = EOS
+        self.max_model_len = max_model_len
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
+        self.fail_on: set[str] = set()  # request ids whose presence makes execute() raise
+        self.batches: list[ModelInput] = []  # every input seen (tests inspect order and sizes)
+        self.keep_batches = True
+        self.delay_s = 0.0  # simulated forward time (sleeps, releasing the GIL as a real forward does)
+
+    def execute(self, model_input: ModelInput) -> list[int]:
+        if self.keep_batches:
+            self.batches.append(model_input)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        bad = self.fail_on.intersection(s.request_id for s in model_input.seqs)
+        if bad:
+            raise RuntimeError(f"injected failure for {sorted(bad)}")
+        bs = self.block_size
+        sampled = []
+        for seq in model_input.seqs:
+            end = seq.start_pos + len(seq.token_ids)
+            assert len(seq.block_table) * bs >= end, f"{seq.request_id}: block table too short for {end} tokens"
+            assert all(0 <= b < self.num_kv_blocks for b in seq.block_table), "block id outside the pool"
+            for offset, token in enumerate(seq.token_ids):
+                pos = seq.start_pos + offset
+                self.kv[seq.block_table[pos // bs] * bs + pos % bs] = (pos, token)
+            sequence = []
+            for pos in range(end):
+                stored_pos, token = self.kv.get(seq.block_table[pos // bs] * bs + pos % bs, (-1, -1))
+                sequence.append(token if stored_pos == pos else -1)  # -1: a slot overwritten by someone else
+            if seq.do_sample:
+                sampled.append(next_token(tuple(sequence)))
+        return sampled
+
+
+class ConstantRunner:
+    """No KV bookkeeping at all: for measuring the scheduler's own CPU time."""
+
+    def __init__(self, num_kv_blocks: int = 4096, block_size: int = 16, max_model_len: int = 2048) -> None:
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.vocab_size = VOCAB
+        self.eos_token_id = EOS
+        self.max_model_len = max_model_len
+
+    def execute(self, model_input: ModelInput) -> list[int]:
+        return [7 for s in model_input.seqs if s.do_sample]
+
+
+_ids = itertools.count()
+
+
+def create_requests(
+    num_requests: int,
+    prompt_len: int = 10,
+    max_tokens: int = 8,
+    priority: int = 1,
+    ignore_eos: bool = True,
+    arrived: float | None = None,
+    deadline: float | None = None,
+    same_prompt: bool = False,
+) -> list[Request]:
+    requests = []
+    for i in range(num_requests):
+        rid = f"req-{next(_ids)}"
+        prompt = [(7 * j + (0 if same_prompt else 13 * i)) % (VOCAB - 2) + 2 for j in range(prompt_len)]
+        requests.append(
+            Request(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos),
+                times=RequestTimes(arrived=time.monotonic() if arrived is None else arrived),
+                priority=priority,
+                deadline=deadline,
+            )
+        )
+    return requests
+
+
+def create_scheduler(
+    num_blocks: int = 256, block_size: int = 4, max_seq_len: int = 512, **config
+) -> tuple[Scheduler, FakeRunner]:
+    config.setdefault("max_seq_len", max_seq_len)
+    cfg = EngineConfig(**config)
+    runner = FakeRunner(num_blocks, block_size, max_seq_len)
+    bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+    return Scheduler(cfg, bm, max_seq_len, EOS), runner
+
+
+def run_step(scheduler: Scheduler, runner: FakeRunner, now: float):
+    """One schedule -> execute -> postprocess round; returns (batch, updated requests)."""
+    batch = scheduler.schedule(now)
+    if batch.is_empty:
+        return batch, []
+    return batch, scheduler.postprocess(batch, runner.execute(batch.model_input), now)
+
+
+def create_engine(num_blocks: int = 256, block_size: int = 4, max_model_len: int = 512, **config) -> Engine:
+    config.setdefault("max_seq_len", max_model_len)
+    runner = FakeRunner(num_blocks, block_size, max_model_len)
+    return Engine(EngineConfig(**config), runner=runner)
+
+
+def run_to_completion(engine: Engine, max_steps: int = 100_000) -> dict[str, list]:
+    """Step until nothing is unfinished; returns request id -> list of its outputs."""
+    outputs: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"engine did not finish within {max_steps} steps")
+
+
+def add_and_run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    """Add every (prompt, sampling) request, then step until all have finished."""
+    for rid, (prompt, sampling) in requests.items():
+        engine.add_request(rid, prompt, sampling)
+    return run_to_completion(engine)
+
+
+def tokens_of(outputs: list) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
