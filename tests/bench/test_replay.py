@@ -11,7 +11,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from overlap.bench import replay
+from overlap.bench import replay, workload
 from overlap.bench.report import compute_metrics
 from overlap.bench.traces import Trace, TraceError, TraceRequest
 
@@ -58,10 +58,10 @@ def test_dynamic_defaults_follow_the_advisor_for_the_trace_rate():
 
 def test_prompt_ids_are_the_same_for_every_policy_and_fit_the_context():
     request = TraceRequest(0.0, 4, prompt_tokens=12)
-    ids = replay.prompt_token_ids(request, 3, seed=0, vocab_size=8192)
-    assert ids == replay.prompt_token_ids(request, 3, seed=0, vocab_size=8192)
+    ids = workload.prompt_token_ids(request, 3, seed=0, vocab_size=8192)
+    assert ids == workload.prompt_token_ids(request, 3, seed=0, vocab_size=8192)
     assert len(ids) == 12 and all(10 <= t < 1000 for t in ids)
-    tokens, max_tokens = replay.fit_to_context(list(range(100)), 80, max_model_len=64)
+    tokens, max_tokens = workload.fit_to_context(list(range(100)), 80, max_model_len=64)
     assert max_tokens == 32 and len(tokens) + max_tokens <= 64
 
 
@@ -242,15 +242,15 @@ def test_command_line_transforms_and_quick_window():
             "serial",
         ]
     )
-    trace = replay.load_for_args(args)
-    assert trace.duration_s <= replay.QUICK_TRACE_S
+    trace = workload.load_for_args(args)
+    assert trace.duration_s <= workload.QUICK_TRACE_S
     described = trace.describe()
-    for part in ("rate x0.5", "tokens x0.5", "2x burst at 2 s for 1 s", f"first {replay.QUICK_TRACE_S:g} s"):
+    for part in ("rate x0.5", "tokens x0.5", "2x burst at 2 s for 1 s", f"first {workload.QUICK_TRACE_S:g} s"):
         assert part in described
     with pytest.raises(TraceError, match="--burst"):
-        replay._parse_burst("soon")
+        workload.parse_burst("soon")
     with pytest.raises(TraceError, match="--sim-cost"):
-        replay._parse_sim_cost("fast")
+        workload.parse_sim_cost("fast")
 
 
 async def test_target_replay_sends_token_id_prompts_and_explicit_priorities_only():
@@ -262,7 +262,7 @@ async def test_target_replay_sends_token_id_prompts_and_explicit_priorities_only
     finally:
         await runner.cleanup()
     by_prompt = {json.dumps(b["prompt"]): b for b in bodies}
-    assert "priority" not in by_prompt[json.dumps(replay.prompt_token_ids(trace.requests[0], 0, 0))]
+    assert "priority" not in by_prompt[json.dumps(workload.prompt_token_ids(trace.requests[0], 0, 0))]
     assert by_prompt['"Hi"']["priority"] == 0
 
 

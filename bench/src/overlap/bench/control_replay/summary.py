@@ -1,0 +1,166 @@
+"""What a run comes to: its figures (`summarize_run`), the comparison table and plot, and the header lines that
+describe the setup."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from overlap.bench.control_replay.loop import ControlRun
+from overlap.bench.control_replay.plan import SIGNAL_WINDOW_S, Setup
+from overlap.bench.report import compute_metrics
+from overlap.bench.traces import Trace
+
+
+def summarize_run(run: ControlRun, slo_s: float) -> dict:
+    """One run's figures for the table and the JSON."""
+    m = compute_metrics(run.result)
+    records = run.result.records
+    wall = run.result.wall_s
+    within = sum(r.status == "finished" and r.e2e is not None and r.e2e <= slo_s for r in records)
+    # SLO misses (late, unfinished or refused) per tick, counted at the tick that ends the interval they arrived in
+    late = [r.arrived for r in records if not (r.status == "finished" and r.e2e is not None and r.e2e <= slo_s)]
+    where = np.minimum(np.searchsorted([k.t for k in run.ticks], late), len(run.ticks) - 1)
+    misses = np.bincount(where, minlength=len(run.ticks))
+    counts = {
+        action: sum(d["action"] == action for d in run.decisions) for action in ("scale-up", "scale-down", "retune")
+    }
+    return {
+        "label": run.result.label,
+        "requests": m.num_requests,
+        "finished": m.num_finished,
+        "unfinished": m.num_unfinished,
+        "rejected": m.num_rejected + m.num_failed,
+        "wall_s": round(wall, 2),
+        "throughput_rps": round(m.requests_per_s, 1),
+        "latency_mean_ms": _round(m.e2e_mean_ms),
+        "latency_p50_ms": _round(m.e2e_p50_ms),
+        "latency_p99_ms": _round(m.e2e_p99_ms),
+        "ttft_p99_ms": _round(m.ttft_p99_ms),
+        "slo_attainment": round(within / max(m.num_requests, 1), 4),
+        "replica_seconds": round(run.replica_seconds, 2),
+        "mean_replicas": round(run.replica_seconds / max(wall, 1e-9), 2),
+        "scale_ups": counts["scale-up"],
+        "scale_downs": counts["scale-down"],
+        "retunes": counts["retune"],
+        "knobs_final": run.final_knobs,
+        "host": {
+            "submit_lag_ms": {k: round(v, 1) for k, v in run.submit_lag_ms.items()},
+            "cpu_share": round(run.cpu_share, 2),
+        },
+        "decisions": run.decisions,
+        "timeline": [
+            {
+                "t": round(k.t, 3),
+                "arrival_rps": round(k.arrival_rate, 1),
+                "ready": k.ready,
+                "replicas": k.replicas,
+                "queue_depth": k.queue_depth,
+                "action": k.action,
+                "slo_misses": int(missed),
+            }
+            for k, missed in zip(run.ticks, misses, strict=True)
+        ],
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+_TABLE = (
+    ("run", "label", None),
+    ("done", "finished", "d"),
+    ("unfin.", "unfinished", "d"),
+    ("rej.", "rejected", "d"),
+    ("req/s", "throughput_rps", ".1f"),
+    ("mean ms", "latency_mean_ms", ".0f"),
+    ("P50 ms", "latency_p50_ms", ".0f"),
+    ("P99 ms", "latency_p99_ms", ".0f"),
+    ("TTFT P99", "ttft_p99_ms", ".0f"),
+    ("SLO", "slo_attainment", ".1%"),
+    ("replicas", "mean_replicas", ".2f"),
+    ("repl-s", "replica_seconds", ".1f"),
+    ("ups", "scale_ups", "d"),
+    ("downs", "scale_downs", "d"),
+    ("retunes", "retunes", "d"),
+)
+
+
+def table(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    header = [name for name, _, _ in _TABLE]
+    rows = [
+        [run[key] if fmt is None else ("-" if run[key] is None else format(run[key], fmt)) for _, key, fmt in _TABLE]
+        for run in runs
+    ]
+    return header, rows
+
+
+def plot(runs: list[dict], path: Path, title: str) -> None:
+    """Arrival rate, replicas and queue depth over time, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(7, 6), dpi=80, sharex=True)
+    first = runs[0]["timeline"]
+    axes[0].plot([k["t"] for k in first[1:]], [k["arrival_rps"] for k in first[1:]], color="black", lw=0.8)
+    axes[0].set_ylabel("arrivals (req/s)")
+    for run in runs:
+        t = [k["t"] for k in run["timeline"]]
+        axes[1].step(t, [k["replicas"] for k in run["timeline"]], where="post", label=run["label"], lw=1.2)
+        axes[2].plot(t, [k["queue_depth"] for k in run["timeline"]], label=run["label"], lw=0.9)
+    axes[1].set_ylabel("replicas (asked)")
+    axes[2].set_ylabel("waiting requests")
+    axes[2].set_yscale("symlog", linthresh=10)
+    axes[2].set_xlabel("replayed time (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].set_title(textwrap.fill(title, 110), fontsize=7)
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=len(runs), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def replica_capacity_rps(setup: Setup) -> float:
+    """What one replica serves at most of this trace at its starting sequence cap B: with B sequences decoding,
+    a step of fixed + per_token x tokens, and each request's prompt + output tokens passing through once, throughput
+    is B / (O x fixed + B x per_token x (P + O)) for mean prompt P and output O tokens."""
+    fixed_s, per_token_s = setup.cost_ms_us[0] / 1000, setup.cost_ms_us[1] / 1e6
+    prompts = [r.prompt_tokens or 1 for r in setup.trace.requests]
+    outputs = [r.max_tokens for r in setup.trace.requests]
+    p, o, b = float(np.mean(prompts)), float(np.mean(outputs)), setup.max_num_seqs
+    return b / (o * fixed_s + b * per_token_s * (p + o))
+
+
+def peak_rate_rps(trace: Trace, bin_s: float) -> float:
+    arrivals = [r.arrival_s for r in trace.requests]
+    counts, _ = np.histogram(
+        arrivals,
+        bins=max(1, math.ceil((trace.duration_s + 1e-9) / bin_s)),
+        range=(0, max(bin_s, math.ceil((trace.duration_s + 1e-9) / bin_s) * bin_s)),
+    )
+    return float(counts.max() / bin_s)
+
+
+def header_lines(setup: Setup) -> list[str]:
+    policy = setup.scaling_policy("builtin")
+    k = setup.time_scale
+    capacity = replica_capacity_rps(setup)
+    peak = peak_rate_rps(setup.trace, SIGNAL_WINDOW_S / k)
+    return [
+        f"trace {setup.trace.describe()}",
+        f"simulated device: a step of N tokens takes {setup.cost_ms_us[0]:g} ms + N x {setup.cost_ms_us[1]:g} us; "
+        f"one replica at max_num_seqs {setup.max_num_seqs} serves at most ~{capacity:.0f} req/s of this trace; "
+        f"the trace peaks at {peak:.0f} req/s (over {SIGNAL_WINDOW_S / k:g} s) = {peak / capacity:.1f} replicas",
+        f"controller time / {k:g}: tick {setup.interval_s:g} s, up window {policy.up_window_s:g} s, down window "
+        f"{policy.down_window_s:g} s, cooldowns up {policy.up_cooldown_s:g} s / down {policy.down_cooldown_s:g} s, "
+        f"latency signals over {SIGNAL_WINDOW_S / k:g} s; cold start {setup.cold_start_s:g} s; watermarks "
+        f"{setup.up_watermark:g} up / {setup.down_watermark:g} down waiting per ready replica; replicas "
+        f"{setup.min_replicas}..{setup.max_replicas}; P99 SLO {setup.slo_s:g} s; router: least outstanding requests",
+    ]
