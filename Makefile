@@ -60,7 +60,7 @@ lint: venv  ## ruff + the layering contract
 
 test: venv model tools prometheus  ## lint, then the whole test suite
 	$(MAKE) lint
-	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(BIN)/pytest -q $(PYTEST_ARGS)
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: venv model  ## every benchmark, full size (prints tables; see README "Performance")
 	$(BIN)/overlap bench engine
@@ -91,7 +91,7 @@ chart-check: venv tools  ## helm lint; helm template (default + ci/ values) | ku
 	  $(TOOLS)/bin/helm template overlap $(CHART) --namespace overlap-system $${values:+-f $$values} \
 	    | $(BIN)/kubernetes-validate --strict --quiet - || exit 1; \
 	done
-	$(BIN)/pytest -q tests/chart
+	$(PY) -m pytest -q tests/chart
 
 clean:  ## remove build outputs (keeps .venv and the model cache)
 	rm -rf build */build */src/*.egg-info .pytest_cache .ruff_cache

@@ -49,11 +49,13 @@ def test_operator_command_line() -> None:
         parser.parse_args(["operator", "--standalone", "--peering", "p"])
 
 
-def test_the_pods_command_lines_parse_with_the_real_overlap_command() -> None:
+def test_the_pods_command_lines_parse_with_the_real_overlap_command(tmp_path, monkeypatch) -> None:
     """The deployment contract: what the operator puts in the pod is what `overlap engine` / `overlap sidecar`
-    accept (parsed by the real parser; nothing runs)."""
+    accept (parsed by the real parser, the sidecar's into its SidecarConfig, the flags' single source; nothing
+    runs)."""
     from overlap.operator import children
     from overlap.operator import spec as specs
+    from overlap.sidecar.config import SidecarConfig
 
     spec = specs.with_defaults(
         {"model": {"servedName": "m", "path": "/m"}, "sidecar": {"apiKeySecret": {"name": "key"}}}
@@ -67,3 +69,12 @@ def test_the_pods_command_lines_parse_with_the_real_overlap_command() -> None:
         if args.command == "sidecar":
             assert args.engine_socket == children.SOCKET
             assert args.api_key_env == children.API_KEY_ENV
+            # the Secret mounts, as the pod would have them
+            (tmp_path / "token").write_text("admin-token-0123456789")
+            args.admin_token_file = str(tmp_path / "token")
+            monkeypatch.setenv(children.API_KEY_ENV, "sk-key")
+            config = SidecarConfig.from_args(args)
+            assert (config.engine_socket, config.admin_port, config.api_key) == (
+                children.SOCKET, spec["sidecar"]["adminPort"], "sk-key",
+            )  # fmt: skip
+            assert config.max_inflight == spec["sidecar"]["maxInflight"]
