@@ -53,7 +53,7 @@ $(TOOLS)/bin/kubectl $(TOOLS)/bin/helm:
 prometheus:  ## make sure prometheus and promtool are installed (Debian package)
 	@bash scripts/ensure-prometheus.sh
 
-lint: venv  ## ruff + the layering contract
+lint: venv  ## ruff + the import contracts (engine layers, independence, no cycles)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports

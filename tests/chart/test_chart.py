@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 # The CRD admission of the operator tests (schema + CEL), to check rendered InferenceServices too.
-from tests.support.kube import admission as crd_admission
+from tests.support.kube import admission
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "overlap"
@@ -44,7 +44,7 @@ def test_every_rendered_manifest_is_strictly_valid(values: Path | None) -> None:
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for doc in docs:
         if doc["kind"] == "InferenceService":
-            crd_admission.admit(doc, schema, strict=True)
+            admission.admit(doc, schema, strict=True)
         elif doc["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.engine.model import builder as model_builder
+from overlap.engine.model import builder
 
 
 def _digest(path: Path) -> str:
@@ -51,12 +51,12 @@ def _prod(shape) -> int:
 
 
 def test_build_is_deterministic_and_skips_existing(tmp_path: Path, tiny_model_dir: Path):
-    target = model_builder.build_tiny_model(tmp_path / "m")
+    target = builder.build_tiny_model(tmp_path / "m")
     assert _digest(target) == _digest(tiny_model_dir)
     mtime = (target / "model.safetensors").stat().st_mtime_ns
-    assert model_builder.build_tiny_model(target) == target
+    assert builder.build_tiny_model(target) == target
     assert (target / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
-    model_builder.build_tiny_model(target, force=True)
+    builder.build_tiny_model(target, force=True)
     assert _digest(target) == _digest(tiny_model_dir)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temporary folders left behind
 
@@ -64,7 +64,7 @@ def test_build_is_deterministic_and_skips_existing(tmp_path: Path, tiny_model_di
 def test_refuses_to_overwrite_a_foreign_folder(tmp_path: Path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError):
-        model_builder.build_tiny_model(tmp_path)
+        builder.build_tiny_model(tmp_path)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -78,5 +78,5 @@ def test_concurrent_ensure_builds_one_complete_model(tmp_path: Path):
     assert [child.returncode for child in children] == [0, 0]
     assert len(set(results)) == 1
     built = Path(results[0])
-    assert model_builder.is_complete(built)
-    assert [p.name for p in tmp_path.iterdir()] == [model_builder.MODEL_NAME]
+    assert builder.is_complete(built)
+    assert [p.name for p in tmp_path.iterdir()] == [builder.MODEL_NAME]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from overlap.operator import spec as specs
-from tests.support.kube import admission as crd_admission
+from tests.support.kube import admission
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "inferenceservices.overlap.dev.yaml").read_text())
@@ -37,8 +37,8 @@ def with_spec(**spec) -> dict:
 
 
 def refusal(obj: dict, *, strict: bool = True) -> str:
-    with pytest.raises((crd_admission.Invalid, crd_admission.UnknownFields)) as caught:
-        crd_admission.admit(obj, SCHEMA, strict=strict)
+    with pytest.raises((admission.Invalid, admission.UnknownFields)) as caught:
+        admission.admit(obj, SCHEMA, strict=strict)
     return str(caught.value)
 
 
@@ -137,13 +137,13 @@ def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str)
     ids=["defaults", "builtin-autoscaling", "tuning-bounds", "pvc", "no-chunked-prefill", "cpu-only"],
 )
 def test_valid_specs_are_admitted_and_defaulted(spec: dict) -> None:
-    stored = crd_admission.admit(with_spec(**spec), SCHEMA, strict=True)
+    stored = admission.admit(with_spec(**spec), SCHEMA, strict=True)
     assert stored["spec"]["engine"]["maxNumSeqs"] >= 1 and stored["spec"]["sidecar"]["port"] == 8000
     specs.check_spec(stored["spec"])  # the operator agrees with the schema
 
 
 def test_unknown_fields_are_pruned_without_strict_validation() -> None:
-    stored = crd_admission.admit(with_spec(replica=2), SCHEMA, strict=False)
+    stored = admission.admit(with_spec(replica=2), SCHEMA, strict=False)
     assert "replica" not in stored["spec"]
 
 
@@ -153,12 +153,12 @@ def test_every_example_is_admitted() -> None:
     for path in examples:
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "InferenceService":
-                stored = crd_admission.admit(doc, SCHEMA, strict=True)
+                stored = admission.admit(doc, SCHEMA, strict=True)
                 specs.check_spec(stored["spec"])
 
 
 def test_operator_defaults_match_the_crd() -> None:
-    stored = crd_admission.admit(VALID, SCHEMA, strict=True)
+    stored = admission.admit(VALID, SCHEMA, strict=True)
     assert specs.with_defaults(VALID["spec"]) == stored["spec"]
 
 
@@ -176,7 +176,7 @@ def test_every_cel_rule_compiles_and_has_a_message() -> None:
     assert len(rules) >= 10
     for rule in rules:
         assert rule.get("message"), rule
-        crd_admission._cel_env.compile(rule["rule"])
+        admission._cel_env.compile(rule["rule"])
 
 
 def test_scale_subresource_and_printer_columns() -> None:

@@ -6,7 +6,7 @@
  * each sequence's K/V rows once (`overlap bench engine`: paged decode went from 23% slower than a contiguous cache
  * read by one batched SDPA to 27% faster at batch 64).
  *
- * Layouts (the runner's, see model_runner.py):
+ * Layouts (the runner's, see runner.py):
  *   q         row r, head h at q[r * q_row_stride + h * head_dim]
  *   k/v pool  [num_slots, num_kv_heads, head_dim] contiguous; slot = block_table[pos / block_size] * block_size
  *             + pos % block_size
