@@ -13,8 +13,9 @@ RUN /opt/overlap/bin/pip install /src/engine /src/sidecar
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/overlap /opt/overlap
-# HOME and the tokenizer cache live on the /tmp emptyDir (the root filesystem is read-only in the pod).
-ENV PATH=/opt/overlap/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp OVERLAP_CACHE_DIR=/tmp/overlap-cache
+# HOME and the tokenizer files the engine sends (written under the temp folder) live on the /tmp emptyDir (the
+# root filesystem is read-only in the pod).
+ENV PATH=/opt/overlap/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
 RUN groupadd --gid 10001 overlap && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin overlap
 USER 10001:10001
 WORKDIR /tmp

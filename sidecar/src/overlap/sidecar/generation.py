@@ -4,7 +4,6 @@ for (metrics, admission) whatever way it ends, and aborted in the engine when th
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,8 +11,6 @@ from dataclasses import dataclass
 from overlap.engine.serving.client import EngineRejected, EngineUnavailable
 from overlap.engine.types import SamplingParams
 from overlap.sidecar.state import ApiError, ServerState, engine_unavailable
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -16,8 +15,6 @@ from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
 from overlap.sidecar.metrics import SidecarMetrics
 from overlap.sidecar.text import TextProcessor
-
-log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
