@@ -158,10 +158,19 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
             if rid in abort_early and out.new_token_ids:
                 break
 
+    async def steps_pass_while_busy(n: int) -> bool:
+        # Paced on the engine's own progress, not the wall clock, so a slow CI core cannot push changes into idle gaps.
+        start = engine.stats()["num_steps_total"]
+        while engine.stats()["num_steps_total"] - start < n or not engine.has_unfinished():
+            if all(rid in received for rid in requests) and not engine.has_unfinished():
+                return False  # the run is over
+            await asyncio.sleep(0.002)
+        return True
+
     async def operator() -> None:
         for _ in range(20):
-            # 20 changes in ~0.7 s, well inside the 1.5 s over which requests arrive, so they land mid-run
-            await asyncio.sleep(rng.uniform(0.01, 0.06))
+            if not await steps_pass_while_busy(rng.randint(1, 6)):
+                return
             knobs = {
                 "num_buffers": rng.randint(1, 4),
                 "max_num_seqs": rng.choice([4, 8, 16, 32, 64, 500]),
@@ -179,8 +188,8 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
         await asyncio.sleep(0.01)
     assert not engine.has_unfinished()
 
-    assert len(applied_configs) == 20
-    assert sum(busy for _, _, busy in applied_configs) >= 15, "most changes must land while requests are running"
+    assert len(applied_configs) == 20, "the run ended before the operator made its 20 changes"
+    assert all(busy for _, _, busy in applied_configs), "every change must land while requests are running"
     assert engine.stats()["num_steps_total"] > 200
     for knobs, applied, _ in applied_configs:
         assert applied["num_buffers"] == knobs["num_buffers"]
