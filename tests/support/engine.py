@@ -131,7 +131,7 @@ def create_scheduler(
     cfg = EngineConfig(**config)
     runner = FakeRunner(num_blocks, block_size, max_seq_len)
     bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
-    return Scheduler(cfg, bm, max_seq_len, EOS), runner
+    return Scheduler(cfg, bm, max_seq_len, frozenset({EOS})), runner
 
 
 def run_step(scheduler: Scheduler, runner: FakeRunner, now: float):

@@ -51,7 +51,8 @@ def _load_runner(config: EngineConfig, model_dir: Path):
 class Engine:
     def __init__(self, config: EngineConfig, *, runner=None, model_dir: Path | str | None = None) -> None:
         """`runner` (tests, simulated devices) replaces the model runner; it needs `execute(ModelInput) ->
-        list[int]` and the attributes `num_kv_blocks`, `block_size`, `vocab_size`, `eos_token_id`, `max_model_len`."""
+        list[int]` and the attributes `num_kv_blocks`, `block_size`, `vocab_size`, `eos_token_id`, `max_model_len`
+        (and, when the model declares several EOS ids, `eos_token_ids`)."""
         self.config = config
         if runner is None:
             if model_dir is None:
@@ -72,8 +73,13 @@ class Engine:
         self.max_model_len = min(config.max_seq_len, int(runner.max_model_len))
         self.vocab_size = int(runner.vocab_size)
         self.eos_token_id = runner.eos_token_id
+        # Every EOS id the model declares stops a request (Llama 3 Instruct: <|end_of_text|> and <|eot_id|>).
+        default_eos = [] if runner.eos_token_id is None else [runner.eos_token_id]
+        self.eos_token_ids = frozenset(getattr(runner, "eos_token_ids", None) or default_eos)
+        # generation_config.json's temperature/top_p/top_k, for callers that fill in what a request leaves out
+        self.sampling_defaults = dict(getattr(runner, "sampling_defaults", None) or {})
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_id)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids)
 
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._lock = threading.Lock()  # guards the inbox, the live-id set and the pending config

@@ -57,11 +57,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_seq_len: int, eos_token_id: int | None
+        self, config: EngineConfig, block_manager: BlockManager, max_seq_len: int, eos_token_ids: frozenset[int]
     ) -> None:
         self.block_manager = block_manager
         self.max_seq_len = max_seq_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = make_request_queue(config.queue_policy, config.num_priority_levels, config.aging_s)
         self.running: list[Request] = []
         # Under FIFO priorities are ignored: the preemption victim is simply the latest arrival, and nobody is
@@ -317,7 +317,7 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         sampling = request.sampling
-        if not sampling.ignore_eos and token == self.eos_token_id:
+        if not sampling.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if token in sampling.stop_token_ids:
             return FinishReason.STOP

@@ -1,8 +1,10 @@
-"""Read a local Hugging Face Llama-family folder (config.json + *.safetensors) into plain tensors.
+"""Read a local Hugging Face model folder (config.json, generation_config.json, *.safetensors) into plain tensors.
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (Qwen2's q/k/v biases, tied embeddings, grouped
-query attention). Anything else raises ModelLoadError with the reason. The weights come back already fused for the
-runner: one q|k|v matrix and one gate|up matrix per layer, so each layer runs four matmuls.
+Supported: the Llama family as transformers defines it (see `SUPPORTED_ARCHITECTURES`). Everything else, and every
+checkpoint the runner would compute wrongly (quantized weights, an activation other than SiLU, tensors it would
+not use), raises ModelLoadError saying why. The weights come back already fused for the runner: one q|k|v matrix
+and one gate|up matrix per layer, so each layer runs four matmuls. docs/models.md tables what loads and what is
+refused, and the test covering each.
 """
 
 from __future__ import annotations
@@ -20,12 +22,31 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
+# Families people try that this runner would compute wrongly: refused by name, with the reason.
+REFUSED_FAMILIES = {
+    "gemma": "Gemma models (scaled embeddings, GeGLU, soft-capping, extra norms) are not implemented",
+    "mixtral": "mixture-of-experts models are not implemented",
+    "moe": "mixture-of-experts models are not implemented",
+    "deepseek": "DeepSeek models (mixture of experts, multi-head latent attention) are not implemented",
+    "vl": "multimodal models are not implemented (text-only causal LMs are)",
+    "llava": "multimodal models are not implemented (text-only causal LMs are)",
+    "vision": "multimodal models are not implemented (text-only causal LMs are)",
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# Tensors a checkpoint may carry that the runner recomputes or does not need.
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+# Parameter names that only quantized checkpoints have (AWQ, GPTQ, bitsandbytes, FP8 scales).
+_QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale", "weight_scale_inv", "SCB")
+_ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # attention_bias: q, k, v and o biases
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(slots=True)
 class ModelSpec:
-    """The few config.json fields the forward pass needs."""
+    """The config.json fields the forward pass needs, checked and normalized across the supported families."""
 
     architecture: str
     vocab_size: int
@@ -38,11 +59,23 @@ class ModelSpec:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int | None
+    qkv_bias: bool  # biases on q, k and v
+    o_bias: bool  # a bias on the output projection (Llama's attention_bias sets both)
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k before RoPE
+    layer_windows: list[int | None]  # per layer: its sliding window, or None for full attention
+    rope_type: str
+    rope_context_cap: int | None  # dynamic / longrope: equal to transformers only up to this many positions
     torch_dtype: str | None
     eos_token_ids: list[int] = field(default_factory=list)
-    raw: dict = field(default_factory=dict)  # the whole config.json, for RoPE variants
+    # generation_config.json's sampling defaults (temperature, top_p, top_k), applied where a request leaves them out
+    sampling_defaults: dict = field(default_factory=dict)
+    raw: dict = field(default_factory=dict)  # the whole config.json
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding layers (None when every layer attends fully)."""
+        return next((w for w in self.layer_windows if w is not None), None)
 
 
 @dataclass(slots=True)
@@ -54,8 +87,15 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None once the runner split it into gate and up
     down: torch.Tensor
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D], Qwen3
+    k_norm: torch.Tensor | None = None
     gate: torch.Tensor | None = None  # the runner's oneDNN path: gate (SiLU fused into its matmul) and up apart
     up: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +106,74 @@ class ModelWeights:
     lm_head: torch.Tensor
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return data
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def _architecture(cfg: dict, config_path: Path) -> str:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(cfg.get("model_type", ""))
+    if arch is not None:
+        return arch
+    name = ", ".join(archs) or repr(cfg.get("model_type"))
+    lowered = (name + " " + str(cfg.get("model_type", ""))).lower()
+    reason = next((why for key, why in REFUSED_FAMILIES.items() if key in lowered), None)
+    if reason is None and ("vision_config" in cfg or "ForConditionalGeneration" in name):
+        reason = REFUSED_FAMILIES["vision"]
+    reason = reason or "this architecture is not implemented"
+    raise ModelLoadError(
+        f"unsupported architecture {name} in {config_path}: {reason}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    if arch == "LlamaForCausalLM" or not window:
+        return [None] * num_layers
+    window = int(window)
+    types = cfg.get("layer_types")
+    if types is None:
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # transformers' rule when layer_types is absent
+            first_sliding = int(cfg.get("max_window_layers", num_layers)) if cfg.get("use_sliding_window") else None
+            types = ["sliding_attention" if first_sliding is not None and i >= first_sliding else "full_attention"
+                     for i in range(num_layers)]  # fmt: skip
+        else:  # Mistral, Phi-3: every layer slides
+            types = ["sliding_attention"] * num_layers
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{config_path}: layer_types {types!r} must name full_attention or sliding_attention "
+                             f"for each of the {num_layers} layers")  # fmt: skip
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def _rope(cfg: dict, config_path: Path) -> tuple[str, int | None]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{config_path}: RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    cap = None
+    if rope_type in ("dynamic", "longrope"):
+        # transformers recomputes these frequencies per forward once a sequence outgrows the original context (and
+        # keeps the K already cached); up to that length both equal their static tables, so the served context stops
+        # there.
+        cap = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                  or cfg.get("max_position_embeddings", 2048))  # fmt: skip
+    return rope_type, cap
+
+
 def read_spec(model_dir: Path) -> ModelSpec:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -73,49 +181,49 @@ def read_spec(model_dir: Path) -> ModelSpec:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face model folder")
-    try:
-        cfg = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-        arch = by_type.get(cfg.get("model_type", ""))
-    if arch is None:
-        raise ModelLoadError(
-            f"unsupported architecture {archs or cfg.get('model_type')!r} in {config_path}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    cfg = _read_json(config_path)
+    arch = _architecture(cfg, config_path)
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "unknown")
+        raise ModelLoadError(f"{config_path}: quantized checkpoints ({method}) are not supported; "
+                             "serve the unquantized float32/bfloat16/float16 weights")  # fmt: skip
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{config_path}: hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
     try:
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        eos = cfg.get("eos_token_id")
-        gen_path = model_dir / "generation_config.json"
-        if gen_path.is_file():  # generation_config's eos (often a list) wins, as in transformers' generate
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-            eos = gen_eos if gen_eos is not None else eos
-        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
-        sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding = None
+        num_layers = int(cfg["num_hidden_layers"])
+        # Every EOS id either file declares stops generation (Llama 3 Instruct lists two in generation_config.json).
+        eos_ids = list(dict.fromkeys(_ids(cfg.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
+        defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+        attention_bias = bool(cfg.get("attention_bias", False))
+        rope_type, rope_cap = _rope(cfg, config_path)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            sliding_window=int(sliding) if sliding else None,
+            # What each family's transformers module builds: Mistral and Phi-3 ignore attention_bias.
+            qkv_bias=arch == "Qwen2ForCausalLM" or (attention_bias and arch in _ATTENTION_BIAS_ARCHS),
+            o_bias=attention_bias and arch in _ATTENTION_BIAS_ARCHS,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            layer_windows=_layer_windows(cfg, arch, num_layers, config_path),
+            rope_type=rope_type,
+            rope_context_cap=rope_cap,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             eos_token_ids=eos_ids,
+            sampling_defaults=defaults,
             raw=cfg,
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -123,41 +231,70 @@ def read_spec(model_dir: Path) -> ModelSpec:
 
 
 def rope_tables(spec: ModelSpec, max_len: int, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, [max_len, head_dim] in fp32, in transformers' rotate-half layout (computed once)."""
+    """cos and sin, [max_len, rotary_dim] in fp32 in transformers' rotate-half layout, computed as transformers does
+    (fp32 frequencies times fp32 positions, then its attention scaling). rotary_dim < head_dim: partial rotary."""
     params = spec.raw.get("rope_parameters") or spec.raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    theta = float(params.get("rope_theta") or spec.raw.get("rope_theta") or 10000.0)
+    partial = float(params.get("partial_rotary_factor") or spec.raw.get("partial_rotary_factor") or 1.0)
     scaling = 1.0
-    if rope_type == "default":
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
-    else:  # llama3, linear, yarn, ...: transformers knows them all; only then pay for its import
+    if spec.rope_type == "default":
+        theta = float(params.get("rope_theta") or spec.raw.get("rope_theta") or 10000.0)
+        dim = int(spec.head_dim * partial)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    else:  # transformers knows every variant; only then pay for its import
         try:
             from transformers import AutoConfig
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(model_dir), "cpu")
-            inv_freq = inv_freq.to(torch.float64)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[spec.rope_type](AutoConfig.from_pretrained(model_dir), "cpu")
         except Exception as exc:
-            raise ModelLoadError(f"unsupported RoPE type {rope_type!r}: {exc}") from exc
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq).float()
+            raise ModelLoadError(f"cannot compute RoPE type {spec.rope_type!r}: {exc}") from exc
+    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: the index's weight map when there is one, else model.safetensors, else
+    every *.safetensors but Mistral's consolidated ones (its own format, a duplicate of the HF weights)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index} has no weight_map")
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names shards that are not in the folder: {', '.join(missing)}")
+        return files
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    files = sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    if not files:
+        hint = ""
+        if any(model_dir.glob("consolidated*.safetensors")):
+            hint = " (consolidated.safetensors is Mistral's own format; use the Hugging Face weights)"
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weight files (only safetensors checkpoints load){hint}")
+    return files
 
 
 def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: torch.device) -> ModelWeights:
     from safetensors import safe_open
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{model_dir} has no *.safetensors weight files (only safetensors checkpoints load)")
     tensors: dict[str, torch.Tensor] = {}
+    # Straight to the device: on CUDA the host never holds a copy of the weights.
+    target = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
     try:
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
+        for path in weight_files(model_dir):
+            with safe_open(str(path), framework="pt", device=target) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                     tensors[name] = f.get_tensor(name)
+    except ModelLoadError:
+        raise
     except Exception as exc:
         raise ModelLoadError(f"cannot read weights from {model_dir}: {exc}") from exc
+    _refuse_quantized(tensors, model_dir)
+    used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = tensors.get(name)
@@ -165,46 +302,66 @@ def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: t
             raise ModelLoadError(f"{model_dir}: weight {name!r} is missing")
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        used.add(name)
         return tensor.to(device=device, dtype=dtype)
 
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
+    fused = spec.architecture == "Phi3ForCausalLM"  # Phi-3 stores q|k|v and gate|up already fused
+    qkv_parts = (("q", q_out), ("k", kv_out), ("v", kv_out))
     layers = []
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
-        qkv = torch.cat(
-            [
-                take(p + "self_attn.q_proj.weight", (q_out, h)),
-                take(p + "self_attn.k_proj.weight", (kv_out, h)),
-                take(p + "self_attn.v_proj.weight", (kv_out, h)),
-            ]
+        if fused:
+            qkv = take(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, h))
+            gate_up = take(p + "mlp.gate_up_proj.weight", (2 * i, h))
+        else:
+            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight", (o, h)) for x, o in qkv_parts])
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (i, h)), take(p + "mlp.up_proj.weight", (i, h))])
+        lw = LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (h,)),
+            qkv=qkv,
+            qkv_bias=None,
+            o=take(p + "self_attn.o_proj.weight", (h, q_out)),
+            post_norm=take(p + "post_attention_layernorm.weight", (h,)),
+            gate_up=gate_up,
+            down=take(p + "mlp.down_proj.weight", (h, i)),
         )
-        bias = None
-        if spec.attention_bias:
-            bias = torch.cat(
-                [
-                    take(p + "self_attn.q_proj.bias", (q_out,)),
-                    take(p + "self_attn.k_proj.bias", (kv_out,)),
-                    take(p + "self_attn.v_proj.bias", (kv_out,)),
-                ]
-            )
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight", (h,)),
-                qkv=qkv,
-                qkv_bias=bias,
-                o=take(p + "self_attn.o_proj.weight", (h, q_out)),
-                post_norm=take(p + "post_attention_layernorm.weight", (h,)),
-                gate_up=torch.cat([take(p + "mlp.gate_proj.weight", (i, h)), take(p + "mlp.up_proj.weight", (i, h))]),
-                down=take(p + "mlp.down_proj.weight", (h, i)),
-            )
-        )
+        if spec.qkv_bias:
+            lw.qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias", (o,)) for x, o in qkv_parts])
+        if spec.o_bias:
+            lw.o_bias = take(p + "self_attn.o_proj.bias", (h,))
+        if spec.mlp_bias:
+            lw.gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias", (i,)), take(p + "mlp.up_proj.bias", (i,))])
+            lw.down_bias = take(p + "mlp.down_proj.bias", (h,))
+        if spec.qk_norm:
+            lw.q_norm, lw.k_norm = take(p + "self_attn.q_norm.weight", (d,)), take(p + "self_attn.k_norm.weight", (d,))
+        layers.append(lw)
     embed = take("model.embed_tokens.weight", (spec.vocab_size, h))
-    if "lm_head.weight" in tensors and not spec.tie_word_embeddings:
-        lm_head = take("lm_head.weight", (spec.vocab_size, h))
-    else:
+    if spec.tie_word_embeddings:
         lm_head = embed
-    return ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight", (h,)), lm_head=lm_head)
+        if "lm_head.weight" in tensors:  # a tied checkpoint that saved the head anyway: transformers ignores it too
+            used.add("lm_head.weight")
+    else:
+        lm_head = take("lm_head.weight", (spec.vocab_size, h))
+    norm = take("model.norm.weight", (h,))
+    unused = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise ModelLoadError(f"{model_dir}: the checkpoint has tensors {spec.architecture} does not use: {shown}; "
+                             "is config.json the one these weights were saved with?")  # fmt: skip
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def _refuse_quantized(tensors: dict[str, torch.Tensor], model_dir: Path) -> None:
+    quantized = next((n for n in tensors if n.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES), None)
+    if quantized is not None:
+        raise ModelLoadError(f"{model_dir}: tensor {quantized!r} belongs to a quantized checkpoint (AWQ/GPTQ/FP8); "
+                             "quantized weights are not supported")  # fmt: skip
+    odd = next(((n, t.dtype) for n, t in tensors.items() if t.dtype not in _FLOAT_DTYPES), None)
+    if odd is not None:
+        raise ModelLoadError(f"{model_dir}: tensor {odd[0]!r} is {odd[1]}; only float32, bfloat16 and float16 "
+                             "weights load (quantized checkpoints are not supported)")  # fmt: skip
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:

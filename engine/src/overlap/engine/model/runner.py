@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,29 @@ class SeqAttention:
 
 
 @dataclass(slots=True)
+class _SeqGeometry:
+    """Where one scheduled sequence sits this step: its rows, positions, and K/V slots (one run or a list)."""
+
+    q_start: int
+    n: int
+    start: int
+    end: int
+    table: list[int]
+    do_sample: bool
+    kv_start: int | None = None  # first slot when its blocks are one run
+    slots: list[int] | None = None  # else its slots 0 .. end - 1 (None for a decode until a torch path needs them)
+    index: torch.Tensor | None = None  # those slots as a tensor, made once and shared by the step's plans
+
+
+class AttentionPlan(NamedTuple):
+    """One layer kind's attention for a step: the kernel's decodes, torch-path sequences, the last layer's plan."""
+
+    decode_plan: native.DecodePlan | None
+    seqs: list[SeqAttention]
+    last_layer: tuple[native.DecodePlan | None, list[SeqAttention]] | None
+
+
+@dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -91,6 +115,8 @@ class StepInputs:
     # CPU with 2+ threads: the batch cut in two halves (consecutive sequences), each run through the whole model by
     # its own Python thread with one intra-op thread; the fields above then describe the first half only.
     halves: tuple[StepInputs, StepInputs] | None = None
+    # Sliding-window layers, by window, when some sequence reaches past it (full-attention plan above otherwise).
+    window_plans: dict[int, AttentionPlan] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -107,15 +133,18 @@ class ModelRunner:
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.eos_token_id = spec.eos_token_ids[0] if spec.eos_token_ids else None
-        self.max_model_len = min(config.max_seq_len, spec.max_position_embeddings)
-        if spec.sliding_window is not None:
-            # Sliding-window attention is not implemented; below the window it is plain causal attention.
-            self.max_model_len = min(self.max_model_len, spec.sliding_window)
+        self.sampling_defaults = dict(spec.sampling_defaults)
+        self.max_model_len = min(config.max_seq_len, spec.max_position_embeddings, spec.rope_context_cap or 1 << 62)
         self.block_size = config.block_size
+        self.layer_windows = spec.layer_windows
+        self._windows = sorted({w for w in spec.layer_windows if w is not None})
 
         with torch.inference_mode():
             self.weights = load_weights(spec, self.model_dir, self.dtype, self.device)
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
+            if cos.shape[1] < spec.head_dim:  # partial rotary: the passed-through dims get angle 0
+                order, (cos, sin) = _partial_rotary_order(spec.head_dim, cos.shape[1]), _pad_rotary(cos, sin, spec)
+                self.weights = _permute_qk_dims(self.weights, spec, order)
             self.rope_cos = cos.to(self.device, self.dtype)
             half = spec.head_dim // 2
             self.rope_sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.device, self.dtype)
@@ -141,7 +170,7 @@ class ModelRunner:
             with torch.inference_mode():
                 half = spec.head_dim // 2
                 if torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:]):
-                    self.weights = _interleave_qk(self.weights, spec)
+                    self.weights = _permute_qk_dims(self.weights, spec, _interleaved_order(spec.head_dim))
                     self._rope_freqs = torch.complex(cos[:, :half].float(), sin[:, :half].float()).to(self.device)
                 self.weights = _prepack_for_onednn(self.weights)
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
@@ -248,13 +277,8 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        seqs: list[SeqAttention] = []
         sample_rows: list[int] = []
-        use_kernel = self._decode_kernel is not None
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        decode_rows: list[int] = []
-        sampled: list[tuple[list[int], int, int | None, torch.Tensor | None]] = []  # table, kv_len, kv_start, index
+        geometry: list[_SeqGeometry] = []
         for seq in batch.seqs:
             n = len(seq.token_ids)
             start = seq.start_pos
@@ -277,48 +301,88 @@ class ModelRunner:
             positions.extend(range(start, end))
             if seq.do_sample:
                 sample_rows.append(q_start + n - 1)
-            if n == 1 and use_kernel:
-                slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table)
-                decode_lens.append(end)
-                decode_rows.append(q_start)
-                if seq.do_sample:
-                    sampled.append((table, end, None, None))
-                continue
+            g = _SeqGeometry(q_start, n, start, end, table, seq.do_sample)
             if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
-                kv_start, kv_index = first * bs, None
-                slots.extend(range(kv_start + start, kv_start + end))
+                g.kv_start = first * bs
+                slots.extend(range(g.kv_start + start, g.kv_start + end))
+            elif n == 1:  # a decode: its one slot; the whole index only if a torch path reads it (_kv_index)
+                slots.append(table[start // bs] * bs + start % bs)
             else:
-                seq_slots = [table[p // bs] * bs + p % bs for p in range(end)]
-                kv_start, kv_index = None, torch.tensor(seq_slots, device=self.device)
-                slots.extend(seq_slots[start:])
-            if seq.do_sample:
-                sampled.append((table, end, kv_start, kv_index))
-            mask = None
-            if n > 1 and start > 0:
-                mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril(diagonal=start)
-            seqs.append(SeqAttention(q_start, n, end, kv_start, kv_index, mask, is_causal=n > 1 and start == 0))
-        last_layer = None
-        if len(sampled) < len(ids):
-            if use_kernel:
-                tables, lens = [t for t, *_ in sampled], [n for _, n, *_ in sampled]
-                plan = native.DecodePlan(tables, lens, list(range(len(sampled))), bs) if sampled else None
-                last_layer = (plan, [])
-            else:
-                last_layer = (None, [SeqAttention(i, 1, n, start, index, None, False)
-                                     for i, (_, n, start, index) in enumerate(sampled)])  # fmt: skip
+                g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
+                slots.extend(g.slots[start:])
+            geometry.append(g)
+        plan = self._attention_plan(geometry, None, len(ids))
+        # A sliding layer needs its own plan only when some sequence reaches past its window; below, it is causal.
+        window_plans = {w: self._attention_plan(geometry, w, len(ids))
+                        for w in self._windows if any(g.end > w for g in geometry)}  # fmt: skip
         device = self.device
         return StepInputs(
             input_ids=torch.tensor(ids, device=device),
             positions=torch.tensor(positions, device=device),
             slots=torch.tensor(slots, device=device),
-            seqs=seqs,
+            seqs=plan.seqs,
             sample_rows=torch.tensor(sample_rows, device=device, dtype=torch.long),
             sampling=[s.sampling for s in batch.seqs if s.do_sample],
             num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
-            decode_plan=native.DecodePlan(decode_tables, decode_lens, decode_rows, bs) if decode_tables else None,
-            last_layer=last_layer,
+            decode_plan=plan.decode_plan,
+            last_layer=plan.last_layer,
+            window_plans=window_plans,
         )
+
+    def _attention_plan(self, geometry: list[_SeqGeometry], window: int | None, num_tokens: int) -> AttentionPlan:
+        """How each sequence attends in a layer with this sliding window (None: full causal attention). A query at
+        position p sees keys p - window < k <= p, as in transformers' sliding-window mask."""
+        bs, use_kernel = self.block_size, self._decode_kernel is not None
+        seqs: list[SeqAttention] = []
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        rows: list[int] = []
+        for g in geometry:
+            lo = 0 if window is None else max(0, g.start - window + 1)  # the first key any of its queries sees
+            if g.n == 1 and use_kernel and lo == 0:
+                tables.append(g.table)
+                lens.append(g.end)
+                rows.append(g.q_start)
+                continue
+            mask, is_causal = None, False
+            if g.n > 1:
+                if g.start == 0 and (window is None or g.end <= window):
+                    is_causal = True  # SDPA's own causal mask
+                else:
+                    q_pos = torch.arange(g.start, g.end, device=self.device)[:, None]
+                    k_pos = torch.arange(lo, g.end, device=self.device)[None, :]
+                    mask = k_pos <= q_pos
+                    if window is not None:
+                        mask &= k_pos > q_pos - window
+            seqs.append(self._seq_attention(g, g.q_start, g.n, lo, mask, is_causal))
+        last_layer = None
+        sampled = [g for g in geometry if g.do_sample]
+        if len(sampled) < num_tokens:
+            # The last layer's rows are the sampled ones, row i for sampled sequence i: one query at end - 1 each.
+            kernel_rows, torch_seqs = [], []
+            for i, g in enumerate(sampled):
+                lo = 0 if window is None else max(0, g.end - window)
+                if use_kernel and lo == 0:
+                    kernel_rows.append((g, i))
+                else:
+                    torch_seqs.append(self._seq_attention(g, i, 1, lo, None, False))
+            last_plan = None
+            if kernel_rows:
+                last_plan = native.DecodePlan([g.table for g, _ in kernel_rows], [g.end for g, _ in kernel_rows],
+                                              [i for _, i in kernel_rows], bs)  # fmt: skip
+            last_layer = (last_plan, torch_seqs)
+        decode_plan = native.DecodePlan(tables, lens, rows, bs) if tables else None
+        return AttentionPlan(decode_plan, seqs, last_layer)
+
+    def _seq_attention(self, g: _SeqGeometry, q_start: int, q_len: int, lo: int, mask, is_causal: bool) -> SeqAttention:
+        """Sequence g's queries (rows q_start .. q_start + q_len - 1) attending over its positions lo .. end - 1."""
+        if g.kv_start is not None:
+            return SeqAttention(q_start, q_len, g.end - lo, g.kv_start + lo, None, mask, is_causal)
+        if g.index is None:
+            slots = g.slots or [g.table[p // self.block_size] * self.block_size + p % self.block_size
+                                for p in range(g.end)]  # fmt: skip
+            g.index = torch.tensor(slots, device=self.device)
+        return SeqAttention(q_start, q_len, g.end - lo, None, g.index[lo:], mask, is_causal)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampled seqs, vocab] (model dtype). Writes the step's K/V into the pool.
@@ -363,15 +427,24 @@ class ModelRunner:
         for layer, lw in enumerate(w.layers):
             h = F.rms_norm(x, hidden, lw.input_norm, eps)
             qkv = linear(h, lw.qkv, lw.qkv_bias)
+            qk = qkv[:, : q_size + kv_size]
+            if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+                qk = torch.cat(
+                    [
+                        F.rms_norm(qk[:, :q_size].view(num_tokens, heads, head_dim), (head_dim,), lw.q_norm, eps),
+                        F.rms_norm(qk[:, q_size:].view(num_tokens, kv_heads, head_dim), (head_dim,), lw.k_norm, eps),
+                    ],
+                    dim=1,
+                ).view(num_tokens, -1)
             # RoPE on q and k in one go: x * cos + rotate_half(x) * sin, rotate_half as the two halves swapped
             # with the sign folded into sin (three elementwise kernels, not ten). The swap is a cat of the two
             # halves, not flip(): CPU flip is a slow generic kernel (1024 tokens x 16 heads, one thread: the RoPE took
             # 2.0 ms with flip, 0.5 ms with cat; same values).
             if freqs is not None:  # pair-interleaved q/k: RoPE is one complex multiply
-                pairs = torch.view_as_complex(qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, -1, 2))
+                pairs = torch.view_as_complex(qk.view(num_tokens, heads + kv_heads, -1, 2))
                 qk = torch.view_as_real(pairs * freqs).view(num_tokens, heads + kv_heads, head_dim)
             else:
-                qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, 2, head_dim // 2)
+                qk = qk.view(num_tokens, heads + kv_heads, 2, head_dim // 2)
                 swapped = torch.cat([qk[:, :, 1:], qk[:, :, :1]], dim=2).view(num_tokens, -1, head_dim)
                 qk = torch.addcmul(qk.view(num_tokens, -1, head_dim) * cos, swapped, sin)
             q, k = qk[:, :heads], qk[:, heads:]
@@ -379,23 +452,26 @@ class ModelRunner:
             k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
             k_pool.index_copy_(0, inputs.slots, k)
             v_pool.index_copy_(0, inputs.slots, v)
-            if layer == last and inputs.last_layer is not None:
+            window = self.layer_windows[layer]
+            plan = inputs.window_plans.get(window) if window is not None else None
+            decode_plan, seqs, last_plan = plan or (inputs.decode_plan, inputs.seqs, inputs.last_layer)
+            if layer == last and last_plan is not None:
                 # Past its K/V, the last layer only feeds the logits: skip the rows nobody samples (every token of a
                 # prompt chunk but the last one, and all of a non-final chunk).
                 if inputs.sample_rows.numel() == 0:
                     return x.new_empty(0, spec.vocab_size)
                 q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
-                attn = self._attention(q, k_pool, v_pool, *inputs.last_layer)
+                attn = self._attention(q, k_pool, v_pool, *last_plan)
             else:
-                attn = self._attention(q, k_pool, v_pool, inputs.decode_plan, inputs.seqs)
-            x = linear(attn, lw.o).add_(x)  # the residual added in place into the projection's fresh output
+                attn = self._attention(q, k_pool, v_pool, decode_plan, seqs)
+            x = linear(attn, lw.o, lw.o_bias).add_(x)  # the residual added in place into the projection's fresh output
             h = F.rms_norm(x, hidden, lw.post_norm, eps)
             if lw.gate_up is None:  # oneDNN: SiLU as the gate matmul's post-op, no separate pass
-                act = linear(h, lw.gate, post_op="swish").mul_(linear(h, lw.up))
+                act = linear(h, lw.gate, lw.gate_bias, post_op="swish").mul_(linear(h, lw.up, lw.up_bias))
             else:
-                gate_up = linear(h, lw.gate_up)
+                gate_up = linear(h, lw.gate_up, lw.gate_up_bias)
                 act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            x = linear(act, lw.down).add_(x)
+            x = linear(act, lw.down, lw.down_bias).add_(x)
         if inputs.last_layer is None:  # every row is sampled; else x holds the sampled rows already
             x = x.index_select(0, inputs.sample_rows)
         return linear(F.rms_norm(x, hidden, w.norm, eps), w.lm_head)
@@ -571,21 +647,50 @@ def _pick_linear(device: torch.device, dtype: torch.dtype):
     return linear
 
 
-def _interleave_qk(weights: ModelWeights, spec) -> ModelWeights:
-    """Reorder each q and k head's rows from (x_0..x_{D/2-1}, y_0..y_{D/2-1}) to (x_0, y_0, x_1, y_1, ...), so that
-    rotate_half-style RoPE becomes one complex multiply on (x_j, y_j) pairs (the CPU RoPE took three elementwise
-    passes plus a copy, ~9% of a prefill step). Scores are unchanged: q and k get the same reordering of each head's
-    dimensions and q.k sums over all of them; v keeps its order. The KV pool then holds K in this order too."""
-    half = spec.head_dim // 2
-    in_head = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()  # [D]
+def _interleaved_order(head_dim: int) -> torch.Tensor:
+    """Each head's dims from (x_0..x_{D/2-1}, y_0..y_{D/2-1}) to (x_0, y_0, x_1, y_1, ...), so that rotate_half-style
+    RoPE becomes one complex multiply on (x_j, y_j) pairs (the CPU RoPE took three elementwise passes plus a copy,
+    ~9% of a prefill step)."""
+    half = head_dim // 2
+    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
+
+
+def _partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Partial rotary (only the first rotary_dim dims of a head rotate, in pairs (i, i + rotary_dim/2)) as full-width
+    rotate-half: the rotated pairs first in each half, the passed-through dims after them, paired with angle 0."""
+    if (head_dim - rotary_dim) % 2:
+        raise ModelLoadError(f"partial rotary over {rotary_dim} of {head_dim} head dims: an odd remainder")
+    h, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(h), torch.arange(rotary_dim, rotary_dim + p), torch.arange(h, rotary_dim),
+                      torch.arange(rotary_dim + p, head_dim)])  # fmt: skip
+
+
+def _pad_rotary(cos: torch.Tensor, sin: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, rotary_dim] tables to [L, head_dim] in `_partial_rotary_order`'s layout: cos 1 and sin 0 where dims pass."""
+    h, p = cos.shape[1] // 2, (spec.head_dim - cos.shape[1]) // 2
+    ones, zeros = cos.new_ones(cos.shape[0], p), cos.new_zeros(cos.shape[0], p)
+    return torch.cat([cos[:, :h], ones, cos[:, h:], ones], 1), torch.cat([sin[:, :h], zeros, sin[:, h:], zeros], 1)
+
+
+def _permute_qk_dims(weights: ModelWeights, spec, order: torch.Tensor) -> ModelWeights:
+    """Reorder the dims of every q and k head (new dim j is old dim order[j]): their projection rows, biases and
+    q/k norm weights. Scores are unchanged: q and k get the same reordering and q.k sums over all dims; v keeps its
+    order. The KV pool then holds K in this order too."""
     qk_heads = spec.num_heads + spec.num_kv_heads
-    rows = (torch.arange(qk_heads).unsqueeze(1) * spec.head_dim + in_head).flatten()
+    rows = (torch.arange(qk_heads).unsqueeze(1) * spec.head_dim + order).flatten()
     rows = torch.cat([rows, torch.arange(qk_heads * spec.head_dim, weights.layers[0].qkv.shape[0])])  # v as is
     layers = []
     for lw in weights.layers:
-        rows_here = rows.to(lw.qkv.device)
-        bias = None if lw.qkv_bias is None else lw.qkv_bias.index_select(0, rows_here)
-        layers.append(dataclasses.replace(lw, qkv=lw.qkv.index_select(0, rows_here), qkv_bias=bias))
+        rows_here, order_here = rows.to(lw.qkv.device), order.to(lw.qkv.device)
+        layers.append(
+            dataclasses.replace(
+                lw,
+                qkv=lw.qkv.index_select(0, rows_here),
+                qkv_bias=None if lw.qkv_bias is None else lw.qkv_bias.index_select(0, rows_here),
+                q_norm=None if lw.q_norm is None else lw.q_norm.index_select(0, order_here),
+                k_norm=None if lw.k_norm is None else lw.k_norm.index_select(0, order_here),
+            )
+        )
     return dataclasses.replace(weights, layers=layers)
 
 
@@ -604,6 +709,9 @@ def _prepack_for_onednn(weights: ModelWeights) -> ModelWeights:
                 gate_up=None,  # gate and up apart: SiLU rides on the gate matmul (1024 tokens: 14.6 -> 13.4 ms)
                 gate=pack(lw.gate_up[:inter].contiguous(), 32),
                 up=pack(lw.gate_up[inter:].contiguous(), 32),
+                gate_up_bias=None,
+                gate_bias=None if lw.gate_up_bias is None else lw.gate_up_bias[:inter].contiguous(),
+                up_bias=None if lw.gate_up_bias is None else lw.gate_up_bias[inter:].contiguous(),
                 down=pack(lw.down, 32),
             )
             for lw in weights.layers
