@@ -120,12 +120,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path | str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path | str, *, cpu_paths: bool = True) -> None:
+        """`cpu_paths=False` runs on CPU the device-generic paths CUDA takes (F.linear, per-sequence SDPA, no native
+        kernel, no half-batch threads), so tests cover that branch on a machine without a GPU."""
         self.config = config
         self.model_dir = Path(model_dir)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device)
+        self._cpu_paths = self.device.type == "cpu" and cpu_paths
         spec = read_spec(self.model_dir)
         self.spec = spec
         self.dtype = _pick_dtype(config.dtype, spec.torch_dtype)
@@ -162,9 +165,9 @@ class ModelRunner:
         self._helper = None  # a thread for decode attention, made on first use
         # Decode attention in one native call per layer (fp32 CPU); None: per-sequence torch ops.
         self._decode_kernel = None
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self._cpu_paths and self.dtype == torch.float32:
             self._decode_kernel = native.decode_attention_kernel()
-        self._linear = _pick_linear(self.device, self.dtype)
+        self._linear = _pick_linear(self.device, self.dtype) if self._cpu_paths else F.linear
         self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
         if self._linear is not F.linear:
             with torch.inference_mode():
@@ -234,7 +237,7 @@ class ModelRunner:
             return self.forward(self.prepare(batch)).float()
 
     def prepare(self, batch: ModelInput) -> StepInputs:
-        cut = self._split_point(batch) if self.device.type == "cpu" and torch.get_num_threads() >= 2 else None
+        cut = self._split_point(batch) if self._cpu_paths and torch.get_num_threads() >= 2 else None
         if cut is None:
             return self._prepare(batch)
         first = self._prepare(ModelInput(batch.seqs[:cut]))
@@ -513,7 +516,7 @@ class ModelRunner:
         with 2+ threads configured, a helper thread takes every other sequence (with the oneDNN projections, paged
         decode on this path measured 23% slower than the contiguous cache at batch 64)."""
         num_tokens = q.shape[0]
-        if self.device.type != "cpu":
+        if not self._cpu_paths:
             outs = [self._attend(q, k_pool, v_pool, s) for s in seqs]
             return torch.cat(outs).reshape(num_tokens, -1)
         kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]

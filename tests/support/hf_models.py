@@ -1,0 +1,117 @@
+"""Tiny random-weight Hugging Face model folders, one per supported family and variant, built from transformers' own
+config classes and saved with `save_pretrained` (no download). The conformance matrix (tests/engine/
+test_model_conformance.py) and docs/models.md both name the variants by the keys of `VARIANTS`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+VOCAB = 256
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # grouped-query attention everywhere
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    # Wide weights: transformers' default (0.02) leaves the logits of a random model nearly flat, so greedy would
+    # hinge on near ties; at 0.2 the top two logits stand apart far beyond fp32 rounding.
+    initializer_range=0.2,
+)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**COMMON, **kw)
+
+
+def _rope(rope_type: str, **params) -> dict:
+    return {"rope_type": rope_type, "rope_theta": params.pop("rope_theta", 10000.0), **params}
+
+
+def _variants() -> dict[str, Callable]:
+    from transformers import MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+
+    return {
+        "llama": lambda: _llama(tie_word_embeddings=True),
+        "llama-linear-rope": lambda: _llama(rope_parameters=_rope("linear", factor=4.0)),
+        "llama-dynamic-rope": lambda: _llama(rope_parameters=_rope("dynamic", factor=2.0)),
+        "llama-yarn-rope": lambda: _llama(
+            rope_parameters=_rope("yarn", factor=4.0, original_max_position_embeddings=128)
+        ),
+        "llama3-rope": lambda: _llama(
+            tie_word_embeddings=True,
+            rope_parameters=_rope(
+                "llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=128,
+            ),
+        ),
+        "llama-longrope": lambda: _llama(
+            rope_parameters=_rope(
+                "longrope",
+                short_factor=[1.0 + 0.1 * i for i in range(8)],
+                long_factor=[2.0 + 0.3 * i for i in range(8)],
+                original_max_position_embeddings=128,
+            )
+        ),
+        "llama-biases-head-dim": lambda: _llama(attention_bias=True, mlp_bias=True, head_dim=32),
+        "mistral-sliding-window": lambda: MistralConfig(**COMMON, sliding_window=32),
+        "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+        "qwen2-sliding-layers": lambda: Qwen2Config(
+            **COMMON, use_sliding_window=True, sliding_window=32, max_window_layers=1
+        ),
+        "qwen3": lambda: Qwen3Config(**COMMON, head_dim=32),
+        "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0),
+        "phi3-partial-rotary": lambda: Phi3Config(
+            **COMMON, pad_token_id=0, rope_parameters=_rope("default", partial_rotary_factor=0.5)
+        ),
+    }
+
+
+VARIANTS = (
+    "llama", "llama-linear-rope", "llama-dynamic-rope", "llama-yarn-rope", "llama3-rope", "llama-longrope",
+    "llama-biases-head-dim", "mistral-sliding-window", "qwen2", "qwen2-sliding-layers", "qwen3", "phi3",
+    "phi3-partial-rotary",
+)  # fmt: skip
+
+
+def save_variant(name: str, folder: Path, *, generation_config: dict | None = None) -> Path:
+    """Build variant `name` with seeded random weights (biases and norm weights perturbed too: transformers
+    initialises them to 0 and 1, which would leave them untested) and save it to `folder`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _variants()[name]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                param.add_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(folder)
+    if generation_config is not None:
+        (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder
+
+
+def edit_config(folder: Path, **changes) -> Path:
+    """Rewrite keys of the folder's config.json (None deletes a key)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return folder
