@@ -30,7 +30,9 @@ async def test_without_an_engine_the_app_is_live_but_not_ready(tmp_path):
         assert "overlap_engine_up 0.0" in metrics
         assert 'overlap_requests_rejected_total{reason="engine_unavailable"} 1.0' in metrics
         assert "vllm:num_requests_waiting" not in metrics  # no engine figures while the engine is away
-        assert (await client.get("/v1/models")).status == 200
+        models = await client.get("/v1/models")  # no engine, no model: not an empty list with 200
+        assert models.status == 503 and models.headers["Retry-After"] == "1"
+        assert (await models.json())["error"]["code"] == "engine_unavailable"
     finally:
         await client.close()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from overlap.engine.config import add_engine_flags, engine_overrides
+
 
 def register(subparsers) -> None:
     model = subparsers.add_parser("model", help="build or inspect models")
@@ -20,6 +22,8 @@ def register(subparsers) -> None:
     engine.add_argument("--socket", required=True, help="Unix socket path to listen on")
     engine.add_argument("--config", help="JSON or YAML file of EngineConfig fields (snake_case)")
     engine.add_argument("--model", help="local Hugging Face model folder (default: the tiny default model)")
+    engine.add_argument("--served-model-name", help="model name announced to the sidecar (default: the folder's name)")
+    add_engine_flags(engine)
     engine.set_defaults(func=_run_engine)
 
 
@@ -34,4 +38,10 @@ def _build_tiny(args: argparse.Namespace) -> int:
 def _run_engine(args: argparse.Namespace) -> int:
     from overlap.engine.serving.server import run_engine_server
 
-    return run_engine_server(socket_path=args.socket, config_path=args.config, model=args.model)
+    return run_engine_server(
+        socket_path=args.socket,
+        config_path=args.config,
+        model=args.model,
+        overrides=engine_overrides(args),
+        served_model_name=args.served_model_name,
+    )

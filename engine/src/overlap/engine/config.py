@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ LIVE_KNOBS = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_buffers",
 @dataclass(slots=True)
 class EngineConfig:
     model: str = ""  # a local Hugging Face model folder; "" means the tiny default model (built on first use)
-    dtype: str = "float32"  # float32 | bfloat16 | auto (the checkpoint's own)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own; bf16 for fp32 on CUDA)
     device: str = "cpu"  # cpu | cuda | auto
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0
@@ -53,8 +54,8 @@ class EngineConfig:
                 raise ConfigError(message)
 
         check(
-            self.dtype in ("float32", "bfloat16", "auto"),
-            f"dtype must be float32|bfloat16|auto, got {self.dtype!r}",
+            self.dtype in ("float32", "bfloat16", "float16", "auto"),
+            f"dtype must be float32|bfloat16|float16|auto, got {self.dtype!r}",
         )
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu|cuda|auto, got {self.device!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
@@ -94,3 +95,55 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# ---- the flags vLLM users type, mapped onto EngineConfig -----------------------------------------------------------
+# (flag, EngineConfig field, type, help). A flag given on the command line overrides the --config file.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+ENGINE_FLAGS = (
+    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (auto: the checkpoint's, bf16 for fp32 on CUDA)"),
+    ("--device", "device", str, "auto | cpu | cuda (auto: CUDA when torch sees a GPU)"),
+    ("--max-model-len", "max_seq_len", int, "prompt + output tokens per request (capped by the model's context)"),
+    ("--max-num-seqs", "max_num_seqs", int, "most sequences in one step (the batch size)"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
+    ("--gpu-memory-utilization", "kv_cache_ratio", float,
+     "on CUDA, the share of free device memory (after the weights) the KV pool takes"),
+    ("--block-size", "block_size", int, "tokens per KV block (8..128, a power of two)"),
+    ("--seed", "seed", int, "seed of the sampling generator"),
+)  # fmt: skip
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The vLLM-style engine flags; each defaults to None, i.e. "not given" (the config file or default holds)."""
+    group = parser.add_argument_group("engine (vLLM-style flags; each overrides --config)")
+    for flag, dest, kind, help_text in ENGINE_FLAGS:
+        group.add_argument(flag, dest=f"engine_{dest}", type=kind, default=None, help=help_text)
+    group.add_argument(
+        "--enable-prefix-caching",
+        dest="engine_enable_prefix_caching",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV of shared prompt prefixes (default on)",
+    )
+
+
+def engine_overrides(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields the engine flags in `args` set (only the flags given)."""
+    fields = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    changes = {f: getattr(args, f"engine_{f}") for f in fields if getattr(args, f"engine_{f}", None) is not None}
+    if "dtype" in changes:
+        changes["dtype"] = _DTYPE_ALIASES.get(changes["dtype"], changes["dtype"])
+    return changes
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags given in `args`, as command-line arguments again (for a child `overlap engine`)."""
+    argv = []
+    for flag, dest, _, _ in ENGINE_FLAGS:
+        value = getattr(args, f"engine_{dest}", None)
+        if value is not None:
+            argv += [flag, str(value)]
+    caching = getattr(args, "engine_enable_prefix_caching", None)
+    if caching is not None:
+        argv.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
+    return argv

@@ -79,10 +79,17 @@ def init_admin_app(state: ServerState, token: str) -> web.Application:
 
 
 async def watch_config_file(state: ServerState, path: Path, interval_s: float) -> None:
-    """Apply the live knobs of `path` whenever its content changes (a ConfigMap update swaps the file)."""
+    """Apply the live knobs of `path` whenever its content changes (a ConfigMap update swaps the file).
+
+    The content found at start-up is the baseline, not a change: the engine read the same file when it started, and
+    flags given on its command line (`overlap serve --max-num-seqs 128 --config f.yaml`) must keep winning over it
+    until the file is edited."""
     from overlap.engine.serving.server import read_config_file
 
-    applied_digest: str | None = None
+    try:
+        applied_digest: str | None = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        applied_digest = None  # not mounted yet: its first content counts as a change
     while True:
         await asyncio.sleep(interval_s)
         try:

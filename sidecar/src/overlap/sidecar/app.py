@@ -116,6 +116,7 @@ async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
     state.vocab_size = hello.vocab_size
     state.num_priority_levels = max(1, hello.num_priority_levels)
     state.model_name = state.config.served_model_name or hello.model_name
+    state.sampling_defaults = dict(hello.sampling_defaults)
 
 
 def _tokenizer_source(hello: p.Hello) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from overlap.engine.config import add_engine_flags
 from overlap.sidecar.config import ENV_PREFIX, SidecarConfig, add_flags
 
 
@@ -25,6 +26,7 @@ def register(subparsers) -> None:
     serve.add_argument("--config", help="engine config file (JSON or YAML of EngineConfig fields)")
     serve.add_argument("--ready-timeout-s", type=float, default=600.0, help="give up when not ready after this long")
     add_flags(serve)
+    add_engine_flags(serve)
     serve.set_defaults(func=_run_serve)
 
 

@@ -14,7 +14,7 @@ from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
 from overlap.sidecar import schemas
 from overlap.sidecar.generation import Delta, Generation
-from overlap.sidecar.state import STATE, ApiError, ServerState
+from overlap.sidecar.state import STATE, ApiError, ServerState, engine_unavailable
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _json = msgspec.json.Encoder()
@@ -118,12 +118,14 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
     stop_ids = body.stop_token_ids or []
     if any(not 0 <= t < state.vocab_size for t in stop_ids):
         raise ApiError(400, f"stop_token_ids must be in 0..{state.vocab_size - 1}", param="stop_token_ids")
-    top_k = body.top_k if body.top_k is not None else 0
+    # What the request leaves out comes from the model's generation_config.json, as vLLM does by default.
+    defaults = state.sampling_defaults
+    top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            temperature=float(defaults.get("temperature", 1.0)) if body.temperature is None else body.temperature,
+            top_p=float(defaults.get("top_p", 1.0)) if body.top_p is None else body.top_p,
             top_k=0 if top_k == -1 else top_k,  # -1 means "off" in vLLM's API
             seed=body.seed,
             ignore_eos=body.ignore_eos,
@@ -297,18 +299,12 @@ async def _stream(request, state, body, generation, request_id: str, chat: bool,
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    models = []
-    if state.model_name:
-        models.append(
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "overlap",
-                "max_model_len": state.max_model_len,
-            }
-        )
-    return json_response({"object": "list", "data": models})
+    if not state.client.connected or not state.model_name:
+        # An empty list with 200 would tell a client's start-up probe that this server serves nothing.
+        raise engine_unavailable("the engine is not connected yet, so no model is served; retry shortly")
+    model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "overlap",
+             "max_model_len": state.max_model_len}  # fmt: skip
+    return json_response({"object": "list", "data": [model]})
 
 
 # ---- operations ------------------------------------------------------------------------------------------------

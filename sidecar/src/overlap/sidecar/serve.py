@@ -51,10 +51,12 @@ def _stop(proc: subprocess.Popen | None, timeout: float, name: str) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from overlap.engine.config import EngineConfig, engine_argv, engine_overrides
     from overlap.sidecar.config import SidecarConfig
 
     args.engine_socket = "unused"
     config = SidecarConfig.from_args(args)  # bad flags fail here, before anything starts
+    EngineConfig().replace(**engine_overrides(args))  # and so do bad engine flags
 
     if not args.model:  # build it once here, so the sidecar can load its tokenizer while the engine loads
         from overlap.engine.model.builder import ensure_default_model
@@ -69,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine_cmd += ["--config", args.config]
     if args.model:
         engine_cmd += ["--model", args.model]
+    engine_cmd += engine_argv(args)
     # edit the config file and its live knobs apply
     config = config.replace(
         engine_socket=socket_path, tokenizer=args.tokenizer, watch_config=args.watch_config or args.config

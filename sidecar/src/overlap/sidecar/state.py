@@ -55,6 +55,7 @@ class ServerState:
     vocab_size: int = 0
     num_priority_levels: int = 1
     model_name: str = ""
+    sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json, from the Hello
     draining: bool = False
     applied_config: dict = field(default_factory=dict)  # the engine config after the last live change
 

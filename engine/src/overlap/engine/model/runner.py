@@ -131,7 +131,7 @@ class ModelRunner:
         self._cpu_paths = self.device.type == "cpu" and cpu_paths
         spec = read_spec(self.model_dir)
         self.spec = spec
-        self.dtype = _pick_dtype(config.dtype, spec.torch_dtype)
+        self.dtype = _pick_dtype(config.dtype, spec.torch_dtype, self.device)
 
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = frozenset(spec.eos_token_ids)
@@ -732,9 +732,13 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pick_dtype(name: str, checkpoint_dtype: str | None) -> torch.dtype:
+def _pick_dtype(name: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype, except that an fp32 (or undeclared) checkpoint runs in bf16 on CUDA, as vLLM
+    does; on CPU an undeclared one stays fp32."""
     if name == "auto":
-        name = checkpoint_dtype or "float32"
+        name = checkpoint_dtype if checkpoint_dtype in _DTYPES else "float32"
+        if device.type == "cuda" and name == "float32":
+            name = "bfloat16"
     if name not in _DTYPES:
         raise ModelLoadError(f"unsupported dtype {name!r} (float32, bfloat16, float16)")
     return _DTYPES[name]

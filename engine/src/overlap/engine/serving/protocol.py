@@ -96,6 +96,9 @@ class Hello(_Message, tag="hello"):
     # The tokenizer files of the model folder, so a sidecar container without the model volume can still
     # tokenize (file name -> content; empty when they are too large to ship).
     tokenizer_files: dict[str, bytes] = {}
+    eos_token_ids: list[int] = []  # every EOS id the model declares (eos_token_id is the first)
+    # generation_config.json's temperature / top_p / top_k: what a request that leaves them out gets
+    sampling_defaults: dict[str, float] = {}
 
 
 class WireTimes(msgspec.Struct, array_like=True, omit_defaults=True):

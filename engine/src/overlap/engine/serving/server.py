@@ -34,13 +34,17 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.5  # how long an idle loop sleeps on the inbox before re-checking for shutdown
 
 
-def load_engine_config(config_path: str | os.PathLike | None, model: str | None = None) -> EngineConfig:
-    """EngineConfig from a JSON or YAML file of its field names (YAML is a superset of JSON); `model` overrides."""
+def load_engine_config(
+    config_path: str | os.PathLike | None, model: str | None = None, overrides: dict[str, Any] | None = None
+) -> EngineConfig:
+    """EngineConfig from a JSON or YAML file of its field names (YAML is a superset of JSON); `model` and the
+    command line's `overrides` win over the file."""
     fields: dict[str, Any] = {}
     if config_path:
         fields = read_config_file(config_path)
     if model:
         fields["model"] = model
+    fields.update(overrides or {})
     return EngineConfig().replace(**fields)
 
 
@@ -83,7 +87,14 @@ _CONNECTED = object()  # inbox marker: (conn, _CONNECTED); (conn, None) means it
 class EngineServer:
     """Serves one Engine to any number of sidecar connections; request ids are namespaced per connection."""
 
-    def __init__(self, engine, socket_path: str | os.PathLike, grace_period_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine,
+        socket_path: str | os.PathLike,
+        grace_period_s: float = 30.0,
+        served_model_name: str | None = None,
+    ) -> None:
+        self.served_model_name = served_model_name
         self.engine = engine
         self.socket_path = str(socket_path)
         self.grace_period_s = grace_period_s
@@ -273,7 +284,7 @@ class EngineServer:
         config = _plain(engine.stats().get("config") or {})
         return p.Hello(
             protocol_version=p.PROTOCOL_VERSION,
-            model_name=Path(engine.model_dir).name,
+            model_name=self.served_model_name or Path(engine.model_dir).name,
             model_dir=str(engine.model_dir),
             max_model_len=int(engine.max_model_len),
             vocab_size=int(engine.vocab_size),
@@ -282,6 +293,8 @@ class EngineServer:
             config=config,
             engine_pid=os.getpid(),
             tokenizer_files=self._tokenizer_files,
+            eos_token_ids=sorted(engine.eos_token_ids),
+            sampling_defaults=dict(engine.sampling_defaults),
         )
 
     def _close(self) -> None:
@@ -327,14 +340,20 @@ def _plain(value):
     return str(value)
 
 
-def run_engine_server(socket_path: str, config_path: str | None = None, model: str | None = None) -> int:
-    """Build the Engine from the config file, then serve it on `socket_path` until SIGTERM."""
-    config = load_engine_config(config_path, model)
+def run_engine_server(
+    socket_path: str,
+    config_path: str | None = None,
+    model: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    served_model_name: str | None = None,
+) -> int:
+    """Build the Engine from the config file and flags, then serve it on `socket_path` until SIGTERM."""
+    config = load_engine_config(config_path, model, overrides)
     from overlap.engine.core import Engine
 
     engine = Engine(config)
     grace = float(os.environ.get("OVERLAP_GRACE_PERIOD_S", "30"))
-    server = EngineServer(engine, socket_path, grace_period_s=grace)
+    server = EngineServer(engine, socket_path, grace_period_s=grace, served_model_name=served_model_name)
 
     def on_signal(signum, _frame) -> None:  # only sets flags: the loop does the work
         if signum == signal.SIGINT:
