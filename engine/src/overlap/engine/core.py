@@ -40,6 +40,7 @@ class StepOutcome:
     sampled: list[int]  # one token per seq with do_sample, in order
     forward_s: float  # device busy time of the step (the runner's own measure when it has one)
     error: str | None = None  # set when the step failed; its requests finish with ERROR
+    logprobs: list | None = None  # TokenLogprob (or None) per sampled seq, when some request asked
 
 
 def _load_runner(config: EngineConfig, model_dir: Path):
@@ -216,7 +217,7 @@ class Engine:
         if result.error is not None:
             outcome = StepOutcome([], result.busy_s, f"{type(result.error).__name__}: {result.error}")
         else:
-            outcome = StepOutcome(result.token_ids, result.busy_s)
+            outcome = StepOutcome(result.token_ids, result.busy_s, logprobs=result.logprobs)
         start = time.perf_counter()
         outputs = self.postprocess(batch, outcome)
         postprocess_s = time.perf_counter() - start
@@ -261,7 +262,8 @@ class Engine:
             # published to the prefix cache (those lie below it), so the cache stays valid.
             return StepOutcome([], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         forward_s = getattr(self.runner, "last_forward_time_s", None)
-        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0)
+        logprobs = getattr(self.runner, "last_logprobs", None)
+        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0, logprobs=logprobs)
 
     def postprocess(self, batch: ScheduledBatch, outcome: StepOutcome | None) -> list[RequestOutput]:
         """Apply a step's outcome to the requests in `batch`; also reports what finished while scheduling."""
@@ -272,7 +274,7 @@ class Engine:
         if outcome.error is not None:
             outputs += self._outputs_for(self.scheduler.fail(batch, outcome.error, now))
         else:
-            outputs += self._outputs_for(self.scheduler.postprocess(batch, outcome.sampled, now))
+            outputs += self._outputs_for(self.scheduler.postprocess(batch, outcome.sampled, now, outcome.logprobs))
         self._num_steps_total += 1
         wall = now - batch.scheduled_at
         self._window.append((batch.scheduled_at, wall, outcome.forward_s, len(batch.requests), batch.schedule_cpu_s))
@@ -300,10 +302,12 @@ class Engine:
         finished_ids = []
         for request in requests:
             finished = request.is_finished
+            new_tokens, logprobs = request.take_new_tokens()
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
-                    new_token_ids=request.take_new_tokens(),
+                    new_token_ids=new_tokens,
+                    logprobs=logprobs,
                     finished=finished,
                     finish_reason=request.finish_reason,
                     num_prompt_tokens=request.num_prompt_tokens,

@@ -9,6 +9,17 @@ from dataclasses import dataclass, field
 
 from overlap.engine.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (log_softmax of the raw logits, before temperature,
+    top-k/top-p), and the `logprobs` most likely tokens as (token id, log-probability), most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token id
@@ -29,6 +40,8 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # Log-probabilities of each sampled token and of the `logprobs` most likely ones (0..MAX_LOGPROBS); None: off.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -42,6 +55,8 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -74,6 +89,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     times: RequestTimes | None = None  # set on the finishing output
     error: str | None = None  # set when finish_reason is ERROR
+    logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asked for them
 
 
 # A decode step's input token that the host does not know yet: the token this sequence sampled in its latest

@@ -288,24 +288,28 @@ class Scheduler:
         return True
 
     # ---- after the step ----------------------------------------------------------------------------------------
-    def postprocess(self, batch: ScheduledBatch, sampled_token_ids: list[int], now: float) -> list[Request]:
-        """Apply one step's sampled tokens (one per seq with do_sample, in order); returns the requests that got a
-        token, finished ones included."""
+    def postprocess(
+        self, batch: ScheduledBatch, sampled_token_ids: list[int], now: float, logprobs: list | None = None
+    ) -> list[Request]:
+        """Apply one step's sampled tokens (one per seq with do_sample, in order; `logprobs` alongside, None where
+        not asked for); returns the requests that got a token, finished ones included."""
         bm = self.block_manager
         updated = []
         samples = iter(sampled_token_ids)
+        token_logprobs = iter(logprobs) if logprobs is not None else None
         epochs = batch.epochs or [request.epoch for request in batch.requests]
         for request, seq, computed, epoch in zip(
             batch.requests, batch.model_input.seqs, batch.num_computed_after, epochs, strict=True
         ):
             token = next(samples) if seq.do_sample else None
+            logprob = next(token_logprobs) if token_logprobs is not None and seq.do_sample else None
             if request.status is not RequestStatus.RUNNING or request.epoch != epoch:
                 continue  # finished (EOS one step late, abort) or preempted after it was scheduled: dropped
             bm.register_computed_blocks(request, computed)
             if token is None:
                 continue
             request.num_placeholders -= 1
-            request.append_output_token(token)
+            request.append_output_token(token, logprob)
             self.num_generation_tokens_total += 1
             if request.times.first_token is None:
                 request.times.first_token = now

@@ -59,6 +59,7 @@ class StepResult:
     token_ids: list[int]
     error: BaseException | None = None
     busy_s: float = 0.0  # the step's device busy time
+    logprobs: list | None = None  # TokenLogprob (or None) per sampled seq, when some request asked
 
     def sampled(self) -> list[tuple[str, int]]:
         """(request_id, token) for every sequence that sampled in this step."""
@@ -165,8 +166,8 @@ class Executor:
         self._forget_released()
         if exc is not None:
             return StepResult(step.step_id, step.model_input, [], exc)
-        token_ids, busy_s = step.future.result()
-        return StepResult(step.step_id, step.model_input, token_ids, busy_s=busy_s)
+        token_ids, busy_s, logprobs = step.future.result()
+        return StepResult(step.step_id, step.model_input, token_ids, busy_s=busy_s, logprobs=logprobs)
 
     def step(self, schedule: Callable[[], ModelInput | None]) -> StepResult | None:
         """One engine step: schedule and submit steps while a buffer is free (`schedule` returns None when there is
@@ -222,11 +223,13 @@ class Executor:
         return results
 
     # -- the "device" side -----------------------------------------------------------------------------------------
-    def _run(self, model_input: ModelInput) -> tuple[list[int], float]:
+    def _run(self, model_input: ModelInput) -> tuple[list[int], float, list | None]:
         batch = self._fill_placeholders(model_input)
         start = time.perf_counter()
         try:
             token_ids = self.runner.execute(batch)
+            # Read on the thread that ran the forward, before another step can replace it.
+            logprobs = getattr(self.runner, "last_logprobs", None)
             if hasattr(token_ids, "tolist"):  # a runner may hand back a tensor
                 token_ids = token_ids.tolist()
         except BaseException:
@@ -244,7 +247,7 @@ class Executor:
             raise RuntimeError(f"runner returned {len(token_ids)} tokens for {len(sampled)} sampling sequences")
         for request_id, token in zip(sampled, token_ids, strict=True):
             self._last_token[request_id] = token
-        return token_ids, interval[1] - interval[0]
+        return token_ids, interval[1] - interval[0], logprobs
 
     def _fill_placeholders(self, model_input: ModelInput) -> ModelInput:
         seqs = model_input.seqs

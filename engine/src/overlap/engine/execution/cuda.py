@@ -40,6 +40,7 @@ class _CudaStep:
     model_input: ModelInput
     slot: int | None = None
     num_sampled: int = 0
+    logprobs: object = None  # the runner's device-side logprob tensors, for requests that asked
     start: object = None  # torch.cuda.Event
     end: object = None
     done: object = None
@@ -136,6 +137,7 @@ class CudaExecutor(Executor):
                 inputs.input_ids.index_copy_(0, gather_pos_t, self._token_table.index_select(0, gather_rows_t))
             logits = runner.forward(inputs)
             tokens = runner.sample(logits, inputs).to(torch.long)
+            step.logprobs = runner.logprob_tensors(logits, inputs, tokens)  # None unless a request asks
             if sample_rows:
                 self._token_table.index_copy_(0, sample_rows_t, tokens)
             step.end.record(self._compute)
@@ -171,6 +173,7 @@ class CudaExecutor(Executor):
         try:
             step.done.synchronize()  # this step's readback only, never the whole device
             tokens = self._pinned[step.slot][: step.num_sampled].tolist()
+            logprobs = self.runner.logprob_lists(step.logprobs, step.num_sampled)  # after the step: no extra sync
             begin_s = self._ref.elapsed_time(step.start) / 1000
             end_s = self._ref.elapsed_time(step.end) / 1000
         except Exception as exc:  # an asynchronous CUDA error surfaces here
@@ -181,7 +184,7 @@ class CudaExecutor(Executor):
             self._forget_released()  # after the step's own token-table writes are done
         self.busy.record_interval(self._ref_host + begin_s, self._ref_host + end_s)
         self.busy.record_host("readback", time.perf_counter() - start)
-        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s)
+        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s, logprobs=logprobs)
 
     def _drop_device_token(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)

@@ -177,6 +177,7 @@ class ModelRunner:
                     self._rope_freqs = torch.complex(cos[:, :half].float(), sin[:, :half].float()).to(self.device)
                 self.weights = _prepack_for_onednn(self.weights)
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
+        self.last_logprobs: list | None = None  # the last execute()'s TokenLogprob per sampled row (None: nobody asked)
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
 
     # Names the engine and executor read.
@@ -223,7 +224,10 @@ class ModelRunner:
                     # waking the team (batch-64 greedy sampling measured 2.9 ms that way, 0.4 ms on one thread).
                     torch.set_num_threads(1)
                 logits = self.forward(inputs)
-                tokens = self.sample(logits, inputs).tolist()  # .tolist() waits for the device
+                sampled = self.sample(logits, inputs)
+                logprobs = self.logprob_tensors(logits, inputs, sampled)
+                tokens = sampled.tolist()  # .tolist() waits for the device
+                self.last_logprobs = self.logprob_lists(logprobs, len(tokens))
         finally:
             torch.set_num_threads(threads)
         end = time.perf_counter()
@@ -620,6 +624,16 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
+
+    @staticmethod
+    def logprob_tensors(logits: torch.Tensor, inputs: StepInputs, tokens: torch.Tensor):
+        """Device-side logprobs of the rows whose request asks (None when none does); see `sampler`."""
+        return sampler.logprob_tensors(logits, inputs.sampling, tokens)
+
+    @staticmethod
+    def logprob_lists(tensors, num_rows: int):
+        """`logprob_tensors`' result read back: a TokenLogprob (or None) per sampled row."""
+        return sampler.logprob_lists(tensors, num_rows)
 
 
 def _pick_linear(device: torch.device, dtype: torch.dtype):

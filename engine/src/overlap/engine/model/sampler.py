@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import SamplingParams, TokenLogprob
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) pairs over the seed space
 
@@ -83,3 +83,30 @@ def _uniforms(params: list[SamplingParams], num_generated: list[int], generator:
             g = torch.Generator().manual_seed(((p.seed * _SEED_MIX) ^ step) & 0xFFFF_FFFF_FFFF_FFFF)
             shared[n] = torch.rand(1, generator=g, dtype=torch.float64)[0]
     return shared.float()
+
+
+def logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], tokens: torch.Tensor):
+    """For the rows whose request asks for logprobs: log_softmax of the raw logits (fp32, before temperature and
+    top-k/top-p, as vLLM's default `raw_logprobs`), the sampled token's value and the top-k. Stays on the device;
+    None when no row asks, so plain batches pay nothing."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    idx = torch.tensor(rows, device=logits.device)
+    logprobs = logits.index_select(0, idx).float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.index_select(0, idx).view(-1, 1).to(torch.long)).squeeze(1)
+    k = max(params[i].logprobs for i in rows)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    return rows, [params[i].logprobs for i in rows], chosen, top_ids, top_values
+
+
+def logprob_lists(tensors, num_rows: int) -> list[TokenLogprob | None] | None:
+    """`logprob_tensors`' result on the host: a TokenLogprob per sampled row (None for rows that did not ask)."""
+    if tensors is None:
+        return None
+    rows, ks, chosen, top_ids, top_values = tensors
+    out: list[TokenLogprob | None] = [None] * num_rows
+    ids, values = top_ids.tolist(), top_values.tolist()
+    for n, (row, k, value) in enumerate(zip(rows, ks, chosen.tolist(), strict=True)):
+        out[row] = TokenLogprob(value, list(zip(ids[n][:k], values[n][:k], strict=True)))
+    return out

@@ -48,6 +48,7 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when sampling asks
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step for cheap slicing
     num_computed_tokens: int = 0  # tokens whose K/V is (or is being) written to the pool
     block_ids: list[int] = field(default_factory=list)  # KV blocks covering positions 0 .. num_tokens - 1
@@ -94,9 +95,11 @@ class Request:
         return (self.priority, self.times.arrived, self.arrival_seq)
 
     # ---- transitions -------------------------------------------------------------------------------------------
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, token_id: int, logprob=None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.sampling.logprobs is not None:
+            self.output_logprobs.append(logprob)
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status = FINISH_STATUS[reason]
@@ -104,8 +107,10 @@ class Request:
         self.error = error
         self.times.finished = now
 
-    def take_new_tokens(self) -> list[int]:
-        """Output tokens not yet returned to the caller (and mark them returned)."""
-        new = self.output_token_ids[self.num_emitted_tokens :]
+    def take_new_tokens(self) -> tuple[list[int], list | None]:
+        """Output tokens not yet returned to the caller, with their logprobs when asked for (and mark them
+        returned)."""
+        start = self.num_emitted_tokens
         self.num_emitted_tokens = len(self.output_token_ids)
-        return new
+        logprobs = self.output_logprobs[start:] if self.sampling.logprobs is not None else None
+        return self.output_token_ids[start:], logprobs

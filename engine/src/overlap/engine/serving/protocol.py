@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams, TokenLogprob
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a sanity bound: a larger length prefix means a corrupt stream
@@ -40,10 +40,13 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    logprobs: int | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSampling:
-        return cls(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, list(p.stop_token_ids))
+        return cls(
+            p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, list(p.stop_token_ids), p.logprobs
+        )
 
     def to_params(self) -> SamplingParams:
         """Validated SamplingParams; raises InvalidRequestError on bad values."""
@@ -55,6 +58,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids),
+            logprobs=self.logprobs,
         )
 
 
@@ -120,6 +124,8 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     times: WireTimes | None = None
     error: str | None = None
+    # Per new token: (its logprob, [[token id, logprob], ...] most likely first), or None where the runner had none.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @classmethod
     def from_output(cls, out: RequestOutput, request_id: str | None = None) -> WireOutput:
@@ -137,6 +143,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             num_cached_tokens=out.num_cached_tokens,
             times=times,
             error=out.error,
+            logprobs=_wire_logprobs(out.logprobs),
         )
 
     def to_output(self) -> RequestOutput:
@@ -154,7 +161,20 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             num_cached_tokens=self.num_cached_tokens,
             times=times,
             error=self.error,
+            logprobs=_engine_logprobs(self.logprobs),
         )
+
+
+def _wire_logprobs(logprobs: list[TokenLogprob | None] | None):
+    if logprobs is None:
+        return None
+    return [None if lp is None else (lp.logprob, lp.top) for lp in logprobs]
+
+
+def _engine_logprobs(logprobs) -> list[TokenLogprob | None] | None:
+    if logprobs is None:
+        return None
+    return [None if lp is None else TokenLogprob(lp[0], [(int(t), float(v)) for t, v in lp[1]]) for lp in logprobs]
 
 
 class Outputs(_Message, tag="out"):
