@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from overlap.engine.serving.client import EngineRejected, EngineUnavailable
 from overlap.engine.types import SamplingParams
@@ -20,6 +20,9 @@ class Delta:
     num_output_tokens: int
     finish_reason: str | None = None  # set on the last delta: "stop" | "length"
     timing: dict | None = None  # on the last delta: engine-side timestamps (time.monotonic, system-wide)
+    # For a request that asked for logprobs: the tokens that arrived with this delta and their TokenLogprob
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
 
 
 class Generation:
@@ -59,6 +62,7 @@ class Generation:
             raise engine_unavailable() from exc
         admission.admit(request_id, len(prompt_token_ids))
         self.detokenizer = state.text.detokenizer(prompt_token_ids, stop)
+        self.wants_logprobs = sampling.logprobs is not None
         self.done = False
         self._closed = False
 
@@ -96,21 +100,24 @@ class Generation:
                         last_token_at = now
                     num_output = out.num_output_tokens
                     text = self.detokenizer.push(out.new_token_ids)
+                    extra = {}
+                    if self.wants_logprobs and out.new_token_ids:
+                        extra = {"token_ids": list(out.new_token_ids), "logprobs": out.logprobs}
                     if out.finished:
                         self.done = True
                         reason = self._finish_reason(out)
                         text += self.detokenizer.flush()
                         self._observe_engine_times(out)
-                        yield Delta(text, self.num_prompt_tokens, num_output, reason, self._timing(out))
+                        yield Delta(text, self.num_prompt_tokens, num_output, reason, self._timing(out), **extra)
                         return
                     if self.detokenizer.stopped:  # a stop string matched: the engine need not go on
                         self.done = True
                         reason = "stop"
                         state.client.abort(self.request_id)
-                        yield Delta(text, self.num_prompt_tokens, num_output, "stop")
+                        yield Delta(text, self.num_prompt_tokens, num_output, "stop", **extra)
                         return
-                    if text:
-                        yield Delta(text, self.num_prompt_tokens, num_output)
+                    if text or extra:
+                        yield Delta(text, self.num_prompt_tokens, num_output, **extra)
         except TimeoutError as exc:
             reason = "timeout"
             raise ApiError(

@@ -14,6 +14,7 @@ from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
 from overlap.sidecar import schemas
 from overlap.sidecar.generation import Delta, Generation
+from overlap.sidecar.logprobs import chat_logprobs, completion_logprobs
 from overlap.sidecar.state import STATE, ApiError, ServerState, engine_unavailable
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -118,6 +119,10 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
     stop_ids = body.stop_token_ids or []
     if any(not 0 <= t < state.vocab_size for t in stop_ids):
         raise ApiError(400, f"stop_token_ids must be in 0..{state.vocab_size - 1}", param="stop_token_ids")
+    try:
+        logprobs = body.logprobs_wanted()
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="top_logprobs") from exc
     # What the request leaves out comes from the model's generation_config.json, as vLLM does by default.
     defaults = state.sampling_defaults
     top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))
@@ -130,9 +135,10 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             stop_token_ids=tuple(stop_ids),
+            logprobs=logprobs,
         )
     except InvalidRequestError as exc:
-        raise ApiError(400, str(exc)) from exc
+        raise ApiError(400, str(exc), param="logprobs" if "logprobs" in str(exc) else None) from exc
 
 
 def _stop_strings(body: schemas._Common) -> list[str]:
@@ -229,14 +235,21 @@ async def _run(request, state, body, prefix, prompt_ids, sampling, arrival, *, c
 async def _collect(state, generation: Generation, request_id: str, chat: bool, want_timing: bool) -> web.Response:
     parts: list[str] = []
     last = None
+    token_ids, logprobs = [], []
     async for delta in generation.deltas():
         parts.append(delta.text)
+        token_ids += delta.token_ids
+        logprobs += delta.logprobs or [None] * len(delta.token_ids)
         last = delta
     text = "".join(parts)
+    lp = None
+    if generation.wants_logprobs:
+        lp = chat_logprobs(state.text, token_ids, logprobs) if chat else completion_logprobs(
+            state.text, token_ids, logprobs, 0)  # fmt: skip
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": text, "logprobs": lp}
     choice["finish_reason"] = last.finish_reason
     data = {
         "id": request_id,
@@ -256,12 +269,22 @@ async def _stream(request, state, body, generation, request_id: str, chat: bool,
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
+    text_offset = 0
+
     def chunk(text: str | None, finish_reason: str | None, delta: Delta | None, first: bool = False) -> bytes:
+        nonlocal text_offset
+        lp = None
+        if delta is not None and generation.wants_logprobs:
+            if chat:
+                lp = chat_logprobs(state.text, delta.token_ids, delta.logprobs)
+            else:
+                lp = completion_logprobs(state.text, delta.token_ids, delta.logprobs, text_offset)
+                text_offset += sum(len(t) for t in lp["tokens"])
         if chat:
             message = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": message, "logprobs": lp, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         data = {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
         if options.include_usage:
             data["usage"] = _usage(delta) if options.continuous_usage_stats and delta is not None else None

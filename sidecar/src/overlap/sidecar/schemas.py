@@ -70,9 +70,12 @@ class CompletionRequest(_Common, kw_only=True):
             bad.append("suffix")
         if self.best_of not in (None, 1):
             bad.append("best_of")
-        if self.logprobs is not None:
-            bad.append("logprobs")
+        if self.echo and self.logprobs is not None:
+            bad.append("logprobs with echo (prompt log-probabilities)")
         return bad
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
@@ -98,8 +101,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.logprobs or self.top_logprobs:
-            bad.append("logprobs")
         if self.tools:
             bad.append("tools")
         if self.tool_choice not in (None, "none", "auto"):
@@ -107,6 +108,13 @@ class ChatCompletionRequest(_Common, kw_only=True):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             bad.append("response_format")
         return bad
+
+    def logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ConfigPatch(msgspec.Struct):

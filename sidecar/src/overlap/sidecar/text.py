@@ -18,6 +18,7 @@ class TextProcessor:
         self.backend = self.tokenizer.backend_tokenizer  # the Rust tokenizer: fast encode and streaming decode
         self.model_dir = str(model_dir)
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
+        self._token_texts: dict[int, str] = {}
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=True).ids
@@ -31,6 +32,13 @@ class TextProcessor:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, as logprobs name it (vLLM: the token decoded alone, special tokens kept)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode([token_id], skip_special_tokens=False)
+        return text
 
     def detokenizer(self, prompt_token_ids: list[int], stop: list[str]) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.backend, prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], stop)

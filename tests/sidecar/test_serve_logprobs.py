@@ -1,0 +1,135 @@
+"""Log-probabilities through `overlap serve` and the official `openai` client: completions `logprobs: k` and chat
+`logprobs` / `top_logprobs`, streamed and not, equal to log_softmax of transformers' logits on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from tests.support.sidecar import Proc, free_port, http, is_ready, overlap_cmd, wait_until
+
+PROMPT_IDS = [1, 523, 1201, 77, 3000, 45, 812]
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    workdir = Path(tempfile.mkdtemp(prefix="ovl-logprobs-"))
+    (workdir / "engine.json").write_text(json.dumps({"num_kv_blocks": 256, "num_threads": 1}))
+    port = free_port()
+    cmd = overlap_cmd("serve", "--model", str(tiny_model_dir), "--port", str(port),
+                      "--config", str(workdir / "engine.json"))  # fmt: skip
+    proc = Proc(cmd, workdir / "serve.log")
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: is_ready(base_url), 300, "overlap serve ready", proc)
+        yield {"url": base_url, "model": tiny_model_dir.name}
+    finally:
+        proc.stop(60)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """(greedy ids, log_softmax rows at each generated position) from transformers, for a prompt of token ids."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def run(prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        ids = list(prompt)
+        with torch.inference_mode():
+            for _ in range(n):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = hf(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1]
+        return ids[len(prompt) :], logits.float().log_softmax(-1)
+
+    run.tokenizer = tokenizer
+    return run
+
+
+def _piece(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+def test_completion_logprobs_equal_transformers_streamed_and_not(client, server, reference):
+    tokens, ref = reference(PROMPT_IDS, 8)
+    kwargs = dict(model=server["model"], prompt=PROMPT_IDS, max_tokens=8, temperature=0, logprobs=3,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    lp = client.completions.create(**kwargs).choices[0].logprobs
+    assert lp.tokens == [_piece(reference.tokenizer, t) for t in tokens]
+    for n, token in enumerate(tokens):
+        assert lp.token_logprobs[n] == pytest.approx(float(ref[n, token]), abs=1e-4)
+        values, ids = ref[n].topk(3)
+        want = {_piece(reference.tokenizer, i): v for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+        assert lp.top_logprobs[n].keys() == want.keys()
+        assert list(lp.top_logprobs[n].values()) == pytest.approx(list(want.values()), abs=1e-4)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        piece = chunk.choices[0].logprobs
+        if piece is not None:
+            for key in streamed:
+                streamed[key] += getattr(piece, key)
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_chat_logprobs_equal_transformers_streamed_and_not(client, server, reference):
+    messages = [{"role": "user", "content": "Say something."}]
+    prompt = reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = reference.tokenizer(prompt, add_special_tokens=False).input_ids
+    tokens, ref = reference(prompt_ids, 6)
+    kwargs = dict(model=server["model"], messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                  top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert [c.token for c in content] == [_piece(reference.tokenizer, t) for t in tokens]
+    for n, (item, token) in enumerate(zip(content, tokens, strict=True)):
+        assert item.logprob == pytest.approx(float(ref[n, token]), abs=1e-4)
+        assert item.bytes == list(item.token.encode())
+        values, ids = ref[n].topk(2)
+        assert [t.token for t in item.top_logprobs] == [_piece(reference.tokenizer, i) for i in ids.tolist()]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+
+    streamed = []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
+
+
+def test_without_logprobs_the_field_is_null(client, server):
+    out = client.completions.create(model=server["model"], prompt=PROMPT_IDS, max_tokens=3)
+    assert out.choices[0].logprobs is None
+    chat = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=3)  # fmt: skip
+    assert chat.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message"),
+    [
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be an integer in 0..20"),
+        ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs must be an integer in 0..20"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, "prompt log-probabilities"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in 0..20"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ],
+)
+def test_bad_logprobs_requests_get_a_400(server, path, body, message):
+    status, _, data = http("POST", server["url"] + path, {"model": server["model"], **body})
+    assert status == 400 and message in data["error"]["message"], data
