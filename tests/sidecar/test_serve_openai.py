@@ -223,12 +223,39 @@ def test_health_endpoints(server):
         assert http("GET", server["url"] + path)[0] == 200
 
 
+def test_tokenize_detokenize_and_version_in_vllms_shapes(server, tiny_model_dir):
+    from importlib.metadata import version
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "The meaning of life is"
+    status, _, body = http("POST", f"{server['url']}/tokenize",
+                           {"model": server["model"], "prompt": text, "return_token_strs": True})  # fmt: skip
+    assert status == 200 and body["tokens"] == tokenizer(text).input_ids and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] > 0 and len(body["token_strs"]) == body["count"]
+    messages = [{"role": "user", "content": "hi"}]
+    status, _, chat = http("POST", f"{server['url']}/tokenize", {"messages": messages})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert status == 200 and chat["tokens"] == tokenizer(rendered, add_special_tokens=False).input_ids
+    status, _, back = http("POST", f"{server['url']}/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back["prompt"] == text
+    status, _, ver = http("GET", f"{server['url']}/version")
+    assert status == 200 and ver["version"] == version("overlap-sidecar")
+    bad_cases = [("/tokenize", {"prompt": "x", "messages": messages}), ("/tokenize", {}),
+                 ("/detokenize", {"tokens": [10**9]}), ("/tokenize", {"prompt": "x", "model": "gpt-9"})]  # fmt: skip
+    for path, bad in bad_cases:
+        status, _, err = http("POST", f"{server['url']}{path}", bad)
+        assert status in (400, 404) and err["error"]["message"], (path, bad, err)
+
+
 def test_openapi_describes_every_route(server):
     status, _, doc = http("GET", f"{server['url']}/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.")
     expected = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models"),
                 ("get", "/health"), ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"),
-                ("get", "/openapi.json")}  # fmt: skip
+                ("get", "/openapi.json"), ("post", "/tokenize"), ("post", "/detokenize"),
+                ("get", "/version")}  # fmt: skip
     documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     assert documented == expected
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]

@@ -330,6 +330,51 @@ async def list_models(request: web.Request) -> web.Response:
     return json_response({"object": "list", "data": [model]})
 
 
+# ---- vLLM's utility routes ---------------------------------------------------------------------------------------
+
+
+def _check_optional_model(state: ServerState, model: str | None) -> None:
+    if model is not None:
+        _check_model(state, model)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_accepting()
+    body = await read_body(request, schemas.TokenizeRequest)
+    _check_optional_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give either prompt or messages", param="prompt")
+    try:
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await _off_loop(len(body.prompt), state.text.encode, body.prompt, special)
+        else:
+            messages = schemas.chat_messages_as_dicts(body.messages)
+            ids = await _off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages,
+                                  body.add_generation_prompt, bool(body.add_special_tokens))  # fmt: skip
+    except (ValueError, TemplateError) as exc:
+        raise ApiError(400, str(exc), param="messages") from exc
+    strs = [state.text.token_text(t) for t in ids] if body.return_token_strs else None
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_accepting()
+    body = await read_body(request, schemas.DetokenizeRequest)
+    _check_optional_model(state, body.model)
+    if any(not 0 <= t < state.vocab_size for t in body.tokens):
+        raise ApiError(400, f"tokens must be in 0..{state.vocab_size - 1}", param="tokens")
+    return json_response({"prompt": state.text.decode(body.tokens)})
+
+
+async def version(request: web.Request) -> web.Response:
+    from importlib.metadata import version as dist_version
+
+    return json_response({"version": dist_version("overlap-sidecar")})
+
+
 # ---- operations ------------------------------------------------------------------------------------------------
 
 
@@ -360,6 +405,9 @@ ROUTES = [
     ("POST", "/v1/chat/completions", "Create a chat completion (OpenAI-compatible; stream for SSE)",
      chat_completions, schemas.ChatCompletionRequest),
     ("GET", "/v1/models", "List the served model", list_models, None),
+    ("POST", "/tokenize", "Token ids of a prompt or chat messages (vLLM's shape)", tokenize, schemas.TokenizeRequest),
+    ("POST", "/detokenize", "Text of token ids (vLLM's shape)", detokenize, schemas.DetokenizeRequest),
+    ("GET", "/version", "The server's version", version, None),
     ("GET", "/health", "200 when requests can be served (for load generators)", health, None),
     ("GET", "/healthz", "Liveness: the sidecar answers", healthz, None),
     ("GET", "/readyz", "Readiness: engine connected, tokenizer loaded, not draining", readyz, None),

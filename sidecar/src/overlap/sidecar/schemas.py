@@ -117,6 +117,22 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template adds them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ConfigPatch(msgspec.Struct):
     """Body of PUT /admin/config: live knobs only (see overlap.engine.LIVE_KNOBS)."""
 

@@ -20,15 +20,17 @@ class TextProcessor:
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
         self._token_texts: dict[int, str] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template renders the special tokens itself, so they are not added again."""
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        """The chat template renders the special tokens itself, so by default they are not added again."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.backend.encode(text, add_special_tokens=False).ids
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=True)
