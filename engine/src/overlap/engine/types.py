@@ -42,6 +42,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # Log-probabilities of each sampled token and of the `logprobs` most likely ones (0..MAX_LOGPROBS); None: off.
     logprobs: int | None = None
+    # Logits controls (OpenAI's and vLLM's), applied to the raw logits before temperature, in this order: bias,
+    # min_tokens and bad words (banned tokens get -inf), then the repetition, frequency and presence penalties.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens were generated
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token the output already holds
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: logits of prompt and output tokens divided (if > 0) or multiplied by it
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -55,8 +63,40 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+        self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if any(not math.isfinite(b) or not -100 <= b <= 100 for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        self.bad_words_ids = tuple(tuple(int(t) for t in word) for word in self.bad_words_ids)
+        if any(not word for word in self.bad_words_ids):
+            raise InvalidRequestError("bad_words must not be empty")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+
+    @property
+    def has_logits_controls(self) -> bool:
+        """Whether the sampler must change this request's logits before picking (plain requests skip it all)."""
+        return bool(
+            self.logit_bias or self.min_tokens or self.bad_words_ids or self.presence_penalty
+            or self.frequency_penalty or self.repetition_penalty != 1.0
+        )  # fmt: skip
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the sampler needs the tokens generated so far (penalties, multi-token bad words)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or any(len(w) > 1 for w in self.bad_words_ids)
+        )  # fmt: skip
 
     @property
     def is_greedy(self) -> bool:
@@ -114,6 +154,9 @@ class ScheduledSeq:
     do_sample: bool  # last chunk of the prompt, or a decode step
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_generated: int = 0  # tokens generated so far; with `sampling.seed` it makes sampling reproducible
+    # The whole prompt, only for a request whose repetition penalty needs it (prefix-cached chunks never reach the
+    # runner); the live list of the request, never copied.
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

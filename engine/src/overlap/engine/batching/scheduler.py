@@ -220,6 +220,7 @@ class Scheduler:
                 do_sample=end == request.num_tokens + placeholders,
                 sampling=request.sampling,
                 num_generated=request.num_output_tokens + placeholders,
+                prompt_token_ids=request.prompt_token_ids if request.sampling.repetition_penalty != 1.0 else None,
             )
             request.num_computed_tokens = end
             if seq.do_sample:

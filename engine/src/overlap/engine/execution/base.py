@@ -205,6 +205,13 @@ class Executor:
 
     def _drop_device_token(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)
+        self._forget_in_runner(request_id)
+
+    def _forget_in_runner(self, request_id: str) -> None:
+        """The runner's own per-request state (the penalties' token history), for runners that keep any."""
+        forget = getattr(self.runner, "forget_request", None)
+        if forget is not None:
+            forget(request_id)
 
     def _forget_released(self) -> None:
         """After a collect: forget the deferred requests that no in-flight step holds any more."""

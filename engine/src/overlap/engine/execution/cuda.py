@@ -137,6 +137,7 @@ class CudaExecutor(Executor):
                 inputs.input_ids.index_copy_(0, gather_pos_t, self._token_table.index_select(0, gather_rows_t))
             logits = runner.forward(inputs)
             tokens = runner.sample(logits, inputs).to(torch.long)
+            runner.record_sampled(inputs, tokens)
             step.logprobs = runner.logprob_tensors(logits, inputs, tokens)  # None unless a request asks
             if sample_rows:
                 self._token_table.index_copy_(0, sample_rows_t, tokens)
@@ -190,6 +191,7 @@ class CudaExecutor(Executor):
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
+        self._forget_in_runner(request_id)
 
     def close(self) -> list[StepResult]:
         return self.drain()

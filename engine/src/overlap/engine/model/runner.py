@@ -105,6 +105,8 @@ class StepInputs:
     sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
     sampling: list[SamplingParams]
     num_generated: list[int]
+    request_ids: list[str]  # of the sampled rows, for the per-request token history of penalties
+    prompts: list[list[int] | None]  # of the sampled rows: the whole prompt where a repetition penalty needs it
     # CPU fp32 with the native kernel: the step's decodes (one query token each), attended by one kernel call per
     # layer; `seqs` then holds only the prompt chunks.
     decode_plan: native.DecodePlan | None = None
@@ -177,6 +179,7 @@ class ModelRunner:
                     self._rope_freqs = torch.complex(cos[:, :half].float(), sin[:, :half].float()).to(self.device)
                 self.weights = _prepack_for_onednn(self.weights)
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
+        self._histories: dict[str, list[torch.Tensor]] = {}  # request id -> its sampled tokens (penalties)
         self.last_logprobs: list | None = None  # the last execute()'s TokenLogprob per sampled row (None: nobody asked)
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
 
@@ -225,6 +228,7 @@ class ModelRunner:
                     torch.set_num_threads(1)
                 logits = self.forward(inputs)
                 sampled = self.sample(logits, inputs)
+                self.record_sampled(inputs, sampled)
                 logprobs = self.logprob_tensors(logits, inputs, sampled)
                 tokens = sampled.tolist()  # .tolist() waits for the device
                 self.last_logprobs = self.logprob_lists(logprobs, len(tokens))
@@ -254,6 +258,8 @@ class ModelRunner:
             sample_rows=first.sample_rows,
             sampling=first.sampling + second.sampling,
             num_generated=first.num_generated + second.num_generated,
+            request_ids=first.request_ids + second.request_ids,
+            prompts=first.prompts + second.prompts,
             halves=(first, second),
         )
 
@@ -331,6 +337,8 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, device=device, dtype=torch.long),
             sampling=[s.sampling for s in batch.seqs if s.do_sample],
             num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
+            request_ids=[s.request_id for s in batch.seqs if s.do_sample],
+            prompts=[s.prompt_token_ids for s in batch.seqs if s.do_sample],
             decode_plan=plan.decode_plan,
             last_layer=plan.last_layer,
             window_plans=window_plans,
@@ -623,7 +631,34 @@ class ModelRunner:
         )[0].transpose(0, 1)
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """Token ids [S] from the raw logits: the logits controls first (penalties, bias, ...), for the rows that
+        set any."""
+        if any(p.has_logits_controls for p in inputs.sampling):
+            rows = zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True)
+            histories = [self._history_of(rid, n) if p.needs_history else None for rid, n, p in rows]
+            logits = sampler.apply_logits_controls(logits, inputs.sampling, inputs.num_generated, histories,
+                                                   inputs.prompts, self.eos_token_ids)  # fmt: skip
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
+
+    def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
+        """Keep the tokens of requests whose controls need their history, on the device (no host sync). Indexed by
+        position: a step whose tokens the engine dropped (a preemption) is overwritten when the position is
+        sampled again."""
+        for row, (rid, n, p) in enumerate(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True)):
+            if p.needs_history:
+                history = self._histories.setdefault(rid, [])
+                del history[n:]
+                history.append(tokens[row : row + 1])
+
+    def _history_of(self, request_id: str, num_generated: int) -> torch.Tensor:
+        history = self._histories.get(request_id, [])[:num_generated]
+        if not history:
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        return torch.cat(history).to(torch.long)
+
+    def forget_request(self, request_id: str) -> None:
+        """A finished request's token history goes (the executors call this when it leaves the pipeline)."""
+        self._histories.pop(request_id, None)
 
     @staticmethod
     def logprob_tensors(logits: torch.Tensor, inputs: StepInputs, tokens: torch.Tensor):

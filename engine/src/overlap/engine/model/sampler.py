@@ -110,3 +110,57 @@ def logprob_lists(tensors, num_rows: int) -> list[TokenLogprob | None] | None:
     for n, (row, k, value) in enumerate(zip(rows, ks, chosen.tolist(), strict=True)):
         out[row] = TokenLogprob(value, list(zip(ids[n][:k], values[n][:k], strict=True)))
     return out
+
+
+def apply_logits_controls(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    num_generated: list[int],
+    histories: list[torch.Tensor | None],
+    prompts: list[list[int] | None],
+    eos_token_ids: frozenset[int],
+) -> torch.Tensor:
+    """Logit bias, min_tokens, bad words and the three penalties, for the rows whose request sets any (vLLM's order;
+    the others pass untouched, and an all-plain batch returns `logits` itself). `histories[i]`: row i's generated
+    tokens so far (a device tensor) when its controls need them."""
+    rows = [i for i, p in enumerate(params) if p.has_logits_controls]
+    if not rows:
+        return logits
+    # A copy: the raw logits stay as they are for the logprobs.
+    logits = logits.clone() if logits.dtype == torch.float32 else logits.float()
+    device, vocab = logits.device, logits.shape[1]
+    for i in rows:
+        p, row, history = params[i], logits[i], histories[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
+            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
+        banned = []
+        if num_generated[i] < p.min_tokens:
+            banned += [*eos_token_ids, *p.stop_token_ids]
+        for word in p.bad_words_ids:
+            if len(word) == 1:
+                banned.append(word[0])
+            elif (
+                history is not None
+                and history.numel() >= len(word) - 1
+                and history[history.numel() - len(word) + 1 :].tolist() == list(word[:-1])  # its prefix just ended
+            ):
+                banned.append(word[-1])
+        if banned:
+            row.index_fill_(0, torch.tensor(banned, device=device), float("-inf"))
+        if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            if history is not None and history.numel():
+                counts = torch.bincount(history, minlength=vocab).to(row.dtype)
+            else:
+                counts = torch.zeros(vocab, dtype=row.dtype, device=device)
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                if prompts[i]:
+                    seen[torch.tensor(prompts[i], device=device)] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            if p.frequency_penalty:
+                row.sub_(counts * p.frequency_penalty)
+            if p.presence_penalty:
+                row.sub_((counts > 0).to(row.dtype) * p.presence_penalty)
+    return logits
