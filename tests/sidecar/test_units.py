@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from overlap.engine.serving import protocol as p
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams, TokenLogprob
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.text import TextProcessor
 
@@ -34,6 +34,23 @@ def test_protocol_round_trip_over_a_socket():
     back = received[3].outputs[0].to_output()
     assert back == out
     assert received[0].sampling.to_params() == SamplingParams(max_tokens=4, seed=7)
+
+
+def test_every_sampling_field_crosses_the_wire():
+    """Each SamplingParams field set away from its default survives the wire (a field the wire lacks would be
+    silently dropped on the way to the engine)."""
+    import dataclasses
+
+    params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, top_k=7, seed=3, ignore_eos=True,
+                            stop_token_ids=(4, 5), logprobs=2, logit_bias=((11, -3.5),), min_tokens=2,
+                            bad_words_ids=((6,), (7, 8)), presence_penalty=0.5, frequency_penalty=-0.5,
+                            repetition_penalty=1.2)  # fmt: skip
+    defaults = SamplingParams()
+    assert all(getattr(params, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(SamplingParams))
+    wire = p.AddRequest("r", [1], p.WireSampling.from_params(params))
+    assert p.decode(p.encode(wire)[p.HEADER_SIZE :]).sampling.to_params() == params
+    out = RequestOutput("r", [5], logprobs=[TokenLogprob(-0.5, [(5, -0.5), (9, -1.25)])])
+    assert p.WireOutput.from_output(out).to_output() == out
 
 
 def test_protocol_rejects_a_truncated_or_garbage_frame():

@@ -123,6 +123,7 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
         logprobs = body.logprobs_wanted()
     except ValueError as exc:
         raise ApiError(400, str(exc), param="top_logprobs") from exc
+    controls = _logits_controls(state, body)
     # What the request leaves out comes from the model's generation_config.json, as vLLM does by default.
     defaults = state.sampling_defaults
     top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))
@@ -136,9 +137,34 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
             ignore_eos=body.ignore_eos,
             stop_token_ids=tuple(stop_ids),
             logprobs=logprobs,
+            **controls,
         )
     except InvalidRequestError as exc:
         raise ApiError(400, str(exc), param="logprobs" if "logprobs" in str(exc) else None) from exc
+
+
+def _logits_controls(state: ServerState, body: schemas._Common) -> dict:
+    """The request's penalties, bias, min_tokens and bad words as SamplingParams fields (values are checked there)."""
+    controls: dict = {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+        if getattr(body, name) is not None:
+            controls[name] = getattr(body, name)
+    if body.logit_bias:
+        bias = []
+        for key, value in body.logit_bias.items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < state.vocab_size:
+                raise ApiError(400, f"logit_bias keys must be token ids in 0..{state.vocab_size - 1}, got {key!r}",
+                               param="logit_bias")  # fmt: skip
+            bias.append((int(key), value))
+        controls["logit_bias"] = tuple(bias)
+    if body.bad_words:
+        if any(not word for word in body.bad_words):
+            raise ApiError(400, "bad_words must be non-empty strings", param="bad_words")
+        # As vLLM does: each word banned both at the start of a word (after a space) and glued to what precedes it.
+        words = {tuple(state.text.encode(form, add_special_tokens=False))
+                 for word in body.bad_words for form in (word, " " + word)}  # fmt: skip
+        controls["bad_words_ids"] = tuple(sorted(w for w in words if w))
+    return controls
 
 
 def _stop_strings(body: schemas._Common) -> list[str]:

@@ -34,24 +34,18 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Overlap extensions: priority level (0 highest) and a timeout in seconds (may only lower the server's).
     priority: int | None = None
     timeout: float | None = None
-    # Accepted at their neutral values only.
+    # Logits controls: OpenAI's, and vLLM's extras (repetition_penalty, min_tokens, bad_words).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = None
+    bad_words: list[str] | None = None
 
     def unsupported_fields(self) -> list[str]:
         bad = []
         if self.n != 1:
             bad.append("n (only n=1 is supported)")
-        if self.presence_penalty not in (None, 0, 0.0):
-            bad.append("presence_penalty")
-        if self.frequency_penalty not in (None, 0, 0.0):
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
-        if self.min_tokens not in (None, 0):
-            bad.append("min_tokens")
         return bad
 
 

@@ -41,11 +41,30 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     logprobs: int | None = None
+    logit_bias: list[tuple[int, float]] = []
+    min_tokens: int = 0
+    bad_words_ids: list[list[int]] = []
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSampling:
         return cls(
-            p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.ignore_eos, list(p.stop_token_ids), p.logprobs
+            p.max_tokens,
+            p.temperature,
+            p.top_p,
+            p.top_k,
+            p.seed,
+            p.ignore_eos,
+            list(p.stop_token_ids),
+            p.logprobs,
+            list(p.logit_bias),
+            p.min_tokens,
+            [list(w) for w in p.bad_words_ids],
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
         )
 
     def to_params(self) -> SamplingParams:
@@ -59,6 +78,12 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids),
             logprobs=self.logprobs,
+            logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias),
+            min_tokens=self.min_tokens,
+            bad_words_ids=tuple(tuple(w) for w in self.bad_words_ids),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
         )
 
 

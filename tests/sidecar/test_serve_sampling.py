@@ -1,5 +1,7 @@
-"""Log-probabilities through `overlap serve` and the official `openai` client: completions `logprobs: k` and chat
-`logprobs` / `top_logprobs`, streamed and not, equal to log_softmax of transformers' logits on the tiny model."""
+"""Sampling features through `overlap serve` and the official `openai` client: log-probabilities (completions
+`logprobs: k`, chat `logprobs` / `top_logprobs`, streamed and not, equal to log_softmax of transformers' logits on the
+tiny model) and the logits controls (penalties, logit_bias, min_tokens, bad_words; their exact semantics are
+checked against transformers in tests/engine/test_logits_controls.py)."""
 
 from __future__ import annotations
 
@@ -132,4 +134,58 @@ def test_without_logprobs_the_field_is_null(client, server):
 )
 def test_bad_logprobs_requests_get_a_400(server, path, body, message):
     status, _, data = http("POST", server["url"] + path, {"model": server["model"], **body})
+    assert status == 400 and message in data["error"]["message"], data
+
+
+def _tokens(client, server, **kwargs) -> tuple[list[str], str]:
+    out = client.completions.create(model=server["model"], prompt=PROMPT_IDS, temperature=0, logprobs=0,
+                                    **kwargs)  # fmt: skip
+    return out.choices[0].logprobs.tokens, out
+
+
+def test_logit_bias_min_tokens_and_bad_words_reach_the_sampler(client, server, reference):
+    free, _ = _tokens(client, server, max_tokens=6, extra_body={"ignore_eos": True})
+    favourite = 4242
+    forced, _ = _tokens(client, server, max_tokens=6, logit_bias={str(favourite): 100},
+                        extra_body={"ignore_eos": True})  # fmt: skip
+    assert forced == [_piece(reference.tokenizer, favourite)] * 6 != free
+    # EOS (id 2) pushed to the top, held back by min_tokens: 4 tokens, then EOS stops the request.
+    _, out = _tokens(client, server, max_tokens=12, logit_bias={"2": 100}, extra_body={"min_tokens": 4})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == 5
+    word = reference.tokenizer.decode([favourite])
+    banned, _ = _tokens(client, server, max_tokens=6, logit_bias={str(favourite): 100},
+                        extra_body={"ignore_eos": True, "bad_words": [word.strip()]})  # fmt: skip
+    assert _piece(reference.tokenizer, favourite) not in banned
+
+
+def test_penalties_change_what_a_bias_would_repeat(client, server, reference):
+    favourite = _piece(reference.tokenizer, 4242)
+    plain = []
+    for value in (4, 8, 12, 16, 24):  # the smallest bias that makes greedy repeat the token (random weights)
+        bias = {"4242": value}
+        plain, _ = _tokens(client, server, max_tokens=12, logit_bias=bias, extra_body={"ignore_eos": True})
+        if plain.count(favourite) >= 3:
+            break
+    assert plain.count(favourite) >= 3
+    extra = {"ignore_eos": True, "repetition_penalty": 1.5}
+    penalized, _ = _tokens(client, server, max_tokens=12, logit_bias=bias, frequency_penalty=2.0,
+                           presence_penalty=2.0, extra_body=extra)  # fmt: skip
+    assert penalized.count(favourite) < plain.count(favourite)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty must be in [-2, 2]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 10]"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 200}}, "logit_bias values must be in [-100, 100]"),
+        ({"min_tokens": 50, "max_tokens": 10}, "min_tokens must be in 0..max_tokens (10)"),
+        ({"bad_words": [""]}, "bad_words must be non-empty strings"),
+    ],
+)
+def test_bad_logits_controls_get_a_400(server, body, message):
+    status, _, data = http("POST", server["url"] + "/v1/completions", {"model": server["model"], "prompt": "x", **body})
     assert status == 400 and message in data["error"]["message"], data
