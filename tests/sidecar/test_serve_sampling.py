@@ -6,6 +6,7 @@ checked against transformers in tests/engine/test_logits_controls.py)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -189,3 +190,71 @@ def test_penalties_change_what_a_bias_would_repeat(client, server, reference):
 def test_bad_logits_controls_get_a_400(server, body, message):
     status, _, data = http("POST", server["url"] + "/v1/completions", {"model": server["model"], "prompt": "x", **body})
     assert status == 400 and message in data["error"]["message"], data
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+        "open": {"type": "boolean"},
+    },
+    "required": ["city", "rank", "open"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_response_validates_for_50_seeds(client, server):
+    import jsonschema
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "a city"}]
+    for seed in range(50):
+        out = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=120, temperature=1.0,
+                                             seed=seed, response_format=response_format,
+                                             extra_body={"disable_any_whitespace": True})  # fmt: skip
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_json_object_guided_choice_and_regex_streamed_and_not(client, server):
+    chat = dict(model=server["model"], messages=[{"role": "user", "content": "x"}], max_tokens=80, temperature=1.0)
+    # Any JSON object is unbounded: a random model can stay inside one string for ever. A bias on the closing
+    # characters lets the grammar close the object within the budget; what it emits must still parse.
+    closers = {}
+    for c in ('"', "}"):
+        ids = http("POST", f"{server['url']}/tokenize", {"prompt": c, "add_special_tokens": False})[2]["tokens"]
+        closers |= {str(t): 10 for t in ids}
+    for seed in range(3):
+        obj = client.chat.completions.create(**{**chat, "max_tokens": 400}, seed=seed, logit_bias=closers,
+                                             response_format={"type": "json_object"},
+                                             extra_body={"disable_any_whitespace": True})  # fmt: skip
+        assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    stream = client.chat.completions.create(**chat, seed=2, stream=True,
+                                            extra_body={"guided_choice": ["yes", "no", "maybe not"]})  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed in ("yes", "no", "maybe not")
+    regex = client.completions.create(model=server["model"], prompt="id:", max_tokens=20, temperature=1.0, seed=3,
+                                      extra_body={"guided_regex": r"[A-Z]{2}/[0-9]{4}"})  # fmt: skip
+    assert re.fullmatch(r"[A-Z]{2}/[0-9]{4}", regex.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"guided_json": {"type": "objectx"}}, "invalid grammar"),
+        ({"guided_json": "{not json"}, "structured output"),
+        ({"guided_regex": "[a-", "guided_choice": ["a"]}, "at most one structured-output constraint"),
+        ({"guided_choice": []}, "guided_choice must be a list of non-empty strings"),
+    ],
+)
+def test_bad_structured_output_requests_get_a_400(server, body, message):
+    status, _, data = http("POST", server["url"] + "/v1/completions", {"model": server["model"], "prompt": "x", **body})
+    assert status == 400 and message in data["error"]["message"], data
+
+
+def test_bad_response_format_gets_a_400(server):
+    body = {"model": server["model"], **CHAT, "response_format": {"type": "xml"}}
+    status, _, data = http("POST", server["url"] + "/v1/chat/completions", body)
+    assert status == 400 and "response_format type must be" in data["error"]["message"], data

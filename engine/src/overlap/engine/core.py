@@ -121,6 +121,17 @@ class Engine:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
+        if sampling.grammar is not None:
+            add_grammar = getattr(self.runner, "add_grammar", None)
+            try:
+                if add_grammar is None:
+                    raise InvalidRequestError("structured output needs the model runner (this runner has no grammars)")
+                add_grammar(request_id, sampling.grammar)  # here, not in a step: its compile never stalls one
+            except BaseException:
+                with self._lock:
+                    self._live_ids.discard(request_id)
+                raise
+        with self._lock:
             self._inbox.append(("add", request))
         self._driver_wakeup.set()
 

@@ -50,6 +50,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token the output already holds
     frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0: logits of prompt and output tokens divided (if > 0) or multiplied by it
+    # Structured output: an llguidance grammar (JSON schema, regex, choice or Lark, as llguidance.grammar_from
+    # writes it); the sampler masks every token the grammar does not allow next.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -87,7 +90,7 @@ class SamplingParams:
         """Whether the sampler must change this request's logits before picking (plain requests skip it all)."""
         return bool(
             self.logit_bias or self.min_tokens or self.bad_words_ids or self.presence_penalty
-            or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.frequency_penalty or self.repetition_penalty != 1.0 or self.grammar
         )  # fmt: skip
 
     @property

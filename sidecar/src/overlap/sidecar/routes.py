@@ -124,6 +124,10 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
     except ValueError as exc:
         raise ApiError(400, str(exc), param="top_logprobs") from exc
     controls = _logits_controls(state, body)
+    try:
+        controls["grammar"] = schemas.structured_output_grammar(body)
+    except ValueError as exc:  # json.JSONDecodeError included
+        raise ApiError(400, f"structured output: {exc}", param="response_format") from exc
     # What the request leaves out comes from the model's generation_config.json, as vLLM does by default.
     defaults = state.sampling_defaults
     top_k = body.top_k if body.top_k is not None else int(defaults.get("top_k", 0))

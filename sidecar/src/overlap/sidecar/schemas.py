@@ -41,6 +41,12 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     min_tokens: int | None = None
     bad_words: list[str] | None = None
+    # Structured outputs, vLLM's extras on both endpoints (chat also takes OpenAI's response_format).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None  # Lark (or GBNF) grammar text
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def unsupported_fields(self) -> list[str]:
         bad = []
@@ -99,8 +105,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
             bad.append("tools")
         if self.tool_choice not in (None, "none", "auto"):
             bad.append("tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
         return bad
 
     def logprobs_wanted(self) -> int | None:
@@ -109,6 +113,44 @@ class ChatCompletionRequest(_Common, kw_only=True):
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def structured_output_grammar(body: _Common) -> str | None:
+    """The request's structured-output constraint as an llguidance grammar string (None when it has none).
+    Raises ValueError for a malformed request; whether llguidance accepts the grammar is decided in the engine."""
+    import json
+
+    kinds = {name: getattr(body, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+    response_format = getattr(body, "response_format", None) or {}
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        kinds["response_format"] = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        kinds["response_format"] = spec.get("schema", {})
+    elif kind != "text":
+        raise ValueError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
+    given = {k: v for k, v in kinds.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one structured-output constraint, got {', '.join(sorted(given))}")
+    if not given:
+        return None
+    ((name, value),) = given.items()
+    if name in ("guided_json", "response_format"):
+        schema = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        schema = {**schema, "x-guidance": {"whitespace_flexible": not body.disable_any_whitespace}}
+        return json.dumps({"grammars": [{"json_schema": schema}]})
+    if name == "guided_regex":
+        return json.dumps({"grammars": [{"lark_grammar": "start: /" + value.replace("/", "\\/") + "/"}]})
+    if name == "guided_choice":
+        if not value or not all(isinstance(c, str) and c for c in value):
+            raise ValueError("guided_choice must be a list of non-empty strings")
+        return json.dumps({"grammars": [{"lark_grammar": "start: " + " | ".join(json.dumps(c) for c in value)}]})
+    return json.dumps({"grammars": [{"lark_grammar": value}]})
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError
 from overlap.engine.model import native, sampler
+from overlap.engine.model.grammar import GrammarSet
 from overlap.engine.model.loader import (
     ModelWeights,
     blocks_for_bytes,
@@ -180,6 +181,7 @@ class ModelRunner:
                 self.weights = _prepack_for_onednn(self.weights)
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
         self._histories: dict[str, list[torch.Tensor]] = {}  # request id -> its sampled tokens (penalties)
+        self._grammars = GrammarSet(self.model_dir, spec.vocab_size, self.eos_token_ids)  # structured outputs
         self.last_logprobs: list | None = None  # the last execute()'s TokenLogprob per sampled row (None: nobody asked)
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
 
@@ -638,17 +640,26 @@ class ModelRunner:
             histories = [self._history_of(rid, n) if p.needs_history else None for rid, n, p in rows]
             logits = sampler.apply_logits_controls(logits, inputs.sampling, inputs.num_generated, histories,
                                                    inputs.prompts, self.eos_token_ids)  # fmt: skip
+            grammar_rows = [(row, rid, n) for row, (rid, n, p) in
+                            enumerate(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True))
+                            if p.grammar is not None]  # fmt: skip
+            if grammar_rows:
+                self._grammars.mask(logits, grammar_rows)
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
 
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Keep the tokens of requests whose controls need their history, on the device (no host sync). Indexed by
         position: a step whose tokens the engine dropped (a preemption) is overwritten when the position is
         sampled again."""
+        host_tokens = None
         for row, (rid, n, p) in enumerate(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True)):
             if p.needs_history:
                 history = self._histories.setdefault(rid, [])
                 del history[n:]
                 history.append(tokens[row : row + 1])
+            if p.grammar is not None:  # the matcher runs on the host: this reads the step's tokens back
+                host_tokens = tokens.tolist() if host_tokens is None else host_tokens
+                self._grammars.advance(rid, host_tokens[row])
 
     def _history_of(self, request_id: str, num_generated: int) -> torch.Tensor:
         history = self._histories.get(request_id, [])[:num_generated]
@@ -657,8 +668,14 @@ class ModelRunner:
         return torch.cat(history).to(torch.long)
 
     def forget_request(self, request_id: str) -> None:
-        """A finished request's token history goes (the executors call this when it leaves the pipeline)."""
+        """A finished request's token history and grammar go (the executors call this when it leaves the
+        pipeline)."""
         self._histories.pop(request_id, None)
+        self._grammars.forget(request_id)
+
+    def add_grammar(self, request_id: str, grammar: str) -> None:
+        """Build a request's grammar matcher before it is scheduled; InvalidRequestError for a bad grammar."""
+        self._grammars.add(request_id, grammar)
 
     @staticmethod
     def logprob_tensors(logits: torch.Tensor, inputs: StepInputs, tokens: torch.Tensor):

@@ -47,6 +47,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    grammar: str | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSampling:
@@ -65,6 +66,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
             p.presence_penalty,
             p.frequency_penalty,
             p.repetition_penalty,
+            p.grammar,
         )
 
     def to_params(self) -> SamplingParams:
@@ -84,6 +86,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            grammar=self.grammar,
         )
 
 
