@@ -68,6 +68,7 @@ bench: venv model  ## every benchmark, full size (prints tables; see README "Per
 	$(BIN)/overlap bench http
 	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control
+	$(BIN)/overlap bench sampling
 
 bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench engine --quick
@@ -75,6 +76,7 @@ bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench http --quick
 	$(BIN)/overlap bench replay --quick --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control --quick
+	$(BIN)/overlap bench sampling --quick
 
 CHART := charts/overlap
 CHART_VALUES := $(sort $(wildcard $(CHART)/ci/*-values.yaml))
