@@ -66,3 +66,27 @@ def test_logprobs_bounds_are_checked():
         SamplingParams(logprobs=21)
     with pytest.raises(InvalidRequestError, match=r"logprobs must be an integer in 0\.\.20"):
         SamplingParams(logprobs=-1)
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_prompt_logprobs_equal_transformers_over_chunks_and_skip_the_prefix_cache(tiny_model_dir, hf, num_buffers):
+    torch.set_num_threads(2)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=256, num_kv_blocks=128,
+                                 num_buffers=num_buffers, max_num_batched_tokens=16))  # fmt: skip
+    prompt = [random.Random(9).randrange(3, 8192) for _ in range(40)]  # three chunks of at most 16 tokens
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)  # row p predicts token p + 1
+    sampling = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=4)
+    for rid in ("first", "again"):  # the second would hit the prefix cache; scoring computes it all again
+        outs = add_and_run(engine, {rid: (prompt, sampling)})[rid]
+        scored = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        assert len(scored) == 1 and outs[0].prompt_logprobs is not None  # all of it, with the first output
+        lps = scored[0]
+        assert len(lps) == len(prompt) and lps[0] is None
+        for p in range(1, len(prompt)):
+            assert lps[p].logprob == pytest.approx(float(ref[p - 1, prompt[p]]), abs=1e-4), p
+            values, ids = ref[p - 1].topk(4)
+            assert [t for t, _ in lps[p].top] == ids.tolist(), p
+            assert [v for _, v in lps[p].top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert outs[-1].num_cached_tokens == 0
+        assert tokens_of(outs) == ref[-1:].argmax(-1).tolist() + tokens_of(outs)[1:]  # sampling unaffected

@@ -115,6 +115,34 @@ def test_chat_logprobs_equal_transformers_streamed_and_not(client, server, refer
     assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-6)
 
 
+def test_echo_with_logprobs_scores_the_prompt_streamed_and_not(client, server, reference, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf(torch.tensor([PROMPT_IDS])).logits[0].float().log_softmax(-1)
+    kwargs = dict(model=server["model"], prompt=PROMPT_IDS, max_tokens=2, temperature=0, logprobs=2, echo=True)
+    choice = client.completions.create(**kwargs).choices[0]
+    assert choice.text.startswith(reference.tokenizer.decode(PROMPT_IDS, skip_special_tokens=True))
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(PROMPT_IDS) + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[: len(PROMPT_IDS)] == [_piece(reference.tokenizer, t) for t in PROMPT_IDS]
+    for p in range(1, len(PROMPT_IDS)):
+        assert lp.token_logprobs[p] == pytest.approx(float(ref[p - 1, PROMPT_IDS[p]]), abs=1e-4), p
+        assert len(lp.top_logprobs[p]) == 2
+    assert lp.tokens[len(PROMPT_IDS)] == _piece(reference.tokenizer, int(ref[-1].argmax()))
+    streamed_tokens, streamed_values, text = [], [], ""
+    for chunk in client.completions.create(**kwargs, stream=True):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs is not None:
+            streamed_tokens += chunk.choices[0].logprobs.tokens
+            streamed_values += chunk.choices[0].logprobs.token_logprobs
+    assert text == choice.text and streamed_tokens == lp.tokens
+    assert streamed_values[0] is None and streamed_values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    plain = client.completions.create(model=server["model"], prompt="Hello there", max_tokens=2, echo=True)
+    assert plain.choices[0].text.startswith("Hello there") and plain.choices[0].logprobs is None
+
+
 def test_without_logprobs_the_field_is_null(client, server):
     out = client.completions.create(model=server["model"], prompt=PROMPT_IDS, max_tokens=3)
     assert out.choices[0].logprobs is None
@@ -128,7 +156,6 @@ def test_without_logprobs_the_field_is_null(client, server):
     [
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be an integer in 0..20"),
         ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs must be an integer in 0..20"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, "prompt log-probabilities"),
         ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in 0..20"),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ],

@@ -44,7 +44,7 @@ def test_every_sampling_field_crosses_the_wire():
     params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, top_k=7, seed=3, ignore_eos=True,
                             stop_token_ids=(4, 5), logprobs=2, logit_bias=((11, -3.5),), min_tokens=2,
                             bad_words_ids=((6,), (7, 8)), presence_penalty=0.5, frequency_penalty=-0.5,
-                            repetition_penalty=1.2, grammar='{"grammars": []}')  # fmt: skip
+                            repetition_penalty=1.2, grammar='{"grammars": []}', prompt_logprobs=1)  # fmt: skip
     defaults = SamplingParams()
     assert all(getattr(params, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(SamplingParams))
     wire = p.AddRequest("r", [1], p.WireSampling.from_params(params))

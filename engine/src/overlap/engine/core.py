@@ -41,6 +41,7 @@ class StepOutcome:
     forward_s: float  # device busy time of the step (the runner's own measure when it has one)
     error: str | None = None  # set when the step failed; its requests finish with ERROR
     logprobs: list | None = None  # TokenLogprob (or None) per sampled seq, when some request asked
+    prompt_logprobs: dict | None = None  # request id -> (first position, [TokenLogprob]) for prompt scoring
 
 
 def _load_runner(config: EngineConfig, model_dir: Path):
@@ -228,7 +229,8 @@ class Engine:
         if result.error is not None:
             outcome = StepOutcome([], result.busy_s, f"{type(result.error).__name__}: {result.error}")
         else:
-            outcome = StepOutcome(result.token_ids, result.busy_s, logprobs=result.logprobs)
+            outcome = StepOutcome(result.token_ids, result.busy_s, logprobs=result.logprobs,
+                                  prompt_logprobs=result.prompt_logprobs)  # fmt: skip
         start = time.perf_counter()
         outputs = self.postprocess(batch, outcome)
         postprocess_s = time.perf_counter() - start
@@ -274,7 +276,9 @@ class Engine:
             return StepOutcome([], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         forward_s = getattr(self.runner, "last_forward_time_s", None)
         logprobs = getattr(self.runner, "last_logprobs", None)
-        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0, logprobs=logprobs)
+        prompt_logprobs = getattr(self.runner, "last_prompt_logprobs", None)
+        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0,
+                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     def postprocess(self, batch: ScheduledBatch, outcome: StepOutcome | None) -> list[RequestOutput]:
         """Apply a step's outcome to the requests in `batch`; also reports what finished while scheduling."""
@@ -285,6 +289,12 @@ class Engine:
         if outcome.error is not None:
             outputs += self._outputs_for(self.scheduler.fail(batch, outcome.error, now))
         else:
+            for request_id, (first, entries) in (outcome.prompt_logprobs or {}).items():
+                request = self._requests.get(request_id)
+                if request is not None:  # by position: a recomputed chunk overwrites the same entries
+                    if request.prompt_logprobs is None:
+                        request.prompt_logprobs = [None] * request.num_prompt_tokens
+                    request.prompt_logprobs[first : first + len(entries)] = entries
             outputs += self._outputs_for(self.scheduler.postprocess(batch, outcome.sampled, now, outcome.logprobs))
         self._num_steps_total += 1
         wall = now - batch.scheduled_at
@@ -314,11 +324,20 @@ class Engine:
         for request in requests:
             finished = request.is_finished
             new_tokens, logprobs = request.take_new_tokens()
+            prompt_logprobs = None
+            if (
+                request.sampling.prompt_logprobs is not None
+                and not request.prompt_logprobs_emitted
+                and (new_tokens or finished)
+            ):
+                prompt_logprobs = request.prompt_logprobs or [None] * request.num_prompt_tokens
+                request.prompt_logprobs_emitted = True
             outputs.append(
                 RequestOutput(
                     request_id=request.request_id,
                     new_token_ids=new_tokens,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     finished=finished,
                     finish_reason=request.finish_reason,
                     num_prompt_tokens=request.num_prompt_tokens,

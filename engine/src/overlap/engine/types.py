@@ -42,6 +42,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # Log-probabilities of each sampled token and of the `logprobs` most likely ones (0..MAX_LOGPROBS); None: off.
     logprobs: int | None = None
+    # The same for every prompt token after the first (what evaluation harnesses score); such a request computes its
+    # whole prompt (no prefix-cache reuse) and gets them with its first output.
+    prompt_logprobs: int | None = None
     # Logits controls (OpenAI's and vLLM's), applied to the raw logits before temperature, in this order: bias,
     # min_tokens and bad words (banned tokens get -inf), then the repetition, frequency and presence penalties.
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
@@ -82,8 +85,10 @@ class SamplingParams:
         self.bad_words_ids = tuple(tuple(int(t) for t in word) for word in self.bad_words_ids)
         if any(not word for word in self.bad_words_ids):
             raise InvalidRequestError("bad_words must not be empty")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequestError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(f"{name} must be an integer in 0..{MAX_LOGPROBS}, got {value!r}")
 
     @property
     def has_logits_controls(self) -> bool:
@@ -133,6 +138,8 @@ class RequestOutput:
     times: RequestTimes | None = None  # set on the finishing output
     error: str | None = None  # set when finish_reason is ERROR
     logprobs: list[TokenLogprob] | None = None  # one per new token, for a request that asked for them
+    # one per prompt token, the first None (nothing predicts it); on the first output of a request that asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # A decode step's input token that the host does not know yet: the token this sequence sampled in its latest

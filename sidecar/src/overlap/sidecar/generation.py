@@ -23,6 +23,7 @@ class Delta:
     # For a request that asked for logprobs: the tokens that arrived with this delta and their TokenLogprob
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # on the first delta of a request that asked (echo with logprobs)
 
 
 class Generation:
@@ -103,6 +104,8 @@ class Generation:
                     extra = {}
                     if self.wants_logprobs and out.new_token_ids:
                         extra = {"token_ids": list(out.new_token_ids), "logprobs": out.logprobs}
+                    if out.prompt_logprobs is not None:
+                        extra["prompt_logprobs"] = out.prompt_logprobs
                     if out.finished:
                         self.done = True
                         reason = self._finish_reason(out)

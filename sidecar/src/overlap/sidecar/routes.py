@@ -123,6 +123,8 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
         logprobs = body.logprobs_wanted()
     except ValueError as exc:
         raise ApiError(400, str(exc), param="top_logprobs") from exc
+    # echo with logprobs scores the prompt too (what evaluation harnesses read as log-likelihoods)
+    prompt_logprobs = logprobs if getattr(body, "echo", False) and logprobs is not None else None
     controls = _logits_controls(state, body)
     try:
         controls["grammar"] = schemas.structured_output_grammar(body)
@@ -141,6 +143,7 @@ def _sampling(state: ServerState, body: schemas._Common, num_prompt: int, max_to
             ignore_eos=body.ignore_eos,
             stop_token_ids=tuple(stop_ids),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             **controls,
         )
     except InvalidRequestError as exc:
@@ -225,7 +228,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_model(state, body.model)
     prompt_ids = await _prompt_ids(state, body.prompt)
     sampling = _sampling(state, body, len(prompt_ids), 16 if body.max_tokens is None else body.max_tokens)
-    return await _run(request, state, body, "cmpl", prompt_ids, sampling, arrival, chat=False)
+    echo = prompt_ids if body.echo else None
+    return await _run(request, state, body, "cmpl", prompt_ids, sampling, arrival, chat=False, echo=echo)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -245,7 +249,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _run(request, state, body, "chatcmpl", prompt_ids, sampling, arrival, chat=True)
 
 
-async def _run(request, state, body, prefix, prompt_ids, sampling, arrival, *, chat: bool) -> web.StreamResponse:
+async def _run(
+    request, state, body, prefix, prompt_ids, sampling, arrival, *, chat: bool, echo: list[int] | None = None
+) -> web.StreamResponse:
+    """`echo`: the prompt's ids, when the completion starts with the prompt (and its logprobs, if asked)."""
     stop = _stop_strings(body)
     priority = _priority(state, request, body.priority)
     timeout_s = _timeout(state, request, body.timeout)
@@ -256,17 +263,33 @@ async def _run(request, state, body, prefix, prompt_ids, sampling, arrival, *, c
     want_timing = request.headers.get("x-overlap-timing") == "1"
     try:
         if body.stream:
-            return await _stream(request, state, body, generation, request_id, chat, want_timing)
-        return await _collect(state, generation, request_id, chat, want_timing)
+            return await _stream(request, state, body, generation, request_id, chat, want_timing, echo)
+        return await _collect(state, generation, request_id, chat, want_timing, echo)
     finally:
         generation.close()
 
 
-async def _collect(state, generation: Generation, request_id: str, chat: bool, want_timing: bool) -> web.Response:
+def _echoed(state, delta: Delta, echo: list[int] | None) -> Delta:
+    """The first delta with the prompt in front: its text, and its tokens with their logprobs (the first None)."""
+    if echo is None:
+        return delta
+    delta.text = state.text.decode(echo) + delta.text
+    if delta.prompt_logprobs is not None or delta.logprobs is not None:
+        prompt_lps = delta.prompt_logprobs or [None] * len(echo)
+        delta.token_ids = list(echo) + delta.token_ids
+        delta.logprobs = list(prompt_lps) + (delta.logprobs or [None] * (len(delta.token_ids) - len(echo)))
+    return delta
+
+
+async def _collect(state, generation: Generation, request_id: str, chat: bool, want_timing: bool,
+                   echo: list[int] | None = None) -> web.Response:  # fmt: skip
     parts: list[str] = []
     last = None
     token_ids, logprobs = [], []
+    first = True
     async for delta in generation.deltas():
+        if first:
+            delta, first = _echoed(state, delta, echo), False
         parts.append(delta.text)
         token_ids += delta.token_ids
         logprobs += delta.logprobs or [None] * len(delta.token_ids)
@@ -294,7 +317,7 @@ async def _collect(state, generation: Generation, request_id: str, chat: bool, w
     return json_response(data)
 
 
-async def _stream(request, state, body, generation, request_id: str, chat: bool, want_timing: bool):
+async def _stream(request, state, body, generation, request_id: str, chat: bool, want_timing: bool, echo=None):
     options = body.stream_options or schemas.StreamOptions()
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -322,7 +345,7 @@ async def _stream(request, state, body, generation, request_id: str, chat: bool,
 
     # The first delta comes before the headers, so a request the engine refuses still gets its 4xx/5xx status.
     deltas = generation.deltas()
-    last = await anext(deltas)
+    last = _echoed(state, await anext(deltas), echo)
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
     try:

@@ -64,14 +64,10 @@ class CompletionRequest(_Common, kw_only=True):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.echo:
-            bad.append("echo")
         if self.suffix:
             bad.append("suffix")
         if self.best_of not in (None, 1):
             bad.append("best_of")
-        if self.echo and self.logprobs is not None:
-            bad.append("logprobs with echo (prompt log-probabilities)")
         return bad
 
     def logprobs_wanted(self) -> int | None:

@@ -83,8 +83,8 @@ class BlockManager:
     def _cache_hits(self, request: Request) -> list[int]:
         """Leading blocks of `request` already in the pool. At least one token is always left to compute, since
         the forward pass must produce the logits of the last one."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or request.sampling.prompt_logprobs is not None:
+            return []  # prompt logprobs need the logits of every prompt position, so the whole prompt is computed
         max_hits = (request.num_tokens - 1) // self.block_size
         keys = self._keys_for(request, max_hits)
         hits = []

@@ -220,7 +220,7 @@ class Scheduler:
                 do_sample=end == request.num_tokens + placeholders,
                 sampling=request.sampling,
                 num_generated=request.num_output_tokens + placeholders,
-                prompt_token_ids=request.prompt_token_ids if request.sampling.repetition_penalty != 1.0 else None,
+                prompt_token_ids=request.prompt_token_ids if _needs_prompt(request.sampling) else None,
             )
             request.num_computed_tokens = end
             if seq.do_sample:
@@ -351,3 +351,8 @@ class Scheduler:
         for request in self.running:
             counts[min(request.priority, self.num_priority_levels - 1)] += 1
         return counts
+
+
+def _needs_prompt(sampling) -> bool:
+    """Whether the runner must see the whole prompt: a repetition penalty, or prompt logprobs (their targets)."""
+    return sampling.repetition_penalty != 1.0 or sampling.prompt_logprobs is not None

@@ -60,6 +60,7 @@ class StepResult:
     error: BaseException | None = None
     busy_s: float = 0.0  # the step's device busy time
     logprobs: list | None = None  # TokenLogprob (or None) per sampled seq, when some request asked
+    prompt_logprobs: dict | None = None  # request id -> (first position, [TokenLogprob]) for prompt scoring
 
     def sampled(self) -> list[tuple[str, int]]:
         """(request_id, token) for every sequence that sampled in this step."""
@@ -166,8 +167,9 @@ class Executor:
         self._forget_released()
         if exc is not None:
             return StepResult(step.step_id, step.model_input, [], exc)
-        token_ids, busy_s, logprobs = step.future.result()
-        return StepResult(step.step_id, step.model_input, token_ids, busy_s=busy_s, logprobs=logprobs)
+        token_ids, busy_s, (logprobs, prompt_logprobs) = step.future.result()
+        return StepResult(step.step_id, step.model_input, token_ids, busy_s=busy_s, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     def step(self, schedule: Callable[[], ModelInput | None]) -> StepResult | None:
         """One engine step: schedule and submit steps while a buffer is free (`schedule` returns None when there is
@@ -230,13 +232,13 @@ class Executor:
         return results
 
     # -- the "device" side -----------------------------------------------------------------------------------------
-    def _run(self, model_input: ModelInput) -> tuple[list[int], float, list | None]:
+    def _run(self, model_input: ModelInput) -> tuple[list[int], float, tuple]:
         batch = self._fill_placeholders(model_input)
         start = time.perf_counter()
         try:
             token_ids = self.runner.execute(batch)
             # Read on the thread that ran the forward, before another step can replace it.
-            logprobs = getattr(self.runner, "last_logprobs", None)
+            logprobs = getattr(self.runner, "last_logprobs", None), getattr(self.runner, "last_prompt_logprobs", None)
             if hasattr(token_ids, "tolist"):  # a runner may hand back a tensor
                 token_ids = token_ids.tolist()
         except BaseException:

@@ -41,6 +41,7 @@ class _CudaStep:
     slot: int | None = None
     num_sampled: int = 0
     logprobs: object = None  # the runner's device-side logprob tensors, for requests that asked
+    inputs: object = None  # the step's inputs when they hold prompt logits to read back
     start: object = None  # torch.cuda.Event
     end: object = None
     done: object = None
@@ -139,6 +140,7 @@ class CudaExecutor(Executor):
             tokens = runner.sample(logits, inputs).to(torch.long)
             runner.record_sampled(inputs, tokens)
             step.logprobs = runner.logprob_tensors(logits, inputs, tokens)  # None unless a request asks
+            step.inputs = inputs if inputs.prompt_spans else None  # its prompt logits, read back after the step
             if sample_rows:
                 self._token_table.index_copy_(0, sample_rows_t, tokens)
             step.end.record(self._compute)
@@ -175,6 +177,7 @@ class CudaExecutor(Executor):
             step.done.synchronize()  # this step's readback only, never the whole device
             tokens = self._pinned[step.slot][: step.num_sampled].tolist()
             logprobs = self.runner.logprob_lists(step.logprobs, step.num_sampled)  # after the step: no extra sync
+            prompt_logprobs = None if step.inputs is None else self.runner.prompt_logprob_lists(step.inputs)
             begin_s = self._ref.elapsed_time(step.start) / 1000
             end_s = self._ref.elapsed_time(step.end) / 1000
         except Exception as exc:  # an asynchronous CUDA error surfaces here
@@ -185,7 +188,8 @@ class CudaExecutor(Executor):
             self._forget_released()  # after the step's own token-table writes are done
         self.busy.record_interval(self._ref_host + begin_s, self._ref_host + end_s)
         self.busy.record_host("readback", time.perf_counter() - start)
-        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s, logprobs=logprobs)
+        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s, logprobs=logprobs,
+                          prompt_logprobs=prompt_logprobs)  # fmt: skip
 
     def _drop_device_token(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)

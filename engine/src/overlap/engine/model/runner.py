@@ -52,7 +52,7 @@ from overlap.engine.model.loader import (
     read_spec,
     rope_tables,
 )
-from overlap.engine.types import ModelInput, SamplingParams
+from overlap.engine.types import ModelInput, SamplingParams, TokenLogprob
 
 # A step's decode attention is shared with the helper thread only from this many decodes on: below it the hand-off
 # costs more than the second thread saves.
@@ -120,6 +120,12 @@ class StepInputs:
     halves: tuple[StepInputs, StepInputs] | None = None
     # Sliding-window layers, by window, when some sequence reaches past it (full-attention plan above otherwise).
     window_plans: dict[int, AttentionPlan] = field(default_factory=dict)
+    # Prompt logprobs: the rows whose logits score the next prompt token, those tokens, and per request
+    # (request id, first scored position, count, top-k); the forward leaves the rows' logits in prompt_logits.
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -182,7 +188,9 @@ class ModelRunner:
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
         self._histories: dict[str, list[torch.Tensor]] = {}  # request id -> its sampled tokens (penalties)
         self._grammars = GrammarSet(self.model_dir, spec.vocab_size, self.eos_token_ids)  # structured outputs
-        self.last_logprobs: list | None = None  # the last execute()'s TokenLogprob per sampled row (None: nobody asked)
+        # The last execute()'s TokenLogprob per sampled row (None: nobody asked), and its prompt logprobs by request.
+        self.last_logprobs: list | None = None
+        self.last_prompt_logprobs: dict | None = None
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
 
     # Names the engine and executor read.
@@ -234,6 +242,7 @@ class ModelRunner:
                 logprobs = self.logprob_tensors(logits, inputs, sampled)
                 tokens = sampled.tolist()  # .tolist() waits for the device
                 self.last_logprobs = self.logprob_lists(logprobs, len(tokens))
+                self.last_prompt_logprobs = self.prompt_logprob_lists(inputs)
         finally:
             torch.set_num_threads(threads)
         end = time.perf_counter()
@@ -247,7 +256,9 @@ class ModelRunner:
             return self.forward(self.prepare(batch)).float()
 
     def prepare(self, batch: ModelInput) -> StepInputs:
-        cut = self._split_point(batch) if self._cpu_paths and torch.get_num_threads() >= 2 else None
+        scores_prompt = any(s.sampling.prompt_logprobs is not None for s in batch.seqs)
+        halves = self._cpu_paths and torch.get_num_threads() >= 2 and not scores_prompt
+        cut = self._split_point(batch) if halves else None
         if cut is None:
             return self._prepare(batch)
         first = self._prepare(ModelInput(batch.seqs[:cut]))
@@ -294,6 +305,9 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         geometry: list[_SeqGeometry] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []
         for seq in batch.seqs:
             n = len(seq.token_ids)
             start = seq.start_pos
@@ -316,6 +330,14 @@ class ModelRunner:
             positions.extend(range(start, end))
             if seq.do_sample:
                 sample_rows.append(q_start + n - 1)
+            if seq.sampling.prompt_logprobs is not None and seq.prompt_token_ids is not None:
+                # positions start .. last - 1 of this chunk predict prompt tokens start + 1 .. last
+                prompt = seq.prompt_token_ids
+                last = min(end, len(prompt) - 1)
+                if last > start:
+                    prompt_rows.extend(range(q_start, q_start + last - start))
+                    prompt_targets.extend(prompt[start + 1 : last + 1])
+                    prompt_spans.append((seq.request_id, start + 1, last - start, seq.sampling.prompt_logprobs))
             g = _SeqGeometry(q_start, n, start, end, table, seq.do_sample)
             if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
                 g.kv_start = first * bs
@@ -326,9 +348,11 @@ class ModelRunner:
                 g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
                 slots.extend(g.slots[start:])
             geometry.append(g)
-        plan = self._attention_plan(geometry, None, len(ids))
+        # Scoring prompt rows needs every row through the last layer: no skipping of unsampled rows then.
+        num_kept = len(ids) if prompt_rows else None
+        plan = self._attention_plan(geometry, None, len(ids), num_kept)
         # A sliding layer needs its own plan only when some sequence reaches past its window; below, it is causal.
-        window_plans = {w: self._attention_plan(geometry, w, len(ids))
+        window_plans = {w: self._attention_plan(geometry, w, len(ids), num_kept)
                         for w in self._windows if any(g.end > w for g in geometry)}  # fmt: skip
         device = self.device
         return StepInputs(
@@ -344,9 +368,14 @@ class ModelRunner:
             decode_plan=plan.decode_plan,
             last_layer=plan.last_layer,
             window_plans=window_plans,
+            prompt_rows=torch.tensor(prompt_rows, device=device, dtype=torch.long) if prompt_rows else None,
+            prompt_targets=prompt_targets,
+            prompt_spans=prompt_spans,
         )
 
-    def _attention_plan(self, geometry: list[_SeqGeometry], window: int | None, num_tokens: int) -> AttentionPlan:
+    def _attention_plan(
+        self, geometry: list[_SeqGeometry], window: int | None, num_tokens: int, num_kept: int | None = None
+    ) -> AttentionPlan:
         """How each sequence attends in a layer with this sliding window (None: full causal attention). A query at
         position p sees keys p - window < k <= p, as in transformers' sliding-window mask."""
         bs, use_kernel = self.block_size, self._decode_kernel is not None
@@ -374,7 +403,7 @@ class ModelRunner:
             seqs.append(self._seq_attention(g, g.q_start, g.n, lo, mask, is_causal))
         last_layer = None
         sampled = [g for g in geometry if g.do_sample]
-        if len(sampled) < num_tokens:
+        if num_kept is None and len(sampled) < num_tokens:
             # The last layer's rows are the sampled ones, row i for sampled sequence i: one query at end - 1 each.
             kernel_rows, torch_seqs = [], []
             for i, g in enumerate(sampled):
@@ -489,7 +518,10 @@ class ModelRunner:
                 gate_up = linear(h, lw.gate_up, lw.gate_up_bias)
                 act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             x = linear(act, lw.down, lw.down_bias).add_(x)
-        if inputs.last_layer is None:  # every row is sampled; else x holds the sampled rows already
+        if inputs.last_layer is None:  # every row went through; else x holds the sampled rows already
+            if inputs.prompt_rows is not None:
+                prompt_x = F.rms_norm(x.index_select(0, inputs.prompt_rows), hidden, w.norm, eps)
+                inputs.prompt_logits = linear(prompt_x, w.lm_head)
             x = x.index_select(0, inputs.sample_rows)
         return linear(F.rms_norm(x, hidden, w.norm, eps), w.lm_head)
 
@@ -681,6 +713,25 @@ class ModelRunner:
     def logprob_tensors(logits: torch.Tensor, inputs: StepInputs, tokens: torch.Tensor):
         """Device-side logprobs of the rows whose request asks (None when none does); see `sampler`."""
         return sampler.logprob_tensors(logits, inputs.sampling, tokens)
+
+    @staticmethod
+    def prompt_logprob_lists(inputs: StepInputs) -> dict | None:
+        """The step's prompt logprobs: request id -> (first scored position, [TokenLogprob, ...]); None if none."""
+        if not inputs.prompt_spans or inputs.prompt_logits is None:
+            return None
+        logprobs = inputs.prompt_logits.float().log_softmax(dim=-1)
+        targets = torch.tensor(inputs.prompt_targets, device=logprobs.device)
+        chosen = logprobs.gather(1, targets.view(-1, 1)).squeeze(1).tolist()
+        k = max(span[3] for span in inputs.prompt_spans)
+        top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        values, ids = top_values.tolist(), top_ids.tolist()
+        result, at = {}, 0
+        for request_id, first, count, span_k in inputs.prompt_spans:
+            rows = range(at, at + count)
+            result[request_id] = (first, [TokenLogprob(chosen[r], list(zip(ids[r][:span_k], values[r][:span_k],
+                                                                           strict=True))) for r in rows])  # fmt: skip
+            at += count
+        return result
 
     @staticmethod
     def logprob_lists(tensors, num_rows: int):

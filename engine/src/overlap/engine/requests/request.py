@@ -49,6 +49,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when sampling asks
+    prompt_logprobs: list | None = None  # TokenLogprob per prompt position (index 0 stays None), when asked
+    prompt_logprobs_emitted: bool = False
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step for cheap slicing
     num_computed_tokens: int = 0  # tokens whose K/V is (or is being) written to the pool
     block_ids: list[int] = field(default_factory=list)  # KV blocks covering positions 0 .. num_tokens - 1

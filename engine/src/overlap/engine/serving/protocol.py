@@ -48,6 +48,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> WireSampling:
@@ -67,6 +68,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
             p.frequency_penalty,
             p.repetition_penalty,
             p.grammar,
+            p.prompt_logprobs,
         )
 
     def to_params(self) -> SamplingParams:
@@ -87,6 +89,7 @@ class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             grammar=self.grammar,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -154,6 +157,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     # Per new token: (its logprob, [[token id, logprob], ...] most likely first), or None where the runner had none.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
     @classmethod
     def from_output(cls, out: RequestOutput, request_id: str | None = None) -> WireOutput:
@@ -172,6 +176,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             times=times,
             error=out.error,
             logprobs=_wire_logprobs(out.logprobs),
+            prompt_logprobs=_wire_logprobs(out.prompt_logprobs),
         )
 
     def to_output(self) -> RequestOutput:
@@ -190,6 +195,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             times=times,
             error=self.error,
             logprobs=_engine_logprobs(self.logprobs),
+            prompt_logprobs=_engine_logprobs(self.prompt_logprobs),
         )
 
 
