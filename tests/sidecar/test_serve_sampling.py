@@ -285,3 +285,43 @@ def test_bad_response_format_gets_a_400(server):
     body = {"model": server["model"], **CHAT, "response_format": {"type": "xml"}}
     status, _, data = http("POST", server["url"] + "/v1/chat/completions", body)
     assert status == 400 and "response_format type must be" in data["error"]["message"], data
+
+
+def test_n_sequences_are_distinct_reproducible_and_streamed_alike(client, server):
+    kwargs = dict(model=server["model"], prompt="Once upon a time", max_tokens=8, temperature=1.0, seed=5, n=3,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(**kwargs)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    texts = [c.text for c in out.choices]
+    assert len(set(texts)) > 1 and [c.text for c in client.completions.create(**kwargs).choices] == texts
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == len(
+        http("POST", f"{server['url']}/tokenize", {"prompt": "Once upon a time"})[2]["tokens"])  # fmt: skip
+    streamed = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == texts
+    chat = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=1)  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_a_list_of_prompts_gets_n_choices_each_in_order(client, server):
+    prompts = ["The sky is", "My favourite food is"]
+    batched = client.completions.create(model=server["model"], prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in batched.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        alone = client.completions.create(model=server["model"], prompt=prompt, max_tokens=5, temperature=0)
+        assert batched.choices[2 * p].text == batched.choices[2 * p + 1].text == alone.choices[0].text
+
+
+def test_best_of_returns_the_sequence_with_the_highest_cumulative_logprob(client, server):
+    kwargs = dict(model=server["model"], prompt="Hello", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
+    candidates = []
+    for j in range(3):  # what best_of's sequences are: seeds 7, 8, 9
+        choice = client.completions.create(**kwargs, seed=7 + j, logprobs=0).choices[0]
+        candidates.append((sum(choice.logprobs.token_logprobs), choice.text))
+    best = client.completions.create(**kwargs, seed=7, best_of=3)
+    assert len(best.choices) == 1 and best.choices[0].text == max(candidates)[1]
+    assert best.choices[0].logprobs is None  # ranked on logprobs nobody asked to see
+    assert best.usage.completion_tokens == 18  # every generated sequence counts

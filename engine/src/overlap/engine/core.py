@@ -114,10 +114,16 @@ class Engine:
         priority: int = 1,
         timeout_s: float | None = None,
         arrival_time: float | None = None,
+        share_prompt_with: str | None = None,
     ) -> None:
-        """Validate and queue a request; it enters the scheduler at the next step. Raises InvalidRequestError."""
+        """Validate and queue a request; it enters the scheduler at the next step. Raises InvalidRequestError.
+
+        `share_prompt_with`: the id of an earlier request with the same prompt (one of a request's `n` sequences);
+        this one then reuses that request's computed prompt blocks instead of computing the prompt again."""
         now = time.monotonic()
         request = self._validate(request_id, prompt_token_ids, sampling, priority, timeout_s, arrival_time, now)
+        if share_prompt_with is not None:
+            request.share_prompt_of = share_prompt_with  # resolved to the Request when it enters the scheduler
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -310,6 +316,10 @@ class Engine:
         aborted = []
         for kind, item in inbox:
             if kind == "add":
+                if item.share_prompt_of is not None:  # an id until now; the sibling itself, if it is still around
+                    sibling = self._requests.get(item.share_prompt_of)
+                    same = sibling is not None and sibling.prompt_token_ids == item.prompt_token_ids
+                    item.share_prompt_of = sibling if same and self.config.enable_prefix_caching else None
                 self._requests[item.request_id] = item
                 self.scheduler.add_request(item, now)
             else:

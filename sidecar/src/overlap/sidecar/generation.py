@@ -40,7 +40,9 @@ class Generation:
         priority: int,
         timeout_s: float,
         arrival: float,
+        share_prompt_with: str | None = None,
     ) -> None:
+        """`share_prompt_with`: a sibling generation's id with the same prompt, whose computed blocks to reuse."""
         self.state, self.request_id, self.arrival, self.timeout_s = state, request_id, arrival, timeout_s
         self.num_prompt_tokens = len(prompt_token_ids)
         admission = state.admission
@@ -56,7 +58,12 @@ class Generation:
             )
         try:
             self.stream = state.client.submit(
-                request_id, prompt_token_ids, sampling, priority=priority, timeout_s=timeout_s
+                request_id,
+                prompt_token_ids,
+                sampling,
+                priority=priority,
+                timeout_s=timeout_s,
+                share_prompt_with=share_prompt_with,
             )
         except EngineUnavailable as exc:
             state.metrics.rejected_by["engine_unavailable"].inc()

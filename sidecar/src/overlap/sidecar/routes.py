@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
@@ -20,6 +22,7 @@ from overlap.sidecar.state import STATE, ApiError, ServerState, engine_unavailab
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _json = msgspec.json.Encoder()
 _INLINE_TOKENIZE_CHARS = 16 * 1024
+MAX_PROMPTS = 64  # prompts in one completions request
 
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -192,10 +195,17 @@ async def _off_loop(size: int, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
+def _split_prompts(prompt) -> list:
+    """Completions' `prompt`: a string, a list of token ids, or a list of several of either (a batch of prompts)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+        return list(prompt)
+    return [prompt]
+
+
 async def _prompt_ids(state: ServerState, prompt) -> list[int]:
-    """A completion prompt: a string, a list of token ids, or a one-element list of either."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    """One completion prompt: a string or a list of token ids."""
     if isinstance(prompt, str):
         ids = await _off_loop(len(prompt), state.text.encode, prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -203,7 +213,7 @@ async def _prompt_ids(state: ServerState, prompt) -> list[int]:
             raise ApiError(400, f"prompt token ids must be in 0..{state.vocab_size - 1}", param="prompt")
         ids = list(prompt)
     else:
-        raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+        raise ApiError(400, "prompt must be a string, a list of token ids, or a list of those", param="prompt")
     if not ids:
         raise ApiError(400, "the prompt is empty", param="prompt")
     return ids
@@ -226,10 +236,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.check_accepting()
     body = await read_body(request, schemas.CompletionRequest)
     _check_model(state, body.model)
-    prompt_ids = await _prompt_ids(state, body.prompt)
-    sampling = _sampling(state, body, len(prompt_ids), 16 if body.max_tokens is None else body.max_tokens)
-    echo = prompt_ids if body.echo else None
-    return await _run(request, state, body, "cmpl", prompt_ids, sampling, arrival, chat=False, echo=echo)
+    prompts = []
+    for prompt in _split_prompts(body.prompt):
+        ids = await _prompt_ids(state, prompt)
+        prompts.append((ids, _sampling(state, body, len(ids), 16 if body.max_tokens is None else body.max_tokens)))
+    return await _run(request, state, body, "cmpl", prompts, arrival, chat=False, echo=body.echo)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -246,27 +257,61 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                        param="messages") from exc  # fmt: skip
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(state, body, len(prompt_ids), max_tokens)
-    return await _run(request, state, body, "chatcmpl", prompt_ids, sampling, arrival, chat=True)
+    return await _run(request, state, body, "chatcmpl", [(prompt_ids, sampling)], arrival, chat=True)
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """One of a request's sequences: of prompt `prompt_index`, choice `index` (streamed as is; best_of renumbers)."""
+
+    index: int
+    prompt_index: int
+    generation: Generation
+    echo: list[int] | None  # the prompt's ids when the completion echoes it
+    first: bool  # the prompt's first sequence (usage counts each prompt once)
 
 
 async def _run(
-    request, state, body, prefix, prompt_ids, sampling, arrival, *, chat: bool, echo: list[int] | None = None
-) -> web.StreamResponse:
-    """`echo`: the prompt's ids, when the completion starts with the prompt (and its logprobs, if asked)."""
+    request, state, body, prefix, prompts: list[tuple[list[int], SamplingParams]], arrival, *, chat: bool,
+    echo: bool = False,
+) -> web.StreamResponse:  # fmt: skip
+    """Every prompt's `n` sequences (`best_of` of them generated, the best `n` by cumulative logprob returned); the
+    sequences of one prompt share its computed KV blocks in the engine. `echo`: completions start with the prompt."""
     stop = _stop_strings(body)
     priority = _priority(state, request, body.priority)
     timeout_s = _timeout(state, request, body.timeout)
+    n, best_of = body.n, getattr(body, "best_of", None) or body.n
+    cap = state.config.max_n
+    if not 1 <= n <= cap:
+        raise ApiError(400, f"n must be in 1..{cap} (the server's --max-n)", param="n")
+    if not n <= best_of <= cap:
+        raise ApiError(400, f"best_of must be in n..{cap}, got {best_of}", param="best_of")
+    if best_of > n and body.stream:
+        raise ApiError(400, "best_of > n cannot be streamed (the best ones are known only at the end)", param="best_of")
     request_id = f"{prefix}-{uuid.uuid4().hex}"
-    generation = Generation(
-        state, request_id, prompt_ids, sampling, stop, priority=priority, timeout_s=timeout_s, arrival=arrival
-    )
-    want_timing = request.headers.get("x-overlap-timing") == "1"
+    sequences: list[_Sequence] = []
     try:
+        for p, (ids, sampling) in enumerate(prompts):
+            first_id = None
+            for j in range(best_of):
+                seq_sampling = sampling
+                if sampling.seed is not None and j:
+                    seq_sampling = dataclasses.replace(seq_sampling, seed=sampling.seed + j)  # distinct, reproducible
+                if best_of > n and sampling.logprobs is None:
+                    seq_sampling = dataclasses.replace(seq_sampling, logprobs=0)  # ranking needs each token's
+                seq_id = request_id if len(prompts) == 1 and best_of == 1 else f"{request_id}-{p}-{j}"
+                generation = Generation(state, seq_id, ids, seq_sampling, stop, priority=priority, timeout_s=timeout_s,
+                                        arrival=arrival, share_prompt_with=first_id)  # fmt: skip
+                first_id = first_id or seq_id
+                sequences.append(_Sequence(p * best_of + j, p, generation, ids if echo else None, j == 0))
+        show_logprobs = prompts[0][1].logprobs is not None
+        want_timing = request.headers.get("x-overlap-timing") == "1"
         if body.stream:
-            return await _stream(request, state, body, generation, request_id, chat, want_timing, echo)
-        return await _collect(state, generation, request_id, chat, want_timing, echo)
+            return await _stream(request, state, body, sequences, request_id, chat, want_timing, show_logprobs)
+        return await _collect(state, sequences, request_id, chat, want_timing, show_logprobs, n, best_of)
     finally:
-        generation.close()
+        for sequence in sequences:  # a refusal half-way aborts the siblings already submitted
+            sequence.generation.close()
 
 
 def _echoed(state, delta: Delta, echo: list[int] | None) -> Delta:
@@ -281,92 +326,157 @@ def _echoed(state, delta: Delta, echo: list[int] | None) -> Delta:
     return delta
 
 
-async def _collect(state, generation: Generation, request_id: str, chat: bool, want_timing: bool,
-                   echo: list[int] | None = None) -> web.Response:  # fmt: skip
+@dataclass(slots=True)
+class _Collected:
+    sequence: _Sequence
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    last: Delta
+    num_echoed: int
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp[0] for lp in self.logprobs[self.num_echoed :] if lp is not None)
+
+
+async def _collect_one(state, sequence: _Sequence) -> _Collected:
     parts: list[str] = []
-    last = None
-    token_ids, logprobs = [], []
-    first = True
-    async for delta in generation.deltas():
+    token_ids, logprobs, last, first = [], [], None, True
+    async for delta in sequence.generation.deltas():
         if first:
-            delta, first = _echoed(state, delta, echo), False
+            delta, first = _echoed(state, delta, sequence.echo), False
         parts.append(delta.text)
         token_ids += delta.token_ids
         logprobs += delta.logprobs or [None] * len(delta.token_ids)
         last = delta
-    text = "".join(parts)
-    lp = None
-    if generation.wants_logprobs:
-        lp = chat_logprobs(state.text, token_ids, logprobs) if chat else completion_logprobs(
-            state.text, token_ids, logprobs, 0)  # fmt: skip
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp}
+    echoed = len(sequence.echo) if sequence.echo is not None and token_ids else 0
+    return _Collected(sequence, "".join(parts), token_ids, logprobs, last, echoed)
+
+
+async def _collect(state, sequences: list[_Sequence], request_id: str, chat: bool, want_timing: bool,
+                   show_logprobs: bool, n: int, best_of: int) -> web.Response:  # fmt: skip
+    results = await asyncio.gather(*(_collect_one(state, s) for s in sequences))
+    if best_of > n:  # per prompt, the n best by cumulative logprob of what they generated
+        kept = []
+        for p in sorted({r.sequence.prompt_index for r in results}):
+            ranked = sorted((r for r in results if r.sequence.prompt_index == p), key=lambda r: -r.cumulative_logprob)
+            kept += ranked[:n]
     else:
-        choice = {"index": 0, "text": text, "logprobs": lp}
-    choice["finish_reason"] = last.finish_reason
+        kept = list(results)
+    choices = []
+    for i, r in enumerate(kept):
+        lp = None
+        if show_logprobs:
+            lp = chat_logprobs(state.text, r.token_ids, r.logprobs) if chat else completion_logprobs(
+                state.text, r.token_ids, r.logprobs, 0)  # fmt: skip
+        if chat:
+            choice = {"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": lp}
+        else:
+            choice = {"index": i, "text": r.text, "logprobs": lp}
+        choice["finish_reason"] = r.last.finish_reason
+        choices.append(choice)
+    prompt_tokens = sum(r.last.num_prompt_tokens for r in results if r.sequence.first)
+    completion_tokens = sum(r.last.num_output_tokens for r in results)  # all generated, best_of included
     data = {
         "id": request_id,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": state.model_name,
-        "choices": [choice],
-        "usage": _usage(last),
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
     if want_timing:
-        data["overlap_timing"] = last.timing
+        data["overlap_timing"] = results[0].last.timing
     return json_response(data)
 
 
-async def _stream(request, state, body, generation, request_id: str, chat: bool, want_timing: bool, echo=None):
+async def _stream(request, state, body, sequences: list[_Sequence], request_id: str, chat: bool, want_timing: bool,
+                  show_logprobs: bool):  # fmt: skip
     options = body.stream_options or schemas.StreamOptions()
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
+    text_offsets = dict.fromkeys(range(len(sequences)), 0)
 
-    text_offset = 0
-
-    def chunk(text: str | None, finish_reason: str | None, delta: Delta | None, first: bool = False) -> bytes:
-        nonlocal text_offset
+    def chunk(seq: _Sequence, text: str | None, finish_reason: str | None, delta: Delta | None, first=False) -> bytes:
         lp = None
-        if delta is not None and generation.wants_logprobs:
+        if delta is not None and show_logprobs:
             if chat:
                 lp = chat_logprobs(state.text, delta.token_ids, delta.logprobs)
             else:
-                lp = completion_logprobs(state.text, delta.token_ids, delta.logprobs, text_offset)
-                text_offset += sum(len(t) for t in lp["tokens"])
+                lp = completion_logprobs(state.text, delta.token_ids, delta.logprobs, text_offsets[seq.index])
+                text_offsets[seq.index] += sum(len(t) for t in lp["tokens"])
         if chat:
             message = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": message, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": seq.index, "delta": message, "logprobs": lp, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": seq.index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         data = {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": [choice]}
         if options.include_usage:
             data["usage"] = _usage(delta) if options.continuous_usage_stats and delta is not None else None
         return b"data: " + _json.encode(data) + b"\n\n"
 
-    # The first delta comes before the headers, so a request the engine refuses still gets its 4xx/5xx status.
-    deltas = generation.deltas()
-    last = _echoed(state, await anext(deltas), echo)
-    response = web.StreamResponse(headers=_SSE_HEADERS)
-    await response.prepare(request)
+    # Every sequence's deltas into one queue, in arrival order; (sequence, None, None) marks a sequence's end.
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(seq: _Sequence) -> None:
+        first = True
+        try:
+            async for delta in seq.generation.deltas():
+                if first:
+                    delta, first = _echoed(state, delta, seq.echo), False
+                await queue.put((seq, delta, None))
+        except ApiError as exc:
+            await queue.put((seq, None, exc))
+        finally:
+            await queue.put((seq, None, None))
+
+    pumps = [asyncio.create_task(pump(seq)) for seq in sequences]
+    lasts: dict[int, Delta] = {}
+    remaining = len(sequences)
     try:
-        if chat:
-            await response.write(chunk("", None, None, first=True))
-        await response.write(chunk(last.text, last.finish_reason, last))
-        async for delta in deltas:
-            last = delta
-            await response.write(chunk(delta.text, delta.finish_reason, delta))
-    except ApiError as exc:  # the headers are sent already: report the error in the stream
-        await response.write(b"data: " + _json.encode(exc.body()) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        # The first delta comes before the headers, so a request the engine refuses still gets its 4xx/5xx status.
+        seq, delta, error = await queue.get()
+        if error is not None:
+            raise error
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            if chat:
+                for s in sequences:
+                    await response.write(chunk(s, "", None, None, first=True))
+            while True:
+                if delta is None and error is None:
+                    remaining -= 1
+                    if remaining == 0:
+                        break
+                elif error is not None:
+                    raise error
+                else:
+                    lasts[seq.index] = delta
+                    await response.write(chunk(seq, delta.text, delta.finish_reason, delta))
+                seq, delta, error = await queue.get()
+        except ApiError as exc:  # the headers are sent already: report the error in the stream
+            await response.write(b"data: " + _json.encode(exc.body()) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
     finally:
-        await deltas.aclose()
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
     if options.include_usage:
         final = {"id": request_id, "object": kind, "created": created, "model": state.model_name, "choices": []}
-        final["usage"] = _usage(last)
+        prompt_tokens = sum(lasts[s.index].num_prompt_tokens for s in sequences if s.first and s.index in lasts)
+        completion_tokens = sum(d.num_output_tokens for d in lasts.values())
+        final["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
         if want_timing:
-            final["overlap_timing"] = last.timing
+            final["overlap_timing"] = next(iter(lasts.values())).timing
         await response.write(b"data: " + _json.encode(final) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()

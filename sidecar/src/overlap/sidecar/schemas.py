@@ -49,10 +49,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def unsupported_fields(self) -> list[str]:
-        bad = []
-        if self.n != 1:
-            bad.append("n (only n=1 is supported)")
-        return bad
+        return []
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -66,8 +63,6 @@ class CompletionRequest(_Common, kw_only=True):
         bad = super().unsupported_fields()
         if self.suffix:
             bad.append("suffix")
-        if self.best_of not in (None, 1):
-            bad.append("best_of")
         return bad
 
     def logprobs_wanted(self) -> int | None:

@@ -175,6 +175,8 @@ class Scheduler:
                 request = waiting.peek()
                 if not self.enable_chunked_prefill and request.num_tokens > budget:
                     break
+                if not self._prompt_ready(request):
+                    break  # its sibling is still computing the shared prompt; nothing jumps the queue
                 num_cached = bm.allocate(request)
                 if num_cached is None:
                     victims = self._victims_for(request)
@@ -244,7 +246,16 @@ class Scheduler:
             produced >= request.sampling.max_tokens or request.num_tokens + request.num_placeholders >= self.max_seq_len
         )
 
+    def _prompt_ready(self, request: Request) -> bool:
+        """A request sharing a sibling's prompt starts once the sibling has published the prompt's full blocks to
+        the prefix cache (or has finished or been preempted: then it computes the prompt itself)."""
+        sibling = request.share_prompt_of
+        if sibling is None or sibling.status is not RequestStatus.RUNNING:
+            return True
+        return sibling.num_registered_blocks >= request.num_prompt_tokens // self.block_manager.block_size
+
     def _start(self, request: Request, num_cached: int, now: float) -> None:
+        request.share_prompt_of = None  # started: the sibling is no longer needed (nor kept alive)
         if request.times.first_scheduled is None:
             request.times.first_scheduled = now
             request.num_cached_tokens = num_cached

@@ -51,6 +51,10 @@ class Request:
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when sampling asks
     prompt_logprobs: list | None = None  # TokenLogprob per prompt position (index 0 stays None), when asked
     prompt_logprobs_emitted: bool = False
+    # Several sequences of one prompt (`n`, `best_of`): this one starts only once `share_prompt_of` has computed and
+    # published the prompt's full blocks, then takes them from the prefix cache by reference (only the last partial
+    # block's tokens are computed again).
+    share_prompt_of: Request | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step for cheap slicing
     num_computed_tokens: int = 0  # tokens whose K/V is (or is being) written to the pool
     block_ids: list[int] = field(default_factory=list)  # KV blocks covering positions 0 .. num_tokens - 1

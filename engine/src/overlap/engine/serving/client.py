@@ -166,10 +166,16 @@ class EngineClient:
         *,
         priority: int = 1,
         timeout_s: float | None = None,
+        share_prompt_with: str | None = None,
     ) -> RequestStream:
         stream = RequestStream(request_id)
         message = p.AddRequest(
-            request_id, prompt_token_ids, p.WireSampling.from_params(sampling), priority=priority, timeout_s=timeout_s
+            request_id,
+            prompt_token_ids,
+            p.WireSampling.from_params(sampling),
+            priority=priority,
+            timeout_s=timeout_s,
+            share_prompt_with=share_prompt_with,
         )
         self._send(message)
         self._streams[request_id] = stream

@@ -100,6 +100,7 @@ class AddRequest(_Message, tag="add"):
     priority: int = 1
     timeout_s: float | None = None
     arrival_time: float | None = None  # time.monotonic() in the sender (system-wide on Linux)
+    share_prompt_with: str | None = None  # an earlier request of this connection with the same prompt (`n` > 1)
 
 
 class Abort(_Message, tag="abort"):

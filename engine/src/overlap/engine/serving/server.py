@@ -194,6 +194,9 @@ class EngineServer:
                 priority=message.priority,
                 timeout_s=message.timeout_s,
                 arrival_time=message.arrival_time,
+                share_prompt_with=None
+                if message.share_prompt_with is None
+                else f"{conn.id}:{message.share_prompt_with}",
             )
         except InvalidRequestError as exc:
             conn.send(p.RequestError(message.request_id, str(exc)))
