@@ -668,14 +668,12 @@ class ModelRunner:
         """Token ids [S] from the raw logits: the logits controls first (penalties, bias, ...), for the rows that
         set any."""
         if any(p.has_logits_controls for p in inputs.sampling):
-            rows = zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True)
+            rows = list(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True))
             histories = [self._history_of(rid, n) if p.needs_history else None for rid, n, p in rows]
             logits = sampler.apply_logits_controls(logits, inputs.sampling, inputs.num_generated, histories,
                                                    inputs.prompts, self.eos_token_ids)  # fmt: skip
-            grammar_rows = [(row, rid, n) for row, (rid, n, p) in
-                            enumerate(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True))
-                            if p.grammar is not None]  # fmt: skip
-            if grammar_rows:
+            grammar_rows = [(row, rid, n) for row, (rid, n, p) in enumerate(rows) if p.grammar is not None]
+            if grammar_rows:  # structured outputs: what the grammar does not allow next gets -inf
                 self._grammars.mask(logits, grammar_rows)
         return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
 
