@@ -27,7 +27,7 @@ def server(tiny_model_dir):
     (workdir / "engine.json").write_text(json.dumps({"num_kv_blocks": 256, "num_threads": 1}))
     port = free_port()
     cmd = overlap_cmd("serve", "--model", str(tiny_model_dir), "--port", str(port),
-                      "--config", str(workdir / "engine.json"))  # fmt: skip
+                      "--config", str(workdir / "engine.json"), "--tool-call-parser", "hermes")  # fmt: skip
     proc = Proc(cmd, workdir / "serve.log")
     base_url = f"http://127.0.0.1:{port}"
     try:
@@ -325,3 +325,60 @@ def test_best_of_returns_the_sequence_with_the_highest_cumulative_logprob(client
     assert len(best.choices) == 1 and best.choices[0].text == max(candidates)[1]
     assert best.choices[0].logprobs is None  # ranked on logprobs nobody asked to see
     assert best.usage.completion_tokens == 18  # every generated sequence counts
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+        "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def test_tool_choice_required_always_yields_parseable_calls(client, server):
+    import jsonschema
+
+    schemas_by_name = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(10):
+        out = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "weather?"}],
+                                             tools=TOOLS, tool_choice="required", max_tokens=150, temperature=1.0,
+                                             seed=seed, parallel_tool_calls=False)  # fmt: skip
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas_by_name[call.function.name])
+
+
+def test_named_tool_choice_streamed_and_a_tool_result_turn(client, server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(model=server["model"], messages=[{"role": "user", "content": "Oslo?"}],
+                                            tools=TOOLS, tool_choice=named, max_tokens=60, temperature=1.0, seed=3,
+                                            stream=True)  # fmt: skip
+    calls, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            calls += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    arguments = json.loads(calls[0].function.arguments)
+    assert set(arguments) == {"city"}
+    history = [
+        {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].id, "type": "function",
+         "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp_c": 4}'},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(model=server["model"], messages=history, tools=TOOLS, max_tokens=5)
+    assert answer.choices[0].finish_reason in ("stop", "length")  # auto with the hermes parser: plain text here
+
+
+def test_tool_choice_errors_get_a_400(server):
+    base = {"model": server["model"], **CHAT, "tools": TOOLS}
+    for body, message in (({**base, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                           "not among the tools"),
+                          ({**base, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                           "cannot be combined with response_format")):  # fmt: skip
+        status, _, data = http("POST", server["url"] + "/v1/chat/completions", body)
+        assert status == 400 and message in data["error"]["message"], data

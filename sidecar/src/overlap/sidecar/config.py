@@ -38,6 +38,7 @@ class SidecarConfig:
     max_queued_tokens: int = 65536  # prompt tokens of those queued requests
     max_inflight: int = 256  # admitted and unfinished
     max_n: int = 16  # most sequences (n, best_of) one request may ask for; each counts against the watermarks
+    tool_call_parser: str | None = None  # hermes | llama3_json: how tool_choice "auto" reads the model's calls
     request_timeout_s: float = 600.0  # default and upper bound; a request may only lower it
     max_body_bytes: int = 1024 * 1024
     grace_period_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
@@ -59,6 +60,8 @@ class SidecarConfig:
         check(self.max_queued_tokens >= 1, "max_queued_tokens must be >= 1")
         check(self.max_inflight >= 1, "max_inflight must be >= 1")
         check(self.max_n >= 1, "max_n must be >= 1")
+        check(self.tool_call_parser in (None, "hermes", "llama3_json"),
+              f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")  # fmt: skip
         check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
         check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
@@ -122,6 +125,7 @@ FLAGS = (
     Flag("max_queued_tokens", int, "admission watermark: prompt tokens of queued requests"),
     Flag("max_inflight", int, "admission cap on unfinished requests"),
     Flag("max_n", int, "most sequences (n, best_of) per request"),
+    Flag("tool_call_parser", str, "hermes | llama3_json: how tool_choice auto reads tool calls (default: none)"),
     Flag("request_timeout_s", float, "per-request timeout; a request may only lower it"),
     Flag("max_body_bytes", int, "largest request body accepted, in bytes"),
     Flag("grace_period_s", float, "on SIGTERM, how long in-flight requests may take to finish"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from jinja2 import TemplateError
 
 from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
-from overlap.sidecar import schemas
+from overlap.sidecar import schemas, tools
 from overlap.sidecar.generation import Delta, Generation
 from overlap.sidecar.logprobs import chat_logprobs, completion_logprobs
 from overlap.sidecar.state import STATE, ApiError, ServerState, engine_unavailable
+from overlap.sidecar.tools import ToolSetup
+from overlap.sidecar.tools import extract as extract_tool_calls
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _json = msgspec.json.Encoder()
@@ -250,14 +253,27 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, schemas.ChatCompletionRequest)
     _check_model(state, body.model)
     try:
+        tool_setup = tools.setup(body.tools, body.tool_choice, state.config.tool_call_parser, body.parallel_tool_calls)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="tool_choice" if body.tools else "tools") from exc
+    try:
         messages = schemas.chat_messages_as_dicts(body.messages)
-        prompt_ids = await _off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages)
+        shown = tool_setup.tools_for_template if tool_setup is not None else None
+        prompt_ids = await _off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages,
+                                     True, False, shown)  # fmt: skip
     except (ValueError, TemplateError) as exc:  # e.g. a template that insists on alternating roles
         raise ApiError(400, f"cannot apply the chat template: {exc}" if isinstance(exc, TemplateError) else str(exc),
                        param="messages") from exc  # fmt: skip
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sampling = _sampling(state, body, len(prompt_ids), max_tokens)
-    return await _run(request, state, body, "chatcmpl", [(prompt_ids, sampling)], arrival, chat=True)
+    if tool_setup is not None and tool_setup.grammar_schema is not None:  # required / named: the grammar decides
+        if sampling.grammar is not None:
+            raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with response_format",
+                           param="tool_choice")  # fmt: skip
+        schema = {**tool_setup.grammar_schema, "x-guidance": {"whitespace_flexible": False}}
+        sampling = dataclasses.replace(sampling, grammar=json.dumps({"grammars": [{"json_schema": schema}]}))
+    active = tool_setup if tool_setup is not None and tool_setup.active else None
+    return await _run(request, state, body, "chatcmpl", [(prompt_ids, sampling)], arrival, chat=True, tool_setup=active)
 
 
 @dataclass(slots=True)
@@ -273,7 +289,7 @@ class _Sequence:
 
 async def _run(
     request, state, body, prefix, prompts: list[tuple[list[int], SamplingParams]], arrival, *, chat: bool,
-    echo: bool = False,
+    echo: bool = False, tool_setup: ToolSetup | None = None,
 ) -> web.StreamResponse:  # fmt: skip
     """Every prompt's `n` sequences (`best_of` of them generated, the best `n` by cumulative logprob returned); the
     sequences of one prompt share its computed KV blocks in the engine. `echo`: completions start with the prompt."""
@@ -307,8 +323,10 @@ async def _run(
         show_logprobs = prompts[0][1].logprobs is not None
         want_timing = request.headers.get("x-overlap-timing") == "1"
         if body.stream:
-            return await _stream(request, state, body, sequences, request_id, chat, want_timing, show_logprobs)
-        return await _collect(state, sequences, request_id, chat, want_timing, show_logprobs, n, best_of)
+            return await _stream(
+                request, state, body, sequences, request_id, chat, want_timing, show_logprobs, tool_setup
+            )
+        return await _collect(state, sequences, request_id, chat, want_timing, show_logprobs, n, best_of, tool_setup)
     finally:
         for sequence in sequences:  # a refusal half-way aborts the siblings already submitted
             sequence.generation.close()
@@ -355,7 +373,8 @@ async def _collect_one(state, sequence: _Sequence) -> _Collected:
 
 
 async def _collect(state, sequences: list[_Sequence], request_id: str, chat: bool, want_timing: bool,
-                   show_logprobs: bool, n: int, best_of: int) -> web.Response:  # fmt: skip
+                   show_logprobs: bool, n: int, best_of: int,
+                   tool_setup: ToolSetup | None = None) -> web.Response:  # fmt: skip
     results = await asyncio.gather(*(_collect_one(state, s) for s in sequences))
     if best_of > n:  # per prompt, the n best by cumulative logprob of what they generated
         kept = []
@@ -370,11 +389,17 @@ async def _collect(state, sequences: list[_Sequence], request_id: str, chat: boo
         if show_logprobs:
             lp = chat_logprobs(state.text, r.token_ids, r.logprobs) if chat else completion_logprobs(
                 state.text, r.token_ids, r.logprobs, 0)  # fmt: skip
+        finish_reason = r.last.finish_reason
         if chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": lp}
+            message = {"role": "assistant", "content": r.text}
+            if tool_setup is not None:
+                message["content"], calls = _tool_calls(tool_setup, r.text)
+                if calls:
+                    message["tool_calls"], finish_reason = calls, "tool_calls"
+            choice = {"index": i, "message": message, "logprobs": lp}
         else:
             choice = {"index": i, "text": r.text, "logprobs": lp}
-        choice["finish_reason"] = r.last.finish_reason
+        choice["finish_reason"] = finish_reason
         choices.append(choice)
     prompt_tokens = sum(r.last.num_prompt_tokens for r in results if r.sequence.first)
     completion_tokens = sum(r.last.num_output_tokens for r in results)  # all generated, best_of included
@@ -395,8 +420,16 @@ async def _collect(state, sequences: list[_Sequence], request_id: str, chat: boo
     return json_response(data)
 
 
+def _tool_calls(tool_setup: ToolSetup, text: str) -> tuple[str | None, list[dict]]:
+    """(content, calls); output a grammar could not finish (max_tokens came first) stays text, with no call."""
+    try:
+        return extract_tool_calls(tool_setup, text)
+    except (ValueError, KeyError, TypeError):
+        return text, []
+
+
 async def _stream(request, state, body, sequences: list[_Sequence], request_id: str, chat: bool, want_timing: bool,
-                  show_logprobs: bool):  # fmt: skip
+                  show_logprobs: bool, tool_setup: ToolSetup | None = None):  # fmt: skip
     options = body.stream_options or schemas.StreamOptions()
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
@@ -435,6 +468,20 @@ async def _stream(request, state, body, sequences: list[_Sequence], request_id: 
         finally:
             await queue.put((seq, None, None))
 
+    def tool_chunks(seq: _Sequence, text: str, delta: Delta) -> list[bytes]:
+        """A finished sequence under tools: its text, then each call whole, in OpenAI's delta shape."""
+        content, calls = _tool_calls(tool_setup, text)
+        out = [chunk(seq, content, None, None)] if content else []
+        if calls:
+            call_deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+            data = {"id": request_id, "object": kind, "created": created, "model": state.model_name,
+                    "choices": [{"index": seq.index, "delta": {"tool_calls": call_deltas}, "logprobs": None,
+                                 "finish_reason": None}]}  # fmt: skip
+            out.append(b"data: " + _json.encode(data) + b"\n\n")
+        out.append(chunk(seq, None, "tool_calls" if calls else delta.finish_reason, delta))
+        return out
+
+    buffered: dict[int, str] = {}  # under tools: each sequence's text until it ends
     pumps = [asyncio.create_task(pump(seq)) for seq in sequences]
     lasts: dict[int, Delta] = {}
     remaining = len(sequences)
@@ -456,6 +503,12 @@ async def _stream(request, state, body, sequences: list[_Sequence], request_id: 
                         break
                 elif error is not None:
                     raise error
+                elif tool_setup is not None:
+                    lasts[seq.index] = delta
+                    buffered[seq.index] = buffered.get(seq.index, "") + delta.text
+                    if delta.finish_reason is not None:
+                        for data in tool_chunks(seq, buffered[seq.index], delta):
+                            await response.write(data)
                 else:
                     lasts[seq.index] = delta
                     await response.write(chunk(seq, delta.text, delta.finish_reason, delta))

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from overlap.sidecar import tools
+
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
@@ -78,6 +80,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -92,10 +96,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
         return bad
 
     def logprobs_wanted(self) -> int | None:
@@ -191,7 +191,14 @@ def chat_messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
                     )
                 texts.append(part.text)
             content = "".join(texts)
-        result.append({"role": message.role, "content": content or ""})
+        item = {"role": message.role, "content": content or ""}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls:
+            item["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        result.append(tools.message_for_template(item))
     return result
 
 

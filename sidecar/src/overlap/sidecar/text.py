@@ -24,12 +24,19 @@ class TextProcessor:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
-        """The chat template renders the special tokens itself, so by default they are not added again."""
+        """The chat template renders the special tokens itself, so by default they are not added again. `tools`
+        go to the template, which shows them to the model in its own format."""
         if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
