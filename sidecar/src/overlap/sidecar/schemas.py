@@ -51,6 +51,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def unsupported_fields(self) -> list[str]:
+        """OpenAI fields accepted by the schema but not implemented: refused with a clear message when set."""
         return []
 
 
@@ -93,10 +94,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
-
-    def unsupported_fields(self) -> list[str]:
-        bad = super().unsupported_fields()
-        return bad
 
     def logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
