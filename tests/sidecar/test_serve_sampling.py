@@ -274,6 +274,7 @@ def test_json_object_guided_choice_and_regex_streamed_and_not(client, server):
         ({"guided_json": "{not json"}, "structured output"),
         ({"guided_regex": "[a-", "guided_choice": ["a"]}, "at most one structured-output constraint"),
         ({"guided_choice": []}, "guided_choice must be a list of non-empty strings"),
+        ({"guided_choice": ["x" * 70000]}, "at most 65536 are accepted"),
     ],
 )
 def test_bad_structured_output_requests_get_a_400(server, body, message):

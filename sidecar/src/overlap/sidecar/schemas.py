@@ -106,8 +106,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
 def structured_output_grammar(body: _Common) -> str | None:
     """The request's structured-output constraint as an llguidance grammar string (None when it has none).
     Raises ValueError for a malformed request; whether llguidance accepts the grammar is decided in the engine."""
-    import json
-
     kinds = {name: getattr(body, name) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
     response_format = getattr(body, "response_format", None) or {}
     kind = response_format.get("type", "text")
@@ -125,7 +123,19 @@ def structured_output_grammar(body: _Common) -> str | None:
         raise ValueError(f"give at most one structured-output constraint, got {', '.join(sorted(given))}")
     if not given:
         return None
-    ((name, value),) = given.items()
+    grammar = _grammar(body, *next(iter(given.items())))
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the constraint is {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS} are accepted")
+    return grammar
+
+
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema or grammar larger than this is refused (the engine compiles it per request)
+
+
+def _grammar(body: _Common, name: str, value) -> str:
+    """One constraint (a guided_* field or response_format) in llguidance's grammar format."""
+    import json
+
     if name in ("guided_json", "response_format"):
         schema = json.loads(value) if isinstance(value, str) else value
         if not isinstance(schema, dict):
