@@ -57,11 +57,14 @@ def test_every_built_object_passes_strict_schema_validation(overrides: dict) -> 
 
 
 def test_pod_follows_the_deployment_contract() -> None:
-    deployment = build({"resources": {"gpus": 2}, "sidecar": {"apiKeySecret": {"name": "llm-key"}}})["Deployment"]
+    deployment = build({"resources": {"gpus": 1, "engine": {"cpu": "3500m"}},
+                        "sidecar": {"apiKeySecret": {"name": "llm-key"}}})["Deployment"]  # fmt: skip
     pod = deployment["spec"]["template"]["spec"]
     engine, sidecar = containers(deployment)["engine"], containers(deployment)["sidecar"]
     assert engine["args"] == ["engine", "--socket", "/run/overlap/engine.sock", "--config", "/etc/overlap/engine.json"]
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # threads follow the CPU limit (3.5 CPUs: 3 whole ones), in the engine config and for OpenMP
+    assert {"name": "OMP_NUM_THREADS", "value": "3"} in engine["env"]
     args = sidecar["args"]
     pairs = dict(zip(args[1::2], args[2::2], strict=False))
     assert args[0] == "sidecar"

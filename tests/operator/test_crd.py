@@ -107,6 +107,11 @@ INVALID = [
     ),
     pytest.param(with_spec(replica=2), 'unknown field "spec.replica"', id="unknown-field"),
     pytest.param(
+        with_spec(resources={"gpus": 2}),
+        'spec.resources: Invalid value: "object": resources.gpus above 1 needs tensor parallelism',
+        id="two-gpus",
+    ),
+    pytest.param(
         with_spec(engine={"maxNumSeqs": 8, "maxBatchSize": 8}),
         'unknown field "spec.engine.maxBatchSize"',
         id="unknown-nested",
@@ -233,3 +238,23 @@ def test_strict_field_validation_names_the_unknown_field(cluster) -> None:
         'InferenceService in version "v1alpha1" cannot be handled as a InferenceService: '
         'strict decoding error: unknown field "spec.replica"'
     )
+
+
+def test_the_operator_refuses_two_gpus_with_the_crds_words() -> None:
+    spec = specs.with_defaults(with_spec(resources={"gpus": 2})["spec"])
+    with pytest.raises(specs.SpecError) as caught:
+        specs.check_spec(spec)
+    assert str(caught.value) == specs.GPUS_MESSAGE
+    assert " ".join(refusal(with_spec(resources={"gpus": 2})).split()).endswith(specs.GPUS_MESSAGE)
+
+
+@pytest.mark.parametrize(("cpu", "threads"), [("4", 4), (8, 8), ("3500m", 3), ("500m", 1), ("0.5", 1), ("2.0", 2)])
+def test_engine_threads_follow_the_cpu_limit(cpu, threads) -> None:
+    config = specs.engine_config(specs.with_defaults(with_spec(resources={"engine": {"cpu": cpu}})["spec"]))
+    assert config.num_threads == threads
+
+
+@pytest.mark.parametrize("cpu", ["4 cores", "0", "-1m"])
+def test_a_cpu_limit_that_is_no_quantity_is_a_spec_error(cpu) -> None:
+    with pytest.raises(specs.SpecError, match=r"resources\.engine\.cpu"):
+        specs.engine_config(specs.with_defaults(with_spec(resources={"engine": {"cpu": cpu}})["spec"]))

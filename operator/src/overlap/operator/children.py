@@ -200,7 +200,12 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
         "imagePullPolicy": images["pullPolicy"],
         "command": ["overlap"],
         "args": ["engine", "--socket", SOCKET, "--config", CONFIG_FILE],
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "OVERLAP_CACHE_DIR", "value": "/tmp/overlap-cache"}],
+        "env": [
+            {"name": "HOME", "value": "/tmp"},
+            {"name": "OVERLAP_CACHE_DIR", "value": "/tmp/overlap-cache"},
+            # OpenMP (torch, oneDNN) sizes its pool from the node's cores unless told: the container's CPU limit
+            {"name": "OMP_NUM_THREADS", "value": str(config.num_threads or 1)},
+        ],
         "resources": {"requests": dict(engine_limits), "limits": dict(engine_limits)},
         "securityContext": _container_security(),
         "volumeMounts": [

@@ -123,16 +123,40 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
     unknown = sorted(set(engine) - set(ENGINE_FIELDS))
     if unknown:
         raise SpecError(f"spec.engine has unknown fields: {', '.join(unknown)}")
-    gpus = (spec.get("resources") or {}).get("gpus", 1)
+    resources = spec.get("resources") or {}
+    gpus = resources.get("gpus", 1)
     fields = {ENGINE_FIELDS[key]: value for key, value in engine.items()}
     fields["model"] = (spec.get("model") or {}).get("path", "")
     fields["device"] = "cuda" if gpus > 0 else "cpu"
+    # torch's intra-op threads match the container's CPU limit, not the node's core count (which would
+    # oversubscribe the cgroup's quota: every step would wait on throttled threads).
+    fields["num_threads"] = cpu_threads(
+        (resources.get("engine") or {}).get("cpu", DEFAULTS["resources"]["engine"]["cpu"])
+    )
     if fields.get("dtype") == "auto" and gpus == 0:
         fields["dtype"] = "float32"  # bfloat16 on CPU is slow; "auto" means "what suits the device"
     try:
         return EngineConfig(**fields)
     except ConfigError as exc:
         raise SpecError(f"spec.engine: {exc}") from exc
+
+
+# The CRD's rule on resources.gpus says the same (one sentence there, folded by YAML).
+GPUS_MESSAGE = (
+    "resources.gpus above 1 needs tensor parallelism, which the engine does not have yet; use 1 (one GPU) or 0 (CPU)"
+)
+
+
+def cpu_threads(quantity: Any) -> int:
+    """Whole CPUs in a Kubernetes CPU quantity ("4", 4, "3500m", "0.5"), at least 1: the engine's thread count."""
+    text = str(quantity).strip()
+    try:
+        cores = int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError as exc:
+        raise SpecError(f'resources.engine.cpu {quantity!r} is not a CPU quantity (e.g. 4, "3500m")') from exc
+    if not cores > 0:
+        raise SpecError(f"resources.engine.cpu must be positive, got {quantity!r}")
+    return max(1, int(cores))
 
 
 def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
@@ -146,6 +170,8 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     if source == "hostPath" and not model.get("hostPath"):
         raise SpecError("model.hostPath is required when model.source is hostPath")
 
+    if (spec.get("resources") or {}).get("gpus", 1) > 1:
+        raise SpecError(GPUS_MESSAGE)
     replicas = spec.get("replicas", 1)
     if not isinstance(replicas, int) or replicas < 0:
         raise SpecError(f"spec.replicas must be an integer >= 0, got {replicas!r}")
