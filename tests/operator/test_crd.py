@@ -107,6 +107,16 @@ INVALID = [
     ),
     pytest.param(with_spec(replica=2), 'unknown field "spec.replica"', id="unknown-field"),
     pytest.param(
+        with_spec(resources={"engine": {"cpu": "4 cores"}}),
+        'spec.resources.engine.cpu: Invalid value: "4 cores": spec.resources.engine.cpu in body should match',
+        id="cpu-not-a-quantity",
+    ),
+    pytest.param(
+        with_spec(resources={"sidecar": {"memory": "1 GB"}}),
+        'spec.resources.sidecar.memory: Invalid value: "1 GB": spec.resources.sidecar.memory in body should match',
+        id="memory-not-a-quantity",
+    ),
+    pytest.param(
         with_spec(resources={"gpus": 2}),
         'spec.resources: Invalid value: "object": resources.gpus above 1 needs tensor parallelism',
         id="two-gpus",
@@ -138,8 +148,9 @@ def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str)
         {"model": {"servedName": "m", "path": "/models/m", "source": "pvc", "claimName": "weights"}},
         {"engine": {"enableChunkedPrefill": False, "maxSeqLen": 1024, "maxNumBatchedTokens": 1024}},
         {"resources": {"gpus": 0, "engine": {"cpu": 8, "memory": "8Gi"}}},
+        {"resources": {"engine": {"cpu": "3500m", "memory": "16e9"}, "sidecar": {"cpu": "0.5", "memory": "512Mi"}}},
     ],
-    ids=["defaults", "builtin-autoscaling", "tuning-bounds", "pvc", "no-chunked-prefill", "cpu-only"],
+    ids=["defaults", "builtin-autoscaling", "tuning-bounds", "pvc", "no-chunked-prefill", "cpu-only", "quantities"],
 )
 def test_valid_specs_are_admitted_and_defaulted(spec: dict) -> None:
     stored = admission.admit(with_spec(**spec), SCHEMA, strict=True)

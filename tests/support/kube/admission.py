@@ -109,11 +109,12 @@ _TYPES = {
 
 def _validate(value: Any, schema: dict[str, Any], path: str, causes: list[tuple[str, str]]) -> None:
     where = path or "<root>"
+    kind = schema.get("type")
     if schema.get("x-kubernetes-int-or-string"):
         if not isinstance(value, (int, str)) or isinstance(value, bool):
             causes.append((where, f"Invalid value: {_shown(value)}: {where} in body must be of type int-or-string"))
-        return
-    kind = schema.get("type")
+            return
+        kind = None  # either type; a string still meets the string checks below (pattern: a quantity's)
     if kind is not None:
         ok = isinstance(value, _TYPES[kind]) and not (isinstance(value, bool) and kind in ("integer", "number"))
         if not ok:
