@@ -269,3 +269,32 @@ def test_engine_threads_follow_the_cpu_limit(cpu, threads) -> None:
 def test_a_cpu_limit_that_is_no_quantity_is_a_spec_error(cpu) -> None:
     with pytest.raises(specs.SpecError, match=r"resources\.engine\.cpu"):
         specs.engine_config(specs.with_defaults(with_spec(resources={"engine": {"cpu": cpu}})["spec"]))
+
+
+def test_the_crds_defaults_pass_its_own_schema_and_rules() -> None:
+    """The apiextensions-apiserver checks each `default` against its level's schema and CEL rules on the raw value;
+    an unguarded rule on a `default: {}` level refuses the whole CRD."""
+    assert admission.crd_default_errors(CRD) == []
+
+
+def _unguarded_crd() -> dict:
+    """The CRD as it was before its rules were guarded with has(): autoscaling's first rule reads its fields bare."""
+    crd = copy.deepcopy(CRD)
+    scaling = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["autoscaling"]
+    scaling["x-kubernetes-validations"][0]["rule"] = "self.minReplicas <= self.maxReplicas"
+    crd["metadata"]["name"] = "brokens.broken.overlap.dev"
+    crd["spec"]["group"] = "broken.overlap.dev"
+    crd["spec"]["names"] = {**crd["spec"]["names"], "plural": "brokens", "singular": "broken", "kind": "Broken",
+                            "listKind": "BrokenList", "shortNames": ["brk"]}  # fmt: skip
+    return crd
+
+
+def test_an_unguarded_rule_on_a_defaulted_level_refuses_the_crd_as_the_api_server_does(cluster) -> None:
+    causes = admission.crd_default_errors(_unguarded_crd())
+    field = "spec.versions[0].schema.openAPIV3Schema.properties[spec].properties[autoscaling].default"
+    assert causes == [(field, 'Invalid value: "object": no such key: minReplicas evaluating rule: '
+                              "autoscaling.minReplicas must be <= autoscaling.maxReplicas")]  # fmt: skip
+    done = cluster.apply("-f", "-", stdin=yaml.safe_dump(_unguarded_crd()), check=False)
+    assert done.returncode != 0
+    assert 'The CustomResourceDefinition "brokens.broken.overlap.dev" is invalid' in done.stderr  # kubectl's words
+    assert "no such key: minReplicas evaluating rule" in done.stderr

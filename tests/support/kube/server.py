@@ -39,7 +39,7 @@ import jsonpatch
 import kmock
 from kmock._internal import rendering  # Response with headers, for the watch stream's content type
 
-from tests.support.kube.admission import admit_custom_resource
+from tests.support.kube.admission import admit_crd, admit_custom_resource
 from tests.support.kube.selectors import jsonpath, match_fields, match_labels
 from tests.support.kube.status import api_status
 from tests.support.kube.watches import watch_events
@@ -224,6 +224,9 @@ class ApiServer(kmock.KubernetesEmulator):
         obj["metadata"]["resourceVersion"] = str(self.last_rv)
 
     def _admit(self, resource, obj: dict, strict: bool) -> dict:
+        if obj.get("kind") == "CustomResourceDefinition" and self.validate_custom_resources:
+            admit_crd(obj)  # the apiextensions-apiserver's checks of the CRD's own defaults
+            return obj
         crd = self.crds.get(resource)
         if crd is None or not crd["schema"] or not self.validate_custom_resources:
             return obj
