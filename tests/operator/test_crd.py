@@ -298,3 +298,21 @@ def test_an_unguarded_rule_on_a_defaulted_level_refuses_the_crd_as_the_api_serve
     assert done.returncode != 0
     assert 'The CustomResourceDefinition "brokens.broken.overlap.dev" is invalid' in done.stderr  # kubectl's words
     assert "no such key: minReplicas evaluating rule" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "8b-llama", "Llama", "a" * 64, "llama-"])
+def test_names_that_cannot_name_the_service_are_refused_by_the_crd_and_the_operator(name) -> None:
+    obj = copy.deepcopy(VALID)
+    obj["metadata"]["name"] = name
+    assert "metadata.name must be a DNS-1035 label" in refusal(obj)
+    with pytest.raises(specs.SpecError) as caught:
+        specs.check_name(name)
+    assert " ".join(refusal(obj).split()).endswith(str(caught.value))
+
+
+@pytest.mark.parametrize("name", ["llama-3-1-8b", "m", "a" * 63])
+def test_dns_1035_names_are_admitted(name) -> None:
+    obj = copy.deepcopy(VALID)
+    obj["metadata"]["name"] = name
+    admission.admit(obj, SCHEMA, strict=True)
+    specs.check_name(name)

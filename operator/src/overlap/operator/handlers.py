@@ -49,6 +49,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     spec = specs.with_defaults(body.get("spec") or {})
     try:
+        specs.check_name(name)
         config = specs.check_spec(spec)
     except specs.SpecError as exc:
         problem = f"invalid spec, nothing changed: {exc}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,6 +146,20 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
 GPUS_MESSAGE = (
     "resources.gpus above 1 needs tensor parallelism, which the engine does not have yet; use 1 (one GPU) or 0 (CPU)"
 )
+
+
+# The CRD's root rule says the same (one sentence there, folded by YAML).
+NAME_MESSAGE = (
+    "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter, at most 63 "
+    "characters (it names the Service); e.g. llama-3-1-8b, not llama-3.1-8b"
+)
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_name(name: str) -> None:
+    """The name an InferenceService's children take (the CRD refuses others; a server without CEL would not)."""
+    if len(name) > 63 or not _DNS_1035.match(name):
+        raise SpecError(NAME_MESSAGE)
 
 
 def cpu_threads(quantity: Any) -> int:
