@@ -76,6 +76,12 @@ def test_values_schema_refuses_unknown_keys() -> None:
     assert "additional properties 'replicaCount' not allowed" in done.stderr
 
 
+def test_global_values_are_allowed_so_the_chart_works_as_a_subchart() -> None:
+    cmd = [str(HELM), "template", "overlap", str(CHART), "--set", "global.imageRegistry=registry.example"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_every_value_is_documented_and_typed() -> None:
     lines = (CHART / "values.yaml").read_text().splitlines()
     schema = json.loads((CHART / "values.schema.json").read_text())
@@ -151,7 +157,7 @@ def test_dashboard_configmap_carries_the_dashboard_json() -> None:
 def test_example_inferenceservice_is_a_post_install_hook() -> None:
     docs = render("-f", str(CHART / "ci" / "example-values.yaml"))
     (example,) = by_kind(docs, "InferenceService")
-    assert example["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    assert example["metadata"]["annotations"]["helm.sh/hook"] == "post-install"  # an upgrade must not recreate it
     test_pods = [d for d in render() if d["kind"] == "Pod"]
     assert test_pods and test_pods[0]["metadata"]["annotations"]["helm.sh/hook"] == "test"
 
