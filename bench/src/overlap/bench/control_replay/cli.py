@@ -27,7 +27,6 @@ from overlap.bench.control_replay.plan import (
     DEFAULT_TIME_SCALE,
     DEFAULT_TRACE,
     QUICK_DRAIN_S,
-    QUICK_TRACE_S,
     RUNS,
     TUNING_BOUNDS,
     Setup,
@@ -35,7 +34,7 @@ from overlap.bench.control_replay.plan import (
 from overlap.bench.control_replay.summary import header_lines, plot, replica_capacity_rps, summarize_run, table
 from overlap.bench.report import markdown_table, text_table
 from overlap.bench.traces import TraceError, truncate
-from overlap.bench.workload import add_transform_arguments, load_for_args, parse_sim_cost
+from overlap.bench.workload import QUICK_TRACE_S, add_transform_arguments, load_for_args, parse_sim_cost
 
 
 def add_parser(subparsers) -> None:

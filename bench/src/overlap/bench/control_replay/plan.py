@@ -22,7 +22,6 @@ DEFAULT_MIN_REPLICAS, DEFAULT_MAX_REPLICAS = 1, 8
 DEFAULT_COLD_START_S = 1.0  # a 60 s pod start (image pull, model load) at the default time scale
 DEFAULT_SLO_S = 1.0  # P99 end-to-end latency objective, replayed seconds
 DEFAULT_DRAIN_S = 10.0
-QUICK_TRACE_S = 15.0
 QUICK_DRAIN_S = 3.0
 CRD_SCALING = ScalingPolicy()  # the CRD's autoscaling defaults (seconds in operator time)
 # The operator's latency queries look at the last minute (its --signal-window-s default), divided by --time-scale.
