@@ -145,15 +145,15 @@ def test_priority_from_body_or_header_orders_the_engine_queue(stack):
         finished.append(name)
 
     try:
-        first = threading.Thread(target=run, args=("running", 60, 2))
+        first = threading.Thread(target=run, args=("running", 200, 2))
         first.start()
         wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "first running")
         threads = [threading.Thread(target=run, args=(f"low-{i}", 5, 2)) for i in range(2)]
         threads += [threading.Thread(target=run, args=("high-header", 5, None, {"x-priority": "0"})),
                     threading.Thread(target=run, args=("high-body", 5, 0))]  # fmt: skip
-        for thread in threads:
+        for queued, thread in enumerate(threads, 1):  # one at a time, so the arrival order is the start order
             thread.start()
-            time.sleep(0.02)
+            wait_until(lambda n=queued: metric_value(stack.metrics(), "vllm:num_requests_waiting") == n, 10, "queued")
         for thread in [first, *threads]:
             thread.join(30)
         assert finished[0] == "running"

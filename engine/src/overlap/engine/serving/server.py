@@ -247,9 +247,13 @@ class EngineServer:
                 probe.close()
                 raise ConfigError(f"another engine is already listening on {self.socket_path}")
         path.parent.mkdir(parents=True, exist_ok=True)
+        # Bind under a temporary name and rename once listening: whoever sees the socket file can connect to it.
+        staging = path.with_name(f".{path.name}.{os.getpid()}")
+        staging.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.socket_path)
+        listener.bind(str(staging))
         listener.listen(16)
+        os.replace(staging, path)
         listener.settimeout(_IDLE_WAIT_S)  # so the accept thread notices shutdown
         self._listener = listener
 
