@@ -136,30 +136,38 @@ def test_priority_from_body_or_header_orders_the_engine_queue(stack):
     assert http("PUT", admin, {"max_num_seqs": 1}, headers=AUTH)[0] == 200  # one at a time: the rest queue
     finished: list[str] = []
 
-    def run(name: str, max_tokens: int, priority: int | None = None, headers: dict | None = None) -> None:
-        body = completion(stack, max_tokens=max_tokens, ignore_eos=True)
+    def run(name: str, priority: int | None = None, headers: dict | None = None) -> None:
+        body = completion(stack, max_tokens=5, ignore_eos=True)
         if priority is not None:
             body["priority"] = priority
         status, _, data = http("POST", f"{stack.base_url}/v1/completions", body, headers=headers)
         assert status == 200, data
         finished.append(name)
 
+    # A long request holds the one slot while the others queue; its client leaves once all four wait, so the test
+    # does not race a generation's length against a slow core.
+    body = json.dumps(completion(stack, max_tokens=1500, ignore_eos=True)).encode()
+    blocker = socket.create_connection(("127.0.0.1", stack.port))
     try:
-        first = threading.Thread(target=run, args=("running", 200, 2))
-        first.start()
-        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "first running")
-        threads = [threading.Thread(target=run, args=(f"low-{i}", 5, 2)) for i in range(2)]
-        threads += [threading.Thread(target=run, args=("high-header", 5, None, {"x-priority": "0"})),
-                    threading.Thread(target=run, args=("high-body", 5, 0))]  # fmt: skip
+        blocker.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "blocker running")
+        threads = [threading.Thread(target=run, args=(f"low-{i}", 2)) for i in range(2)]
+        threads += [threading.Thread(target=run, args=("high-header", None, {"x-priority": "0"})),
+                    threading.Thread(target=run, args=("high-body", 0))]  # fmt: skip
         for queued, thread in enumerate(threads, 1):  # one at a time, so the arrival order is the start order
             thread.start()
             wait_until(lambda n=queued: metric_value(stack.metrics(), "vllm:num_requests_waiting") == n, 10, "queued")
-        for thread in [first, *threads]:
+        blocker.close()
+        for thread in threads:
             thread.join(30)
-        assert finished[0] == "running"
-        assert set(finished[1:3]) == {"high-header", "high-body"}, finished  # overtook the earlier low ones
-        assert set(finished[3:]) == {"low-0", "low-1"}
+        assert set(finished[:2]) == {"high-header", "high-body"}, finished  # overtook the earlier low ones
+        assert set(finished[2:]) == {"low-0", "low-1"}
     finally:
+        blocker.close()
         http("PUT", admin, {"max_num_seqs": 64}, headers=AUTH)
 
 
