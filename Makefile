@@ -15,7 +15,8 @@ SERVE_COMPONENTS := -e 'engine[model]' -e 'sidecar[serve]'
 ALL_COMPONENTS := $(SERVE_COMPONENTS) -e operator -e bench
 COMPONENT_PYPROJECTS := engine/pyproject.toml sidecar/pyproject.toml operator/pyproject.toml bench/pyproject.toml
 
-.PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus chart-check crd-sync clean
+.PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus chart-check crd-sync clean \
+	images constraints e2e
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -77,6 +78,15 @@ bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench replay --quick --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control --quick
 	$(BIN)/overlap bench sampling --quick
+
+images: venv  ## build the engine and operator images into podman's storage (buildah, a Debian base; no registry)
+	PIP=$(BIN)/pip bash scripts/build-images.sh
+
+e2e: venv model tools prometheus images  ## the closed loop on podman pods: operator image, node agent, Prometheus, load (report in e2e-report/)
+	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) -m pytest -q -s -m e2e tests/e2e $(PYTEST_ARGS)
+
+constraints: venv  ## pin the images' dependencies to the versions in .venv (docker/constraints.txt)
+	$(BIN)/pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' > docker/constraints.txt
 
 CHART := charts/overlap
 CHART_VALUES := $(sort $(wildcard $(CHART)/ci/*-values.yaml))

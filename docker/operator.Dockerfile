@@ -1,18 +1,18 @@
 # The operator image: `overlap operator` without torch or the model stack (the operator imports only the
 # engine's config types, from the engine's base distribution). Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/overlap-dev/overlap-operator:0.1.0 .
-# (Not built in CI here: no Docker daemon, no network to the registries.)
+# `make images` builds it here with buildah FROM a Debian base (scripts/build-images.sh).
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/overlap
-# The operator component and the engine's torch-free base (config, live knobs, the `overlap` command), with the
-# dependencies pinned to the versions the tests ran with.
+# The versions the tests ran with (`make constraints` writes it from .venv).
+COPY docker/constraints.txt /src/constraints.txt
+RUN python3 -m venv /opt/overlap
+# The operator component and the engine's torch-free base (config, live knobs, the `overlap` command).
 COPY engine /src/engine
 COPY operator /src/operator
-RUN /opt/overlap/bin/pip install /src/engine /src/operator \
-      kopf==1.45.2 kubernetes==37.0.2 aiohttp==3.14.5 prometheus-client==0.26.0 PyYAML==6.0.4 msgspec==0.23.0
+RUN /opt/overlap/bin/pip install -c /src/constraints.txt /src/engine /src/operator
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/overlap /opt/overlap

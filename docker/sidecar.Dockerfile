@@ -1,15 +1,17 @@
 # The sidecar image: `overlap sidecar` (OpenAI API, admission, metrics, live config) without torch or the model
 # stack; set it as an InferenceService's `spec.images.sidecar` to keep the pod's HTTP container small.
 # Build from the repository root:  docker build -f docker/sidecar.Dockerfile -t ghcr.io/overlap-dev/overlap-sidecar:0.1.0 .
-# (Not built in CI here: no Docker daemon, no network to the registries.)
+# `make images` builds it here with buildah FROM a Debian base (scripts/build-images.sh).
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/overlap
+# The versions the tests ran with (`make constraints` writes it from .venv).
+COPY docker/constraints.txt /src/constraints.txt
+RUN python3 -m venv /opt/overlap
 COPY engine /src/engine
 COPY sidecar /src/sidecar
-RUN /opt/overlap/bin/pip install /src/engine /src/sidecar
+RUN /opt/overlap/bin/pip install -c /src/constraints.txt /src/engine /src/sidecar
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/overlap /opt/overlap

@@ -62,6 +62,10 @@ def build_tiny_model(model_dir: str | Path, force: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.building-", dir=model_dir.parent))
     try:
         _write_model(tmp)
+        # mkdtemp makes the folder private; a model is read by whichever uid runs the engine (10001 in a pod).
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
         if force and model_dir.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.old-", dir=model_dir.parent))
             os.rename(model_dir, trash / "model")
