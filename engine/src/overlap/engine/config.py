@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from overlap.engine.errors import ConfigError
@@ -48,6 +49,12 @@ class EngineConfig:
     num_buffers: int = 2  # steps in flight: 1 = synchronous, 2 = double buffering (1..4)
     adaptive_buffers: bool = False  # let the engine pick num_buffers from measured host vs device time
 
+    # A simulated device instead of the model's forward: {"fixed_s": ..., "per_token_s": ...} (a cost profile,
+    # overlap.engine.model.sim_runner.CostModel). The model folder still gives the tokenizer, vocabulary, EOS ids
+    # and context length; steps take the profile's time without using the CPU, so replicas on one small machine
+    # add capacity as they would on their own GPUs. For load and control tests; None serves the real model.
+    simulated_device: dict[str, float] | None = None
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -85,6 +92,14 @@ class EngineConfig:
         check(self.default_timeout_s is None or self.default_timeout_s > 0, "default_timeout_s must be > 0")
         check(1 <= self.num_buffers <= 4, f"num_buffers must be in 1..4, got {self.num_buffers}")
         check(isinstance(self.adaptive_buffers, bool), "adaptive_buffers must be true or false")
+        if self.simulated_device is not None:
+            sim = self.simulated_device
+            check(
+                isinstance(sim, dict)
+                and set(sim) == {"fixed_s", "per_token_s"}
+                and all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in sim.values()),
+                f"simulated_device must be {{fixed_s: seconds >= 0, per_token_s: seconds >= 0}}, got {sim!r}",
+            )
 
     def replace(self, **changes) -> EngineConfig:
         """A validated copy with `changes` applied."""

@@ -45,6 +45,10 @@ class StepOutcome:
 
 
 def _load_runner(config: EngineConfig, model_dir: Path):
+    if config.simulated_device is not None:
+        from overlap.engine.model.sim_runner import SimRunner
+
+        return SimRunner.for_model(config, model_dir)
     from overlap.engine.model.runner import ModelRunner
 
     return ModelRunner(config, model_dir)

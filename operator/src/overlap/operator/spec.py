@@ -32,6 +32,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "blockSize": "block_size",
     "enablePrefixCaching": "enable_prefix_caching",
     "enableChunkedPrefill": "enable_chunked_prefill",
+    "simulatedDevice": "simulated_device",
 }
 
 # Knobs the tuner may move (spec.tuning.bounds keys).
@@ -127,6 +128,12 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
     resources = spec.get("resources") or {}
     gpus = resources.get("gpus", 1)
     fields = {ENGINE_FIELDS[key]: value for key, value in engine.items()}
+    if "simulated_device" in fields:  # the CRD's camelCase onto the cost profile's own keys
+        sim = fields["simulated_device"]
+        fields["simulated_device"] = {
+            "fixed_s": sim.get("fixedSeconds", 0.0),
+            "per_token_s": sim.get("perTokenSeconds", 0.0),
+        }
     fields["model"] = (spec.get("model") or {}).get("path", "")
     fields["device"] = "cuda" if gpus > 0 else "cpu"
     # torch's intra-op threads match the container's CPU limit, not the node's core count (which would

@@ -163,6 +163,27 @@ class SimRunner:
             **kwargs,
         )
 
+    @classmethod
+    def for_model(cls, config, model_dir: Path) -> SimRunner:
+        """The simulated device `config.simulated_device` asks for, in the shape of the model in `model_dir`: its
+        vocabulary, EOS ids, sampling defaults and context length (the weights are never read)."""
+        from overlap.engine.model.loader import read_spec
+
+        spec = read_spec(model_dir)
+        cost = CostModel(float(config.simulated_device["fixed_s"]), float(config.simulated_device["per_token_s"]))
+        runner = cls.from_config(
+            config,
+            cost,
+            vocab_size=spec.vocab_size,
+            eos_token_id=spec.eos_token_ids[0] if spec.eos_token_ids else None,
+            asynchronous=True,  # a device that runs on its own clock, like a GPU
+        )
+        runner.max_model_len = min(config.max_seq_len, spec.rope_context_cap or spec.max_position_embeddings)
+        runner.eos_token_ids = spec.eos_token_ids
+        runner.sampling_defaults = spec.sampling_defaults
+        runner.model_dir = Path(model_dir)
+        return runner
+
     def execute(self, batch: ModelInput) -> list[int]:
         start = time.perf_counter()
         deadline = start + self.cost.step_s(batch.num_tokens)
