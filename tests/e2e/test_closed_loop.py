@@ -1,0 +1,375 @@
+"""The closed loop on real pods (`make e2e`; needs `make images`).
+
+Real kubectl applies the chart's rendered manifests and examples/inferenceservice-cpu.yaml to the emulated API
+server; the operator runs from its image (a podman container on the host network: the emulator listens on
+loopback, which a pod on podman's bridge cannot reach); the node agent (tests/support/node_agent.py) runs the
+operator's pods as podman pods from the engine image; Debian's Prometheus scrapes every pod each second through
+file-based discovery; a load generator replays the bursty trace, stretched, against the Service's proxy and counts
+every request. The service serves the tiny model's tokenizer on a simulated device (spec.engine.simulatedDevice),
+so three replicas have three times the capacity of one on this 2-core machine.
+
+What it must show: 1 -> 3 replicas within 30 s of the queue crossing the watermark, a live retune in the CR status
+and in the pods' /metrics, back to 1 replica after the shortened window with the removed pods drained (preStop,
+SIGTERM), and no request lost or failed. The report (e2e-report/: table, plot, events) is written every run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from overlap.bench.traces import resolve_trace, scale_rate, truncate
+from overlap.operator.control import signals
+from tests.support.cluster import (
+    KUBECTL,
+    NAMESPACE,
+    OPERATOR_TOKEN,
+    REPO,
+    ApiThread,
+    Cluster,
+    wait_for,
+    write_kubeconfig,
+)
+from tests.support.node_agent import NodeAgent, Podman
+from tests.support.sidecar import Proc, free_port, http
+
+pytestmark = pytest.mark.e2e
+
+HELM = REPO / ".tools" / "bin" / "helm"
+NAME = "tiny-cpu"  # examples/inferenceservice-cpu.yaml
+VERSION = yaml.safe_load((REPO / "charts" / "overlap" / "Chart.yaml").read_text())["appVersion"]
+ENGINE_IMAGE = f"ghcr.io/overlap-dev/overlap:{VERSION}"
+OPERATOR_IMAGE = f"ghcr.io/overlap-dev/overlap-operator:{VERSION}"
+REPORT_DIR = REPO / "e2e-report"
+WATERMARK = 4  # queued requests per replica that call for another replica
+# The bursty trace (2 s bursts at 300 req/s, 2 s lulls at 60) slowed 40 times: an 80 s burst at 7.5 req/s, then a
+# lull at 1.5 req/s. One replica serves about 3 req/s on the simulated device below, three serve about 9.
+RATE_FACTOR, LOAD_S = 1 / 40, 110
+SIMULATED_DEVICE = {"fixedSeconds": 0.03, "perTokenSeconds": 0.001}
+
+# What the e2e run sets on top of the example: the model from the host, the simulated device, the control loop's
+# windows shortened, and queues deep enough that the burst waits instead of being refused.
+OVERRIDES = {
+    "spec": {
+        "model": {"source": "hostPath", "mountPath": "/models/tiny"},  # hostPath: the tiny model's folder
+        "engine": {"simulatedDevice": SIMULATED_DEVICE},
+        "sidecar": {"maxQueuedRequests": 2000, "maxInflight": 2000, "gracePeriodSeconds": 5},
+        "autoscaling": {
+            "mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "queueWatermarkPerReplica": WATERMARK,
+            "scaleDownWatermark": 1, "scaleUpWindowSeconds": 3, "scaleUpCooldownSeconds": 10,
+            "scaleDownWindowSeconds": 20, "scaleDownCooldownSeconds": 10, "intervalSeconds": 5,
+        },
+        "tuning": {
+            "enabled": True, "intervalSeconds": 10, "latencySLO": {"p99Seconds": 2.0},
+            "bounds": {"maxNumSeqs": {"min": 4, "max": 16}},
+        },
+    }
+}  # fmt: skip
+
+
+def _podman_or_skip() -> Podman | None:
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed: run `make images`")
+    for image in (ENGINE_IMAGE, OPERATOR_IMAGE):
+        if subprocess.run(["podman", "image", "exists", image]).returncode != 0:
+            pytest.skip(f"{image} is not built: run `make images`")
+    if not (KUBECTL.exists() and HELM.exists()):
+        pytest.skip("kubectl/helm are not in .tools/bin: run `make tools`")
+    return None
+
+
+class Prometheus:
+    """Debian's prometheus on 127.0.0.1, finding the pods in the node agent's discovery file; stopped by PID."""
+
+    def __init__(self, workdir: Path, sd_file: Path) -> None:
+        sd_file.write_text("[]")
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "scrape_configs": [
+                {"job_name": "pods", "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}]}
+            ],
+        }
+        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            "prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]  # fmt: skip
+        self.proc = Proc(cmd, workdir / "prometheus.log")
+        wait_for(lambda: http("GET", f"{self.url}/-/ready", timeout=2)[0] == 200, 30, "Prometheus to be ready")
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class OperatorContainer:
+    """`overlap operator` from its image, on the host network so it reaches the emulator; removed by id."""
+
+    def __init__(self, podman: Podman, kubeconfig: Path, prometheus_url: str) -> None:
+        self.podman = podman
+        self.id = podman(
+            "run", "--detach", "--network", "host", "--read-only", "--cap-drop", "all",
+            "--security-opt", "no-new-privileges", "--volume", f"{kubeconfig}:/kube/config:ro",
+            "--env", "KUBECONFIG=/kube/config", OPERATOR_IMAGE,
+            "--log-level", "DEBUG", "operator", "--namespace", NAMESPACE, "--standalone",
+            "--prometheus-url", prometheus_url, "--signal-window-s", "5",
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.podman("logs", self.id, check=False)
+
+    def stop(self) -> None:
+        self.podman("rm", "--force", "--time", "5", self.id, check=False)
+
+
+class LoadGenerator:
+    """Replays a trace against the Service's proxy (one connection per request) and accounts for every request."""
+
+    def __init__(self, address: tuple[str, int], model: str) -> None:
+        self.url = f"http://{address[0]}:{address[1]}/v1/completions"
+        self.model = model
+        self.trace = truncate(scale_rate(resolve_trace("bursty"), RATE_FACTOR), duration_s=LOAD_S)
+        self.results: list[dict] = []  # per request: sent_s, status, latency_s, tokens, error
+        self.started = 0.0
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="load", daemon=True)
+
+    def start(self) -> LoadGenerator:
+        self.started = time.monotonic()
+        self.thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        # force_close: a pooled keep-alive connection would stay on one pod behind the proxy, so new replicas would
+        # get no share of a client's requests (kube-proxy balances connections, not requests).
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            tasks = []
+            for index, request in enumerate(self.trace.requests):
+                delay = self.started + request.arrival_s - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(self._one(session, index, request)))
+            await asyncio.gather(*tasks)
+
+    async def _one(self, session, index: int, request) -> None:
+        body = {"model": self.model, "prompt": " ".join(["tick"] * request.prompt_tokens),
+                "max_tokens": request.max_tokens, "ignore_eos": True}  # fmt: skip
+        sent = time.monotonic()
+        result = {"index": index, "sent_s": round(sent - self.started, 3), "status": None, "error": None}
+        try:
+            async with session.post(self.url, json=body) as reply:
+                data = await reply.json(content_type=None)
+                result["status"] = reply.status
+                if reply.status == 200:
+                    result["tokens"] = data["usage"]["completion_tokens"]
+                    if result["tokens"] != request.max_tokens:
+                        result["error"] = f"{result['tokens']} tokens, asked for {request.max_tokens}"
+                else:
+                    result["error"] = json.dumps(data)[:300]
+        except Exception as exc:  # a refused or reset connection: a lost request
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["latency_s"] = round(time.monotonic() - sent, 3)
+        self.results.append(result)
+
+
+class Recorder:
+    """Once a second: the CR's replicas and engine config, Prometheus's queue depth and P99, for the report."""
+
+    def __init__(self, cluster: Cluster, prometheus: Prometheus) -> None:
+        self.cluster, self.prometheus = cluster, prometheus
+        self.queries = signals.queries_for(NAMESPACE, NAME, window_s=10)
+        self.rows: list[dict] = []
+        self.started = time.monotonic()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="recorder", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(1.0):
+            row: dict = {"t": round(time.monotonic() - self.started, 1)}
+            try:
+                service = self.cluster.service(NAME)
+                row["replicas"] = service["spec"].get("replicas")
+                row["ready"] = (service.get("status") or {}).get("readyReplicas")
+                row["max_num_seqs"] = ((service.get("status") or {}).get("engineConfig") or {}).get("max_num_seqs")
+                row["queue"] = signals.query(self.prometheus.url, self.queries["queueDepth"])
+                row["p99_s"] = signals.query(self.prometheus.url, self.queries["p99Latency"])
+            except Exception as exc:  # one missed sample is a gap in the plot, not a failed run
+                row["error"] = str(exc)[:200]
+            self.rows.append(row)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[dict]:
+    _podman_or_skip()
+    subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=REPO)
+    workdir = tmp_path_factory.mktemp("e2e")
+    api_thread = ApiThread()
+    started: list = []
+    try:
+        cluster = Cluster(api_thread, write_kubeconfig(workdir / "kubeconfig", api_thread.url, NAMESPACE))
+        rendered = subprocess.run(
+            [str(HELM), "template", "overlap", str(REPO / "charts" / "overlap"), "--namespace", "overlap-system"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        cluster.apply("-f", "-", stdin=rendered)
+        prometheus = Prometheus(workdir, workdir / "pods.json")
+        started.append(prometheus)
+        agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node", sd_file=workdir / "pods.json").start()
+        started.append(agent)
+        kubeconfig = write_kubeconfig(workdir / "operator-kubeconfig", api_thread.url, NAMESPACE, OPERATOR_TOKEN)
+        kubeconfig.chmod(0o644)
+        operator = OperatorContainer(agent.podman, kubeconfig, prometheus.url)
+        started.append(operator)
+        yield {"cluster": cluster, "agent": agent, "operator": operator, "prometheus": prometheus,
+               "model_dir": tiny_model_dir, "workdir": workdir}  # fmt: skip
+    finally:
+        for thing in reversed(started):
+            thing.stop()
+        api_thread.close()
+
+
+@pytest.mark.timeout(900)
+def test_closed_loop_scales_retunes_and_drains_without_losing_a_request(world):
+    cluster, agent, operator = world["cluster"], world["agent"], world["operator"]
+    cluster.apply("-f", str(REPO / "examples" / "inferenceservice-cpu.yaml"))
+    overrides = json.loads(json.dumps(OVERRIDES))
+    overrides["spec"]["model"]["hostPath"] = str(world["model_dir"])
+    cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(overrides))
+    recorder = Recorder(cluster, world["prometheus"])
+    load = None
+    try:
+        wait_for(lambda: (cluster.service(NAME).get("status") or {}).get("readyReplicas") == 1, 120,
+                 "the first pod to be ready", interval=1)  # fmt: skip
+        load = LoadGenerator(agent.service_address(NAME), "tiny").start()
+
+        crossed_at = wait_for(lambda: _queue_crossed(recorder), 60, "the queue to cross the watermark", interval=0.5)
+        wait_for(lambda: (cluster.service(NAME).get("status") or {}).get("readyReplicas", 0) >= 3, 60,
+                 "three ready replicas", interval=0.5)  # fmt: skip
+        scaled_s = time.monotonic() - recorder.started - crossed_at
+
+        retuned = wait_for(lambda: _retuned(cluster), 120, "a live retune in the status", interval=1)
+        wait_for(lambda: _pods_report(agent, retuned), 30, "the retuned knob in the pods' /metrics", interval=1)
+
+        load.join(LOAD_S + 300)
+        assert not load.thread.is_alive(), "the load generator did not finish"
+        wait_for(lambda: cluster.service(NAME)["spec"].get("replicas") == 1, 120, "scale back to 1", interval=1)
+        wait_for(lambda: len([p for p in agent.pods.values() if not p.gone]) == 1, 120, "the removed pods gone", 1)
+    finally:
+        recorder.stop()
+        _write_report(recorder, load, agent, operator, cluster)
+
+    failed = [r for r in load.results if r["error"] or r["status"] != 200]
+    assert len(load.results) == len(load.trace), "requests unaccounted for"
+    assert not failed, f"{len(failed)} of {len(load.results)} requests failed, e.g. {failed[:3]}"
+    assert scaled_s <= 30, f"three replicas ready {scaled_s:.0f} s after the queue crossed the watermark"
+    drained = agent.terminations
+    assert len(drained) >= 2 and all(t["seconds"] >= 5 for t in drained), drained  # preStop ran before SIGTERM
+    assert all(code == 0 for t in drained for code in t["exit_codes"].values()), drained  # SIGTERM, not SIGKILL
+
+
+def _queue_crossed(recorder: Recorder) -> float | None:
+    for row in recorder.rows:
+        if (row.get("queue") or 0) > WATERMARK:
+            return row["t"]
+    return None
+
+
+def _retuned(cluster: Cluster) -> dict | None:
+    status = cluster.service(NAME).get("status") or {}
+    for cond in status.get("conditions") or []:
+        if cond["type"] == "Tuned" and cond["status"] == "True" and cond.get("reason") == "Retuned":
+            return status["engineConfig"]
+    return None
+
+
+def _pods_report(agent: NodeAgent, config: dict) -> bool:
+    from tests.support.sidecar import metric_value
+
+    ready = [p for p in agent.pods.values() if p.ready]
+    for pod in ready:
+        status, _, text = http("GET", f"http://{pod.ip}:8000/metrics", timeout=5)
+        if status != 200:
+            return False
+        seen = metric_value(text if isinstance(text, str) else text.decode(), "overlap_engine_config",
+                            'knob="max_num_seqs"')  # fmt: skip
+        if seen != config["max_num_seqs"]:
+            return False
+    return bool(ready)
+
+
+def _write_report(recorder: Recorder, load: LoadGenerator | None, agent: NodeAgent, operator, cluster) -> None:
+    REPORT_DIR.mkdir(exist_ok=True)
+    results = load.results if load else []
+    ok = [r for r in results if r["status"] == 200 and not r["error"]]
+    latencies = sorted(r["latency_s"] for r in ok)
+    p = (lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]) if latencies else (lambda q: None)
+    replicas = [r.get("replicas") for r in recorder.rows if r.get("replicas") is not None]
+    seqs = sorted({r.get("max_num_seqs") for r in recorder.rows if r.get("max_num_seqs") is not None})
+    summary = {
+        "requests": len(load.trace) if load else 0,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "latency_p50_s": p(0.5),
+        "latency_p99_s": p(0.99),
+        "max_replicas": max(replicas, default=None),
+        "max_num_seqs_seen": seqs,
+        "terminations": agent.terminations,
+        "trace": load.trace.describe() if load else None,
+    }
+    (REPORT_DIR / "timeline.json").write_text(json.dumps(recorder.rows, indent=1))
+    (REPORT_DIR / "requests.json").write_text(json.dumps(results))
+    events = json.loads(cluster.core.list_namespaced_event(NAMESPACE, _preload_content=False).data)["items"]
+    lines = [f"{e.get('lastTimestamp') or e.get('eventTime') or ''} {e.get('reason')}: {e.get('message')}"
+             for e in events]  # fmt: skip
+    (REPORT_DIR / "events.txt").write_text("\n".join(["# operator events", *lines, "", "# node agent", *agent.events]))
+    (REPORT_DIR / "operator.log").write_text(operator.log())
+    table = [
+        "| figure | value |", "|---|---|",
+        *(f"| {key} | {value} |" for key, value in summary.items() if key not in ("terminations",)),
+        *(f"| pod removed | {t['pod']}: {t['seconds']} s, exit codes {t['exit_codes']} |" for t in agent.terminations),
+    ]  # fmt: skip
+    (REPORT_DIR / "report.md").write_text("# make e2e\n\n" + "\n".join(table) + "\n")
+    print("\n".join(table))
+    _plot(recorder.rows, REPORT_DIR / "timeline.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r["t"] for r in rows]
+    fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
+    series = [("replicas", "replicas (spec)"), ("queue", "queued requests"), ("p99_s", "P99 latency (s)"),
+              ("max_num_seqs", "max_num_seqs (live)")]  # fmt: skip
+    for ax, (key, label) in zip(axes, series, strict=True):
+        ax.step(t, [r.get(key) if r.get(key) is not None else float("nan") for r in rows], where="post")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("seconds since the service was applied")
+    fig.suptitle("make e2e: the closed loop on podman pods")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

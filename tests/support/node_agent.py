@@ -1,0 +1,781 @@
+"""A node agent for one machine: what kubelet and kube-proxy do for the operator's Deployments, with podman.
+
+It polls the (emulated) API server and runs each replica of every Deployment in its namespace as a real pod: a
+podman pod (one network namespace, one IP on podman's bridge) with one container per entry of the pod template,
+taking the template's image, command, args, env (values, Secret and ConfigMap keys, the pod's own name and IP),
+volumes (emptyDir; ConfigMap and Secret folders kept up to date as kubelet does, through a `..data` symlink;
+hostPath), securityContext (user, group, fsGroup, read-only root, capabilities, no-new-privileges) and CPU and
+memory limits. It runs the readiness and liveness probes itself (HTTP GET on the pod IP), restarts a container
+that exits or fails liveness (with kubelet's back-off), and removes a pod as kubelet does: not ready at once, then
+every container's preStop hook, SIGTERM, and SIGKILL at the end of the grace period. It writes the Pod objects (IP,
+phase, conditions, container states such as ErrImagePull or CrashLoopBackOff) and the Deployment's status from what
+really runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its ready pods (kube-proxy), and every
+pod with an IP is a target in a Prometheus file-based discovery file.
+
+Limits, by design: one namespace; no ReplicaSets (pods belong to the Deployment); no image pulls (images must be in
+podman's local storage, `make images`), so a missing image is ErrImagePull at once; rollouts follow the operator's
+strategy (maxSurge 1, maxUnavailable 0). Everything it starts it removes by id on `stop()`, and a new agent first
+removes the pods an earlier one left behind (found by label).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("node-agent")
+
+AGENT_LABEL = "dev.overlap.node-agent"
+NODE_NAME = "podman-node"
+SYNC_S = 0.5
+# podman on this kind of machine needs runc (crun fails on hybrid cgroups) and explicit ulimits (the defaults are
+# refused); a containers.conf says so for every podman call the agent makes.
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
+[engine]
+runtime = "runc"
+"""
+BACKOFF_S = (0, 10, 20, 40, 80, 160, 300)  # kubelet's restart back-off, by restarts so far
+
+
+def now_iso() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def cpu_quantity(value: str) -> float:
+    value = str(value)
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+def memory_bytes(value: str) -> int:
+    value = str(value)
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "k": 10**3, "M": 10**6, "G": 10**9}
+    for suffix, factor in units.items():
+        if value.endswith(suffix):
+            return int(float(value[: -len(suffix)]) * factor)
+    return int(value)
+
+
+class PodmanError(RuntimeError):
+    pass
+
+
+class Podman:
+    """The podman command line, with this machine's runtime settings."""
+
+    def __init__(self, workdir: Path) -> None:
+        conf = workdir / "containers.conf"
+        conf.write_text(CONTAINERS_CONF)
+        self.env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 120) -> str:
+        done = subprocess.run(["podman", *args], capture_output=True, text=True, env=self.env, timeout=timeout)
+        if check and done.returncode != 0:
+            raise PodmanError(f"podman {args[0]}: {(done.stderr or done.stdout).strip()}")
+        return done.stdout.strip()
+
+    def state(self, container_id: str) -> dict[str, Any]:
+        out = self("inspect", "--format", "{{json .State}}", container_id, check=False)
+        return json.loads(out) if out else {"Status": "missing", "ExitCode": -1}
+
+
+@dataclass
+class Probe:
+    path: str
+    port: int
+    period_s: float
+    failure_threshold: int
+    initial_delay_s: float
+    timeout_s: float
+    failures: int = 0
+    next_at: float = 0.0
+
+    @classmethod
+    def parse(cls, probe: dict | None, ports: dict[str, int]) -> Probe | None:
+        if not probe or "httpGet" not in probe:
+            return None
+        port = probe["httpGet"]["port"]
+        return cls(
+            path=probe["httpGet"].get("path", "/"),
+            port=ports[port] if isinstance(port, str) else int(port),
+            period_s=probe.get("periodSeconds", 10),
+            failure_threshold=probe.get("failureThreshold", 3),
+            initial_delay_s=probe.get("initialDelaySeconds", 0),
+            timeout_s=probe.get("timeoutSeconds", 1),
+        )
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
+
+    def check(self, ip: str, now: float) -> bool | None:
+        """True/False once the failure threshold decides; None when this probe changes nothing."""
+        self.next_at = now + self.period_s
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{self.port}{self.path}", timeout=self.timeout_s) as reply:
+                ok = 200 <= reply.status < 400
+        except (OSError, urllib.error.URLError):
+            ok = False
+        if ok:
+            self.failures = 0
+            return True
+        self.failures += 1
+        return False if self.failures >= self.failure_threshold else None
+
+
+@dataclass
+class Container:
+    spec: dict[str, Any]
+    id: str | None = None
+    image_id: str = ""
+    running: bool = False
+    ready: bool = False
+    started_at: str | None = None
+    restarts: int = 0
+    waiting: tuple[str, str] | None = ("ContainerCreating", "")  # (reason, message) while it does not run
+    last_exit: dict[str, Any] | None = None
+    retry_at: float = 0.0
+    readiness: Probe | None = None
+    liveness: Probe | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec["name"]
+
+
+@dataclass
+class Pod:
+    name: str
+    deployment: str
+    template_hash: str
+    template: dict[str, Any]
+    dir: Path
+    created: float = field(default_factory=time.time)
+    pod_id: str | None = None
+    ip: str | None = None
+    containers: list[Container] = field(default_factory=list)
+    volumes: dict[str, tuple[Path, bool]] = field(default_factory=dict)  # name -> (host path, read-only)
+    volume_versions: dict[str, str] = field(default_factory=dict)
+    problem: tuple[str, str] | None = None  # a pod-level failure, e.g. a volume that cannot be set up
+    terminating: bool = False
+    gone: bool = False
+    written: str = ""  # the last status written, to skip unchanged writes
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return self.template.get("metadata", {}).get("labels", {})
+
+    @property
+    def ready(self) -> bool:
+        return not self.terminating and bool(self.containers) and all(c.ready for c in self.containers)
+
+    def port(self, name_or_number: str | int) -> int | None:
+        if isinstance(name_or_number, int):
+            return name_or_number
+        for container in self.containers:
+            for port in container.spec.get("ports", []):
+                if port.get("name") == name_or_number:
+                    return port["containerPort"]
+        return None
+
+
+class NodeAgent:
+    """kubelet and kube-proxy for the Deployments of one namespace (see the module's docstring)."""
+
+    def __init__(self, api_client, namespace: str, workdir: Path, *, sd_file: Path | None = None) -> None:
+        import kubernetes
+
+        self.namespace = namespace
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.core = kubernetes.client.CoreV1Api(api_client)
+        self.apps = kubernetes.client.AppsV1Api(api_client)
+        self.podman = Podman(self.workdir)
+        self.sd_file = sd_file
+        self.pods: dict[str, Pod] = {}
+        self.proxies: dict[str, ServiceProxy] = {}
+        self.events: list[str] = []  # what happened, for a report
+        self.terminations: list[dict[str, Any]] = []  # per removed pod: seconds taken, exit codes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="node-agent", daemon=True)
+        self._terminators: list[threading.Thread] = []
+        self._deployment_written: dict[str, str] = {}
+        self.remove_leftovers()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self) -> NodeAgent:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop syncing, then remove every pod this agent started (by id) and close the proxies."""
+        self._stop.set()
+        self._thread.join(30)
+        for thread in self._terminators:
+            thread.join(0)
+        for pod in list(self.pods.values()):
+            if pod.pod_id:
+                self.podman("pod", "rm", "--force", "--time", "2", pod.pod_id, check=False)
+            shutil.rmtree(pod.dir, ignore_errors=True)
+        self.pods.clear()
+        for proxy in self.proxies.values():
+            proxy.close()
+        self.proxies.clear()
+
+    def remove_leftovers(self) -> None:
+        """Pods an earlier agent left behind (killed before its stop()), found by the agent's label."""
+        for pod_id in self.podman("pod", "ps", "--quiet", "--filter", f"label={AGENT_LABEL}", check=False).split():
+            self.podman("pod", "rm", "--force", "--time", "0", pod_id, check=False)
+
+    def note(self, message: str) -> None:
+        log.info(message)
+        self.events.append(f"{now_iso()} {message}")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.sync()
+            except Exception:  # an API hiccup must not take the node down; the next pass retries
+                log.exception("node agent sync failed")
+            self._stop.wait(SYNC_S)
+
+    def service_address(self, name: str, timeout: float = 60) -> tuple[str, int]:
+        """Where the Service's proxy listens (waits for the agent to open it)."""
+        deadline = time.monotonic() + timeout
+        while name not in self.proxies:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the node agent opened no proxy for Service {name}")
+            time.sleep(0.1)
+        return "127.0.0.1", self.proxies[name].port
+
+    def wait_for_terminations(self, timeout: float) -> None:
+        for thread in list(self._terminators):
+            thread.join(timeout)
+
+    # ---- one pass ------------------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        deployments = self._list(self.apps.list_namespaced_deployment)
+        live = {d["metadata"]["name"] for d in deployments}
+        for deployment in deployments:
+            self._sync_deployment(deployment)
+        for pod in list(self.pods.values()):
+            if pod.gone:
+                del self.pods[pod.name]
+            elif pod.deployment not in live and not pod.terminating:
+                self._terminate(pod)
+        configmaps = {c["metadata"]["name"]: c for c in self._list(self.core.list_namespaced_config_map)}
+        for pod in list(self.pods.values()):
+            if not pod.terminating:
+                self._refresh_volumes(pod, configmaps)
+                self._tend_containers(pod)
+                self._write_pod(pod)
+        for deployment in deployments:
+            self._write_deployment_status(deployment)
+        self._sync_services()
+        self._write_service_discovery()
+
+    def _list(self, method) -> list[dict[str, Any]]:
+        return json.loads(method(self.namespace, _preload_content=False).data)["items"]
+
+    def _secret(self, name: str) -> dict[str, str] | None:
+        try:
+            secret = json.loads(self.core.read_namespaced_secret(name, self.namespace, _preload_content=False).data)
+        except Exception:  # kubernetes.client.ApiException, 404 above all
+            return None
+        return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+    # ---- the Deployment controller's part ------------------------------------------------------------------------
+    def _sync_deployment(self, deployment: dict[str, Any]) -> None:
+        name = deployment["metadata"]["name"]
+        template = deployment["spec"]["template"]
+        template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+        desired = deployment["spec"].get("replicas", 1)
+        mine = [p for p in self.pods.values() if p.deployment == name and not p.terminating]
+        current = [p for p in mine if p.template_hash == template_hash]
+        old = [p for p in mine if p.template_hash != template_hash]
+        if old:  # a rollout: surge one new pod, and let an old one go once the ready count allows (maxUnavailable 0)
+            if len(current) < desired and len(mine) <= desired and all(p.ready for p in current):
+                self._create_pod(name, template, template_hash)
+            unready_old = [p for p in old if not p.ready]
+            if unready_old:
+                self._terminate(unready_old[0])
+            elif sum(p.ready for p in mine) > desired:
+                self._terminate(old[0])
+            return
+        for _ in range(desired - len(current)):
+            self._create_pod(name, template, template_hash)
+        # Scale down as the ReplicaSet controller ranks pods: not ready ones first, then the newest.
+        for pod in sorted(current, key=lambda p: (p.ready, -p.created))[: max(0, len(current) - desired)]:
+            self._terminate(pod)
+
+    def _write_deployment_status(self, deployment: dict[str, Any]) -> None:
+        name = deployment["metadata"]["name"]
+        template_hash = hashlib.sha256(json.dumps(deployment["spec"]["template"], sort_keys=True).encode()).hexdigest()
+        pods = [p for p in self.pods.values() if p.deployment == name and not p.terminating]
+        desired = deployment["spec"].get("replicas", 1)
+        ready = sum(p.ready for p in pods)
+        updated = sum(p.template_hash == template_hash[:10] for p in pods)
+        available = ready >= desired
+        complete = updated == desired == len(pods) and ready == desired
+        status = {
+            "observedGeneration": deployment["metadata"].get("generation"),
+            "replicas": len(pods),
+            "updatedReplicas": updated,
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "unavailableReplicas": max(0, len(pods) - ready),
+            "conditions": [
+                {"type": "Available", "status": str(available), "reason": "MinimumReplicasAvailable" if available
+                 else "MinimumReplicasUnavailable", "message": f"{ready} of {desired} replicas available"},
+                {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable" if complete
+                 else "ReplicaSetUpdated", "message": f"{updated} updated, {ready} ready of {desired}"},
+            ],
+        }  # fmt: skip
+        text = json.dumps(status, sort_keys=True)
+        if self._deployment_written.get(name) != text:
+            self.apps.patch_namespaced_deployment_status(
+                name, self.namespace, {"status": status}, _preload_content=False
+            )
+            self._deployment_written[name] = text
+
+    # ---- pods ----------------------------------------------------------------------------------------------------
+    def _create_pod(self, deployment: str, template: dict[str, Any], template_hash: str) -> None:
+        name = f"{deployment}-{template_hash[:6]}-{secrets.token_hex(3)}"
+        pod = Pod(name, deployment, template_hash, template, self.workdir / "pods" / name)
+        pod.containers = [Container(spec) for spec in template["spec"]["containers"]]
+        self.pods[name] = pod
+        self.note(f"pod {name}: created for Deployment {deployment}")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": pod.labels,
+                "annotations": template.get("metadata", {}).get("annotations", {}),
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment, "uid": "", "controller": True}
+                ],
+            },
+            "spec": {**template["spec"], "nodeName": NODE_NAME},
+        }
+        self.core.create_namespaced_pod(self.namespace, body, _preload_content=False)
+        try:
+            self._set_up_volumes(pod)
+            pod.pod_id = self.podman(
+                "pod", "create", "--name", f"{self.namespace}-{name}", "--label", f"{AGENT_LABEL}=1",
+                "--network", "podman",
+            )  # fmt: skip
+        except (PodmanError, OSError) as exc:
+            pod.problem = ("FailedCreatePodSandBox", str(exc))
+            self.note(f"pod {name}: {exc}")
+
+    def _set_up_volumes(self, pod: Pod) -> None:
+        pod.dir.mkdir(parents=True, exist_ok=True)
+        for volume in pod.template["spec"].get("volumes", []):
+            name = volume["name"]
+            if "emptyDir" in volume:
+                medium = volume["emptyDir"].get("medium")
+                # Memory: a folder on the host's tmpfs, so every container of the pod shares it, as on a node.
+                base = Path("/dev/shm") / f"overlap-agent-{os.getpid()}" / pod.name if medium == "Memory" else pod.dir
+                path = base / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o777)  # kubelet's mode for an emptyDir
+                pod.volumes[name] = (path, False)
+            elif "hostPath" in volume:
+                path, kind = Path(volume["hostPath"]["path"]), volume["hostPath"].get("type", "")
+                if kind == "DirectoryOrCreate":
+                    path.mkdir(parents=True, exist_ok=True)
+                if kind in ("Directory", "DirectoryOrCreate") and not path.is_dir():
+                    raise OSError(f'MountVolume.SetUp failed for volume "{name}": hostPath type check failed: '
+                                  f"{path} is not a directory")  # fmt: skip
+                pod.volumes[name] = (path, False)
+            elif "configMap" in volume or "secret" in volume:
+                path = pod.dir / "volumes" / name
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o755)
+                pod.volumes[name] = (path, True)
+            else:
+                kinds = ", ".join(k for k in volume if k != "name")
+                raise OSError(f'volume "{name}" ({kinds}): this node agent mounts emptyDir, configMap, secret and '
+                              "hostPath only")  # fmt: skip
+
+    def _refresh_volumes(self, pod: Pod, configmaps: dict[str, dict]) -> None:
+        """ConfigMap and Secret volumes, written as kubelet's atomic writer does and rewritten when they change."""
+        if pod.problem:
+            return
+        for volume in pod.template["spec"].get("volumes", []):
+            if "configMap" in volume:
+                source = volume["configMap"]
+                data = (configmaps.get(source["name"]) or {}).get("data")
+            elif "secret" in volume:
+                source = volume["secret"]
+                data = self._secret(source["secretName"])
+            else:
+                continue
+            if data is None:
+                kind = "configmap" if "configMap" in volume else "secret"
+                missing = source.get("name") or source.get("secretName")
+                for c in pod.containers:
+                    if c.id is None:
+                        c.waiting = ("ContainerCreating", f'MountVolume.SetUp failed: {kind} "{missing}" not found')
+                continue
+            files = {item["path"]: data[item["key"]] for item in source["items"] if item["key"] in data} if (
+                source.get("items")) else dict(data)  # fmt: skip
+            version = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
+            if pod.volume_versions.get(volume["name"]) != version:
+                write_atomic_volume(pod.volumes[volume["name"]][0], files, version)
+                pod.volume_versions[volume["name"]] = version
+
+    def _volumes_ready(self, pod: Pod) -> bool:
+        wanted = [v["name"] for v in pod.template["spec"].get("volumes", []) if "configMap" in v or "secret" in v]
+        return all(name in pod.volume_versions for name in wanted)
+
+    def _container_args(self, pod: Pod, container: Container) -> list[str]:
+        pod_spec, spec = pod.template["spec"], container.spec
+        pod_sc, sc = pod_spec.get("securityContext") or {}, spec.get("securityContext") or {}
+        args = ["create", "--pod", pod.pod_id, "--name", f"{self.namespace}-{pod.name}-{container.name}",
+                "--label", f"{AGENT_LABEL}=1"]  # fmt: skip
+        user, group = sc.get("runAsUser", pod_sc.get("runAsUser")), sc.get("runAsGroup", pod_sc.get("runAsGroup"))
+        if user is not None:
+            args += ["--user", f"{user}:{group if group is not None else user}"]
+        if pod_sc.get("fsGroup") is not None:
+            args += ["--group-add", str(pod_sc["fsGroup"])]
+        if sc.get("readOnlyRootFilesystem"):
+            args += ["--read-only", "--read-only-tmpfs=false"]  # as on a node: no tmpfs podman adds on its own
+        capabilities = sc.get("capabilities") or {}
+        args += [f"--cap-drop={c.lower()}" for c in capabilities.get("drop", [])]
+        args += [f"--cap-add={c.lower()}" for c in capabilities.get("add", [])]
+        if sc.get("allowPrivilegeEscalation") is False:
+            args += ["--security-opt", "no-new-privileges"]
+        limits = (spec.get("resources") or {}).get("limits") or {}
+        if "cpu" in limits:
+            args += ["--cpus", f"{cpu_quantity(limits['cpu']):g}"]
+        if "memory" in limits:
+            args += ["--memory", str(memory_bytes(limits["memory"]))]
+        for name, value in self._env(pod, spec).items():
+            args += ["--env", f"{name}={value}"]
+        for mount in spec.get("volumeMounts", []):
+            host, read_only = pod.volumes[mount["name"]]
+            read_only = read_only or mount.get("readOnly", False)
+            args += ["--volume", f"{host}:{mount['mountPath']}:{'ro' if read_only else 'rw'}"]
+        if spec.get("command"):
+            args += ["--entrypoint", json.dumps(spec["command"])]
+        return [*args, spec["image"], *spec.get("args", [])]
+
+    def _env(self, pod: Pod, spec: dict[str, Any]) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for item in spec.get("env", []):
+            if "value" in item:
+                env[item["name"]] = item["value"]
+                continue
+            ref = item.get("valueFrom") or {}
+            if "secretKeyRef" in ref:
+                data = self._secret(ref["secretKeyRef"]["name"]) or {}
+                key = ref["secretKeyRef"]["key"]
+                if key not in data:
+                    raise LookupError(f'secret "{ref["secretKeyRef"]["name"]}" has no key "{key}"')
+                env[item["name"]] = data[key]
+            elif "fieldRef" in ref:
+                path = ref["fieldRef"]["fieldPath"]
+                fields = {"metadata.name": pod.name, "metadata.namespace": self.namespace,
+                          "status.podIP": pod.ip or "", "spec.nodeName": NODE_NAME}  # fmt: skip
+                env[item["name"]] = fields.get(path, "")
+        return env
+
+    def _start(self, pod: Pod, container: Container) -> None:
+        """Create (once) and start the container; a failure leaves it waiting with kubelet's reason."""
+        image = container.spec["image"]
+        if container.id is None:
+            if not self._image_exists(image):
+                container.waiting = ("ErrImagePull", f'image "{image}" is not in this node\'s image storage and the '
+                                     "node agent never pulls (build it: make images)")  # fmt: skip
+                container.retry_at = time.monotonic() + BACKOFF_S[1]
+                return
+            try:
+                container.image_id = self.podman("image", "inspect", "--format", "{{.Id}}", image)
+                container.id = self.podman(*self._container_args(pod, container))
+            except LookupError as exc:
+                container.waiting = ("CreateContainerConfigError", str(exc))
+                container.retry_at = time.monotonic() + BACKOFF_S[1]
+                return
+            except PodmanError as exc:
+                container.waiting = ("CreateContainerError", str(exc))
+                container.retry_at = time.monotonic() + BACKOFF_S[1]
+                return
+        try:
+            self.podman("start", container.id)
+        except PodmanError as exc:
+            container.waiting = ("RunContainerError", str(exc))
+            container.retry_at = time.monotonic() + BACKOFF_S[min(container.restarts + 1, len(BACKOFF_S) - 1)]
+            return
+        container.running, container.waiting, container.started_at = True, None, now_iso()
+        ports = {p["name"]: p["containerPort"] for p in container.spec.get("ports", []) if p.get("name")}
+        started = time.monotonic()
+        container.readiness = Probe.parse(container.spec.get("readinessProbe"), ports)
+        container.liveness = Probe.parse(container.spec.get("livenessProbe"), ports)
+        for probe in (container.readiness, container.liveness):
+            if probe:
+                probe.next_at = started + probe.initial_delay_s
+        container.ready = container.readiness is None
+        if pod.ip is None:
+            infra = self.podman("pod", "inspect", "--format", "{{.InfraContainerID}}", pod.pod_id)
+            pod.ip = self.podman("inspect", "--format", "{{.NetworkSettings.Networks.podman.IPAddress}}", infra)
+            self.note(f"pod {pod.name}: IP {pod.ip}")
+
+    def _image_exists(self, image: str) -> bool:
+        done = subprocess.run(["podman", "image", "exists", image], env=self.podman.env, capture_output=True)
+        return done.returncode == 0
+
+    def _tend_containers(self, pod: Pod) -> None:
+        """Start what should run, notice exits, run the probes, restart on failure (restartPolicy Always)."""
+        if pod.problem or pod.pod_id is None or not self._volumes_ready(pod):
+            return
+        now = time.monotonic()
+        for container in pod.containers:
+            if not container.running:
+                if now >= container.retry_at:
+                    self._start(pod, container)
+                continue
+            state = self.podman.state(container.id)
+            if state["Status"] != "running":
+                self._exited(pod, container, state)
+                continue
+            if container.readiness and container.readiness.due(now):
+                verdict = container.readiness.check(pod.ip, now)
+                if verdict is not None and verdict != container.ready:
+                    container.ready = verdict
+                    self.note(f"pod {pod.name}: container {container.name} {'ready' if verdict else 'not ready'}")
+            if container.liveness and container.liveness.due(now) and container.liveness.check(pod.ip, now) is False:
+                self.note(f"pod {pod.name}: container {container.name} failed its liveness probe; restarting it")
+                grace = pod.template["spec"].get("terminationGracePeriodSeconds", 30)
+                self.podman("stop", "--time", str(grace), container.id, check=False)
+                self._exited(pod, container, self.podman.state(container.id))
+
+    def _exited(self, pod: Pod, container: Container, state: dict[str, Any]) -> None:
+        container.running = container.ready = False
+        container.last_exit = {"exitCode": state.get("ExitCode", -1), "reason": "OOMKilled" if state.get("OOMKilled")
+                               else "Error" if state.get("ExitCode") else "Completed",
+                               "startedAt": container.started_at, "finishedAt": now_iso()}  # fmt: skip
+        container.restarts += 1
+        delay = BACKOFF_S[min(container.restarts - 1, len(BACKOFF_S) - 1)]
+        container.retry_at = time.monotonic() + delay
+        container.waiting = ("CrashLoopBackOff", f"back-off {delay}s restarting failed container={container.name} "
+                             f"pod={pod.name}")  # fmt: skip
+        self.note(f"pod {pod.name}: container {container.name} exited with {container.last_exit['exitCode']}")
+
+    def _terminate(self, pod: Pod) -> None:
+        """Not ready at once (out of the Service), then preStop, SIGTERM and SIGKILL at the grace period's end."""
+        pod.terminating = True
+        self.note(f"pod {pod.name}: terminating")
+        self._write_pod(pod)
+        thread = threading.Thread(target=self._shut_down, args=(pod,), name=f"stop-{pod.name}", daemon=True)
+        self._terminators.append(thread)
+        thread.start()
+
+    def _shut_down(self, pod: Pod) -> None:
+        started = time.monotonic()
+        grace = pod.template["spec"].get("terminationGracePeriodSeconds", 30)
+        deadline = started + grace
+        running = [c for c in pod.containers if c.id and c.running]
+
+        def stop(container: Container) -> int:
+            hook = (container.spec.get("lifecycle") or {}).get("preStop") or {}
+            if "sleep" in hook:
+                time.sleep(max(0.0, min(hook["sleep"]["seconds"], deadline - time.monotonic())))
+            elif "exec" in hook:
+                self.podman("exec", container.id, *hook["exec"]["command"], check=False, timeout=grace)
+            elif "httpGet" in hook and pod.ip:
+                port = pod.port(hook["httpGet"]["port"])
+                try:
+                    url = f"http://{pod.ip}:{port}{hook['httpGet'].get('path', '/')}"
+                    urllib.request.urlopen(url, timeout=max(1.0, deadline - time.monotonic())).close()
+                except OSError:
+                    pass
+            remaining = max(1, int(deadline - time.monotonic()))
+            self.podman("stop", "--time", str(remaining), container.id, check=False, timeout=remaining + 30)
+            return self.podman.state(container.id).get("ExitCode", -1)
+
+        with ThreadPoolExecutor(max(1, len(running))) as pool:
+            codes = dict(zip([c.name for c in running], pool.map(stop, running), strict=True))
+        if pod.pod_id:
+            self.podman("pod", "rm", "--force", "--time", "0", pod.pod_id, check=False)
+        with contextlib.suppress(Exception):  # already gone
+            self.core.delete_namespaced_pod(pod.name, self.namespace)
+        shutil.rmtree(pod.dir, ignore_errors=True)
+        shutil.rmtree(Path("/dev/shm") / f"overlap-agent-{os.getpid()}" / pod.name, ignore_errors=True)
+        took = time.monotonic() - started
+        self.terminations.append({"pod": pod.name, "seconds": round(took, 1), "exit_codes": codes})
+        self.note(f"pod {pod.name}: removed after {took:.1f} s, exit codes {codes}")
+        pod.gone = True
+
+    def _write_pod(self, pod: Pod) -> None:
+        statuses = []
+        for c in pod.containers:
+            if c.running:
+                state = {"running": {"startedAt": c.started_at}}
+            elif c.waiting:
+                state = {"waiting": {"reason": c.waiting[0], "message": c.waiting[1]}}
+            else:
+                state = {"waiting": {"reason": "ContainerCreating"}}
+            entry = {"name": c.name, "image": c.spec["image"], "imageID": c.image_id, "ready": c.ready,
+                     "started": c.running, "restartCount": c.restarts, "state": state}  # fmt: skip
+            if c.id:
+                entry["containerID"] = f"podman://{c.id}"
+            if c.last_exit:
+                entry["lastState"] = {"terminated": c.last_exit}
+            statuses.append(entry)
+        ready = pod.ready
+        all_running = bool(pod.containers) and all(c.running for c in pod.containers)
+        conditions = [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Initialized", "status": "True"},
+            {"type": "ContainersReady", "status": str(ready)},
+            {"type": "Ready", "status": str(ready)},
+        ]
+        status = {"phase": "Running" if all_running or pod.terminating else "Pending", "hostIP": "127.0.0.1",
+                  "conditions": conditions, "containerStatuses": statuses}  # fmt: skip
+        if pod.ip:
+            status |= {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]}
+        if pod.problem:
+            status |= {"reason": pod.problem[0], "message": pod.problem[1]}
+        text = json.dumps(status, sort_keys=True)
+        if text != pod.written:
+            self.core.patch_namespaced_pod_status(pod.name, self.namespace, {"status": status}, _preload_content=False)
+            pod.written = text
+
+    # ---- kube-proxy and Prometheus discovery ---------------------------------------------------------------------
+    def _sync_services(self) -> None:
+        for service in self._list(self.core.list_namespaced_service):
+            name, spec = service["metadata"]["name"], service["spec"]
+            if name not in self.proxies and spec.get("ports"):
+                port = spec["ports"][0]
+                self.proxies[name] = ServiceProxy(name, lambda s=spec["selector"], p=port: self._endpoints(s, p))
+                self.note(f"service {name}: proxy on 127.0.0.1:{self.proxies[name].port}")
+
+    def _endpoints(self, selector: dict[str, str], port: dict[str, Any]) -> list[tuple[str, int]]:
+        target = port.get("targetPort", port["port"])
+        found = []
+        for pod in list(self.pods.values()):
+            if pod.ready and pod.ip and all(pod.labels.get(k) == v for k, v in selector.items()):
+                number = pod.port(target)
+                if number:
+                    found.append((pod.ip, number))
+        return sorted(found)
+
+    def _write_service_discovery(self) -> None:
+        if self.sd_file is None:
+            return
+        groups = []
+        for pod in sorted(self.pods.values(), key=lambda p: p.name):
+            annotations = pod.template.get("metadata", {}).get("annotations", {})
+            if not pod.ip or pod.gone or annotations.get("prometheus.io/scrape") != "true":
+                continue
+            labels = {"namespace": self.namespace, "pod": pod.name, "service": pod.deployment,
+                      "__metrics_path__": annotations.get("prometheus.io/path", "/metrics")}  # fmt: skip
+            groups.append({"targets": [f"{pod.ip}:{annotations.get('prometheus.io/port', '80')}"], "labels": labels})
+        text = json.dumps(groups, indent=1)
+        if not self.sd_file.exists() or self.sd_file.read_text() != text:
+            tmp = self.sd_file.with_suffix(".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.sd_file)
+
+
+def write_atomic_volume(folder: Path, files: dict[str, str], version: str) -> None:
+    """kubelet's atomic writer: the files in a new `..VERSION` folder, `..data` swapped to it in one rename, and
+    each name a symlink through `..data`, so a reader sees the old set or the new one, never a mix."""
+    data_dir = folder / f"..{version}"
+    data_dir.mkdir(exist_ok=True)
+    for name, content in files.items():
+        target = data_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content)
+        target.chmod(0o644)
+    link = folder / "..data_tmp"
+    link.unlink(missing_ok=True)
+    link.symlink_to(data_dir.name)
+    os.replace(link, folder / "..data")
+    for name in files:
+        top = name.split("/")[0]
+        if not (folder / top).is_symlink():
+            (folder / top).symlink_to(f"..data/{top}")
+    for old in folder.glob("..?*"):
+        if old.is_dir() and not old.is_symlink() and old.name != data_dir.name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+class ServiceProxy:
+    """A Service's virtual IP, as kube-proxy gives one: a TCP listener on 127.0.0.1 that sends each new connection
+    to the next ready endpoint (round robin). Open connections keep their endpoint while it drains; with no ready
+    endpoint a connection is refused at once (closed), as kube-proxy rejects it."""
+
+    def __init__(self, name: str, endpoints) -> None:
+        self.name, self.endpoints = name, endpoints
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self._next = 0
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"proxy-{name}", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            endpoints = self.endpoints()
+            if not endpoints:
+                client.close()
+                continue
+            target = endpoints[self._next % len(endpoints)]
+            self._next += 1
+            self.connections += 1
+            threading.Thread(target=self._connect, args=(client, target), daemon=True).start()
+
+    @staticmethod
+    def _connect(client: socket.socket, target: tuple[str, int]) -> None:
+        try:
+            upstream = socket.create_connection(target, timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+
+        def pump(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for sock, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(how)
+
+        back = threading.Thread(target=pump, args=(upstream, client), daemon=True)
+        back.start()
+        pump(client, upstream)
+        back.join()
+        client.close()
+        upstream.close()
