@@ -129,7 +129,7 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
         "maxNumSeqs": 8, "maxNumBatchedTokens": 4096, "numBuffers": 1, "kvCacheRatio": 0.5, "maxSeqLen": 1024,
         "numPriorityLevels": 2, "agingSeconds": 9, "defaultTimeoutSeconds": 30, "dtype": "bfloat16",
         "batching": "serial", "queuePolicy": "fifo", "blockSize": 32, "enablePrefixCaching": False,
-        "enableChunkedPrefill": False,
+        "enableChunkedPrefill": False, "simulatedDevice": {"fixedSeconds": 0.02, "perTokenSeconds": 0.001},
     }  # fmt: skip
     changed = specs.with_defaults({**base, "engine": {**base["engine"], camel: changed_values[camel]}})
     if camel == "enableChunkedPrefill":
@@ -193,3 +193,9 @@ def test_rollout_conditions_follow_the_deployment() -> None:
         "RolloutComplete",
     )
     assert status.rollout_conditions(0, deployment, 5, "T")[0]["reason"] == "ScaledToZero"
+
+
+def test_simulated_device_maps_onto_the_engines_cost_profile() -> None:
+    sim = {"fixedSeconds": 0.03, "perTokenSeconds": 0.001}
+    spec = specs.with_defaults({"model": {"servedName": "m", "path": "/m"}, "engine": {"simulatedDevice": sim}})
+    assert specs.engine_config(spec).simulated_device == {"fixed_s": 0.03, "per_token_s": 0.001}

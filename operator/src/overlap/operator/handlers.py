@@ -25,7 +25,9 @@ CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v
 CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
 
 RECONCILES = Counter("overlap_operator_reconciles_total", "InferenceService reconciles", ["outcome"])
-CHILD_WRITES = Counter("overlap_operator_child_writes_total", "Children created or put back", ["kind", "outcome"])
+CHILD_WRITES = Counter(
+    "overlap_operator_child_writes_total", "Children created, updated to a new spec or put back", ["kind", "outcome"]
+)
 
 
 @kopf.on.startup()
@@ -45,7 +47,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube.configure()
 
 
-def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None:
+def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched_means: str = "updated") -> None:
+    """Apply every child. A child that differed is 'updated' when the spec changed, 'restored' when a hand edit
+    or deletion is undone (the word of its Event and metric label)."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     spec = specs.with_defaults(body.get("spec") or {})
     try:
@@ -64,6 +68,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger) -> None
     with_monitor = "monitoring.coreos.com" in kube.api_groups()
     for child in children.build_children(body, spec, config, with_servicemonitor=with_monitor):
         outcome = kube.apply(child)
+        outcome = patched_means if outcome == "patched" else outcome
         if outcome != "unchanged":
             CHILD_WRITES.labels(child["kind"], outcome).inc()
             message = f"{child['kind']} {child['metadata']['name']} {outcome}"
@@ -122,7 +127,7 @@ def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) 
         if all(children.is_subset(c, dict(body)) for c in wanted):
             return
     logger.info(f"{kind} {name} was {'deleted' if event.get('type') == 'DELETED' else 'changed'} by hand; restoring")
-    _reconcile_children(owner, logger)
+    _reconcile_children(owner, logger, patched_means="restored")
 
 
 def restore_child(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:

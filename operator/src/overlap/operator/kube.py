@@ -97,7 +97,7 @@ def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
 
 
 def apply(desired: Mapping[str, Any]) -> str:
-    """Make the live object match `desired`: 'created', 'restored' (differed, patched back) or 'unchanged'."""
+    """Make the live object match `desired`: 'created', 'patched' (it differed) or 'unchanged'."""
     kind, meta = desired["kind"], desired["metadata"]
     _, create_fn, patch_fn = _calls(kind)
     actual = read(kind, meta["name"], meta["namespace"])
@@ -109,7 +109,7 @@ def apply(desired: Mapping[str, Any]) -> str:
         if children.is_subset(desired, actual):
             return "unchanged"
         patch_fn(meta["name"], meta["namespace"], dict(desired))
-        return "restored"
+        return "patched"
 
 
 def create_if_absent(desired: Mapping[str, Any]) -> bool:
