@@ -111,7 +111,7 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
         ("", "services"): {"get", "list", "watch", "create", "patch"},
         ("", "secrets"): {"get", "create"},
-        ("", "pods"): {"list"},
+        ("", "pods"): {"list", "watch"},
         ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
         ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
         ("", "events"): {"create"},

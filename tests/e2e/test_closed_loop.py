@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 import threading
 import time
@@ -30,7 +29,6 @@ import yaml
 from overlap.bench.traces import resolve_trace, scale_rate, truncate
 from overlap.operator.control import signals
 from tests.support.cluster import (
-    KUBECTL,
     NAMESPACE,
     OPERATOR_TOKEN,
     REPO,
@@ -39,16 +37,13 @@ from tests.support.cluster import (
     wait_for,
     write_kubeconfig,
 )
+from tests.support.images import HELM, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import NodeAgent, Podman
 from tests.support.sidecar import Proc, free_port, http
 
 pytestmark = pytest.mark.e2e
 
-HELM = REPO / ".tools" / "bin" / "helm"
 NAME = "tiny-cpu"  # examples/inferenceservice-cpu.yaml
-VERSION = yaml.safe_load((REPO / "charts" / "overlap" / "Chart.yaml").read_text())["appVersion"]
-ENGINE_IMAGE = f"ghcr.io/overlap-dev/overlap:{VERSION}"
-OPERATOR_IMAGE = f"ghcr.io/overlap-dev/overlap-operator:{VERSION}"
 REPORT_DIR = REPO / "e2e-report"
 WATERMARK = 4  # queued requests per replica that call for another replica
 # The bursty trace (2 s bursts at 300 req/s, 2 s lulls at 60) slowed 40 times: an 80 s burst at 7.5 req/s, then a
@@ -74,17 +69,6 @@ OVERRIDES = {
         },
     }
 }  # fmt: skip
-
-
-def _podman_or_skip() -> Podman | None:
-    if shutil.which("podman") is None:
-        pytest.skip("podman is not installed: run `make images`")
-    for image in (ENGINE_IMAGE, OPERATOR_IMAGE):
-        if subprocess.run(["podman", "image", "exists", image]).returncode != 0:
-            pytest.skip(f"{image} is not built: run `make images`")
-    if not (KUBECTL.exists() and HELM.exists()):
-        pytest.skip("kubectl/helm are not in .tools/bin: run `make tools`")
-    return None
 
 
 class Prometheus:
@@ -221,7 +205,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[dict]:
-    _podman_or_skip()
+    require_images()
     subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=REPO)
     workdir = tmp_path_factory.mktemp("e2e")
     api_thread = ApiThread()
@@ -326,7 +310,14 @@ def _write_report(recorder: Recorder, load: LoadGenerator | None, agent: NodeAge
     p = (lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]) if latencies else (lambda q: None)
     replicas = [r.get("replicas") for r in recorder.rows if r.get("replicas") is not None]
     seqs = sorted({r.get("max_num_seqs") for r in recorder.rows if r.get("max_num_seqs") is not None})
+    crossed = _queue_crossed(recorder)
+    three = next(
+        (r["t"] for r in recorder.rows if crossed is not None and r["t"] >= crossed and (r.get("ready") or 0) >= 3),
+        None,
+    )
     summary = {
+        "queue crossed the watermark at (s)": crossed,
+        "3 replicas ready after that (s)": None if three is None else round(three - crossed, 1),
         "requests": len(load.trace) if load else 0,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -365,9 +356,12 @@ def _plot(rows: list[dict], path: Path) -> None:
     series = [("replicas", "replicas (spec)"), ("queue", "queued requests"), ("p99_s", "P99 latency (s)"),
               ("max_num_seqs", "max_num_seqs (live)")]  # fmt: skip
     for ax, (key, label) in zip(axes, series, strict=True):
-        ax.step(t, [r.get(key) if r.get(key) is not None else float("nan") for r in rows], where="post")
+        ax.step(t, [r.get(key) if r.get(key) is not None else float("nan") for r in rows], where="post", label=label)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    ready = [r.get("ready") if r.get("ready") is not None else float("nan") for r in rows]
+    axes[0].step(t, ready, where="post", linestyle="--", label="ready")
+    axes[0].legend(loc="upper right")
     axes[-1].set_xlabel("seconds since the service was applied")
     fig.suptitle("make e2e: the closed loop on podman pods")
     fig.tight_layout()

@@ -199,3 +199,35 @@ def test_simulated_device_maps_onto_the_engines_cost_profile() -> None:
     sim = {"fixedSeconds": 0.03, "perTokenSeconds": 0.001}
     spec = specs.with_defaults({"model": {"servedName": "m", "path": "/m"}, "engine": {"simulatedDevice": sim}})
     assert specs.engine_config(spec).simulated_device == {"fixed_s": 0.03, "per_token_s": 0.001}
+
+
+def _pod(name: str, ready: bool, statuses: list[dict], **extra) -> dict:
+    conditions = [{"type": "Ready", "status": str(ready), **extra.pop("ready_extra", {})}]
+    return {"metadata": {"name": name}, "status": {"conditions": conditions, "containerStatuses": statuses, **extra}}
+
+
+def test_pod_problems_in_kubelets_words_reach_the_ready_condition() -> None:
+    pull = {"name": "engine", "state": {"waiting": {"reason": "ErrImagePull", "message": "image x is not here"}}}
+    crash = {"name": "sidecar", "restartCount": 2, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+             "lastState": {"terminated": {"exitCode": 3}}}  # fmt: skip
+    starting = {"name": "engine", "state": {"waiting": {"reason": "ContainerCreating"}}}
+    unready = {"ready_extra": {"message": "containers with unready status: [sidecar]"}}
+    pods = [
+        _pod("a", False, [pull]),
+        _pod("b", False, [crash]),
+        _pod("c", False, [starting]),  # on its way up: not a problem
+        _pod("d", False, [], **unready),
+        _pod("e", True, [pull]),  # ready pods are fine whatever else they say
+    ]
+    problems = status.pod_problems(pods)
+    assert problems == [
+        "pod a: container engine ErrImagePull: image x is not here",
+        "pod b: container sidecar CrashLoopBackOff (exited with code 3, restarts 2)",
+        "pod d: containers with unready status: [sidecar]",
+    ]
+    deployment = {"metadata": {"generation": 1}, "status": {"replicas": 3, "readyReplicas": 0}}
+    (ready, _) = status.rollout_conditions(3, deployment, 1, "now", problems)
+    assert ready["reason"] == "NoReplicasReady"
+    assert (
+        ready["message"] == "0/3 replicas ready; pod a: container engine ErrImagePull: image x is not here (and 2 more)"
+    )

@@ -239,8 +239,9 @@ class NodeAgent:
         self.proxies.clear()
 
     def remove_leftovers(self) -> None:
-        """Pods an earlier agent left behind (killed before its stop()), found by the agent's label."""
-        for pod_id in self.podman("pod", "ps", "--quiet", "--filter", f"label={AGENT_LABEL}", check=False).split():
+        """Pods an earlier agent for this namespace left behind (killed before its stop()), found by label."""
+        mine = f"label={AGENT_LABEL}={self.namespace}"
+        for pod_id in self.podman("pod", "ps", "--quiet", "--filter", mine, check=False).split():
             self.podman("pod", "rm", "--force", "--time", "0", pod_id, check=False)
 
     def note(self, message: str) -> None:
@@ -379,7 +380,7 @@ class NodeAgent:
         try:
             self._set_up_volumes(pod)
             pod.pod_id = self.podman(
-                "pod", "create", "--name", f"{self.namespace}-{name}", "--label", f"{AGENT_LABEL}=1",
+                "pod", "create", "--name", f"{self.namespace}-{name}", "--label", f"{AGENT_LABEL}={self.namespace}",
                 "--network", "podman",
             )  # fmt: skip
         except (PodmanError, OSError) as exc:
@@ -451,7 +452,7 @@ class NodeAgent:
         pod_spec, spec = pod.template["spec"], container.spec
         pod_sc, sc = pod_spec.get("securityContext") or {}, spec.get("securityContext") or {}
         args = ["create", "--pod", pod.pod_id, "--name", f"{self.namespace}-{pod.name}-{container.name}",
-                "--label", f"{AGENT_LABEL}=1"]  # fmt: skip
+                "--label", f"{AGENT_LABEL}={self.namespace}"]  # fmt: skip
         user, group = sc.get("runAsUser", pod_sc.get("runAsUser")), sc.get("runAsGroup", pod_sc.get("runAsGroup"))
         if user is not None:
             args += ["--user", f"{user}:{group if group is not None else user}"]
@@ -643,11 +644,14 @@ class NodeAgent:
             statuses.append(entry)
         ready = pod.ready
         all_running = bool(pod.containers) and all(c.running for c in pod.containers)
+        unready = [c.name for c in pod.containers if not c.ready]
+        why = {} if ready else {"reason": "ContainersNotReady",
+                                "message": f"containers with unready status: [{' '.join(unready)}]"}  # fmt: skip
         conditions = [
             {"type": "PodScheduled", "status": "True"},
             {"type": "Initialized", "status": "True"},
-            {"type": "ContainersReady", "status": str(ready)},
-            {"type": "Ready", "status": str(ready)},
+            {"type": "ContainersReady", "status": str(ready), **why},
+            {"type": "Ready", "status": str(ready), **why},
         ]
         status = {"phase": "Running" if all_running or pod.terminating else "Pending", "hostIP": "127.0.0.1",
                   "conditions": conditions, "containerStatuses": statuses}  # fmt: skip

@@ -62,7 +62,7 @@ app.kubernetes.io/component: operator
   verbs: [get, create]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]

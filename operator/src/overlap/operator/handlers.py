@@ -76,6 +76,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
             kopf.info(dict(body), reason=outcome.capitalize(), message=message)
 
     deployment = kube.read("Deployment", name, namespace)
+    problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
     kube.patch_status(
         name,
         namespace,
@@ -86,6 +87,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
             selector=children.selector_string(name),
             url=children.service_url(name, namespace, spec),
             when=status.now_iso(),
+            problems=problems,
         ),
     )
     RECONCILES.labels("applied").inc()
@@ -138,6 +140,13 @@ for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OWNED, id=f"restore-{_plural}")(restore_child)
 
 
+def _mirror(name: str, namespace: str, deployment: Mapping[str, Any] | None) -> None:
+    problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
+    kube.patch_status(
+        name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso(), problems)
+    )
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
 def mirror_rollout(body: kopf.Body, type: str | None, **_: Any) -> None:
     if type == "DELETED":
@@ -145,9 +154,18 @@ def mirror_rollout(body: kopf.Body, type: str | None, **_: Any) -> None:
     owner = _owner_of(body)
     if owner is None:
         return
-    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    deployment = dict(body)
-    kube.patch_status(name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso()))
+    _mirror(owner["metadata"]["name"], owner["metadata"]["namespace"], dict(body))
+
+
+@kopf.on.event("", "v1", "pods", labels=OWNED)
+def mirror_pods(body: kopf.Body, **_: Any) -> None:
+    """A pod's trouble (ErrImagePull, CrashLoopBackOff, failing probes) reaches the Ready condition's message, even
+    when the Deployment's counts do not move."""
+    name = (body["metadata"].get("labels") or {}).get(children.INSTANCE_LABEL)
+    namespace = body["metadata"]["namespace"]
+    if not name or kube.read_service(name, namespace) is None:
+        return
+    _mirror(name, namespace, kube.read("Deployment", name, namespace))
 
 
 @kopf.on.delete(*CR, optional=True)

@@ -140,13 +140,17 @@ def read_service(name: str, namespace: str) -> dict[str, Any] | None:
             raise
 
 
-def ready_pod_ips(namespace: str, selector: str) -> list[str]:
-    """The IPs of the Ready pods matching a label selector (the control loop talks to their admin ports)."""
+def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     api = kubernetes.client.CoreV1Api()
     with api_errors(f"listing pods {selector} in {namespace}"):
         pods = json.loads(api.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False).data)
+    return pods.get("items") or []
+
+
+def ready_pod_ips(namespace: str, selector: str) -> list[str]:
+    """The IPs of the Ready pods matching a label selector (the control loop talks to their admin ports)."""
     ips = []
-    for pod in pods.get("items") or []:
+    for pod in list_pods(namespace, selector):
         pod_status = pod.get("status") or {}
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod_status.get("conditions") or [])
         if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):

@@ -39,10 +39,47 @@ def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str
     return list(by_type.values())
 
 
+# Waiting reasons that are a pod on its way up, not a problem.
+_STARTING = {"ContainerCreating", "PodInitializing"}
+
+
+def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Why pods are not ready, in kubelet's words: a container waiting (ErrImagePull, CrashLoopBackOff, ...) or
+    restarted, a failed pod, or a readiness probe that keeps failing."""
+    problems = []
+    for pod in pods:
+        name, pod_status = pod["metadata"]["name"], pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        ready = next((c for c in pod_status.get("conditions") or [] if c.get("type") == "Ready"), {})
+        if ready.get("status") == "True":
+            continue
+        found = []
+        for container in pod_status.get("containerStatuses") or []:
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") and waiting["reason"] not in _STARTING:
+                text = f"container {container['name']} {waiting['reason']}"
+                last = (container.get("lastState") or {}).get("terminated") or {}
+                if last:
+                    text += f" (exited with code {last.get('exitCode')}, restarts {container.get('restartCount', 0)})"
+                found.append(text + (f": {waiting['message']}" if waiting.get("message") else ""))
+        if not found and pod_status.get("reason"):
+            found.append(f"{pod_status['reason']}: {pod_status.get('message', '')}".rstrip(": "))
+        if not found and ready.get("message"):
+            found.append(ready["message"])  # e.g. "containers with unready status: [sidecar]"
+        problems += [f"pod {name}: {text}" for text in found]
+    return problems
+
+
 def rollout_conditions(
-    desired: int, deployment: Mapping[str, Any] | None, generation: int | None, when: str
+    desired: int,
+    deployment: Mapping[str, Any] | None,
+    generation: int | None,
+    when: str,
+    problems: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Ready and Progressing from the Deployment's status (None: it does not exist yet)."""
+    """Ready and Progressing from the Deployment's status (None: it does not exist yet); `problems` (pod_problems)
+    say why replicas are missing."""
     status = (deployment or {}).get("status") or {}
     ready = status.get("readyReplicas") or 0
     updated = status.get("updatedReplicas") or 0
@@ -58,10 +95,17 @@ def rollout_conditions(
         ready_cond = condition(READY, False, "ScaledToZero", "spec.replicas is 0", generation, when)
     elif ready >= desired:
         ready_cond = condition(READY, True, "AllReplicasReady", f"{ready}/{desired} replicas ready", generation, when)
-    elif ready > 0:
-        ready_cond = condition(READY, True, "SomeReplicasReady", f"{ready}/{desired} replicas ready", generation, when)
     else:
-        ready_cond = condition(READY, False, "NoReplicasReady", f"0/{desired} replicas ready", generation, when)
+        why = ""
+        if problems:
+            why = f"; {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+        if ready > 0:
+            message = f"{ready}/{desired} replicas ready{why}"
+            ready_cond = condition(READY, True, "SomeReplicasReady", message, generation, when)
+        else:
+            ready_cond = condition(
+                READY, False, "NoReplicasReady", f"0/{desired} replicas ready{why}", generation, when
+            )
     rolled_out = observed is not None and observed == deployment_gen and updated >= desired and current == desired
     if rolled_out and ready >= desired:
         progress = condition(PROGRESSING, False, "RolloutComplete", "all replicas updated and ready", generation, when)
@@ -86,12 +130,14 @@ def service_status(
     selector: str,
     url: str,
     when: str,
+    problems: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The whole status after a successful reconcile of `owner` (the InferenceService as last read)."""
     generation = owner["metadata"].get("generation")
     desired = owner["spec"].get("replicas", 1)
     dep_status = (deployment or {}).get("status") or {}
-    conditions = [*rollout_conditions(desired, deployment, generation, when), degraded(None, generation, when)]
+    rollout = rollout_conditions(desired, deployment, generation, when, problems)
+    conditions = [*rollout, degraded(None, generation, when)]
     return {
         "observedGeneration": generation,
         "replicas": dep_status.get("replicas") or 0,
@@ -104,8 +150,10 @@ def service_status(
     }
 
 
-def rollout_status(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None, when: str) -> dict[str, Any]:
-    """The part of the status that follows the Deployment (replica counts, Ready, Progressing)."""
+def rollout_status(
+    owner: Mapping[str, Any], deployment: Mapping[str, Any] | None, when: str, problems: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The part of the status that follows the Deployment and its pods (replica counts, Ready, Progressing)."""
     status = owner.get("status") or {}
     generation = status.get("observedGeneration")
     desired = owner["spec"].get("replicas", 1)
@@ -114,7 +162,7 @@ def rollout_status(owner: Mapping[str, Any], deployment: Mapping[str, Any] | Non
         "replicas": dep_status.get("replicas") or 0,
         "readyReplicas": dep_status.get("readyReplicas") or 0,
         "conditions": merge_conditions(
-            status.get("conditions") or [], rollout_conditions(desired, deployment, generation, when)
+            status.get("conditions") or [], rollout_conditions(desired, deployment, generation, when, problems)
         ),
     }
 

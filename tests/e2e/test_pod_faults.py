@@ -1,0 +1,131 @@
+"""Pods that fail as they fail on a cluster, run by the node agent on podman (`make e2e`; needs `make images`):
+a missing image, a container that exits, a pod that never becomes ready. Each shows in the Pod's and the
+Deployment's status as kubelet and the Deployment controller would write it, and the operator's Ready condition
+says why. The agent leaves no container behind, and a new agent removes what a killed one left."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.cluster import CRD_FILE, NAMESPACE, ApiThread, Cluster, running_operator, wait_for, write_kubeconfig
+from tests.support.images import ENGINE_IMAGE, OPERATOR_IMAGE, require_images
+from tests.support.node_agent import AGENT_LABEL, NodeAgent
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, NodeAgent]]:
+    require_images()
+    workdir = tmp_path_factory.mktemp("faults")
+    api_thread = ApiThread()
+    agent = None
+    try:
+        cluster = Cluster(api_thread, write_kubeconfig(workdir / "kubeconfig", api_thread.url, NAMESPACE))
+        cluster.apply("-f", str(CRD_FILE))
+        agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node").start()
+        with running_operator(cluster, workdir, "--namespace", NAMESPACE, "--standalone"):
+            yield cluster, agent
+    finally:
+        if agent is not None:
+            agent.stop()
+        api_thread.close()
+    left = subprocess.run(["podman", "ps", "--all", "--quiet", "--filter", f"label={AGENT_LABEL}={NAMESPACE}"],
+                          capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert not left, f"the node agent's stop() left containers behind: {left}"
+
+
+def _apply(cluster: Cluster, name: str, model_dir: Path, **spec) -> None:
+    body = {
+        "apiVersion": "overlap.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {
+                "servedName": "tiny",
+                "path": "/models/tiny",
+                "source": "hostPath",
+                "hostPath": str(model_dir),
+                "mountPath": "/models/tiny",
+            },
+            "resources": {"gpus": 0, "engine": {"cpu": "1", "memory": "2Gi"}},
+            "engine": {"simulatedDevice": {"fixedSeconds": 0.01, "perTokenSeconds": 0.0}},
+            "sidecar": {"gracePeriodSeconds": 1},
+            **spec,
+        },
+    }
+    cluster.apply("-f", "-", stdin=yaml.safe_dump(body))
+
+
+def _container_state(cluster: Cluster, name: str, container: str) -> dict:
+    pods = cluster.core.list_namespaced_pod(NAMESPACE, label_selector=f"overlap.dev/inferenceservice={name}")
+    for pod in pods.items:
+        for status in pod.status.container_statuses or []:
+            if status.name == container:
+                return {"state": status.state.to_dict(), "restarts": status.restart_count, "pod": pod}
+    return {}
+
+
+def _ready_message(cluster: Cluster, name: str) -> str:
+    for cond in (cluster.service(name).get("status") or {}).get("conditions") or []:
+        if cond["type"] == "Ready":
+            return cond["message"]
+    return ""
+
+
+def test_a_missing_image_is_err_image_pull_in_the_pod_deployment_and_service(node, tiny_model_dir):
+    cluster, _ = node
+    _apply(
+        cluster, "no-image", tiny_model_dir, images={"engine": "localhost/overlap-missing:0", "sidecar": ENGINE_IMAGE}
+    )
+    state = wait_for(lambda: (s := _container_state(cluster, "no-image", "engine")) and s["state"]["waiting"], 60,
+                     "the engine container waiting")  # fmt: skip
+    assert state["reason"] == "ErrImagePull" and "localhost/overlap-missing:0" in state["message"]
+    deployment = cluster.apps.read_namespaced_deployment_status("no-image", NAMESPACE).status
+    assert not deployment.ready_replicas and deployment.replicas == 1
+    assert [c.status for c in deployment.conditions if c.type == "Available"] == ["False"]
+    message = wait_for(
+        lambda: "ErrImagePull" in (text := _ready_message(cluster, "no-image")) and text,
+        30,
+        "the operator's Ready condition to say why",
+    )
+    assert message.startswith("0/1 replicas ready; pod no-image-")
+    cluster.kubectl("delete", "inferenceservice", "no-image")
+
+
+def test_a_container_that_exits_crash_loops_and_the_pod_never_becomes_ready(node, tiny_model_dir):
+    cluster, agent = node
+    empty = tiny_model_dir.parent / "not-a-model"
+    empty.mkdir(exist_ok=True)
+    empty.chmod(0o755)
+    _apply(cluster, "no-model", empty)  # the engine exits: no config.json; the sidecar waits for it, unready
+    state = wait_for(lambda: (s := _container_state(cluster, "no-model", "engine")) and s["restarts"] >= 1 and s, 90,
+                     "the engine to exit and be restarted")  # fmt: skip
+    pod = state["pod"]
+    (engine,) = [c for c in pod.status.container_statuses if c.name == "engine"]
+    assert engine.last_state.terminated.exit_code != 0
+    ready = {c.type: c for c in pod.status.conditions}["Ready"]
+    assert ready.status == "False" and "engine" in ready.message
+    wait_for(lambda: "CrashLoopBackOff" in _ready_message(cluster, "no-model") or "exited with code" in
+             _ready_message(cluster, "no-model"), 60, "the operator to report the crash loop")  # fmt: skip
+    assert not cluster.apps.read_namespaced_deployment_status("no-model", NAMESPACE).status.ready_replicas
+    assert any("no-model" in e and "exited with" in e for e in agent.events)
+    cluster.kubectl("delete", "inferenceservice", "no-model")
+
+
+def test_the_agent_leaves_nothing_behind_and_a_new_one_cleans_up_after_a_killed_one(node, tmp_path):
+    cluster, _ = node
+    labelled = ["podman", "ps", "--all", "--quiet", "--filter", f"label={AGENT_LABEL}=orphans"]
+    # A second agent whose pods are "left behind": it stops syncing without stop(), as if killed.
+    orphaning = NodeAgent(cluster.client, "orphans", tmp_path / "orphans")
+    orphaning.podman("pod", "create", "--name", "orphan", "--label", f"{AGENT_LABEL}=orphans")
+    orphaning.podman("create", "--pod", "orphan", "--label", f"{AGENT_LABEL}=orphans", OPERATOR_IMAGE, "--help")
+    assert subprocess.run(labelled, capture_output=True, text=True).stdout.split()
+    NodeAgent(cluster.client, "orphans", tmp_path / "next")  # its constructor removes them
+    assert subprocess.run(["podman", "pod", "exists", "orphan"]).returncode == 1, "the orphaned pod is still there"
+    assert not subprocess.run(labelled, capture_output=True, text=True).stdout.split()
