@@ -51,11 +51,11 @@ WATERMARK = 4  # queued requests per replica that call for another replica
 RATE_FACTOR, LOAD_S = 1 / 40, 110
 SIMULATED_DEVICE = {"fixedSeconds": 0.03, "perTokenSeconds": 0.001}
 
-# What the e2e run sets on top of the example: the model from the host, the simulated device, the control loop's
-# windows shortened, and queues deep enough that the burst waits instead of being refused.
+# What the e2e run sets on top of the example (which serves the tiny model baked into the engine image): the
+# simulated device, the control loop's windows shortened, and queues deep enough that the burst waits instead of
+# being refused.
 OVERRIDES = {
     "spec": {
-        "model": {"source": "hostPath", "mountPath": "/models/tiny"},  # hostPath: the tiny model's folder
         "engine": {"simulatedDevice": SIMULATED_DEVICE},
         "sidecar": {"maxQueuedRequests": 2000, "maxInflight": 2000, "gracePeriodSeconds": 5},
         "autoscaling": {
@@ -237,9 +237,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
 def test_closed_loop_scales_retunes_and_drains_without_losing_a_request(world):
     cluster, agent, operator = world["cluster"], world["agent"], world["operator"]
     cluster.apply("-f", str(REPO / "examples" / "inferenceservice-cpu.yaml"))
-    overrides = json.loads(json.dumps(OVERRIDES))
-    overrides["spec"]["model"]["hostPath"] = str(world["model_dir"])
-    cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(overrides))
+    cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(OVERRIDES))
     recorder = Recorder(cluster, world["prometheus"])
     load = None
     try:

@@ -12,9 +12,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.cluster import CRD_FILE, NAMESPACE, ApiThread, Cluster, running_operator, wait_for, write_kubeconfig
+from tests.support.cluster import (
+    CRD_FILE,
+    NAMESPACE,
+    REPO,
+    ApiThread,
+    Cluster,
+    running_operator,
+    wait_for,
+    write_kubeconfig,
+)
 from tests.support.images import ENGINE_IMAGE, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import AGENT_LABEL, NodeAgent
+from tests.support.sidecar import http
 
 pytestmark = pytest.mark.e2e
 
@@ -129,3 +139,18 @@ def test_the_agent_leaves_nothing_behind_and_a_new_one_cleans_up_after_a_killed_
     NodeAgent(cluster.client, "orphans", tmp_path / "next")  # its constructor removes them
     assert subprocess.run(["podman", "pod", "exists", "orphan"]).returncode == 1, "the orphaned pod is still there"
     assert not subprocess.run(labelled, capture_output=True, text=True).stdout.split()
+
+
+def test_the_cpu_example_serves_as_written(node):
+    """examples/inferenceservice-cpu.yaml unchanged: the real tiny model from the engine image, on CPU."""
+    cluster, agent = node
+    cluster.apply("-f", str(REPO / "examples" / "inferenceservice-cpu.yaml"))
+    try:
+        wait_for(lambda: (cluster.service("tiny-cpu").get("status") or {}).get("readyReplicas") == 1, 120,
+                 "the example's pod to be ready", interval=1)  # fmt: skip
+        host, port = agent.service_address("tiny-cpu")
+        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 8}
+        status, _, reply = http("POST", f"http://{host}:{port}/v1/completions", body, timeout=60)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 8, reply
+    finally:
+        cluster.kubectl("delete", "inferenceservice", "tiny-cpu")
