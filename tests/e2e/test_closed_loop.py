@@ -204,7 +204,7 @@ class Recorder:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[dict]:
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     require_images()
     subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=REPO)
     workdir = tmp_path_factory.mktemp("e2e")
@@ -226,7 +226,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         operator = OperatorContainer(agent.podman, kubeconfig, prometheus.url)
         started.append(operator)
         yield {"cluster": cluster, "agent": agent, "operator": operator, "prometheus": prometheus,
-               "model_dir": tiny_model_dir, "workdir": workdir}  # fmt: skip
+               "workdir": workdir}  # fmt: skip
     finally:
         for thing in reversed(started):
             thing.stop()
