@@ -206,6 +206,21 @@ def test_servicemonitor_when_prometheus_operator_is_installed(cluster, applied) 
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
 
 
+def test_no_finalizer_without_a_control_loop_and_one_once_it_is_on(cluster, applied) -> None:
+    """kopf's finalizer guards the control loop's timer only: a service without autoscaling or tuning has none, so
+    it is deleted even when no operator runs."""
+    time.sleep(1.5)  # the operator has handled the create (children exist) and had time to add one if it would
+    assert "overlap.dev/finalizer" not in (cluster.service(NAME)["metadata"].get("finalizers") or [])
+    cluster.kubectl(
+        "patch", "inferenceservice", NAME, "--type", "merge", "-p", '{"spec": {"tuning": {"enabled": true}}}'
+    )
+    wait_for(lambda: "overlap.dev/finalizer" in (cluster.service(NAME)["metadata"].get("finalizers") or []), 10,
+             what="the finalizer once tuning is on")  # fmt: skip
+    cluster.kubectl(
+        "patch", "inferenceservice", NAME, "--type", "merge", "-p", '{"spec": {"tuning": {"enabled": false}}}'
+    )
+
+
 def test_deleting_the_inferenceservice_removes_its_children(cluster, applied) -> None:
     cluster.kubectl("delete", "oisvc", NAME)
     wait_for(lambda: all(cluster.get(kind, name) is None for kind, name in CHILDREN), what="the children gone")

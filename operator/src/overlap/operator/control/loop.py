@@ -66,7 +66,15 @@ class LoopState:
     last_tick: float = -math.inf
 
 
-@kopf.timer(children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S)
+def _controlled(spec: Mapping[str, Any], **_: Any) -> bool:
+    """Only services with a loop on get the timer, and with it kopf's finalizer."""
+    full = specs.with_defaults(spec or {})
+    return full["autoscaling"]["mode"] == "builtin" or bool(full["tuning"]["enabled"])
+
+
+@kopf.timer(
+    children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S, when=_controlled
+)
 def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     spec = specs.with_defaults(body.get("spec") or {})
     try:
