@@ -144,7 +144,6 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
     ("spec", "message"),
     [
         ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must be <= autoscaling.maxReplicas"),
-        ({"autoscaling": {"mode": "builtin", "minReplicas": 2}, "replicas": 1}, "replicas must lie within"),
         ({"tuning": {"bounds": {"maxNumSeqs": {"min": 100, "max": 200}}}}, "must contain engine.maxNumSeqs"),
         ({"engine": {"enableChunkedPrefill": False, "maxNumBatchedTokens": 16}}, "max_num_batched_tokens"),
         ({"engine": {"numBuffers": 9}}, "num_buffers must be in 1..4"),

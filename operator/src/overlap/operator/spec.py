@@ -201,10 +201,6 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     low, high = scaling.get("minReplicas", 1), scaling.get("maxReplicas", 4)
     if low > high:
         raise SpecError("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
-    if scaling.get("mode", "off") == "builtin" and not low <= replicas <= high:
-        raise SpecError(
-            "replicas must lie within autoscaling.minReplicas..autoscaling.maxReplicas when autoscaling.mode is builtin"
-        )
 
     config = engine_config(spec)
     bounds = (spec.get("tuning") or {}).get("bounds") or {}
