@@ -147,8 +147,16 @@ def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str)
         # `kubectl scale` or a GitOps re-apply in builtin mode: admitted; the loop brings it back within the bounds
         {"autoscaling": {"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}, "replicas": 9},
     ],
-    ids=["defaults", "builtin-autoscaling", "tuning-bounds", "pvc", "no-chunked-prefill", "cpu-only", "quantities",
-         "replicas-outside-the-loops-bounds"],  # fmt: skip
+    ids=[
+        "defaults",
+        "builtin-autoscaling",
+        "tuning-bounds",
+        "pvc",
+        "no-chunked-prefill",
+        "cpu-only",
+        "quantities",
+        "replicas-outside-the-loops-bounds",
+    ],
 )
 def test_valid_specs_are_admitted_and_defaulted(spec: dict) -> None:
     stored = admission.admit(with_spec(**spec), SCHEMA, strict=True)

@@ -72,9 +72,7 @@ def _controlled(spec: Mapping[str, Any], **_: Any) -> bool:
     return full["autoscaling"]["mode"] == "builtin" or bool(full["tuning"]["enabled"])
 
 
-@kopf.timer(
-    children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S, when=_controlled
-)
+@kopf.timer(children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S, when=_controlled)
 def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     spec = specs.with_defaults(body.get("spec") or {})
     try:
