@@ -242,3 +242,24 @@ def test_after_a_move_the_tuner_waits_for_the_latency_window_too():
     waiting = {"ready_replicas": 1, "queue_depth": 20, "device_busy": 0.4}
     assert decide(Signals(45, **waiting), Current(1, ENGINE), history, Policy(tuning=tuning)).action == HOLD
     assert decide(Signals(61, **waiting), Current(1, ENGINE), history, Policy(tuning=tuning)).action == RETUNE
+
+
+def test_stuck_replicas_hold_the_loop_only_until_the_startup_deadline():
+    scaling = ScalingPolicy(mode="builtin", up_window_s=0, up_cooldown_s=0, down_window_s=0, down_cooldown_s=0,
+                            startup_deadline_s=120)  # fmt: skip
+    policy = Policy(scaling=scaling, tuning=TUNING)
+    history = History()
+    # Asked for 3 at t=0, one stays Pending for good (no GPU node); the load has gone.
+    for t in (0, 60):
+        signals = Signals(t, ready_replicas=2, queue_depth=0)
+        decision = decide(signals, Current(3, ENGINE), history, policy)
+        assert decision.action == HOLD and "still starting" in decision.reason
+        history.record(signals, decision)
+    decision = decide(Signals(130, ready_replicas=2, queue_depth=0), Current(3, ENGINE), history, policy)
+    assert decision.action == SCALE_DOWN and decision.replicas == 2  # the stuck one can go
+    # Between the watermarks past the deadline it holds, and says it no longer waits for the stuck one.
+    between = decide(Signals(130, ready_replicas=2, queue_depth=20), Current(3, ENGINE), history, policy)
+    assert between.action == HOLD and between.reason.startswith("1 of 3 replicas not ready 130 s after the last scale")
+    # Over the watermark it scales up on the ready replicas' queue.
+    busy = decide(Signals(130, ready_replicas=2, queue_depth=200), Current(3, ENGINE), history, policy)
+    assert busy.action == SCALE_UP

@@ -65,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
         "scaleDownWindowSeconds": 300,
         "scaleUpCooldownSeconds": 60,
         "scaleDownCooldownSeconds": 300,
+        "startupDeadlineSeconds": 600,
         "intervalSeconds": 15,
     },
     "engine": {

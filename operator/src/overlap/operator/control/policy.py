@@ -89,6 +89,9 @@ class ScalingPolicy:
     up_cooldown_s: float = 60
     down_cooldown_s: float = 300
     interval_s: float = 15
+    # How long the loop waits for replicas to become ready before it stops holding for them (a GPU pod Pending
+    # for want of a node, a crash loop): it then scales on the ready ones, and can remove the stuck ones.
+    startup_deadline_s: float = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,7 @@ class Policy:
             up_cooldown_s=auto["scaleUpCooldownSeconds"],
             down_cooldown_s=auto["scaleDownCooldownSeconds"],
             interval_s=auto["intervalSeconds"],
+            startup_deadline_s=auto["startupDeadlineSeconds"],
         )
         tuning = spec["tuning"]
         bounds = tuning.get("bounds") or {}
@@ -215,17 +219,28 @@ class History:
 def decide(signals: Signals, current: Current, history: History, policy: Policy) -> Decision:
     """This tick's decision. Scaling comes first: a retune measured across a replica change would mislead."""
     pending = current.replicas - signals.ready_replicas
+    stuck = None
     if pending > 0 and signals.queue_depth is not None and _in_bounds(current, policy.scaling):
-        reason = f"{pending} of {current.replicas} replicas still starting; waiting for them before the next move"
-        return Decision(HOLD, reason, current.replicas, dict(current.engine))
+        # Pending since the last scale move, or since the loop's first reading if it never moved.
+        since = history.last_scale()
+        if since is None:
+            since = history.samples[0].time if history.samples else signals.time
+        waited = signals.time - since
+        if waited < policy.scaling.startup_deadline_s:
+            reason = f"{pending} of {current.replicas} replicas still starting; waiting for them before the next move"
+            return Decision(HOLD, reason, current.replicas, dict(current.engine))
+        stuck = (
+            f"{pending} of {current.replicas} replicas not ready {waited:.0f} s after the last scale "
+            f"(start-up deadline {policy.scaling.startup_deadline_s:g} s): scaling on the ready ones"
+        )
     scaled = _scale(signals, current, history, policy.scaling)
     if scaled is not None:
         return scaled
-    if policy.tuning.enabled:
+    if policy.tuning.enabled and stuck is None:  # a retune measured on a fleet with stuck replicas would mislead
         tuned = _tune(signals, current, history, policy.tuning)
         if tuned is not None:
             return tuned
-    return Decision(HOLD, _hold_reason(signals, policy), current.replicas, dict(current.engine))
+    return Decision(HOLD, stuck or _hold_reason(signals, policy), current.replicas, dict(current.engine))
 
 
 def _in_bounds(current: Current, policy: ScalingPolicy) -> bool:
