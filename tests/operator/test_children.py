@@ -230,3 +230,23 @@ def test_pod_problems_in_kubelets_words_reach_the_ready_condition() -> None:
     assert (
         ready["message"] == "0/3 replicas ready; pod a: container engine ErrImagePull: image x is not here (and 2 more)"
     )
+
+
+def test_deployment_failures_set_degraded_and_clear_it_but_leave_a_spec_problem_alone() -> None:
+    stalled = {"metadata": {"generation": 2}, "status": {"observedGeneration": 2, "replicas": 1, "conditions": [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": 'ReplicaSet "llm-5d" has timed out progressing.'}]}}  # fmt: skip
+    owner = {"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": {"observedGeneration": 1}}
+    after = status.rollout_status(owner, stalled, "T")
+    degraded = next(c for c in after["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ProgressDeadlineExceeded")
+    assert "has timed out progressing" in degraded["message"]
+    healthy = {"metadata": {"generation": 2}, "status": {"observedGeneration": 2, "replicas": 1, "readyReplicas": 1}}
+    cleared = status.rollout_status({**owner, "status": after}, healthy, "T")
+    assert next(c for c in cleared["conditions"] if c["type"] == "Degraded")["status"] == "False"
+    spec_problem = status.degraded_status(owner, "spec.engine: bad", "T")
+    kept = status.rollout_status({**owner, "status": spec_problem}, healthy, "T")
+    assert next(c for c in kept["conditions"] if c["type"] == "Degraded")["reason"] == "InvalidSpec"
+    quota = {"status": {"conditions": [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
+                                        "message": "exceeded quota: gpu"}]}}  # fmt: skip
+    assert status.deployment_degraded(quota, 1, "T")["reason"] == "ReplicaFailure"

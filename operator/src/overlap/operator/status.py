@@ -122,6 +122,21 @@ def degraded(problem: str | None, generation: int | None, when: str, reason: str
     return condition(DEGRADED, True, reason, problem, generation, when)
 
 
+_DEPLOYMENT_FAILURES = ("ProgressDeadlineExceeded", "ReplicaFailure")
+
+
+def deployment_degraded(deployment: Mapping[str, Any] | None, generation: int | None, when: str) -> dict[str, Any]:
+    """Degraded from the Deployment's own failure conditions: a rollout past its progress deadline, or pods the
+    ReplicaSet cannot create (quota, admission); AsExpected otherwise."""
+    for cond in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        message = cond.get("message", "")
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return degraded(f"the rollout stalled: {message}", generation, when, reason="ProgressDeadlineExceeded")
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return degraded(f"pods cannot be created: {message}", generation, when, reason="ReplicaFailure")
+    return degraded(None, generation, when)
+
+
 def service_status(
     owner: Mapping[str, Any],
     deployment: Mapping[str, Any] | None,
@@ -137,7 +152,7 @@ def service_status(
     desired = owner["spec"].get("replicas", 1)
     dep_status = (deployment or {}).get("status") or {}
     rollout = rollout_conditions(desired, deployment, generation, when, problems)
-    conditions = [*rollout, degraded(None, generation, when)]
+    conditions = [*rollout, deployment_degraded(deployment, generation, when)]
     return {
         "observedGeneration": generation,
         "replicas": dep_status.get("replicas") or 0,
@@ -158,12 +173,16 @@ def rollout_status(
     generation = status.get("observedGeneration")
     desired = owner["spec"].get("replicas", 1)
     dep_status = (deployment or {}).get("status") or {}
+    new = rollout_conditions(desired, deployment, generation, when, problems)
+    failure = deployment_degraded(deployment, generation, when)
+    was = next((c for c in status.get("conditions") or [] if c.get("type") == DEGRADED), {})
+    # Set Degraded on a Deployment failure, clear it when that failure ends; a spec problem's Degraded stays.
+    if failure["status"] == "True" or was.get("reason") in _DEPLOYMENT_FAILURES:
+        new.append(failure)
     return {
         "replicas": dep_status.get("replicas") or 0,
         "readyReplicas": dep_status.get("readyReplicas") or 0,
-        "conditions": merge_conditions(
-            status.get("conditions") or [], rollout_conditions(desired, deployment, generation, when, problems)
-        ),
+        "conditions": merge_conditions(status.get("conditions") or [], new),
     }
 
 
