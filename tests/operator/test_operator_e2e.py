@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.support.cluster import NAMESPACE, REPO, chart_grants, operator_requests, wait_for
+from tests.support.cluster import NAMESPACE, OPERATOR_TOKEN, REPO, chart_grants, operator_requests, wait_for
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
@@ -239,3 +239,19 @@ def test_the_operator_needs_only_what_the_chart_grants(cluster, applied) -> None
         ("list", "", "pods"),  # only the control loop lists pods (test_control_loop checks its requests)
     }
     assert unused <= expected_unused, f"granted but never used: {sorted(unused - expected_unused)}"
+
+
+def test_the_operators_lists_and_watches_of_children_carry_a_label_selector(cluster, applied) -> None:
+    """Server-side filtering: the API server sends the operator its own children only, not every object of
+    those kinds in the cluster (the harness records each request's query)."""
+    children = {"configmaps", "services", "deployments", "poddisruptionbudgets", "pods"}
+    seen = set()
+    for request in list(cluster.api._requests):
+        if request.headers.get("Authorization") != f"Bearer {OPERATOR_TOKEN}" or request.resource is None:
+            continue
+        if str(request.method.value).upper() != "GET" or request.name or request.resource.plural not in children:
+            continue
+        selector = request.params.get("labelSelector", "")
+        assert "app.kubernetes.io/" in selector, f"unfiltered list/watch of {request.resource.plural}: {request.params}"
+        seen.add(request.resource.plural)
+    assert {"configmaps", "services", "deployments", "poddisruptionbudgets", "pods"} <= seen, seen

@@ -44,6 +44,11 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # The API server filters the children's watches by our label: the operator lists and watches only what it
+    # owns, not every ConfigMap, Service, Deployment, PDB and Pod in the cluster.
+    owned = ",".join(f"{key}={value}" for key, value in sorted(OWNED.items()))
+    for resource in [*CHILD_RESOURCES, ("", "v1", "pods")]:
+        settings.watching.label_selectors[resource] = owned
     kube.configure()
 
 
