@@ -246,7 +246,7 @@ def test_the_operators_lists_and_watches_of_children_carry_a_label_selector(clus
     those kinds in the cluster (the harness records each request's query)."""
     children = {"configmaps", "services", "deployments", "poddisruptionbudgets", "pods"}
     seen = set()
-    for request in list(cluster.api._requests):
+    for request in list(cluster.api.request_log):
         if request.headers.get("Authorization") != f"Bearer {OPERATOR_TOKEN}" or request.resource is None:
             continue
         if str(request.method.value).upper() != "GET" or request.name or request.resource.plural not in children:

@@ -132,7 +132,7 @@ def operator_requests(cluster: Cluster) -> set[tuple[str, str, str]]:
     """(verb, API group, resource[/subresource]) of every request the operator made, from the API's log."""
     verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
     used = set()
-    for request in list(cluster.api._requests):
+    for request in list(cluster.api.request_log):
         if request.headers.get("Authorization") != f"Bearer {OPERATOR_TOKEN}" or request.resource is None:
             continue
         if not request.resource.plural:

@@ -107,6 +107,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.added_at: dict[tuple[str, str | None, str], float] = {}  # (kind, namespace, name) -> monotonic time
         self.watchers: set[asyncio.Queue] = set()
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
+        self.request_log: list[rendering.Request] = []  # every request answered, in order (for the tests' checks)
         self.failures_lock = threading.Lock()
         self.validate_custom_resources = True  # False: a server without CRD validation (to test the operator's)
         for group, version, plural, kind, namespaced, subresources, short in BUILTINS:
@@ -196,6 +197,18 @@ class ApiServer(kmock.KubernetesEmulator):
     # --- writes -----------------------------------------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        self.request_log.append(request)
+        try:
+            return await self._serve(request)
+        finally:
+            # kmock matches every new request against its whole request log, so a long run grows quadratic: a
+            # request leaves that log once answered (a watch when it ends); tests read `request_log` instead.
+            for index, pending in enumerate(self._requests):
+                if pending is request:
+                    del self._requests[index]
+                    break
+
+    async def _serve(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         if res is None or res not in self.infos:
             return await super()._handle(request)
