@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from overlap.operator import children
 from tests.support.cluster import NAMESPACE, OPERATOR_TOKEN, REPO, chart_grants, operator_requests, wait_for
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
@@ -135,6 +136,23 @@ def test_a_child_deleted_by_hand_is_put_back(cluster, applied) -> None:
         lambda: (s := cluster.get("service", NAME)) and s["metadata"]["uid"] != old_uid and s, what="the Service back"
     )
     assert [p["port"] for p in restored["spec"]["ports"]] == [8000]
+
+
+def test_a_deleted_admin_token_secret_is_made_anew_before_a_new_pod_needs_it(cluster, applied) -> None:
+    """Rotation: delete the Secret; the next pod of the service (here one the test creates, as the ReplicaSet
+    would) finds a new token, and the owner reference ties it to the service."""
+    secret = f"{NAME}-admin-token"
+    old = cluster.core.read_namespaced_secret(secret, NAMESPACE).data["token"]
+    cluster.kubectl("delete", "secret", secret)
+    labels = {**children.labels(NAME)}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-rotation", "labels": labels},
+           "spec": {"containers": [{"name": "sidecar", "image": "overlap"}]}}  # fmt: skip
+    cluster.core.create_namespaced_pod(NAMESPACE, pod)
+    try:
+        new = wait_for(lambda: cluster.core.read_namespaced_secret(secret, NAMESPACE), what="the Secret made anew")
+        assert new.data["token"] != old and new.metadata.owner_references[0].name == NAME
+    finally:
+        cluster.core.delete_namespaced_pod(f"{NAME}-rotation", NAMESPACE)
 
 
 def test_a_child_edited_by_hand_is_put_back(cluster, applied) -> None:

@@ -54,6 +54,24 @@ def test_admin_needs_the_bearer_token(stack):
     assert http("GET", f"{stack.base_url}/admin/config")[0] == 404  # never on the public port
 
 
+def test_the_admin_token_follows_its_file_as_kubelet_rewrites_it(stack):
+    """A Secret deleted and recreated by the operator gets a new token; kubelet swaps the mounted file and the
+    running sidecar takes it, so the operator's next retune reaches old pods too."""
+    url = f"{stack.admin_url}/admin/config"
+    rotated = "rotated-admin-token-9876543210"
+    try:
+        staging = stack.token_file.with_name("admin-token.new")
+        staging.write_text(rotated + "\n")
+        os.replace(staging, stack.token_file)  # a new inode, as kubelet's ..data swap gives
+        assert http("GET", url, headers={"Authorization": f"Bearer {rotated}"})[0] == 200
+        assert http("GET", url, headers=AUTH)[0] == 401  # the old token no longer opens it
+        stack.token_file.write_text("")  # a broken rewrite keeps the last good token
+        assert http("GET", url, headers={"Authorization": f"Bearer {rotated}"})[0] == 200
+    finally:
+        stack.token_file.write_text(ADMIN_TOKEN + "\n")
+    assert http("GET", url, headers=AUTH)[0] == 200
+
+
 def test_admin_put_applies_live_knobs_and_refuses_the_rest(stack):
     url = f"{stack.admin_url}/admin/config"
     status, _, body = http("PUT", url, {"max_num_seqs": 8, "aging_s": 2.5}, headers=AUTH)

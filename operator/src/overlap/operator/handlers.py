@@ -145,7 +145,12 @@ for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OWNED, id=f"restore-{_plural}")(restore_child)
 
 
-def _mirror(name: str, namespace: str, deployment: Mapping[str, Any] | None) -> None:
+def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> None:
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    # A deleted admin-token Secret (a rotation) is made anew before new pods wait on it; running sidecars pick
+    # the new token up from their mount.
+    if kube.create_if_absent(children.adopt(children.build_admin_secret(name, namespace), owner)):
+        kopf.info(dict(owner), reason="Created", message=f"Secret {children.admin_secret_name(name)} (admin token)")
     problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
     kube.patch_status(
         name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso(), problems)
@@ -159,7 +164,7 @@ def mirror_rollout(body: kopf.Body, type: str | None, **_: Any) -> None:
     owner = _owner_of(body)
     if owner is None:
         return
-    _mirror(owner["metadata"]["name"], owner["metadata"]["namespace"], dict(body))
+    _mirror(owner, dict(body))
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED)
@@ -168,9 +173,10 @@ def mirror_pods(body: kopf.Body, **_: Any) -> None:
     when the Deployment's counts do not move."""
     name = (body["metadata"].get("labels") or {}).get(children.INSTANCE_LABEL)
     namespace = body["metadata"]["namespace"]
-    if not name or kube.read_service(name, namespace) is None:
+    owner = kube.read_service(name, namespace) if name else None
+    if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
-    _mirror(name, namespace, kube.read("Deployment", name, namespace))
+    _mirror(owner, kube.read("Deployment", name, namespace))
 
 
 @kopf.on.delete(*CR, optional=True)

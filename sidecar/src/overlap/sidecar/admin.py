@@ -20,7 +20,44 @@ from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches, 
 
 log = logging.getLogger(__name__)
 
-ADMIN_TOKEN = web.AppKey("admin_token", str)
+
+class AdminToken:
+    """The admin bearer token. From a file (a mounted Secret) it follows the file: kubelet rewrites the mount when
+    the Secret changes, so deleting the Secret (the operator makes a new token) rotates the token of running pods
+    too. A rewrite that leaves the file empty or unreadable keeps the last good token."""
+
+    def __init__(self, token: str, file: str | None = None) -> None:
+        self._token, self._file = token, file
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[int, int] | None:
+        if not self._file:
+            return None
+        try:
+            stat = Path(self._file).stat()  # through kubelet's ..data symlink: a new inode when it swaps
+        except OSError:
+            return None
+        return (stat.st_ino, stat.st_mtime_ns)
+
+    def current(self) -> str:
+        stamp = self._stamp()
+        if stamp is not None and stamp != self._seen:
+            self._seen = stamp
+            try:
+                token = Path(self._file).read_text().strip()
+            except OSError as exc:
+                log.warning("admin token file %s unreadable, keeping the last token: %s", self._file, exc)
+                return self._token
+            if len(token) >= 8:
+                if token != self._token:
+                    log.info("admin token rotated (%s changed)", self._file)
+                self._token = token
+            else:
+                log.warning("admin token file %s holds no usable token, keeping the last one", self._file)
+        return self._token
+
+
+ADMIN_TOKEN = web.AppKey("admin_token", AdminToken)
 
 
 class LiveKnobs(msgspec.Struct, forbid_unknown_fields=True):
@@ -38,7 +75,7 @@ assert set(LiveKnobs.__struct_fields__) == set(LIVE_KNOBS), "LiveKnobs must list
 
 @web.middleware
 async def bearer_auth(request: web.Request, handler):
-    if not bearer_matches(request.headers.get("Authorization", ""), request.app[ADMIN_TOKEN]):
+    if not bearer_matches(request.headers.get("Authorization", ""), request.app[ADMIN_TOKEN].current()):
         raise ApiError(401, "a valid admin bearer token is required", "authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
     return await handler(request)
@@ -69,10 +106,10 @@ async def put_config(request: web.Request) -> web.Response:
     return json_response({"applied": {k: config.get(k) for k in knobs}, "config": config})
 
 
-def init_admin_app(state: ServerState, token: str) -> web.Application:
+def init_admin_app(state: ServerState, token: str, token_file: str | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, bearer_auth], client_max_size=64 * 1024)
     app[STATE] = state
-    app[ADMIN_TOKEN] = token
+    app[ADMIN_TOKEN] = AdminToken(token, token_file)
     app.router.add_get("/admin/config", get_config)
     app.router.add_put("/admin/config", put_config)
     return app

@@ -175,7 +175,7 @@ async def serve(config: SidecarConfig, registry: CollectorRegistry | None = None
     await web.TCPSite(runners[0], config.host, config.port).start()
     log.info("sidecar listening on http://%s:%d", config.host, config.port)
     if config.admin_port is not None:
-        admin = web.AppRunner(init_admin_app(state, config.admin_token), **runner_args)
+        admin = web.AppRunner(init_admin_app(state, config.admin_token, config.admin_token_file), **runner_args)
         await admin.setup()
         await web.TCPSite(admin, config.admin_host, config.admin_port).start()
         runners.append(admin)
