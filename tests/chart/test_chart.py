@@ -101,12 +101,13 @@ def test_every_value_is_documented_and_typed() -> None:
 
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
-    (role,) = by_kind(render(), "ClusterRole")
+    (role,) = [r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == "overlap"]
     grants = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
               for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
     assert grants == {
         ("overlap.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
         ("overlap.dev", "inferenceservices/status"): {"patch"},
+        ("overlap.dev", "inferenceservices/finalizers"): {"update"},
         ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
         ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
         ("", "services"): {"get", "list", "watch", "create", "patch"},
@@ -120,7 +121,9 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
 
 def test_namespaced_install_uses_roles_and_namespace_flags() -> None:
     docs = render("-f", str(CHART / "ci" / "namespaced-values.yaml"))
-    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    # The operator gets Roles only; the users' aggregated roles are ClusterRoles by nature (aggregation needs them).
+    assert {r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")} == {"overlap-edit", "overlap-view"}
+    assert not by_kind(docs, "ClusterRoleBinding")
     assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["team-a", "team-b"]
     (deployment,) = by_kind(docs, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -168,3 +171,15 @@ def test_helm_lint_is_clean(values: Path | None) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[WARNING]" not in done.stdout and "[ERROR]" not in done.stdout
+
+
+def test_users_get_inferenceservices_through_the_built_in_roles() -> None:
+    roles = {r["metadata"]["name"]: r for r in by_kind(render(), "ClusterRole")}
+    edit, view = roles["overlap-edit"], roles["overlap-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "delete", "patch"} <= set(edit["rules"][0]["verbs"])
+    assert set(view["rules"][0]["verbs"]) == {"get", "list", "watch"}
+    assert "overlap-edit" not in {r["metadata"]["name"] for r in by_kind(render("--set", "rbac.userRoles=false"),
+                                                                        "ClusterRole")}  # fmt: skip

@@ -5,7 +5,9 @@ says why. The agent leaves no container behind, and a new agent removes what a k
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,9 +26,10 @@ from tests.support.cluster import (
 )
 from tests.support.images import ENGINE_IMAGE, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import AGENT_LABEL, NodeAgent
-from tests.support.sidecar import http
+from tests.support.sidecar import free_port, http
 
 pytestmark = pytest.mark.e2e
+HELM_TEST, HELM_TEST_PORT = "overlap-helm-test", free_port()
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, No
     try:
         cluster = Cluster(api_thread, write_kubeconfig(workdir / "kubeconfig", api_thread.url, NAMESPACE))
         cluster.apply("-f", str(CRD_FILE))
-        agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node").start()
+        agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node", proxy_ports={HELM_TEST: HELM_TEST_PORT}).start()
         with running_operator(cluster, workdir, "--namespace", NAMESPACE, "--standalone"):
             yield cluster, agent
     finally:
@@ -154,3 +157,17 @@ def test_the_cpu_example_serves_as_written(node):
         assert status == 200 and reply["usage"]["completion_tokens"] == 8, reply
     finally:
         cluster.kubectl("delete", "inferenceservice", "tiny-cpu")
+
+
+def test_the_charts_helm_test_passes_against_a_running_operator(node):
+    """The script `helm test` runs (charts/overlap/files/tests/serve-check.py), here with the cluster's kubeconfig
+    and the Service's proxy in place of cluster DNS: a small service becomes Ready, serves, and is deleted."""
+    cluster, _ = node
+    script = REPO / "charts" / "overlap" / "files" / "tests" / "serve-check.py"
+    done = subprocess.run(
+        [sys.executable, str(script), NAMESPACE, "--timeout-s", "180", "--base-url", f"http://127.0.0.1:{HELM_TEST_PORT}"],
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Ready (AllReplicasReady" in done.stdout and "a completion of 4 tokens" in done.stdout
+    wait_for(lambda: cluster.get("inferenceservice", HELM_TEST) is None, 30, "the test service deleted")

@@ -22,7 +22,7 @@ def test_helm_template_applies(cluster) -> None:
     done = cluster.apply("-f", "-", stdin=rendered)
     kinds = {doc["kind"] for doc in yaml.safe_load_all(rendered) if doc}
     assert kinds == {"ServiceAccount", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding", "Service",
-                     "Deployment", "Pod", "InferenceService"}  # fmt: skip
+                     "Deployment", "Pod", "InferenceService", "ConfigMap", "Role", "RoleBinding"}  # fmt: skip
     assert done.stdout.count("\n") == len([d for d in yaml.safe_load_all(rendered) if d])
     example = cluster.service("example")
     assert example["spec"]["engine"]["maxNumSeqs"] == 64  # defaulted by the CRD the chart installed

@@ -151,7 +151,7 @@ def chart_grants() -> set[tuple[str, str, str]]:
     """(verb, API group, resource) that the chart's ClusterRole grants the operator (rendered by the real helm)."""
     helm = [str(REPO / ".tools" / "bin" / "helm"), "template", "overlap", str(REPO / "charts" / "overlap")]
     docs = yaml.safe_load_all(subprocess.run(helm, capture_output=True, text=True, check=True).stdout)
-    (role,) = [d for d in docs if d and d["kind"] == "ClusterRole"]
+    (role,) = [d for d in docs if d and d["kind"] == "ClusterRole" and d["metadata"]["name"] == "overlap"]
     return {(verb, group, resource) for rule in role["rules"] for group in rule["apiGroups"]
             for resource in rule["resources"] for verb in rule["verbs"]}  # fmt: skip
 

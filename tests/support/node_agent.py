@@ -198,7 +198,16 @@ class Pod:
 class NodeAgent:
     """kubelet and kube-proxy for the Deployments of one namespace (see the module's docstring)."""
 
-    def __init__(self, api_client, namespace: str, workdir: Path, *, sd_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        api_client,
+        namespace: str,
+        workdir: Path,
+        *,
+        sd_file: Path | None = None,
+        proxy_ports: dict[str, int] | None = None,
+    ) -> None:
+        """`proxy_ports` pins a Service's proxy to a port known in advance (otherwise a free one is taken)."""
         import kubernetes
 
         self.namespace = namespace
@@ -208,6 +217,7 @@ class NodeAgent:
         self.apps = kubernetes.client.AppsV1Api(api_client)
         self.podman = Podman(self.workdir)
         self.sd_file = sd_file
+        self.proxy_ports = dict(proxy_ports or {})
         self.pods: dict[str, Pod] = {}
         self.proxies: dict[str, ServiceProxy] = {}
         self.events: list[str] = []  # what happened, for a report
@@ -670,7 +680,9 @@ class NodeAgent:
             name, spec = service["metadata"]["name"], service["spec"]
             if name not in self.proxies and spec.get("ports"):
                 port = spec["ports"][0]
-                self.proxies[name] = ServiceProxy(name, lambda s=spec["selector"], p=port: self._endpoints(s, p))
+                self.proxies[name] = ServiceProxy(
+                    name, lambda s=spec["selector"], p=port: self._endpoints(s, p), self.proxy_ports.get(name, 0)
+                )
                 self.note(f"service {name}: proxy on 127.0.0.1:{self.proxies[name].port}")
 
     def _endpoints(self, selector: dict[str, str], port: dict[str, Any]) -> list[tuple[str, int]]:
@@ -729,9 +741,9 @@ class ServiceProxy:
     to the next ready endpoint (round robin). Open connections keep their endpoint while it drains; with no ready
     endpoint a connection is refused at once (closed), as kube-proxy rejects it."""
 
-    def __init__(self, name: str, endpoints) -> None:
+    def __init__(self, name: str, endpoints, port: int = 0) -> None:
         self.name, self.endpoints = name, endpoints
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server(("127.0.0.1", port))
         self.port = self.listener.getsockname()[1]
         self.connections = 0
         self._next = 0

@@ -51,6 +51,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [overlap.dev]
   resources: [inferenceservices/status]
   verbs: [patch]
+# Owner references with blockOwnerDeletion need it where the OwnerReferencesPermissionEnforcement plugin is on.
+- apiGroups: [overlap.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [get, list, watch, create, patch]
