@@ -124,7 +124,8 @@ def test_namespaced_install_uses_roles_and_namespace_flags() -> None:
     # The operator gets Roles only; the users' aggregated roles are ClusterRoles by nature (aggregation needs them).
     assert {r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")} == {"overlap-edit", "overlap-view"}
     assert not by_kind(docs, "ClusterRoleBinding")
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(docs, "Role")) == ["team-a", "team-b"]
+    operator_roles = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "overlap"]
+    assert sorted(r["metadata"]["namespace"] for r in operator_roles) == ["team-a", "team-b"]
     (deployment,) = by_kind(docs, "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args and "--namespace=team-b" in args and "--all-namespaces" not in args
@@ -150,7 +151,11 @@ def test_prometheus_url_reaches_the_operator_only_when_set() -> None:
 
 def test_dashboard_configmap_carries_the_dashboard_json() -> None:
     assert not [d for d in by_kind(render(), "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
-    (configmap,) = by_kind(render("--set", "dashboards.enabled=true"), "ConfigMap")
+    (configmap,) = [
+        d
+        for d in by_kind(render("--set", "dashboards.enabled=true"), "ConfigMap")
+        if d["metadata"]["name"].endswith("-dashboards")
+    ]
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = json.loads(configmap["data"]["overlap-inferenceservice.json"])
     assert dashboard == json.loads((CHART / "files" / "dashboards" / "overlap.json").read_text())
