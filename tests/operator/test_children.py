@@ -250,3 +250,41 @@ def test_deployment_failures_set_degraded_and_clear_it_but_leave_a_spec_problem_
     quota = {"status": {"conditions": [{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate",
                                         "message": "exceeded quota: gpu"}]}}  # fmt: skip
     assert status.deployment_degraded(quota, 1, "T")["reason"] == "ReplicaFailure"
+
+
+POD_OVERRIDES = {
+    "runtimeClassName": "nvidia",
+    "priorityClassName": "inference-high",
+    "serviceAccountName": "llm-reader",
+    "labels": {"team": "search", "app.kubernetes.io/name": "not-ours"},
+    "annotations": {"sidecar.istio.io/inject": "false", "prometheus.io/port": "1"},
+    "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "OMP_NUM_THREADS", "value": "2"}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    ],
+    "startupSeconds": 900,
+}
+
+
+def test_pod_overrides_reach_the_template_and_never_replace_the_operators_own() -> None:
+    built = build({"pod": POD_OVERRIDES, "prometheus": {"serviceMonitor": {"labels": {"release": "kps"}}}})
+    template = built["Deployment"]["spec"]["template"]
+    pod = template["spec"]
+    assert (pod["runtimeClassName"], pod["priorityClassName"], pod["serviceAccountName"]) == (
+        "nvidia", "inference-high", "llm-reader")  # fmt: skip
+    assert pod["topologySpreadConstraints"][0]["topologyKey"] == "topology.kubernetes.io/zone"
+    assert pod["automountServiceAccountToken"] is False
+    assert template["metadata"]["labels"]["team"] == "search"
+    assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "overlap"  # the selector stays ours
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    engine, sidecar = containers(built["Deployment"])["engine"], containers(built["Deployment"])["sidecar"]
+    env = {item["name"]: item.get("value") for item in engine["env"]}
+    assert env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == "2" and env["HOME"] == "/tmp"
+    assert len(engine["env"]) == len(env)  # one entry per name
+    assert "HF_HUB_OFFLINE" in {item["name"] for item in sidecar["env"]}
+    probe = sidecar["startupProbe"]
+    assert probe["httpGet"]["path"] == "/readyz" and probe["periodSeconds"] * probe["failureThreshold"] >= 900
+    assert built["ServiceMonitor"]["metadata"]["labels"]["release"] == "kps"
+    assert built["ServiceMonitor"]["metadata"]["labels"]["app.kubernetes.io/managed-by"] == children.MANAGED_BY
+    assert "startupProbe" not in containers(build()["Deployment"])["sidecar"]

@@ -144,6 +144,15 @@ def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str)
         {"engine": {"enableChunkedPrefill": False, "maxSeqLen": 1024, "maxNumBatchedTokens": 1024}},
         {"resources": {"gpus": 0, "engine": {"cpu": 8, "memory": "8Gi"}}},
         {"resources": {"engine": {"cpu": "3500m", "memory": "16e9"}, "sidecar": {"cpu": "0.5", "memory": "512Mi"}}},
+        {
+            "pod": {
+                "runtimeClassName": "nvidia",
+                "labels": {"team": "a"},
+                "env": [{"name": "X", "value": "1"}],
+                "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}],
+                "startupSeconds": 600,
+            }
+        },
         # `kubectl scale` or a GitOps re-apply in builtin mode: admitted; the loop brings it back within the bounds
         {"autoscaling": {"mode": "builtin", "minReplicas": 2, "maxReplicas": 4}, "replicas": 9},
     ],
@@ -155,6 +164,7 @@ def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str)
         "no-chunked-prefill",
         "cpu-only",
         "quantities",
+        "pod-overrides",
         "replicas-outside-the-loops-bounds",
     ],
 )

@@ -35,6 +35,7 @@ RUN_AS_USER = 10001
 # Seconds for the Service's endpoints to drop a terminating pod before the sidecar stops taking requests.
 ENDPOINT_DRAIN_S = 5
 GRACE_MARGIN_S = 10
+STARTUP_PROBE_PERIOD_S = 10
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -128,10 +129,12 @@ def build_pdb(name: str, namespace: str) -> dict[str, Any]:
 
 
 def build_servicemonitor(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    metadata = _metadata(name, namespace, name)
+    metadata["labels"] = {**(spec["prometheus"]["serviceMonitor"].get("labels") or {}), **metadata["labels"]}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _metadata(name, namespace, name),
+        "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
             "endpoints": [
@@ -283,6 +286,20 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             pod_spec[key] = resources[key]
     if images.get("pullSecrets"):
         pod_spec["imagePullSecrets"] = [{"name": secret} for secret in images["pullSecrets"]]
+    pod = spec.get("pod") or {}
+    for key in ("runtimeClassName", "priorityClassName", "serviceAccountName", "topologySpreadConstraints"):
+        if pod.get(key):
+            pod_spec[key] = pod[key]
+    if pod.get("env"):
+        for container in (engine_container, sidecar_container):
+            container["env"] = _merged_env(container["env"], pod["env"])
+    if pod.get("startupSeconds"):
+        # kubelet holds the liveness probe until this passes, and restarts the pod if it never does.
+        sidecar_container["startupProbe"] = {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": STARTUP_PROBE_PERIOD_S,
+            "failureThreshold": -(-pod["startupSeconds"] // STARTUP_PROBE_PERIOD_S),
+        }
 
     return {
         "apiVersion": "apps/v1",
@@ -296,8 +313,9 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {
-                    "labels": labels(name),
+                    "labels": {**(pod.get("labels") or {}), **labels(name)},
                     "annotations": {
+                        **(pod.get("annotations") or {}),
                         RESTART_HASH_ANNOTATION: specs.restart_hash(config),
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(sidecar["port"]),
@@ -308,6 +326,13 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             },
         },
     }
+
+
+def _merged_env(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per name, the user's winning, in a stable order (ours first)."""
+    by_name = {item["name"]: item for item in ours}
+    by_name.update({item["name"]: {"name": item["name"], "value": item.get("value", "")} for item in theirs})
+    return list(by_name.values())
 
 
 def build_children(
