@@ -19,12 +19,23 @@ def api_exception(status: int, message: str = "boom") -> ApiException:
     return exc
 
 
-@pytest.mark.parametrize("status", [409, 429, 500, 503, 504])
+@pytest.mark.parametrize("status", [403, 409, 429, 500, 503, 504])
 def test_transient_api_errors_retry_with_a_delay(status: int) -> None:
     with pytest.raises(kopf.TemporaryError) as caught, kube.api_errors("applying Deployment ns/x"):
         raise api_exception(status, "etcd is slow")
     assert caught.value.delay == kube.RETRY_DELAY_S
-    assert f"applying Deployment ns/x: {status} etcd is slow; retrying" == str(caught.value)
+    assert f"applying Deployment ns/x: {status} etcd is slow; retrying in 2 s" == str(caught.value)
+
+
+def test_the_retry_delay_backs_off_exponentially_up_to_a_minute() -> None:
+    delays = []
+    for retry in (0, 1, 2, 3, 10):
+        token = kube.HANDLER_RETRY.set(retry)
+        try:
+            delays.append(kube.retry_delay())
+        finally:
+            kube.HANDLER_RETRY.reset(token)
+    assert delays == [2, 4, 8, 16, 60]
 
 
 def test_a_dropped_connection_retries() -> None:
@@ -32,10 +43,10 @@ def test_a_dropped_connection_retries() -> None:
         raise urllib3.exceptions.ProtocolError("connection reset")
 
 
-@pytest.mark.parametrize("status", [400, 403, 422])
+@pytest.mark.parametrize("status", [400, 404, 422])
 def test_refusals_stop_with_the_servers_message(status: int) -> None:
-    with pytest.raises(kopf.PermanentError, match="forbidden: cannot create deployments"), kube.api_errors("x"):
-        raise api_exception(status, "forbidden: cannot create deployments")
+    with pytest.raises(kopf.PermanentError, match=r"spec\.replicas: Invalid value"), kube.api_errors("x"):
+        raise api_exception(status, "spec.replicas: Invalid value")
 
 
 def test_operator_command_line() -> None:

@@ -182,6 +182,26 @@ def test_transient_api_errors_are_retried(cluster, operator_process, applied) ->
     cluster.kubectl("delete", "oisvc", "retried")
 
 
+def test_a_refused_apply_sets_degraded_with_the_servers_words_and_backs_off_until_it_passes(
+    cluster, operator_process, applied
+) -> None:
+    """403 (RBAC not there yet) is retried, not given up on; meanwhile Degraded says what the API server said."""
+    cluster.api.fail_next("POST", "deployments", status=403, times=2)
+    manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: forbidden", 1)
+    cluster.apply("-f", "-", stdin=manifest)
+    degraded = wait_for(
+        lambda: (s := cluster.service("forbidden")).get("status") and condition(s, "Degraded")["status"] == "True"
+        and condition(s, "Degraded"), timeout=10, what="Degraded on the refused apply",
+    )  # fmt: skip
+    assert degraded["reason"] == "ApplyFailed" and "Deployment forbidden not applied" in degraded["message"]
+    assert "403" in degraded["message"]
+    wait_for(lambda: cluster.get("deployment", "forbidden"), timeout=20, what="the Deployment after two 403s")
+    wait_for(lambda: condition(cluster.service("forbidden"), "Degraded")["status"] == "False", 10, "Degraded cleared")
+    log = operator_process.log()
+    assert "retrying in 2 s" in log and "retrying in 4 s" in log  # backed off
+    cluster.kubectl("delete", "oisvc", "forbidden")
+
+
 def test_invalid_spec_that_slipped_past_the_schema_sets_degraded(cluster, operator_process, applied) -> None:
     # A server without CEL (or an older CRD) would store this; the operator must not act on it.
     manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: slipped", 1)

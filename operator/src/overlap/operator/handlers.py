@@ -72,7 +72,15 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
         kopf.info(dict(body), reason="Created", message=f"Secret {children.admin_secret_name(name)} (admin token)")
     with_monitor = "monitoring.coreos.com" in kube.api_groups()
     for child in children.build_children(body, spec, config, with_servicemonitor=with_monitor):
-        outcome = kube.apply(child)
+        try:
+            outcome = kube.apply(child)
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:
+            # The API server's own words in the status, while kopf retries (or gives up on a permanent error).
+            problem = f"{child['kind']} {child['metadata']['name']} not applied: {exc}"
+            kube.patch_status(
+                name, namespace, lambda cur, p=problem: status.degraded_status(cur, p, status.now_iso(), "ApplyFailed")
+            )
+            raise
         outcome = patched_means if outcome == "patched" else outcome
         if outcome != "unchanged":
             CHILD_WRITES.labels(child["kind"], outcome).inc()
@@ -101,7 +109,8 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
 @kopf.on.resume(*CR)
 @kopf.on.create(*CR)
 @kopf.on.update(*CR)
-def reconcile(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+def reconcile(body: kopf.Body, logger: logging.Logger, retry: int, **_: Any) -> None:
+    kube.HANDLER_RETRY.set(retry)
     _reconcile_children(body, logger)
 
 

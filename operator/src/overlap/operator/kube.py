@@ -7,6 +7,7 @@ retries the handler; other refusals raise `kopf.PermanentError` with the server'
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -20,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from overlap.operator import children
 
 RETRY_DELAY_S = 2.0
+MAX_RETRY_DELAY_S = 60.0
 MERGE_PATCH = "application/merge-patch+json"
 log = logging.getLogger(__name__)
 
@@ -48,11 +50,23 @@ def api_errors(what: str) -> Iterator[None]:
         yield
     except ApiException as exc:
         message = _server_message(exc)
-        if exc.status in (409, 429) or exc.status >= 500:
-            raise kopf.TemporaryError(f"{what}: {exc.status} {message}; retrying", delay=RETRY_DELAY_S) from exc
+        # 403: RBAC may be fixed (a chart upgrade) without the spec changing; 409, 429 and 5xx pass by themselves.
+        if exc.status in (403, 409, 429) or exc.status >= 500:
+            delay = retry_delay()
+            raise kopf.TemporaryError(f"{what}: {exc.status} {message}; retrying in {delay:g} s", delay=delay) from exc
         raise kopf.PermanentError(f"{what}: {exc.status} {message}") from exc
     except (urllib3.exceptions.HTTPError, OSError) as exc:
-        raise kopf.TemporaryError(f"{what}: {exc}; retrying", delay=RETRY_DELAY_S) from exc
+        delay = retry_delay()
+        raise kopf.TemporaryError(f"{what}: {exc}; retrying in {delay:g} s", delay=delay) from exc
+
+
+# The handler's retry count (kopf's `retry` kwarg), set by handlers that retry, for the back-off of api_errors.
+HANDLER_RETRY: contextvars.ContextVar[int] = contextvars.ContextVar("handler_retry", default=0)
+
+
+def retry_delay() -> float:
+    """Exponential back-off: 2 s, 4 s, 8 s ... capped at a minute."""
+    return min(RETRY_DELAY_S * 2 ** HANDLER_RETRY.get(), MAX_RETRY_DELAY_S)
 
 
 def _server_message(exc: ApiException) -> str:

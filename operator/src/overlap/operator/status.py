@@ -186,11 +186,11 @@ def rollout_status(
     }
 
 
-def degraded_status(owner: Mapping[str, Any], problem: str, when: str) -> dict[str, Any]:
+def degraded_status(owner: Mapping[str, Any], problem: str, when: str, reason: str = "InvalidSpec") -> dict[str, Any]:
     """Degraded=True with the problem; the running pods (if any) are left as they are."""
     generation = owner["metadata"].get("generation")
     old = (owner.get("status") or {}).get("conditions") or []
     return {
         "observedGeneration": generation,
-        "conditions": merge_conditions(old, [degraded(problem, generation, when)]),
+        "conditions": merge_conditions(old, [degraded(problem, generation, when, reason)]),
     }
