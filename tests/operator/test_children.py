@@ -288,3 +288,12 @@ def test_pod_overrides_reach_the_template_and_never_replace_the_operators_own() 
     assert built["ServiceMonitor"]["metadata"]["labels"]["release"] == "kps"
     assert built["ServiceMonitor"]["metadata"]["labels"]["app.kubernetes.io/managed-by"] == children.MANAGED_BY
     assert "startupProbe" not in containers(build()["Deployment"])["sidecar"]
+
+
+def test_the_rollout_strategy_follows_the_spec_and_refuses_one_that_can_never_move() -> None:
+    default = build()["Deployment"]["spec"]["strategy"]["rollingUpdate"]
+    assert default == {"maxSurge": 1, "maxUnavailable": 0}  # surge first: a serving pod goes only once a new one is up
+    full_pool = build({"rollout": {"maxSurge": 0, "maxUnavailable": 1}})["Deployment"]["spec"]["strategy"]
+    assert full_pool["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    with pytest.raises(specs.SpecError, match="cannot both be 0"):
+        build({"rollout": {"maxSurge": "0%", "maxUnavailable": 0}})

@@ -309,8 +309,14 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             "replicas": spec["replicas"],
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector_labels(name)},
-            # A GPU is scarce: bring a new pod up before taking an old one down, one at a time.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # By default a new pod comes up before an old one goes, one at a time (spec.rollout).
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {
+                    "maxSurge": spec["rollout"]["maxSurge"],
+                    "maxUnavailable": spec["rollout"]["maxUnavailable"],
+                },
+            },
             "template": {
                 "metadata": {
                     "labels": {**(pod.get("labels") or {}), **labels(name)},

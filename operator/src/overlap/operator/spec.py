@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
         "sidecar": {"cpu": "1", "memory": "1Gi"},
     },
     "replicas": 1,
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
     "autoscaling": {
         "mode": "off",
         "minReplicas": 1,
@@ -202,6 +203,10 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     low, high = scaling.get("minReplicas", 1), scaling.get("maxReplicas", 4)
     if low > high:
         raise SpecError("autoscaling.minReplicas must be <= autoscaling.maxReplicas")
+    rollout = spec.get("rollout") or {}
+    surge, unavailable = (str(rollout.get(key, 0)).rstrip("%") for key in ("maxSurge", "maxUnavailable"))
+    if surge == unavailable == "0":
+        raise SpecError("rollout.maxSurge and rollout.maxUnavailable cannot both be 0: no pod could ever be replaced")
 
     config = engine_config(spec)
     bounds = (spec.get("tuning") or {}).get("bounds") or {}
