@@ -6,7 +6,14 @@ from __future__ import annotations
 import socket
 import threading
 
-from tests.support.node_agent import Probe, ServiceProxy, cpu_quantity, memory_bytes, write_atomic_volume
+from tests.support.node_agent import (
+    Probe,
+    ServiceProxy,
+    cpu_quantity,
+    memory_bytes,
+    rolling_limits,
+    write_atomic_volume,
+)
 
 
 def test_volume_updates_swap_all_files_at_once(tmp_path):
@@ -64,3 +71,9 @@ def test_the_service_proxy_round_robins_connections_and_refuses_without_endpoint
             assert conn.recv(10) == b""  # closed at once: no ready endpoint
     finally:
         proxy.close()
+
+
+def test_rolling_limits_read_counts_and_percentages_as_the_deployment_controller_does():
+    assert rolling_limits({"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, 3) == (1, 0)
+    assert rolling_limits({"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}, 3) == (1, 0)
+    assert rolling_limits({}, 8) == (2, 2)  # Kubernetes' defaults: 25% each

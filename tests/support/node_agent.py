@@ -13,8 +13,8 @@ really runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its rea
 pod with an IP is a target in a Prometheus file-based discovery file.
 
 Limits, by design: one namespace; no ReplicaSets (pods belong to the Deployment); no image pulls (images must be in
-podman's local storage, `make images`), so a missing image is ErrImagePull at once; rollouts follow the operator's
-strategy (maxSurge 1, maxUnavailable 0). Everything it starts it removes by id on `stop()`, and a new agent first
+podman's local storage, `make images`), so a missing image is ErrImagePull at once; rollouts follow the Deployment
+strategy's maxSurge and maxUnavailable. Everything it starts it removes by id on `stop()`, and a new agent first
 removes the pods an earlier one left behind (found by label).
 """
 
@@ -320,13 +320,14 @@ class NodeAgent:
         mine = [p for p in self.pods.values() if p.deployment == name and not p.terminating]
         current = [p for p in mine if p.template_hash == template_hash]
         old = [p for p in mine if p.template_hash != template_hash]
-        if old:  # a rollout: surge one new pod, and let an old one go once the ready count allows (maxUnavailable 0)
-            if len(current) < desired and len(mine) <= desired and all(p.ready for p in current):
+        if old:  # a rollout, within the strategy's maxSurge and maxUnavailable
+            surge, unavailable = rolling_limits(deployment["spec"].get("strategy") or {}, desired)
+            if len(current) < desired and len(mine) < desired + surge:
                 self._create_pod(name, template, template_hash)
             unready_old = [p for p in old if not p.ready]
             if unready_old:
                 self._terminate(unready_old[0])
-            elif sum(p.ready for p in mine) > desired:
+            elif sum(p.ready for p in mine) - 1 >= desired - unavailable:
                 self._terminate(old[0])
             return
         for _ in range(desired - len(current)):
@@ -711,6 +712,20 @@ class NodeAgent:
             tmp = self.sd_file.with_suffix(".tmp")
             tmp.write_text(text)
             os.replace(tmp, self.sd_file)
+
+
+def rolling_limits(strategy: dict[str, Any], desired: int) -> tuple[int, int]:
+    """(maxSurge, maxUnavailable) as pod counts, as the Deployment controller reads them: a percentage of the
+    replicas, surge rounded up and unavailable down; the Kubernetes defaults are 25% each."""
+    rolling = strategy.get("rollingUpdate") or {}
+
+    def count(value: int | str, round_up: bool) -> int:
+        if isinstance(value, str) and value.endswith("%"):
+            share = int(value[:-1]) * desired
+            return -(-share // 100) if round_up else share // 100
+        return int(value)
+
+    return count(rolling.get("maxSurge", "25%"), True), count(rolling.get("maxUnavailable", "25%"), False)
 
 
 def write_atomic_volume(folder: Path, files: dict[str, str], version: str) -> None:
