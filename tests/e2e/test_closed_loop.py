@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from overlap.bench.traces import resolve_trace, scale_rate, truncate
 from overlap.operator.control import signals
@@ -39,7 +38,8 @@ from tests.support.cluster import (
 )
 from tests.support.images import HELM, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import NodeAgent, Podman
-from tests.support.sidecar import Proc, free_port, http
+from tests.support.prometheus import Prometheus
+from tests.support.sidecar import http
 
 pytestmark = pytest.mark.e2e
 
@@ -69,31 +69,6 @@ OVERRIDES = {
         },
     }
 }  # fmt: skip
-
-
-class Prometheus:
-    """Debian's prometheus on 127.0.0.1, finding the pods in the node agent's discovery file; stopped by PID."""
-
-    def __init__(self, workdir: Path, sd_file: Path) -> None:
-        sd_file.write_text("[]")
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                {"job_name": "pods", "file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}]}
-            ],
-        }
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            "prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
-        ]  # fmt: skip
-        self.proc = Proc(cmd, workdir / "prometheus.log")
-        wait_for(lambda: http("GET", f"{self.url}/-/ready", timeout=2)[0] == 200, 30, "Prometheus to be ready")
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 class OperatorContainer:
@@ -217,7 +192,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         cluster.apply("-f", "-", stdin=rendered)
-        prometheus = Prometheus(workdir, workdir / "pods.json")
+        prometheus = Prometheus.of_discovery_file(workdir, workdir / "pods.json")
         started.append(prometheus)
         agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node", sd_file=workdir / "pods.json").start()
         started.append(agent)

@@ -24,37 +24,10 @@ import yaml
 from overlap.operator.control import signals
 from overlap.operator.control.policy import Signals
 from tests.support.cluster import NAMESPACE, REPO, chart_grants, operator_requests, running_operator, wait_for
-from tests.support.sidecar import ADMIN_TOKEN, Proc, Stack, free_port, http
+from tests.support.prometheus import Prometheus
+from tests.support.sidecar import ADMIN_TOKEN, Stack, free_port, http
 
 NAME = "looped"
-SCRAPE_S = 1
-
-
-class Prometheus:
-    """Debian's prometheus on 127.0.0.1, scraping the given targets every second; stopped by PID."""
-
-    def __init__(self, workdir: Path, targets: dict[str, dict[str, str]]) -> None:
-        config = {
-            "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
-            "scrape_configs": [
-                {
-                    "job_name": "overlap",
-                    "static_configs": [{"targets": [t], "labels": lab} for t, lab in targets.items()],
-                }
-            ],
-        }
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            "prometheus", f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{self.port}",
-        ]  # fmt: skip
-        self.proc = Proc(cmd, workdir / "prometheus.log")
-        wait_for(lambda: http("GET", f"{self.url}/-/ready", timeout=2)[0] == 200, 30, "Prometheus to be ready")
-
-    def stop(self) -> None:
-        self.proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +47,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, served: Stack) -> Itera
     except subprocess.CalledProcessError:
         pytest.skip("prometheus is not installed: run `make prometheus`")
     labels = {"namespace": NAMESPACE, "service": NAME}
-    server = Prometheus(tmp_path_factory.mktemp("prometheus"), {f"127.0.0.1:{served.port}": labels})
+    server = Prometheus.of_targets(tmp_path_factory.mktemp("prometheus"), {f"127.0.0.1:{served.port}": labels})
     try:
         yield server
     finally:
