@@ -5,6 +5,7 @@ says why. The agent leaves no container behind, and a new agent removes what a k
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,7 +146,8 @@ def test_the_agent_leaves_nothing_behind_and_a_new_one_cleans_up_after_a_killed_
 
 
 def test_the_cpu_example_serves_as_written(node):
-    """examples/inferenceservice-cpu.yaml unchanged: the real tiny model from the engine image, on CPU."""
+    """examples/inferenceservice-cpu.yaml unchanged: the real tiny model from the engine image, on CPU, in
+    containers that run as uid 10001 on a read-only root with no capabilities and no privilege escalation."""
     cluster, agent = node
     cluster.apply("-f", str(REPO / "examples" / "inferenceservice-cpu.yaml"))
     try:
@@ -155,6 +157,17 @@ def test_the_cpu_example_serves_as_written(node):
         body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 8}
         status, _, reply = http("POST", f"http://{host}:{port}/v1/completions", body, timeout=60)
         assert status == 200 and reply["usage"]["completion_tokens"] == 8, reply
+        # What the operator's template asks for, checked on the running containers themselves.
+        (pod,) = [p for p in agent.pods.values() if p.deployment == "tiny-cpu" and p.ready]
+        for container in pod.containers:
+            assert agent.podman("exec", container.id, "id", "-u") == "10001", container.name
+            touched = subprocess.run(["podman", "exec", container.id, "touch", "/opt/x"], capture_output=True,
+                                     text=True, env=agent.podman.env)  # fmt: skip
+            assert touched.returncode != 0 and "Read-only file system" in touched.stderr, container.name
+            state = json.loads(agent.podman("inspect", "--format", "{{json .EffectiveCaps}}", container.id))
+            assert not state, f"{container.name} keeps capabilities {state}"
+            options = json.loads(agent.podman("inspect", "--format", "{{json .HostConfig.SecurityOpt}}", container.id))
+            assert "no-new-privileges" in options, (container.name, options)
     finally:
         cluster.kubectl("delete", "inferenceservice", "tiny-cpu")
 
