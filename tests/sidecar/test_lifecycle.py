@@ -98,16 +98,22 @@ def test_watched_config_file_applies_live_knobs(stack):
     http("PUT", f"{stack.admin_url}/admin/config", {"max_num_seqs": 64}, headers=AUTH)
 
 
+def post_and_keep_the_socket(stack, body: dict) -> socket.socket:
+    """POST a completion on a raw connection and return it unread, so the test decides when the client leaves."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", stack.port))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    return sock
+
+
 def test_client_disconnect_aborts_the_engine_request(stack):
     aborted_before = metric_value(stack.metrics(), "overlap_requests_finished_total", 'reason="abort"')
     for stream in (True, False):
-        body = json.dumps(completion(stack, max_tokens=1500, ignore_eos=True, stream=stream)).encode()
-        sock = socket.create_connection(("127.0.0.1", stack.port))
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+        sock = post_and_keep_the_socket(stack, completion(stack, max_tokens=1500, ignore_eos=True, stream=stream))
         wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
         if stream:
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
@@ -164,14 +170,8 @@ def test_priority_from_body_or_header_orders_the_engine_queue(stack):
 
     # A long request holds the one slot while the others queue; its client leaves once all four wait, so the test
     # does not race a generation's length against a slow core.
-    body = json.dumps(completion(stack, max_tokens=1500, ignore_eos=True)).encode()
-    blocker = socket.create_connection(("127.0.0.1", stack.port))
+    blocker = post_and_keep_the_socket(stack, completion(stack, max_tokens=1500, ignore_eos=True))
     try:
-        blocker.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
         wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "blocker running")
         threads = [threading.Thread(target=run, args=(f"low-{i}", 2)) for i in range(2)]
         threads += [threading.Thread(target=run, args=("high-header", None, {"x-priority": "0"})),
