@@ -138,3 +138,73 @@ def test_the_garbage_collector_follows_owner_references(cluster) -> None:
     with pytest.raises(ApiException) as caught:
         cluster.core.read_namespaced_config_map("emu-owned", NAMESPACE)
     assert caught.value.status == 404
+    # A child written after its owner is gone (a reconcile racing the deletion) is collected too.
+    late = configmap("emu-late")
+    late["metadata"]["ownerReferences"] = [ref]
+    cluster.core.create_namespaced_config_map(NAMESPACE, late)
+    with pytest.raises(ApiException) as caught:
+        cluster.core.read_namespaced_config_map("emu-late", NAMESPACE)
+    assert caught.value.status == 404
+
+
+def deployment(name: str, **pod_spec) -> dict:
+    labels = {"app": name}
+    container = {"name": "main", "image": "busybox:1", "env": [{"name": "A", "value": "1"}]}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": 2, "selector": {"matchLabels": labels},
+                     "template": {"metadata": {"labels": labels},
+                                  "spec": {"containers": [container], **pod_spec}}}}  # fmt: skip
+
+
+def server_side_apply(cluster, obj: dict, *flags: str) -> dict:
+    flags = ("--server-side", "--field-manager=owner", *flags, "-o", "json", "--show-managed-fields")
+    done = cluster.apply(*flags, "-f", "-", stdin=json.dumps(obj))
+    return json.loads(done.stdout)
+
+
+def test_server_side_apply_records_managers_and_a_repeat_is_a_no_op(cluster) -> None:
+    first = server_side_apply(cluster, deployment("emu-ssa"))
+    managers = {(m["manager"], m["operation"]) for m in first["metadata"]["managedFields"]}
+    assert managers == {("owner", "Apply")}
+    fields = first["metadata"]["managedFields"][0]["fieldsV1"]
+    containers = fields["f:spec"]["f:template"]["f:spec"]["f:containers"]
+    assert set(containers) == {'k:{"name":"main"}'} and "f:image" in containers['k:{"name":"main"}']
+    again = server_side_apply(cluster, deployment("emu-ssa"))
+    assert again["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
+
+
+def test_a_field_the_manager_stops_applying_goes_and_what_others_set_stays(cluster) -> None:
+    server_side_apply(cluster, deployment("emu-drop", nodeSelector={"gpu": "h200"}, tolerations=[{"key": "gpu"}]))
+    cluster.kubectl("label", "deployment", "emu-drop", "team=ml")  # another manager: kubectl-label
+    cluster.kubectl("set", "env", "deployment/emu-drop", "B=2")  # an env entry of someone else's
+    after = server_side_apply(cluster, deployment("emu-drop"))
+    pod = after["spec"]["template"]["spec"]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
+    assert after["metadata"]["labels"] == {"team": "ml"}
+    env = sorted(pod["containers"][0]["env"], key=lambda item: item["name"])
+    assert env == [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]
+
+
+def test_an_apply_over_another_managers_value_conflicts_unless_forced(cluster) -> None:
+    server_side_apply(cluster, deployment("emu-conflict"))
+    cluster.kubectl("scale", "deployment", "emu-conflict", "--replicas=5")
+    refused = cluster.apply("--server-side", "--field-manager=owner", "-f", "-",
+                            stdin=json.dumps(deployment("emu-conflict")), check=False)  # fmt: skip
+    assert refused.returncode != 0 and "conflict" in refused.stderr and ".spec.replicas" in refused.stderr
+    forced = server_side_apply(cluster, deployment("emu-conflict"), "--force-conflicts")
+    assert forced["spec"]["replicas"] == 2
+    owners = {m["manager"]: m["fieldsV1"] for m in forced["metadata"]["managedFields"]}
+    assert "f:replicas" in owners["owner"]["f:spec"]
+    assert all("f:replicas" not in (f.get("f:spec") or {}) for m, f in owners.items() if m != "owner")
+
+
+def test_apply_needs_a_field_manager_and_force_only_goes_with_apply(cluster) -> None:
+    apps = kubernetes.client.AppsV1Api(cluster.client)
+    with pytest.raises(ApiException) as missing:
+        apps.patch_namespaced_deployment("emu-x", NAMESPACE, deployment("emu-x"),
+                                         _content_type="application/apply-patch+yaml")  # fmt: skip
+    assert missing.value.status == 422 and "fieldManager" in missing.value.body
+    with pytest.raises(ApiException) as forced:
+        apps.patch_namespaced_deployment("emu-x", NAMESPACE, {"spec": {}}, force=True,
+                                         _content_type="application/merge-patch+json")  # fmt: skip
+    assert forced.value.status == 422

@@ -174,7 +174,7 @@ def test_events_record_what_the_operator_did(cluster, applied) -> None:
 
 
 def test_transient_api_errors_are_retried(cluster, operator_process, applied) -> None:
-    cluster.api.fail_next("POST", "deployments", status=503, times=2)
+    cluster.api.fail_next("PATCH", "deployments", status=503, times=2)
     manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: retried", 1)
     cluster.apply("-f", "-", stdin=manifest)
     wait_for(lambda: cluster.get("deployment", "retried"), timeout=15, what="the Deployment after two 503s")
@@ -186,7 +186,7 @@ def test_a_refused_apply_sets_degraded_with_the_servers_words_and_backs_off_unti
     cluster, operator_process, applied
 ) -> None:
     """403 (RBAC not there yet) is retried, not given up on; meanwhile Degraded says what the API server said."""
-    cluster.api.fail_next("POST", "deployments", status=403, times=2)
+    cluster.api.fail_next("PATCH", "deployments", status=403, times=2)
     manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: forbidden", 1)
     cluster.apply("-f", "-", stdin=manifest)
     degraded = wait_for(
@@ -244,6 +244,35 @@ def test_servicemonitor_when_prometheus_operator_is_installed(cluster, applied) 
     assert monitor["spec"]["endpoints"][0]["port"] == "http"
 
 
+def test_disabling_the_servicemonitor_deletes_it(cluster, applied) -> None:
+    assert cluster.get("servicemonitor", NAME), "runs after the test that installs the ServiceMonitor CRD"
+    patch = {"spec": {"prometheus": {"serviceMonitor": {"enabled": False}}}}
+    cluster.kubectl("patch", "oisvc", NAME, "--type", "merge", "-p", json.dumps(patch))
+    wait_for(lambda: cluster.get("servicemonitor", NAME) is None, what="the ServiceMonitor deleted")
+    events = json.loads(cluster.kubectl("get", "events", "-o", "json").stdout)["items"]
+    assert any(e["reason"] == "Deleted" and e["message"].startswith("ServiceMonitor") for e in events)
+
+
+def test_fields_removed_from_the_spec_leave_the_deployment(cluster, applied) -> None:
+    """Server-side apply: what the operator stops setting goes; what someone else set on the Deployment stays."""
+    placement = {"nodeSelector": {"gpu": "h200"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                 "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                     "nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In",
+                                                                  "values": ["a"]}]}]}}}}  # fmt: skip
+    patch = {"spec": {"resources": placement, "images": {"pullSecrets": ["registry"]}}}
+    cluster.kubectl("patch", "oisvc", NAME, "--type", "merge", "-p", json.dumps(patch))
+    pod = lambda: cluster.get("deployment", NAME)["spec"]["template"]["spec"]  # noqa: E731
+    wait_for(lambda: "affinity" in pod() and pod().get("imagePullSecrets"), what="the placement on the pods")
+    cluster.kubectl("annotate", "deployment", NAME, "example.com/owner=someone-else")
+    removed = {"spec": {"resources": {key: None for key in placement}, "images": {"pullSecrets": None}}}
+    cluster.kubectl("patch", "oisvc", NAME, "--type", "merge", "-p", json.dumps(removed))
+    gone = ("nodeSelector", "tolerations", "affinity", "imagePullSecrets")
+    wait_for(lambda: not any(key in pod() for key in gone), what=f"{gone} gone from the pod template")
+    assert cluster.get("deployment", NAME)["metadata"]["annotations"]["example.com/owner"] == "someone-else"
+    shown = cluster.kubectl("get", "deployment", NAME, "-o", "json", "--show-managed-fields").stdout
+    assert "overlap-operator" in {m["manager"] for m in json.loads(shown)["metadata"]["managedFields"]}
+
+
 def test_no_finalizer_without_a_control_loop_and_one_once_it_is_on(cluster, applied) -> None:
     """kopf's finalizer guards the control loop's timer only: a service without autoscaling or tuning has none, so
     it is deleted even when no operator runs."""
@@ -273,7 +302,6 @@ def test_the_operator_needs_only_what_the_chart_grants(cluster, applied) -> None
     # Least privilege: what is granted but was not needed in these tests must be explained here.
     unused = granted - used
     expected_unused = {
-        ("patch", "monitoring.coreos.com", "servicemonitors"),  # only when one drifts
         ("list", "", "pods"),  # only the control loop lists pods (test_control_loop checks its requests)
         # setting blockOwnerDeletion needs it where OwnerReferencesPermissionEnforcement is on (not emulated)
         ("update", "overlap.dev", "inferenceservices/finalizers"),

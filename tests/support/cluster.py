@@ -144,6 +144,8 @@ def operator_requests(cluster: Cluster) -> set[tuple[str, str, str]]:
             verb = verbs[method]
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
         used.add((verb, request.resource.group, resource))
+        if any(created is request for created in cluster.api.applies_that_created):
+            used.add(("create", request.resource.group, resource))  # an apply that creates needs both verbs
     return used
 
 

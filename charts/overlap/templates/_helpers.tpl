@@ -70,9 +70,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]
+# Children are server-side applied (patch; create when the apply makes one); a disabled ServiceMonitor is deleted.
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors]
-  verbs: [get, create, patch]
+  verbs: [get, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -16,10 +16,11 @@ kmock parses the URLs, serves discovery and reads, and renders errors. This subc
 | no CRD validation, no server-side printing         | defaulting + schema + CEL (admission.py); Tables    |
 | no OpenAPI: kubectl apply wants --validate=false   | /openapi/v3 says "fieldValidation supported", no more |
 | no garbage collector                               | owner references followed on delete (background)     |
+| no managed fields, no server-side apply            | managedFields on every write; apply (apply.py)       |
 
 Strategic merge patches are applied as JSON merge patches (lists replaced, `$` directives dropped): enough for
-`kubectl apply` of new objects and for the operator, which sends merge patches. Not an API server: no RBAC,
-no admission webhooks, no server-side apply, no pods, no controllers (the tests play the Deployment controller).
+`kubectl apply` of new objects and for the status writes of kopf and the operator. Not an API server: no RBAC,
+no admission webhooks, no pods, no controllers (the node agent or the tests play them).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import kmock
 from kmock._internal import rendering  # Response with headers, for the watch stream's content type
 
 from tests.support.kube.admission import admit_crd, admit_custom_resource
+from tests.support.kube.apply import APPLY_PATCH, manager_of, record_update, server_side_apply
 from tests.support.kube.selectors import jsonpath, match_fields, match_labels
 from tests.support.kube.status import api_status
 from tests.support.kube.watches import watch_events
@@ -108,6 +110,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.watchers: set[asyncio.Queue] = set()
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
         self.request_log: list[rendering.Request] = []  # every request answered, in order (for the tests' checks)
+        self.applies_that_created: list[rendering.Request] = []  # RBAC authorizes these as create too
         self.failures_lock = threading.Lock()
         self.validate_custom_resources = True  # False: a server without CRD validation (to test the operator's)
         for group, version, plural, kind, namespaced, subresources, short in BUILTINS:
@@ -221,7 +224,8 @@ class ApiServer(kmock.KubernetesEmulator):
             result = await self._delete(res, request.namespace, request.name)
         else:
             return await super()._handle(request)
-        return aiohttp.web.json_response(result, status=201 if method == "POST" else 200)
+        created = method == "POST" or any(r is request for r in self.applies_that_created)
+        return aiohttp.web.json_response(result, status=201 if created else 200)
 
     async def _publish(self, resource, kind: str, obj: dict) -> None:
         event = {"type": kind, "object": copy.deepcopy(obj)}
@@ -246,8 +250,11 @@ class ApiServer(kmock.KubernetesEmulator):
         return admit_custom_resource(obj, resource, crd["kind"], crd["schema"], strict=strict)
 
     async def _create(self, request: rendering.Request) -> dict:
+        return await self._insert(request, copy.deepcopy(request.data or {}), applied=False)
+
+    async def _insert(self, request: rendering.Request, obj: dict, *, applied: bool) -> dict:
+        """Store a new object: a POST, or an apply of one that does not exist yet."""
         res = request.resource
-        obj = copy.deepcopy(request.data or {})
         kind, namespaced, _ = self.infos[res]
         meta = obj.setdefault("metadata", {})
         if not meta.get("name") and meta.get("generateName"):
@@ -257,6 +264,12 @@ class ApiServer(kmock.KubernetesEmulator):
         obj.setdefault("apiVersion", f"{res.group}/{res.version}".lstrip("/"))
         obj.setdefault("kind", kind)
         obj = self._admit(res, obj, strict=request.params.get("fieldValidation") == "Strict")
+        manager = manager_of(request.params, request.headers)
+        if applied:
+            obj = server_side_apply(None, obj, manager, force=request.params.get("force") == "true")
+        else:
+            obj.get("metadata", {}).pop("managedFields", None)
+            record_update(None, obj, manager)
         async with self._lock:
             if key in self.objects and not self.objects[key].deleted:
                 raise api_status(409, "AlreadyExists", f'{kind.lower()}s "{meta.get("name")}" already exists')
@@ -274,18 +287,40 @@ class ApiServer(kmock.KubernetesEmulator):
             await self._publish(res, "ADDED", obj)
             if kind == "CustomResourceDefinition":
                 self._register_crd(obj)
+            if self._orphaned(obj):  # the garbage collector deletes what names only owners that are gone
+                await self._remove(res, key)
         return obj
+
+    def _orphaned(self, obj: dict) -> bool:
+        refs = obj["metadata"].get("ownerReferences") or []
+        live = {o.raw["metadata"].get("uid") for o in self.objects.values() if not o.deleted} if refs else set()
+        return bool(refs) and not any(ref.get("uid") in live for ref in refs)
 
     async def _update(self, request: rendering.Request, method: str) -> dict:
         res, sub = request.resource, request.subresource
         key = (res, request.namespace, request.name)
         content_type = request.headers.get("Content-Type", "application/json").split(";")[0]
+        manager = manager_of(request.params, request.headers)
+        if content_type == APPLY_PATCH:
+            if not request.params.get("fieldManager"):
+                raise api_status(422, "Invalid", "PatchOptions.meta.k8s.io is invalid: fieldManager: Required value: "
+                                 "is required for apply patch")  # fmt: skip
+            if not isinstance(request.data, dict):
+                raise api_status(400, "BadRequest", "error decoding YAML: the apply patch is not an object")
+        elif request.params.get("force"):
+            raise api_status(422, "Invalid", "PatchOptions.meta.k8s.io is invalid: force: Forbidden: "
+                             "may not be specified for non-apply patch")  # fmt: skip
+        async with self._lock:
+            missing = key not in self.objects or self.objects[key].deleted
+        if missing and content_type == APPLY_PATCH and sub is None:
+            self.applies_that_created.append(request)
+            return await self._insert(request, copy.deepcopy(request.data), applied=True)
         async with self._lock:
             if key not in self.objects or self.objects[key].deleted:
                 raise api_status(404, "NotFound", f'{res.plural} "{request.name}" not found')
             current = copy.deepcopy(self.objects[key].raw)
             if sub == "scale":
-                return await self._update_scale(res, key, current, request, method)
+                return await self._update_scale(res, key, current, request, method, manager)
             given = request.data
             if method == "PUT":
                 wanted = copy.deepcopy(given)
@@ -296,6 +331,9 @@ class ApiServer(kmock.KubernetesEmulator):
                     raise api_status(422, "Invalid", f"the JSON patch could not be applied: {exc}") from exc
             elif content_type in ("application/merge-patch+json", "application/strategic-merge-patch+json"):
                 wanted = merge_patch(current, given)
+            elif content_type == APPLY_PATCH:
+                force = request.params.get("force") == "true"
+                wanted = server_side_apply(current, copy.deepcopy(given), manager, force)
             else:
                 raise api_status(415, "UnsupportedMediaType", f"{content_type} is not supported by the test server")
             given_rv = ((given if isinstance(given, dict) else {}).get("metadata") or {}).get("resourceVersion")
@@ -306,10 +344,14 @@ class ApiServer(kmock.KubernetesEmulator):
                     "the object has been modified; please apply your changes to the latest version and try again",
                 )
             strict = request.params.get("fieldValidation") == "Strict"
-            return await self._store(res, key, current, wanted, sub, strict=strict)
+            owners = None if content_type == APPLY_PATCH else manager
+            return await self._store(res, key, current, wanted, sub, strict=strict, manager=owners)
 
-    async def _store(self, res, key, current: dict, wanted: dict, sub: str | None, *, strict: bool = False) -> dict:
-        """Write `wanted` over `current` the way the server would (caller holds the lock)."""
+    async def _store(
+        self, res, key, current: dict, wanted: dict, sub: str | None, *, strict: bool = False, manager: str | None
+    ) -> dict:
+        """Write `wanted` over `current` the way the server would (caller holds the lock). `manager` made the change
+        with an update (None: an apply, which has set the managed fields itself)."""
         has_status = "status" in self.infos[res][2]
         if sub == "status":
             wanted = {**current, "status": wanted.get("status")}
@@ -331,6 +373,10 @@ class ApiServer(kmock.KubernetesEmulator):
             wanted = self._admit(res, wanted, strict=strict)
             meta = wanted["metadata"]
             meta["generation"] = current["metadata"].get("generation", 1) + 1
+        if sub == "status":
+            meta["managedFields"] = current["metadata"].get("managedFields") or []
+        elif manager is not None:
+            record_update(current, wanted, manager)
         meta["resourceVersion"] = current["metadata"]["resourceVersion"]
         if wanted == current:
             return current  # a no-op write changes nothing, not even the resourceVersion
@@ -364,7 +410,9 @@ class ApiServer(kmock.KubernetesEmulator):
             "status": {"replicas": jsonpath(obj, status_path) or 0, **({"selector": selector} if selector else {})},
         }
 
-    async def _update_scale(self, res, key, current: dict, request: rendering.Request, method: str) -> dict:
+    async def _update_scale(
+        self, res, key, current: dict, request: rendering.Request, method: str, manager: str
+    ) -> dict:
         scale = self._scale_of(res, current)
         wanted_scale = request.data if method == "PUT" else merge_patch(scale, request.data)
         if request.headers.get("Content-Type", "").startswith("application/json-patch+json"):
@@ -377,7 +425,7 @@ class ApiServer(kmock.KubernetesEmulator):
         for part in parents:
             target = target.setdefault(part, {})
         target[leaf] = replicas
-        stored = await self._store(res, key, current, wanted, None)
+        stored = await self._store(res, key, current, wanted, None, manager=manager)
         return self._scale_of(res, stored)
 
     async def _delete(self, res, namespace: str | None, name: str) -> dict:

@@ -26,7 +26,7 @@ CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
 
 RECONCILES = Counter("overlap_operator_reconciles_total", "InferenceService reconciles", ["outcome"])
 CHILD_WRITES = Counter(
-    "overlap_operator_child_writes_total", "Children created, updated to a new spec or put back", ["kind", "outcome"]
+    "overlap_operator_child_writes_total", "Children created, updated, put back or deleted", ["kind", "outcome"]
 )
 
 
@@ -87,6 +87,14 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
             message = f"{child['kind']} {child['metadata']['name']} {outcome}"
             logger.info(message)
             kopf.info(dict(body), reason=outcome.capitalize(), message=message)
+
+    # A child the spec no longer wants goes (only ServiceMonitors come and go with the spec).
+    unwanted = with_monitor and not spec["prometheus"]["serviceMonitor"]["enabled"]
+    if unwanted and kube.delete_if_owned("ServiceMonitor", name, namespace, body["metadata"]["uid"]):
+        CHILD_WRITES.labels("ServiceMonitor", "deleted").inc()
+        message = f"ServiceMonitor {name} deleted: spec.prometheus.serviceMonitor.enabled is false"
+        logger.info(message)
+        kopf.info(dict(body), reason="Deleted", message=message)
 
     deployment = kube.read("Deployment", name, namespace)
     problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))

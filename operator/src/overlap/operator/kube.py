@@ -23,6 +23,8 @@ from overlap.operator import children
 RETRY_DELAY_S = 2.0
 MAX_RETRY_DELAY_S = 60.0
 MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "overlap-operator"
 log = logging.getLogger(__name__)
 
 # kind -> (API class, method suffix) for the typed client.
@@ -76,30 +78,37 @@ def _server_message(exc: ApiException) -> str:
         return str(exc.reason)
 
 
-def _calls(kind: str) -> tuple[Callable, Callable, Callable]:
-    """(read, create, patch) for `kind`, each taking (name, namespace[, body])."""
+def _calls(kind: str) -> tuple[Callable, Callable, Callable, Callable]:
+    """(read, create, patch, delete) for `kind`: read and delete take (name, namespace), create (namespace, body),
+    patch (name, namespace, body, content type, query options); read and patch return the object as JSON."""
     if kind in _TYPED:
         api_class, suffix = _TYPED[kind]
         api = api_class()
+        # Raw JSON (camelCase, as the server sends it), not the typed models: that is what drift checks compare.
         return (
-            # Raw JSON (camelCase, as the server sends it), not the typed models: that is what drift checks compare.
             lambda name, ns: json.loads(getattr(api, f"read_{suffix}")(name, ns, _preload_content=False).data),
             lambda ns, body: getattr(api, f"create_{suffix}")(ns, body),
-            lambda name, ns, body: getattr(api, f"patch_{suffix}")(name, ns, body, _content_type=MERGE_PATCH),
+            lambda name, ns, body, content_type, **options: json.loads(
+                getattr(api, f"patch_{suffix}")(
+                    name, ns, body, _content_type=content_type, _preload_content=False, **options
+                ).data
+            ),
+            lambda name, ns: getattr(api, f"delete_{suffix}")(name, ns),
         )
     group, version, plural = _CUSTOM[kind]
     api = kubernetes.client.CustomObjectsApi()
     return (
         lambda name, ns: api.get_namespaced_custom_object(group, version, ns, plural, name),
         lambda ns, body: api.create_namespaced_custom_object(group, version, ns, plural, body),
-        lambda name, ns, body: api.patch_namespaced_custom_object(
-            group, version, ns, plural, name, body, _content_type=MERGE_PATCH
+        lambda name, ns, body, content_type, **options: api.patch_namespaced_custom_object(
+            group, version, ns, plural, name, body, _content_type=content_type, **options
         ),
+        lambda name, ns: api.delete_namespaced_custom_object(group, version, ns, plural, name),
     )
 
 
 def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
-    read_fn, _, _ = _calls(kind)
+    read_fn = _calls(kind)[0]
     with api_errors(f"reading {kind} {namespace}/{name}"):
         try:
             obj = read_fn(name, namespace)
@@ -111,19 +120,40 @@ def read(kind: str, name: str, namespace: str) -> dict[str, Any] | None:
 
 
 def apply(desired: Mapping[str, Any]) -> str:
-    """Make the live object match `desired`: 'created', 'patched' (it differed) or 'unchanged'."""
+    """Make the live object match `desired`: 'created', 'patched' (it differed) or 'unchanged'.
+
+    Server-side apply as the operator's field manager, forcing conflicts: fields the spec no longer sets (a
+    removed nodeSelector, toleration, pull secret) leave the object. Apply keeps what other writers add to a list,
+    so when an entry was added to one of the operator's lists (a port on the Service, an env entry), a merge patch
+    then replaces those lists whole: the admin port never stays on a Service.
+    """
     kind, meta = desired["kind"], desired["metadata"]
-    _, create_fn, patch_fn = _calls(kind)
+    patch_fn = _calls(kind)[2]
     actual = read(kind, meta["name"], meta["namespace"])
-    what = f"{kind} {meta['namespace']}/{meta['name']}"
-    with api_errors(f"applying {what}"):
-        if actual is None:
-            create_fn(meta["namespace"], dict(desired))
-            return "created"
-        if children.is_subset(desired, actual):
-            return "unchanged"
-        patch_fn(meta["name"], meta["namespace"], dict(desired))
-        return "patched"
+    with api_errors(f"applying {kind} {meta['namespace']}/{meta['name']}"):
+        result = patch_fn(meta["name"], meta["namespace"], dict(desired), APPLY_PATCH,
+                          field_manager=FIELD_MANAGER, force=True)  # fmt: skip
+        if not children.is_subset(desired, result):
+            result = patch_fn(meta["name"], meta["namespace"], dict(desired), MERGE_PATCH, field_manager=FIELD_MANAGER)
+    if actual is None:
+        return "created"
+    return "unchanged" if result["metadata"]["resourceVersion"] == actual["metadata"]["resourceVersion"] else "patched"
+
+
+def delete_if_owned(kind: str, name: str, namespace: str, owner_uid: str) -> bool:
+    """Delete a child the spec no longer wants (a disabled ServiceMonitor), if it exists and `owner_uid` owns it."""
+    actual = read(kind, name, namespace)
+    refs = (actual or {}).get("metadata", {}).get("ownerReferences") or []
+    if not any(ref.get("uid") == owner_uid and ref.get("controller") for ref in refs):
+        return False
+    with api_errors(f"deleting {kind} {namespace}/{name}"):
+        try:
+            _calls(kind)[3](name, namespace)
+        except ApiException as exc:
+            if exc.status == 404:  # gone meanwhile
+                return False
+            raise
+    return True
 
 
 def create_if_absent(desired: Mapping[str, Any]) -> bool:
@@ -131,7 +161,7 @@ def create_if_absent(desired: Mapping[str, Any]) -> bool:
     kind, meta = desired["kind"], desired["metadata"]
     if read(kind, meta["name"], meta["namespace"]) is not None:
         return False
-    _, create_fn, _ = _calls(kind)
+    create_fn = _calls(kind)[1]
     with api_errors(f"creating {kind} {meta['namespace']}/{meta['name']}"):
         try:
             create_fn(meta["namespace"], dict(desired))
