@@ -23,7 +23,6 @@ def build(spec_overrides: dict | None = None, *, monitor: bool = True) -> dict[s
     spec = specs.with_defaults({"model": {"servedName": "llm", "path": "/models/llm"}, **(spec_overrides or {})})
     config = specs.check_spec(spec)
     built = children.build_children(OWNER, spec, config, with_servicemonitor=monitor)
-    built.append(children.adopt(children.build_admin_secret("llm", "ml", token="t0ken"), OWNER))
     return {obj["kind"]: obj for obj in built}
 
 

@@ -14,7 +14,16 @@ import pytest
 import yaml
 
 from overlap.operator import children
-from tests.support.cluster import NAMESPACE, OPERATOR_TOKEN, REPO, chart_grants, operator_requests, wait_for
+from tests.support.cluster import (
+    NAMESPACE,
+    OPERATOR_TOKEN,
+    REPO,
+    chart_grants,
+    not_granted,
+    operator_requests,
+    unused_grants,
+    wait_for,
+)
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
@@ -45,15 +54,20 @@ def test_apply_creates_the_children_with_owner_references_within_2s(cluster, app
     print(f"children created {applied:.3f} s after the InferenceService was stored")  # shown with pytest -s
     assert applied < 2.0, f"children appeared after {applied:.2f} s"
     uid = cluster.service(NAME)["metadata"]["uid"]
-    for kind, name in [*CHILDREN, ("secret", f"{NAME}-admin-token")]:
+    for kind, name in CHILDREN:
         obj = cluster.get(kind, name)
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceService", NAME, uid, True)
+    tokens = cluster.get("secret", "overlap-admin-tokens")
+    assert [(r["name"], r["uid"], r["controller"]) for r in tokens["metadata"]["ownerReferences"]] == [
+        (NAME, uid, False)
+    ]
+    assert list(tokens["data"]) == [NAME]
 
 
 def test_children_as_stored_pass_strict_schema_validation(cluster, applied) -> None:
     version = kubernetes_validate.latest_version()
-    for kind, name in [*CHILDREN, ("secret", f"{NAME}-admin-token")]:
+    for kind, name in [*CHILDREN, ("secret", "overlap-admin-tokens")]:
         obj = cluster.get(kind, name)
         for server_field in ("uid", "resourceVersion", "generation", "creationTimestamp"):
             assert server_field in obj["metadata"] or server_field == "generation"
@@ -141,8 +155,8 @@ def test_a_child_deleted_by_hand_is_put_back(cluster, applied) -> None:
 def test_a_deleted_admin_token_secret_is_made_anew_before_a_new_pod_needs_it(cluster, applied) -> None:
     """Rotation: delete the Secret; the next pod of the service (here one the test creates, as the ReplicaSet
     would) finds a new token, and the owner reference ties it to the service."""
-    secret = f"{NAME}-admin-token"
-    old = cluster.core.read_namespaced_secret(secret, NAMESPACE).data["token"]
+    secret = "overlap-admin-tokens"
+    old = cluster.core.read_namespaced_secret(secret, NAMESPACE).data[NAME]
     cluster.kubectl("delete", "secret", secret)
     labels = {**children.labels(NAME)}
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-rotation", "labels": labels},
@@ -150,9 +164,23 @@ def test_a_deleted_admin_token_secret_is_made_anew_before_a_new_pod_needs_it(clu
     cluster.core.create_namespaced_pod(NAMESPACE, pod)
     try:
         new = wait_for(lambda: cluster.core.read_namespaced_secret(secret, NAMESPACE), what="the Secret made anew")
-        assert new.data["token"] != old and new.metadata.owner_references[0].name == NAME
+        assert new.data[NAME] != old and new.metadata.owner_references[0].name == NAME
     finally:
         cluster.core.delete_namespaced_pod(f"{NAME}-rotation", NAMESPACE)
+
+
+def test_the_services_of_a_namespace_share_one_token_secret_with_a_key_each(cluster, applied) -> None:
+    cluster.apply("-f", "-", stdin=EXAMPLE.read_text().replace(f"name: {NAME}", "name: second", 1))
+    tokens = lambda: cluster.core.read_namespaced_secret("overlap-admin-tokens", NAMESPACE)  # noqa: E731
+    wait_for(lambda: set(tokens().data) == {NAME, "second"}, what="a key for the second service")
+    assert tokens().data[NAME] != tokens().data["second"]
+    assert {r.name for r in tokens().metadata.owner_references} == {NAME, "second"}
+    mounted = cluster.get("deployment", "second")["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in mounted if v["name"] == "admin-token"]
+    assert volume["secret"]["items"] == [{"key": "second", "path": "admin-token"}]  # its own token only
+    cluster.kubectl("delete", "oisvc", "second")
+    # The garbage collector keeps a Secret another owner still holds, and drops the gone owner's reference.
+    wait_for(lambda: [r.name for r in tokens().metadata.owner_references] == [NAME], what="one owner left")
 
 
 def test_a_child_edited_by_hand_is_put_back(cluster, applied) -> None:
@@ -291,20 +319,21 @@ def test_no_finalizer_without_a_control_loop_and_one_once_it_is_on(cluster, appl
 def test_deleting_the_inferenceservice_removes_its_children(cluster, applied) -> None:
     cluster.kubectl("delete", "oisvc", NAME)
     wait_for(lambda: all(cluster.get(kind, name) is None for kind, name in CHILDREN), what="the children gone")
-    assert cluster.get("secret", f"{NAME}-admin-token") is None
+    assert cluster.get("secret", "overlap-admin-tokens") is None, "its last owner is gone"
 
 
 def test_the_operator_needs_only_what_the_chart_grants(cluster, applied) -> None:
     granted = chart_grants()
     used = operator_requests(cluster)
     assert used, "no operator requests were recorded"
-    assert used <= granted, f"the chart does not grant: {sorted(used - granted)}"
+    assert not not_granted(used, granted), f"the chart does not grant: {sorted(not_granted(used, granted))}"
+    # The only Secret the operator reads or writes is its own: secret requests by name name that one.
+    assert {u[3] for u in used if u[2] == "secrets" and u[3]} == {"overlap-admin-tokens"}, sorted(used)
     # Least privilege: what is granted but was not needed in these tests must be explained here.
-    unused = granted - used
+    unused = unused_grants(used, granted)
     expected_unused = {
-        ("list", "", "pods"),  # only the control loop lists pods (test_control_loop checks its requests)
         # setting blockOwnerDeletion needs it where OwnerReferencesPermissionEnforcement is on (not emulated)
-        ("update", "overlap.dev", "inferenceservices/finalizers"),
+        ("update", "overlap.dev", "inferenceservices/finalizers", None),
     }
     assert unused <= expected_unused, f"granted but never used: {sorted(unused - expected_unused)}"
 

@@ -128,8 +128,9 @@ def wait_for(
 OPERATOR_TOKEN = "operator-token"  # the operator's identity in the API's request log (RBAC checks)
 
 
-def operator_requests(cluster: Cluster) -> set[tuple[str, str, str]]:
-    """(verb, API group, resource[/subresource]) of every request the operator made, from the API's log."""
+def operator_requests(cluster: Cluster) -> set[tuple[str, str, str, str | None]]:
+    """(verb, API group, resource[/subresource], object name or None) of every request the operator made, from the
+    API's log."""
     verbs = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}
     used = set()
     for request in list(cluster.api.request_log):
@@ -143,19 +144,31 @@ def operator_requests(cluster: Cluster) -> set[tuple[str, str, str]]:
         else:
             verb = verbs[method]
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
-        used.add((verb, request.resource.group, resource))
+        used.add((verb, request.resource.group, resource, request.name if verb != "create" else None))
         if any(created is request for created in cluster.api.applies_that_created):
-            used.add(("create", request.resource.group, resource))  # an apply that creates needs both verbs
+            used.add(("create", request.resource.group, resource, None))  # an apply that creates needs both verbs
     return used
 
 
-def chart_grants() -> set[tuple[str, str, str]]:
-    """(verb, API group, resource) that the chart's ClusterRole grants the operator (rendered by the real helm)."""
+def chart_grants() -> set[tuple[str, str, str, str | None]]:
+    """(verb, API group, resource, name or None for any) that the chart's ClusterRole grants the operator (rendered
+    by the real helm)."""
     helm = [str(REPO / ".tools" / "bin" / "helm"), "template", "overlap", str(REPO / "charts" / "overlap")]
     docs = yaml.safe_load_all(subprocess.run(helm, capture_output=True, text=True, check=True).stdout)
     (role,) = [d for d in docs if d and d["kind"] == "ClusterRole" and d["metadata"]["name"] == "overlap"]
-    return {(verb, group, resource) for rule in role["rules"] for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}  # fmt: skip
+    return {(verb, group, resource, name) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]
+            for name in rule.get("resourceNames") or [None]}  # fmt: skip
+
+
+def not_granted(used: set[tuple], granted: set[tuple]) -> set[tuple]:
+    """The requests of `used` no rule of `granted` allows (RBAC: a rule with resourceNames allows those names only)."""
+    return {u for u in used if u not in granted and (*u[:3], None) not in granted}
+
+
+def unused_grants(used: set[tuple], granted: set[tuple]) -> set[tuple]:
+    """The (verb, group, resource, name) of `granted` that no request of `used` needed."""
+    return {g for g in granted if not any(u[:3] == g[:3] and g[3] in (None, u[3]) for u in used)}
 
 
 def write_kubeconfig(path: Path, url: str, namespace: str, token: str = "test-token") -> Path:

@@ -444,7 +444,8 @@ class ApiServer(kmock.KubernetesEmulator):
             return await self._remove(res, key)
 
     async def _remove(self, res, key) -> dict:
-        """Gone for good; then play the garbage collector: delete what this object owned (caller holds the lock)."""
+        """Gone for good; then play the garbage collector: delete what this object owned, unless another owner of it
+        still exists (caller holds the lock)."""
         obj = copy.deepcopy(self.objects[key].raw)
         self._bump(obj)
         self.objects[key].delete()
@@ -455,8 +456,18 @@ class ApiServer(kmock.KubernetesEmulator):
             for k, v in list(self.objects.items())
             if not v.deleted and any(ref.get("uid") == uid for ref in v.raw["metadata"].get("ownerReferences") or [])
         ]
+        live = {o.raw["metadata"].get("uid") for o in self.objects.values() if not o.deleted}
         for child_key, child in owned:
-            if child.raw["metadata"].get("finalizers"):
+            others = [
+                r for r in child.raw["metadata"]["ownerReferences"] if r.get("uid") != uid and r.get("uid") in live
+            ]
+            if others:  # another owner lives on: the dependent stays, less the dangling reference
+                kept = copy.deepcopy(child.raw)
+                kept["metadata"]["ownerReferences"] = others
+                self._bump(kept)
+                child.create(kept)
+                await self._publish(child_key[0], "MODIFIED", kept)
+            elif child.raw["metadata"].get("finalizers"):
                 marked = copy.deepcopy(child.raw)
                 marked["metadata"]["deletionTimestamp"] = _now()
                 self._bump(marked)

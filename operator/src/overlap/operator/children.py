@@ -7,8 +7,6 @@ deleting the service deletes them (Kubernetes' garbage collector) and the operat
 
 from __future__ import annotations
 
-import base64
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +28,7 @@ CONFIG_DIR = "/etc/overlap"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.json"
 ADMIN_TOKEN_DIR = "/var/run/secrets/overlap"
 ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/admin-token"
+ADMIN_TOKENS_SECRET = "overlap-admin-tokens"  # one per namespace, a key per service (admin_tokens.py)
 API_KEY_ENV = "OVERLAP_API_KEY"
 RUN_AS_USER = 10001
 # Seconds for the Service's endpoints to drop a terminating pod before the sidecar stops taking requests.
@@ -60,10 +59,6 @@ def configmap_name(name: str) -> str:
     return f"{name}-engine"
 
 
-def admin_secret_name(name: str) -> str:
-    return f"{name}-admin-token"
-
-
 def service_url(name: str, namespace: str, spec: Mapping[str, Any]) -> str:
     return f"http://{name}.{namespace}.svc:{spec['sidecar']['port']}"
 
@@ -90,18 +85,6 @@ def build_configmap(name: str, namespace: str, config: EngineConfig) -> dict[str
         "kind": "ConfigMap",
         "metadata": _metadata(configmap_name(name), namespace, name),
         "data": {"engine.json": specs.engine_json(config)},
-    }
-
-
-def build_admin_secret(name: str, namespace: str, token: str | None = None) -> dict[str, Any]:
-    """The sidecar's admin bearer token; created once, never overwritten (rotate by deleting it)."""
-    token = token or secrets.token_urlsafe(32)
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": _metadata(admin_secret_name(name), namespace, name),
-        "data": {"token": base64.b64encode(token.encode()).decode()},
     }
 
 
@@ -274,7 +257,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             {"name": "config", "configMap": {"name": configmap_name(name)}},
             {
                 "name": "admin-token",
-                "secret": {"secretName": admin_secret_name(name), "items": [{"key": "token", "path": "admin-token"}]},
+                "secret": {"secretName": ADMIN_TOKENS_SECRET, "items": [{"key": name, "path": "admin-token"}]},
             },
             {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
@@ -344,7 +327,7 @@ def _merged_env(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> lis
 def build_children(
     owner: Mapping[str, Any], spec: Mapping[str, Any], config: EngineConfig, *, with_servicemonitor: bool
 ) -> list[dict[str, Any]]:
-    """Every child the operator keeps in line with the spec (the admin Secret is created separately, once)."""
+    """Every child the operator keeps in line with the spec (the admin tokens are admin_tokens.py's)."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     children = [
         build_configmap(name, namespace, config),

@@ -16,7 +16,7 @@ from typing import Any
 import kopf
 from prometheus_client import Counter
 
-from overlap.operator import children, kube, status
+from overlap.operator import admin_tokens, children, kube, status
 from overlap.operator import spec as specs
 
 CR = (children.GROUP, children.VERSION, children.PLURAL)
@@ -68,8 +68,7 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
         raise kopf.PermanentError(problem) from exc
     config = specs.tuned_config(config, spec, body.get("status"))
 
-    if kube.create_if_absent(children.adopt(children.build_admin_secret(name, namespace), body)):
-        kopf.info(dict(body), reason="Created", message=f"Secret {children.admin_secret_name(name)} (admin token)")
+    _ensure_admin_token(body)
     with_monitor = "monitoring.coreos.com" in kube.api_groups()
     for child in children.build_children(body, spec, config, with_servicemonitor=with_monitor):
         try:
@@ -162,12 +161,14 @@ for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OWNED, id=f"restore-{_plural}")(restore_child)
 
 
+def _ensure_admin_token(owner: Mapping[str, Any]) -> None:
+    if admin_tokens.ensure(owner)[1]:
+        message = f"Secret {admin_tokens.SECRET} (admin tokens of the namespace's services)"
+        kopf.info(dict(owner), reason="Created", message=message)
+
+
 def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> None:
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    # A deleted admin-token Secret (a rotation) is made anew before new pods wait on it; running sidecars pick
-    # the new token up from their mount.
-    if kube.create_if_absent(children.adopt(children.build_admin_secret(name, namespace), owner)):
-        kopf.info(dict(owner), reason="Created", message=f"Secret {children.admin_secret_name(name)} (admin token)")
     problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
     kube.patch_status(
         name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso(), problems)
@@ -193,6 +194,9 @@ def mirror_pods(body: kopf.Body, **_: Any) -> None:
     owner = kube.read_service(name, namespace) if name else None
     if owner is None or owner["metadata"].get("deletionTimestamp"):
         return
+    if not status.pod_is_ready(body):
+        # A starting pod mounts its admin token: a deleted Secret (a rotation) is written anew before it waits.
+        _ensure_admin_token(owner)
     _mirror(owner, kube.read("Deployment", name, namespace))
 
 

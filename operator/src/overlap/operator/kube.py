@@ -18,7 +18,7 @@ import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from overlap.operator import children
+from overlap.operator import children, status
 
 RETRY_DELAY_S = 2.0
 MAX_RETRY_DELAY_S = 60.0
@@ -156,11 +156,14 @@ def delete_if_owned(kind: str, name: str, namespace: str, owner_uid: str) -> boo
     return True
 
 
+def merge_patch(kind: str, name: str, namespace: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+    with api_errors(f"patching {kind} {namespace}/{name}"):
+        return _calls(kind)[2](name, namespace, dict(patch), MERGE_PATCH, field_manager=FIELD_MANAGER)
+
+
 def create_if_absent(desired: Mapping[str, Any]) -> bool:
     """Create `desired` unless an object of that name exists (it is then left as it is)."""
     kind, meta = desired["kind"], desired["metadata"]
-    if read(kind, meta["name"], meta["namespace"]) is not None:
-        return False
     create_fn = _calls(kind)[1]
     with api_errors(f"creating {kind} {meta['namespace']}/{meta['name']}"):
         try:
@@ -184,6 +187,14 @@ def read_service(name: str, namespace: str) -> dict[str, Any] | None:
             raise
 
 
+def list_services(namespace: str) -> list[dict[str, Any]]:
+    """Every InferenceService in the namespace, as JSON."""
+    api = kubernetes.client.CustomObjectsApi()
+    with api_errors(f"listing InferenceServices in {namespace}"):
+        found = api.list_namespaced_custom_object(children.GROUP, children.VERSION, namespace, children.PLURAL)
+    return found.get("items") or []
+
+
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     api = kubernetes.client.CoreV1Api()
     with api_errors(f"listing pods {selector} in {namespace}"):
@@ -195,10 +206,9 @@ def ready_pod_ips(namespace: str, selector: str) -> list[str]:
     """The IPs of the Ready pods matching a label selector (the control loop talks to their admin ports)."""
     ips = []
     for pod in list_pods(namespace, selector):
-        pod_status = pod.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod_status.get("conditions") or [])
-        if ready and pod_status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-            ips.append(pod_status["podIP"])
+        pod_ip = (pod.get("status") or {}).get("podIP")
+        if status.pod_is_ready(pod) and pod_ip and not pod["metadata"].get("deletionTimestamp"):
+            ips.append(pod_ip)
     return ips
 
 

@@ -43,6 +43,11 @@ def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str
 _STARTING = {"ContainerCreating", "PodInitializing"}
 
 
+def pod_is_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """Why pods are not ready, in kubelet's words: a container waiting (ErrImagePull, CrashLoopBackOff, ...) or
     restarted, a failed pod, or a readiness probe that keeps failing."""
@@ -51,9 +56,9 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
         name, pod_status = pod["metadata"]["name"], pod.get("status") or {}
         if pod["metadata"].get("deletionTimestamp"):
             continue
-        ready = next((c for c in pod_status.get("conditions") or [] if c.get("type") == "Ready"), {})
-        if ready.get("status") == "True":
+        if pod_is_ready(pod):
             continue
+        ready = next((c for c in pod_status.get("conditions") or [] if c.get("type") == "Ready"), {})
         found = []
         for container in pod_status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting") or {}

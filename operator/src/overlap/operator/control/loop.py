@@ -16,7 +16,6 @@ windows afresh, which only delays the next move.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import math
@@ -34,7 +33,7 @@ from prometheus_client import Counter
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError
-from overlap.operator import children, kube, status
+from overlap.operator import admin_tokens, children, kube, status
 from overlap.operator import spec as specs
 from overlap.operator.control import signals
 from overlap.operator.control.policy import (
@@ -175,11 +174,7 @@ def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConf
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     kube.apply(children.adopt(children.build_configmap(name, namespace, engine), body))
     knobs = specs.tunable_values(engine)
-    secret = kube.read("Secret", children.admin_secret_name(name), namespace)
-    if secret is None:
-        logger.warning(f"control loop: no admin Secret for {namespace}/{name}; pods pick the change up from the file")
-        return
-    token = base64.b64decode(secret["data"]["token"]).decode()
+    token, _ = admin_tokens.ensure(body)
     for pod_ip in kube.ready_pod_ips(namespace, children.selector_string(name)):
         url = f"http://{pod_ip}:{spec['sidecar']['adminPort']}/admin/config"
         try:
