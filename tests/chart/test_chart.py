@@ -102,7 +102,7 @@ def test_every_value_is_documented_and_typed() -> None:
 
 def test_rbac_grants_only_what_the_operator_uses() -> None:
     (role,) = [r for r in by_kind(render(), "ClusterRole") if r["metadata"]["name"] == "overlap"]
-    grants = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+    grants = {(group, resource, *rule.get("resourceNames", [])): set(rule["verbs"]) for rule in role["rules"]
               for group in rule["apiGroups"] for resource in rule["resources"]}  # fmt: skip
     assert grants == {
         ("overlap.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
@@ -111,10 +111,12 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
         ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
         ("", "services"): {"get", "list", "watch", "create", "patch"},
-        ("", "secrets"): {"get", "create"},
+        # No Secret can be read but the operator's own (create cannot be scoped by name).
+        ("", "secrets"): {"create"},
+        ("", "secrets", "overlap-admin-tokens"): {"get", "patch"},
         ("", "pods"): {"list", "watch"},
         ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
-        ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch"},
+        ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch", "delete"},
         ("", "events"): {"create"},
     }
 

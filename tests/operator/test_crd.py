@@ -316,6 +316,46 @@ def test_an_unguarded_rule_on_a_defaulted_level_refuses_the_crd_as_the_api_serve
     assert "no such key: minReplicas evaluating rule" in done.stderr
 
 
+ROOT = "spec.versions[0].schema.openAPIV3Schema"
+
+
+def _spec_level(crd: dict) -> dict:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+@pytest.mark.parametrize(
+    ("breakage", "field", "message"),
+    [
+        (lambda s: s["properties"]["replicas"].pop("type"), f"{ROOT}.properties[spec].properties[replicas].type",
+         "Required value: must not be empty for specified object fields"),
+        (lambda s: s["properties"]["images"]["properties"]["pullSecrets"].pop("items"),
+         f"{ROOT}.properties[spec].properties[images].properties[pullSecrets].items",
+         "Required value: must be specified"),
+        (lambda s: s.update(additionalProperties={"type": "string"}), f"{ROOT}.properties[spec].additionalProperties",
+         "Forbidden: additionalProperties and properties are mutual exclusive"),
+        (lambda s: s["properties"]["sidecar"].update(default={"port": 8000, "colour": "blue"}),
+         f"{ROOT}.properties[spec].properties[sidecar].default", "must not have unknown fields"),
+        (lambda s: s["x-kubernetes-validations"].append({"rule": "self.replicas <"}),
+         f"{ROOT}.properties[spec].x-kubernetes-validations[3].rule", "compilation failed: ERROR: <input>:1:"),
+    ],
+    ids=["no-type", "array-without-items", "properties-and-additionalProperties", "unknown-default-field",
+         "cel-syntax"],
+)  # fmt: skip
+def test_a_crd_schema_the_api_server_refuses_is_refused_with_its_words(breakage, field, message) -> None:
+    assert admission.crd_schema_errors(CRD) == []
+    crd = copy.deepcopy(CRD)
+    breakage(_spec_level(crd))
+    causes = admission.crd_schema_errors(crd)
+    assert [f for f, _ in causes] == [field] and message in causes[0][1], causes
+
+
+def test_kubectl_apply_of_a_non_structural_crd_prints_the_refusal(cluster) -> None:
+    crd = _unguarded_crd()
+    _spec_level(crd)["properties"]["replicas"].pop("type")
+    done = cluster.apply("-f", "-", stdin=yaml.safe_dump(crd), check=False)
+    assert done.returncode != 0 and "must not be empty for specified object fields" in done.stderr
+
+
 @pytest.mark.parametrize("name", ["llama-3.1-8b", "8b-llama", "Llama", "a" * 64, "llama-"])
 def test_names_that_cannot_name_the_service_are_refused_by_the_crd_and_the_operator(name) -> None:
     obj = copy.deepcopy(VALID)

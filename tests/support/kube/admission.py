@@ -9,8 +9,13 @@ On `POST customresourcedefinitions` it also does what the apiextensions-apiserve
 each raw default is checked against its level's schema and CEL rules (`crd_default_errors`), so an unguarded rule
 on a `default: {}` level refuses the CRD as a real cluster would ("no such key: ... evaluating rule: ...").
 
+It also checks the CRD's schemas as the apiextensions-apiserver does (`crd_schema_errors`): the structural-schema
+rules (a type at every level, items on arrays, properties or additionalProperties), defaults without unknown fields
+and CEL rules that compile.
+
 Not covered (the CRD does not use them): oneOf/anyOf, formats beyond date-time, transition rules (oldSelf); of the
-CRD checks, CEL cost estimation and structural-schema rules.
+CRD checks, CEL type checking against the schema and the cost estimate (cel-python has neither), and the
+metadata and allOf/anyOf/oneOf/not restrictions of structural schemas.
 """
 
 from __future__ import annotations
@@ -236,9 +241,58 @@ def _cel_error(exc: Exception, rule: str, value: Any) -> str:
     return str(exc)
 
 
+def crd_schema_errors(crd: dict[str, Any]) -> list[tuple[str, str]]:
+    """The apiextensions-apiserver's structural-schema rules, pruned defaults and CEL compilation, on every version's
+    schema, in its words: a `type` at every level (an object at the root), `items` on every array, `properties` or
+    `additionalProperties` but not both, defaults without unknown fields, rules that compile."""
+    causes: list[tuple[str, str]] = []
+
+    def walk(node: dict[str, Any], path: str, level: str) -> None:
+        typed = node.get("type") or node.get("x-kubernetes-int-or-string") or _preserves(node)
+        if not typed:
+            causes.append((f"{path}.type", f"Required value: must not be empty {level}"))
+        if level == "at the root" and node.get("type") not in (None, "object"):
+            causes.append((f"{path}.type", f'Invalid value: "{node["type"]}": must be object at the root'))
+        if node.get("type") == "array" and not isinstance(node.get("items"), dict):
+            causes.append((f"{path}.items", "Required value: must be specified"))
+        if node.get("properties") and node.get("additionalProperties") not in (None, True):
+            causes.append(
+                (f"{path}.additionalProperties", "Forbidden: additionalProperties and properties are mutual exclusive")
+            )
+        if "default" in node:
+            unknown: list[str] = []
+            _prune(copy.deepcopy(node["default"]), node, "", unknown)
+            if unknown:
+                causes.append(
+                    (f"{path}.default", f"Invalid value: {_shown(node['default'])}: must not have unknown fields")
+                )
+        for index, rule in enumerate(node.get("x-kubernetes-validations") or []):
+            try:
+                _cel_env.compile(rule["rule"])
+            except celpy.CELParseError as exc:  # cel-go's form: ERROR: <input>:LINE:COLUMN: Syntax error
+                where = f"{path}.x-kubernetes-validations[{index}].rule"
+                at = f"<input>:{getattr(exc, 'line', 1)}:{(getattr(exc, 'column', 0) or 0) + 1}"
+                causes.append(
+                    (where, f'Invalid value: "{rule["rule"]}": compilation failed: ERROR: {at}: Syntax error')
+                )
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.properties[{key}]", "for specified object fields")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}.items", "for specified array items")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{path}.additionalProperties", "for specified object fields")
+
+    for index, version in enumerate(crd.get("spec", {}).get("versions") or []):
+        schema = (version.get("schema") or {}).get("openAPIV3Schema")
+        if schema:
+            walk(schema, f"spec.versions[{index}].schema.openAPIV3Schema", "at the root")
+    return causes
+
+
 def admit_crd(crd: dict[str, Any]) -> None:
-    """422, as the API server refuses a CRD whose defaults break their own schema or rules."""
-    causes = crd_default_errors(crd)
+    """422, as the API server refuses a CRD whose schema is not structural, whose rules do not compile, or whose
+    defaults break their own schema or rules."""
+    causes = crd_schema_errors(crd) or crd_default_errors(crd)
     if causes:
         name = crd.get("metadata", {}).get("name", "")
         message = f'CustomResourceDefinition.apiextensions.k8s.io "{name}" is invalid: ' + ", ".join(
