@@ -262,6 +262,8 @@ POD_OVERRIDES = {
         {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
     ],
     "startupSeconds": 900,
+    "volumes": [{"name": "adapters", "persistentVolumeClaim": {"claimName": "loras", "readOnly": True}}],
+    "volumeMounts": [{"name": "adapters", "mountPath": "/adapters", "readOnly": True}],
 }
 
 
@@ -282,6 +284,11 @@ def test_pod_overrides_reach_the_template_and_never_replace_the_operators_own() 
     assert env["HF_HUB_OFFLINE"] == "1" and env["OMP_NUM_THREADS"] == "2" and env["HOME"] == "/tmp"
     assert len(engine["env"]) == len(env)  # one entry per name
     assert "HF_HUB_OFFLINE" in {item["name"] for item in sidecar["env"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["adapters"]["persistentVolumeClaim"]["claimName"] == "loras" and "socket" in volumes
+    assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in engine["volumeMounts"]
+    assert "/adapters" not in {m["mountPath"] for m in sidecar["volumeMounts"]}  # the engine reads adapters
+    kubernetes_validate.validate(built["Deployment"], K8S_VERSION, strict=True)
     probe = sidecar["startupProbe"]
     assert probe["httpGet"]["path"] == "/readyz" and probe["periodSeconds"] * probe["failureThreshold"] >= 900
     assert built["ServiceMonitor"]["metadata"]["labels"]["release"] == "kps"

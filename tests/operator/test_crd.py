@@ -122,6 +122,15 @@ INVALID = [
         id="unknown-nested",
     ),
 ]
+BAD_VOLUMES = [
+    pytest.param({"volumes": [{"name": "tmp", "emptyDir": {}}]}, "pod.volumes cannot use the operator's names",
+                 id="reserved-volume-name"),
+    pytest.param({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "b", "mountPath": "/b"}]},
+                 "every pod.volumeMounts name must be one of pod.volumes", id="mount-of-no-volume"),
+    pytest.param({"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/tmp"}]},
+                 "pod.volumeMounts cannot use the operator's paths", id="reserved-mount-path"),
+]  # fmt: skip
+INVALID += [pytest.param(with_spec(pod=p.values[0]), p.values[1], id=p.id) for p in BAD_VOLUMES]
 
 
 @pytest.mark.parametrize(("obj", "message"), INVALID)
@@ -151,6 +160,8 @@ def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str)
                 "env": [{"name": "X", "value": "1"}],
                 "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}],
                 "startupSeconds": 600,
+                "volumes": [{"name": "adapters", "persistentVolumeClaim": {"claimName": "loras", "readOnly": True}}],
+                "volumeMounts": [{"name": "adapters", "mountPath": "/adapters", "readOnly": True}],
             }
         },
         # `kubectl scale` or a GitOps re-apply in builtin mode: admitted; the loop brings it back within the bounds
@@ -265,6 +276,12 @@ def test_strict_field_validation_names_the_unknown_field(cluster) -> None:
         'InferenceService in version "v1alpha1" cannot be handled as a InferenceService: '
         'strict decoding error: unknown field "spec.replica"'
     )
+
+
+@pytest.mark.parametrize(("pod", "message"), BAD_VOLUMES)
+def test_the_operator_refuses_bad_extra_volumes_with_the_crds_words(pod: dict, message: str) -> None:
+    with pytest.raises(specs.SpecError, match=message):
+        specs.check_spec(specs.with_defaults(with_spec(pod=pod)["spec"]))
 
 
 def test_the_operator_refuses_two_gpus_with_the_crds_words() -> None:

@@ -273,6 +273,8 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
     for key in ("runtimeClassName", "priorityClassName", "serviceAccountName", "topologySpreadConstraints"):
         if pod.get(key):
             pod_spec[key] = pod[key]
+    pod_spec["volumes"] += pod.get("volumes") or []
+    engine_container["volumeMounts"] += pod.get("volumeMounts") or []
     if pod.get("env"):
         for container in (engine_container, sidecar_container):
             container["env"] = _merged_env(container["env"], pod["env"])

@@ -223,7 +223,23 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     sidecar = spec.get("sidecar") or {}
     if sidecar.get("port", 8000) == sidecar.get("adminPort", 8001):
         raise SpecError("sidecar.port and sidecar.adminPort must differ")
+    _check_volumes(spec.get("pod") or {})
     return config
+
+
+RESERVED_VOLUMES = ("socket", "config", "admin-token", "tmp", "dshm", "model")
+RESERVED_PATHS = ("/run/overlap", "/etc/overlap", "/var/run/secrets/overlap", "/tmp", "/dev/shm")
+
+
+def _check_volumes(pod: Mapping[str, Any]) -> None:
+    names = [volume.get("name") for volume in pod.get("volumes") or []]
+    if any(name in RESERVED_VOLUMES for name in names):
+        raise SpecError(f"pod.volumes cannot use the operator's names {', '.join(RESERVED_VOLUMES)}")
+    mounts = pod.get("volumeMounts") or []
+    if any(mount.get("mountPath") in RESERVED_PATHS for mount in mounts):
+        raise SpecError(f"pod.volumeMounts cannot use the operator's paths {', '.join(RESERVED_PATHS)}")
+    if any(mount.get("name") not in names for mount in mounts):
+        raise SpecError("every pod.volumeMounts name must be one of pod.volumes")
 
 
 def engine_json(config: EngineConfig) -> str:
