@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 log = logging.getLogger("node-agent")
 
 AGENT_LABEL = "dev.overlap.node-agent"
@@ -285,11 +287,12 @@ class NodeAgent:
         live = {d["metadata"]["name"] for d in deployments}
         for deployment in deployments:
             self._sync_deployment(deployment)
+        objects = {p["metadata"]["name"] for p in self._list(self.core.list_namespaced_pod)}
         for pod in list(self.pods.values()):
             if pod.gone:
                 del self.pods[pod.name]
-            elif pod.deployment not in live and not pod.terminating:
-                self._terminate(pod)
+            elif (pod.deployment not in live or pod.name not in objects) and not pod.terminating:
+                self._terminate(pod)  # its Deployment went, or its Pod object (the garbage collector, kubectl)
         configmaps = {c["metadata"]["name"]: c for c in self._list(self.core.list_namespaced_config_map)}
         for pod in list(self.pods.values()):
             if not pod.terminating:
@@ -323,7 +326,7 @@ class NodeAgent:
         if old:  # a rollout, within the strategy's maxSurge and maxUnavailable
             surge, unavailable = rolling_limits(deployment["spec"].get("strategy") or {}, desired)
             if len(current) < desired and len(mine) < desired + surge:
-                self._create_pod(name, template, template_hash)
+                self._create_pod(deployment, template_hash)
             unready_old = [p for p in old if not p.ready]
             if unready_old:
                 self._terminate(unready_old[0])
@@ -331,7 +334,7 @@ class NodeAgent:
                 self._terminate(old[0])
             return
         for _ in range(desired - len(current)):
-            self._create_pod(name, template, template_hash)
+            self._create_pod(deployment, template_hash)
         # Scale down as the ReplicaSet controller ranks pods: not ready ones first, then the newest.
         for pod in sorted(current, key=lambda p: (p.ready, -p.created))[: max(0, len(current) - desired)]:
             self._terminate(pod)
@@ -367,7 +370,8 @@ class NodeAgent:
             self._deployment_written[name] = text
 
     # ---- pods ----------------------------------------------------------------------------------------------------
-    def _create_pod(self, deployment: str, template: dict[str, Any], template_hash: str) -> None:
+    def _create_pod(self, owner: dict[str, Any], template_hash: str) -> None:
+        deployment, template = owner["metadata"]["name"], owner["spec"]["template"]
         name = f"{deployment}-{template_hash[:6]}-{secrets.token_hex(3)}"
         pod = Pod(name, deployment, template_hash, template, self.workdir / "pods" / name)
         pod.containers = [Container(spec) for spec in template["spec"]["containers"]]
@@ -382,7 +386,15 @@ class NodeAgent:
                 "labels": pod.labels,
                 "annotations": template.get("metadata", {}).get("annotations", {}),
                 "ownerReferences": [
-                    {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment, "uid": "", "controller": True}
+                    # The Deployment, not a ReplicaSet (the agent has none): the garbage collector takes the pods
+                    # with it, and would delete a pod that names an owner that does not exist.
+                    {
+                        "apiVersion": "apps/v1",
+                        "kind": "Deployment",
+                        "name": deployment,
+                        "uid": owner["metadata"]["uid"],
+                        "controller": True,
+                    }
                 ],
             },
             "spec": {**template["spec"], "nodeName": NODE_NAME},
@@ -672,7 +684,14 @@ class NodeAgent:
             status |= {"reason": pod.problem[0], "message": pod.problem[1]}
         text = json.dumps(status, sort_keys=True)
         if text != pod.written:
-            self.core.patch_namespaced_pod_status(pod.name, self.namespace, {"status": status}, _preload_content=False)
+            try:
+                self.core.patch_namespaced_pod_status(
+                    pod.name, self.namespace, {"status": status}, _preload_content=False
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                return  # the Pod object is gone: this pod is terminating, with nothing left to report to
             pod.written = text
 
     # ---- kube-proxy and Prometheus discovery ---------------------------------------------------------------------

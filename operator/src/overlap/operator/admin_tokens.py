@@ -14,6 +14,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+import kopf
+
 from overlap.operator import children, kube
 
 SECRET = children.ADMIN_TOKENS_SECRET
@@ -33,30 +35,22 @@ def ensure(owner: Mapping[str, Any]) -> tuple[str, bool]:
         if kube.create_if_absent(body):
             return tokens[name], True
         current = kube.read("Secret", SECRET, namespace)  # created meanwhile by another handler
-    data = dict((current or {}).get("data") or {})
+        if current is None:
+            raise kopf.TemporaryError(f"Secret {namespace}/{SECRET} came and went; retrying", delay=1)
+    data = dict(current.get("data") or {})
     refs = list(current["metadata"].get("ownerReferences") or [])
     ref = _reference(owner)
     if name in data and any(r.get("uid") == ref["uid"] for r in refs):
         return base64.b64decode(data[name]).decode(), False
     token = secrets.token_urlsafe(32)  # a new service: an earlier one of the same name does not pass on its token
-    stale = {r["uid"] for r in refs if r.get("name") == name}
-    patch = {
-        # resourceVersion: a concurrent writer's key or owner is not lost (a 409 retries the handler).
-        "metadata": {
-            "resourceVersion": current["metadata"]["resourceVersion"],
-            "ownerReferences": [r for r in refs if r["uid"] not in stale] + [ref],
-        },
-        "data": {name: base64.b64encode(token.encode()).decode()},
-    }
-    kube.merge_patch("Secret", SECRET, namespace, patch)
+    # A JSON patch appends on the server: services added at once never overwrite each other's key or reference.
+    # An earlier service's reference under the same name dangles; the garbage collector drops it.
+    add_ref = {"op": "add", "path": "/metadata/ownerReferences/-" if refs else "/metadata/ownerReferences",
+               "value": ref if refs else [ref]}  # fmt: skip
+    add_key = {"op": "add", "path": f"/data/{name}", "value": base64.b64encode(token.encode()).decode()}
+    kube.json_patch("Secret", SECRET, namespace, [add_key, add_ref] if "data" in current else
+                    [{"op": "add", "path": "/data", "value": {}}, add_key, add_ref])  # fmt: skip
     return token, False
-
-
-def token_of(name: str, namespace: str) -> str | None:
-    """The token the service's pods mount, or None while it is not written."""
-    current = kube.read("Secret", SECRET, namespace)
-    value = ((current or {}).get("data") or {}).get(name)
-    return base64.b64decode(value).decode() if value else None
 
 
 def _reference(owner: Mapping[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from overlap.operator import children, status
 RETRY_DELAY_S = 2.0
 MAX_RETRY_DELAY_S = 60.0
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
 FIELD_MANAGER = "overlap-operator"
 log = logging.getLogger(__name__)
@@ -156,9 +157,9 @@ def delete_if_owned(kind: str, name: str, namespace: str, owner_uid: str) -> boo
     return True
 
 
-def merge_patch(kind: str, name: str, namespace: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+def json_patch(kind: str, name: str, namespace: str, operations: list[dict[str, Any]]) -> dict[str, Any]:
     with api_errors(f"patching {kind} {namespace}/{name}"):
-        return _calls(kind)[2](name, namespace, dict(patch), MERGE_PATCH, field_manager=FIELD_MANAGER)
+        return _calls(kind)[2](name, namespace, operations, JSON_PATCH, field_manager=FIELD_MANAGER)
 
 
 def create_if_absent(desired: Mapping[str, Any]) -> bool:
