@@ -1,4 +1,5 @@
-"""The runner's one native kernel: paged decode attention on CPU (`paged_attention.c`), built on first use.
+"""The runner's one native kernel: paged decode attention on CPU, fp32 or bf16 (`paged_attention.c`), built on first
+use.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
 cached under `$OVERLAP_CACHE_DIR/native/` keyed by the source, the flags and the CPU model (the build uses
@@ -19,6 +20,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -35,12 +37,20 @@ _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 class DecodeAttentionKernel:
     """`paged_attention.c` loaded; `__call__` runs sequences [begin, end) of a prepared `DecodePlan`."""
 
+    ENTRY_POINTS: ClassVar[dict[torch.dtype, str]] = {
+        torch.float32: "overlap_paged_decode_attention",
+        torch.bfloat16: "overlap_paged_decode_attention_bf16",
+    }
+    DTYPES = tuple(ENTRY_POINTS)
+
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.overlap_paged_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
-        fn.argtypes += [_i32, _f32]
-        self._fn = fn
+        self._fns = {}
+        for dtype, name in self.ENTRY_POINTS.items():
+            fn = getattr(library, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
+            fn.argtypes += [_i32, _f32]
+            self._fns[dtype] = fn
 
     def __call__(
         self,
@@ -54,8 +64,11 @@ class DecodeAttentionKernel:
         scale: float,
     ) -> None:
         """q [rows, heads, D] (rows may be strided, heads and D dense); k/v pool [slots, kv_heads, D] contiguous;
-        out [rows, heads, D] contiguous. All fp32 on CPU; the caller guarantees it (the runner checks once)."""
+        out [rows, heads, D] contiguous. All of one dtype, fp32 or bf16, on CPU."""
         heads, head_dim = q.shape[1], q.shape[2]
+        fn = self._fns.get(q.dtype)
+        if fn is None or not (k_pool.dtype == v_pool.dtype == out.dtype == q.dtype):
+            raise ValueError(f"paged decode attention: q, pools and out must all be fp32 or all bf16, got {q.dtype}")
         # The C code trusts these layouts; a mismatch would read or write the wrong memory, so check them (cheap).
         if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
             raise ValueError("paged decode attention: q rows must be dense [heads, head_dim], the pools contiguous")
@@ -64,7 +77,7 @@ class DecodeAttentionKernel:
                 f"paged decode attention: shapes q {tuple(q.shape)}, out {tuple(out.shape)}, "
                 f"pool {tuple(k_pool.shape)} do not match"
             )
-        status = self._fn(
+        status = fn(
             q.data_ptr(),
             q.stride(0),
             k_pool.data_ptr(),

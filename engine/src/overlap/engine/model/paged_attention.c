@@ -1,4 +1,5 @@
-/* Decode attention over the paged KV pool, fp32, one query token per sequence.
+/* Decode attention over the paged KV pool, one query token per sequence, fp32 or bf16 (q, pools and out all of one
+ * dtype; bf16 values are widened to fp32 as they are loaded and every sum is fp32, as in oneDNN's bf16 kernels).
  *
  * Built on first use by engine/src/overlap/engine/model/native.py (cc -O3 -march=native) and called through ctypes, which releases the GIL,
  * so the runner's two Python threads can each run a share of the sequences. One call covers a layer's decodes, where
@@ -20,32 +21,56 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+/* bf16 is the top half of an fp32: widening is a shift, which the compiler vectorises. */
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of a q, K or V array: `bf16` is a constant at every call site, so each variant compiles to plain loads. */
+static inline __attribute__((always_inline)) float load(const void *base, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
 
 /* One sequence. Always inlined into the three call sites below, so for the common head sizes (64, 128) head_dim is
  * a constant and the compiler unrolls the per-head loops. Both passes read K and V rows whole, in position order:
  * an earlier V pass went head by head, reading every V row in num_heads strided pieces, and a batch-64 decode step
  * was slower for it (`overlap bench engine`; the runs are in docs/engine.md). */
-static inline __attribute__((always_inline)) void attend_one(const float *q_row, const float *k_pool,
-                                                             const float *v_pool, const int32_t *table, int32_t len,
+static inline __attribute__((always_inline)) void attend_one(const void *q_row, const void *k_pool,
+                                                             const void *v_pool, const int32_t *table, int32_t len,
                                                              float *o, float *scores, int32_t max_len,
                                                              float *q_scaled, int32_t num_heads, int32_t num_kv_heads,
-                                                             const int32_t head_dim, int32_t block_size, float scale) {
+                                                             const int32_t head_dim, int32_t block_size, float scale,
+                                                             const int bf16) {
     const int32_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
-    for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = q_row[i] * scale;
+    for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = load(q_row, i, bf16) * scale;
 
     /* scores[h * max_len + p] = q_h . k_p, streaming K rows in position order (each row holds every KV head) */
     for (int32_t p0 = 0; p0 < len; p0 += block_size) {
-        const float *k_block = k_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
+        const int64_t k_block = (int64_t)table[p0 / block_size] * block_size * slot_stride;
         const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
         for (int32_t r = 0; r < rows; r++) {
-            const float *k_row = k_block + (int64_t)r * slot_stride;
+            const int64_t k_row = k_block + (int64_t)r * slot_stride;
             for (int32_t h = 0; h < num_heads; h++) {
-                const float *k_head = k_row + (int64_t)(h / group) * head_dim;
+                const int64_t k_head = k_row + (int64_t)(h / group) * head_dim;
                 const float *q_head = q_scaled + (int64_t)h * head_dim;
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int32_t d = 0; d < head_dim; d++) acc += q_head[d] * k_head[d];
+                for (int32_t d = 0; d < head_dim; d++) acc += q_head[d] * load(k_pool, k_head + d, bf16);
                 scores[(int64_t)h * max_len + p0 + r] = acc;
             }
         }
@@ -69,19 +94,58 @@ static inline __attribute__((always_inline)) void attend_one(const float *q_row,
      * (num_heads * head_dim floats, L1-resident), so each V row is read once, front to back */
     for (int32_t i = 0; i < num_heads * head_dim; i++) o[i] = 0.0f;
     for (int32_t p0 = 0; p0 < len; p0 += block_size) {
-        const float *v_block = v_pool + (int64_t)table[p0 / block_size] * block_size * slot_stride;
+        const int64_t v_block = (int64_t)table[p0 / block_size] * block_size * slot_stride;
         const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
         for (int32_t r = 0; r < rows; r++) {
-            const float *v_row = v_block + (int64_t)r * slot_stride;
+            const int64_t v_row = v_block + (int64_t)r * slot_stride;
             for (int32_t h = 0; h < num_heads; h++) {
-                const float *v_head = v_row + (int64_t)(h / group) * head_dim;
+                const int64_t v_head = v_row + (int64_t)(h / group) * head_dim;
                 const float w_p = scores[(int64_t)h * max_len + p0 + r];
                 float *o_head = o + (int64_t)h * head_dim;
 #pragma omp simd
-                for (int32_t d = 0; d < head_dim; d++) o_head[d] += w_p * v_head[d];
+                for (int32_t d = 0; d < head_dim; d++) o_head[d] += w_p * load(v_pool, v_head + d, bf16);
             }
         }
     }
+}
+
+/* Sequences [seq_begin, seq_end). In bf16 each sequence's output is summed in fp32 scratch, then rounded once. */
+static inline __attribute__((always_inline)) int decode_attention(
+    const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
+    const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows, void *out, int64_t out_row_stride,
+    int32_t seq_begin, int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+    float scale, const int bf16) {
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t width = (size_t)num_heads * head_dim;
+    int32_t max_len = 1;
+    for (int32_t s = seq_begin; s < seq_end; s++)
+        if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
+    /* scratch: one row of attention weights per query head, the scaled query, and (bf16) the fp32 output */
+    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + 2 * width));
+    if (scores == NULL) return -1;
+    float *q_scaled = scores + (size_t)num_heads * max_len;
+    float *o_f32 = q_scaled + width;
+
+    for (int32_t s = seq_begin; s < seq_end; s++) {
+        const char *q_row = (const char *)q + (int64_t)q_rows[s] * q_row_stride * elem;
+        char *out_row = (char *)out + (int64_t)q_rows[s] * out_row_stride * elem;
+        float *o = bf16 ? o_f32 : (float *)out_row;
+        const int32_t *table = block_tables + table_starts[s];
+        const int32_t len = ctx_lens[s];
+        if (head_dim == 64)
+            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 64,
+                       block_size, scale, bf16);
+        else if (head_dim == 128)
+            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 128,
+                       block_size, scale, bf16);
+        else
+            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads,
+                       head_dim, block_size, scale, bf16);
+        if (bf16)
+            for (size_t i = 0; i < width; i++) ((uint16_t *)out_row)[i] = f32_to_bf16(o_f32[i]);
+    }
+    free(scores);
+    return 0;
 }
 
 int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_pool, const float *v_pool,
@@ -89,29 +153,19 @@ int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const f
                                    const int32_t *q_rows, float *out, int64_t out_row_stride, int32_t seq_begin,
                                    int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
                                    int32_t block_size, float scale) {
-    int32_t max_len = 1;
-    for (int32_t s = seq_begin; s < seq_end; s++)
-        if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
-    /* scratch: one row of attention weights per query head, then the scaled query */
-    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + (size_t)num_heads * head_dim));
-    if (scores == NULL) return -1;
-    float *q_scaled = scores + (size_t)num_heads * max_len;
+    return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
+                            out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
+                            0);
+}
 
-    for (int32_t s = seq_begin; s < seq_end; s++) {
-        const float *q_row = q + (int64_t)q_rows[s] * q_row_stride;
-        float *o = out + (int64_t)q_rows[s] * out_row_stride;
-        const int32_t *table = block_tables + table_starts[s];
-        const int32_t len = ctx_lens[s];
-        if (head_dim == 64)
-            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 64,
-                       block_size, scale);
-        else if (head_dim == 128)
-            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 128,
-                       block_size, scale);
-        else
-            attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads,
-                       head_dim, block_size, scale);
-    }
-    free(scores);
-    return 0;
+/* The same with q, the pools and out in bf16 (uint16_t bit patterns); strides count elements, as above. */
+int overlap_paged_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool,
+                                        const uint16_t *v_pool, const int32_t *block_tables,
+                                        const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows,
+                                        uint16_t *out, int64_t out_row_stride, int32_t seq_begin, int32_t seq_end,
+                                        int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
+                                        float scale) {
+    return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
+                            out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
+                            1);
 }

@@ -108,8 +108,8 @@ class StepInputs:
     num_generated: list[int]
     request_ids: list[str]  # of the sampled rows, for the per-request token history of penalties
     prompts: list[list[int] | None]  # of the sampled rows: the whole prompt where a repetition penalty needs it
-    # CPU fp32 with the native kernel: the step's decodes (one query token each), attended by one kernel call per
-    # layer; `seqs` then holds only the prompt chunks.
+    # CPU (fp32 or bf16) with the native kernel: the step's decodes (one query token each), attended by one kernel
+    # call per layer; `seqs` then holds only the prompt chunks.
     decode_plan: native.DecodePlan | None = None
     # When some rows are not sampled (prompt chunks): the last layer, past its K/V writes, runs only the sampled rows,
     # each as one query over its whole context, attended like decodes (kernel plan, torch-path sequences). None:
@@ -172,9 +172,9 @@ class ModelRunner:
         self._gqa = spec.num_kv_heads != spec.num_heads
         self._scale = spec.head_dim**-0.5
         self._helper = None  # a thread for decode attention, made on first use
-        # Decode attention in one native call per layer (fp32 CPU); None: per-sequence torch ops.
+        # Decode attention in one native call per layer (fp32 or bf16 on CPU); None: per-sequence torch ops.
         self._decode_kernel = None
-        if self._cpu_paths and self.dtype == torch.float32:
+        if self._cpu_paths and self.dtype in native.DecodeAttentionKernel.DTYPES:
             self._decode_kernel = native.decode_attention_kernel()
         self._linear = _pick_linear(self.device, self.dtype) if self._cpu_paths else F.linear
         self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
@@ -554,7 +554,8 @@ class ModelRunner:
         """Per-sequence attention reading the pool in place: no K/V copy for a sequence whose blocks form one run.
         q [T, H, D] -> [T, H * D].
 
-        The path of CUDA, bf16 and CPUs without the native kernel. Prefill chunks use scaled_dot_product_attention.
+        The path of CUDA, of CPUs without the native kernel, and of prompt chunks everywhere (they use
+        scaled_dot_product_attention).
         On CPU a decode (one query) is six tensor ops: its query, two pool slices, matmul, softmax, matmul. SDPA's
         fixed cost per call is larger than the work at this size (batch 64, context 160, one thread: 4.0 ms per layer
         with SDPA, 3.0 ms with the matmuls, 2.5 ms for one batched SDPA over a contiguous cache). The decode loop runs
