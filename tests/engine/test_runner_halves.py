@@ -100,21 +100,36 @@ def test_lopsided_batch_uses_the_attention_helper_and_matches_one_thread(runner)
     torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
 
 
-def test_fp32_cpu_linear_is_onednn_and_matches_f_linear():
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_cpu_linear_is_onednn_and_matches_f_linear(dtype, tolerance):
     from overlap.engine.model.runner import _pick_linear
 
     cpu = torch.device("cpu")
-    assert _pick_linear(cpu, torch.bfloat16) is torch.nn.functional.linear
-    linear = _pick_linear(cpu, torch.float32)
+    assert _pick_linear(cpu, torch.float16) is torch.nn.functional.linear
+    linear = _pick_linear(cpu, dtype)
     if torch.backends.mkldnn.is_available():
         assert linear is not torch.nn.functional.linear
     gen = torch.Generator().manual_seed(1)
-    x, w, b = torch.randn(33, 300, generator=gen), torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
+    x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((33, 300), (70, 300), (70,)))
+    close = {"atol": tolerance, "rtol": tolerance}
     with torch.inference_mode():
-        torch.testing.assert_close(linear(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        expected = torch.nn.functional.linear(x, w, b)
+        torch.testing.assert_close(linear(x, w, b).float(), expected.float(), **close)
         swish = linear(x, w, b, post_op="swish")
-        torch.testing.assert_close(swish, torch.nn.functional.silu(x @ w.t() + b), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(linear(x[:, :200], w[:, :200]), x[:, :200] @ w[:, :200].t(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(swish.float(), torch.nn.functional.silu(expected.float()), **close)
+        plain = linear(x[:, :200], w[:, :200]).float()
+        torch.testing.assert_close(plain, (x[:, :200] @ w[:, :200].t()).float(), **close)
+
+
+def test_bf16_cpu_runner_prepacks_but_keeps_rope_real(tiny_model_dir):
+    runner = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, dtype="bfloat16"), tiny_model_dir)
+    try:
+        if runner._linear is torch.nn.functional.linear:
+            pytest.skip("this torch build has no oneDNN linear")
+        assert runner.weights.layers[0].qkv.layout == torch._mkldnn and runner.weights.layers[0].gate_up is None
+        assert runner._rope_freqs is None  # torch has no complex bf16: RoPE stays the cat + addcmul form
+    finally:
+        runner.close()
 
 
 def test_fp32_cpu_runner_prepacks_its_projection_weights(runner):
