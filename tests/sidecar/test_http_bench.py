@@ -19,8 +19,8 @@ def test_bench_http_json_on_a_tiny_workload(tmp_short, tiny_model_dir):
     try:
         sizes = ["--concurrency", "4", "--num-requests", "8", "--prompt-len", "16", "--output-len", "8"]
         cmd = overlap_cmd(
-            "bench", "http", "--json", *sizes, "--num-threads", "1", "--rounds", "2", "--settle-s", "0.2",
-            "--peer", peer.base_url,
+            "bench", "http", "--json", *sizes, "--num-threads", "1", "--dtype", "bfloat16", "--rounds", "2",
+            "--settle-s", "0.2", "--peer", peer.base_url,
         )  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=child_env())
     finally:
@@ -29,6 +29,7 @@ def test_bench_http_json_on_a_tiny_workload(tmp_short, tiny_model_dir):
     report = json.loads(result.stdout)
     assert report["workload"]["concurrency"] == 4 and report["workload"]["rounds"] == 2
     assert report["workload"]["settle_s"] == 0.2
+    assert report["workload"]["engine_overrides"] == {"num_threads": 1, "dtype": "bfloat16"}  # both runs' config
     assert isinstance(report["workload"]["seed"], int)  # drawn for this run: --seed N repeats its prompts
     for run in ("http", "engine", "peer"):
         assert report[run]["requests"] == 2 * 8 and report[run]["errors"] == 0

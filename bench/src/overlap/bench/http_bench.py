@@ -106,6 +106,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--model", help="model folder (default: the tiny default model)")
     parser.add_argument("--config", help="engine config file for both runs (JSON or YAML)")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads of the engine in both runs")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="the engine's dtype in both runs")
     parser.add_argument("--target", help="measure this OpenAI-compatible server instead of launching overlap serve")
     parser.add_argument("--target-model", help="model name at --target (default: the first of /v1/models)")
     parser.add_argument("--skip-engine", action="store_true", help="skip the in-process engine run")
@@ -322,15 +323,14 @@ def _stop(proc) -> None:
         proc.wait()
 
 
-def _config_with_threads(config_path: str | None, num_threads: int) -> str:
-    """A temporary engine config file: `config_path`'s fields plus num_threads (read by both runs)."""
+def _config_with(config_path: str | None, overrides: dict) -> str:
+    """A temporary engine config file: `config_path`'s fields with `overrides` on top (read by both runs)."""
     import atexit
     import tempfile
 
     from overlap.engine.serving.server import read_config_file
 
-    fields = read_config_file(config_path) if config_path else {}
-    fields["num_threads"] = num_threads
+    fields = {**(read_config_file(config_path) if config_path else {}), **overrides}
     fd, path = tempfile.mkstemp(prefix="overlap-bench-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(fields, f)
@@ -361,15 +361,16 @@ def _run(args: argparse.Namespace) -> int:
     # process pay for new oneDNN primitives and first touches of the KV pool. With 8 warm-up requests, --quick
     # measured HTTP / in-process at 0.82-0.91 (the HTTP run goes first); with 64, 0.92-0.94.
     warmup = min(n, args.concurrency)
-    if args.num_threads:
-        args.config = _config_with_threads(args.config, args.num_threads)
+    overrides = {"num_threads": args.num_threads, "dtype": args.dtype}
+    if overrides := {key: value for key, value in overrides.items() if value}:
+        args.config = _config_with(args.config, overrides)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 30)
     warm_prompts = make_prompts(warmup, args.prompt_len, args.seed + 1)
     report: dict = {
         "workload": {"concurrency": args.concurrency, "requests": n, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "ignore_eos": True, "stream": True, "rounds": rounds,
-                     "seed": args.seed, "settle_s": settle_s},
+                     "seed": args.seed, "settle_s": settle_s, "engine_overrides": overrides},
     }  # fmt: skip
 
     proc = engine = None
