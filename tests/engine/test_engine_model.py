@@ -131,3 +131,35 @@ async def test_generate_streams_from_the_real_model(tiny_model_dir: Path, hf_gre
         engine.close()
     for prompt, tokens in zip(prompts, results, strict=True):
         assert tokens == hf_greedy(prompt, 8)
+
+
+def test_32_mixed_requests_in_bf16_agree_with_transformers_bf16(tiny_model_dir: Path) -> None:
+    """bf16 end to end (oneDNN projections, the native kernel, a bf16 KV pool) against transformers in bf16.
+
+    An exact match of whole continuations is not possible: both round to bf16 (8 significant bits) at different
+    places (our attention sums in fp32 and rounds once; transformers rounds its matmuls' outputs), so near-tied
+    logits can flip, and after one flip the continuations part ways. So the test teacher-forces: transformers scores
+    the prompt plus our tokens in one forward, and at every generated position our token must be transformers'
+    top-1, or lose to it by less than a bf16 rounding margin; at least 90% must be exact top-1.
+    """
+    from transformers import AutoModelForCausalLM
+
+    engine = _engine(tiny_model_dir, dtype="bfloat16", max_num_batched_tokens=64, max_num_seqs=32)
+    rng = random.Random(11)
+    requests = {f"r{i}": (p, rng.randint(4, 12)) for i, p in enumerate(_prompts(32, seed=3))}
+    outputs = _run(engine, requests)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    exact, total, worst_gap = 0, 0, 0.0
+    for rid, (prompt, _) in requests.items():
+        ours = tokens_of(outputs[rid])
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1 : -1].float()
+        for position, token in enumerate(ours):
+            gap = (logits[position].max() - logits[position, token]).item()
+            exact += gap == 0
+            total += 1
+            worst_gap = max(worst_gap, gap)
+    # The logits span about +-20: one bf16 rounding of a logit is up to 0.06, and it compounds over 6 layers.
+    print(f"bf16 top-1 agreement {exact}/{total}, largest gap {worst_gap:.3f}")  # shown with pytest -s
+    assert worst_gap < 0.5, f"a token {worst_gap:.2f} below transformers' top-1"
+    assert exact / total >= 0.9, f"top-1 agreement {exact}/{total}"
