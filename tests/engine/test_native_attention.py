@@ -128,3 +128,16 @@ def test_kernel_refuses_layouts_it_would_misread():
         kernel(torch.zeros(1, 64, 4).transpose(1, 2), pool, pool, plan, out, 0, 1, 0.125)
     with pytest.raises(ValueError, match="do not match"):
         kernel(torch.zeros(1, 4, 64), pool, pool, plan, torch.empty(1, 4, 32), 0, 1, 0.125)
+
+
+def test_the_runner_names_its_kernels(tiny_model_dir: Path):
+    runner = ModelRunner(EngineConfig(num_kv_blocks=32, max_seq_len=256, dtype="bfloat16"), tiny_model_dir)
+    try:
+        described = runner.kernels
+        assert described.startswith(f"CPU {native.cpu_isa()} bfloat16:"), described
+        expected = "native decode attention" if kernel is not None else "torch decode attention"
+        assert expected in described
+        runner._decode_kernel = None
+        assert "torch decode attention" in runner.kernels
+    finally:
+        runner.close()

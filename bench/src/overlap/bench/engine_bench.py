@@ -77,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
     bench = EngineBench(model_dir, args.dtype, args.threads, **plan)
 
     started = time.perf_counter()
-    results = {"setup": {**plan, "model": model_dir, "dtype": args.dtype, "threads": args.threads}}
+    runner = bench._runner(1)
+    kernels = runner.kernels
+    runner.close()
+    _progress(f"kernels: {kernels}")
+    results = {"setup": {**plan, "model": model_dir, "dtype": args.dtype, "threads": args.threads, "kernels": kernels}}
     results["startup"] = bench.startup()
     results["rows"] = []
     for batch in plan["batch_sizes"]:
@@ -365,6 +369,7 @@ def _table(results: dict) -> str:
     lines = [
         f"overlap bench engine: {setup['num_requests']} requests (reqs column) x {setup['prompt_len']} prompt x "
         f"{setup['output_len']} output tokens (EOS ignored), {setup['dtype']}, {setup['threads']} threads",
+        f"kernels: {setup['kernels']}",
         "",
         f"{'batch':>5} | {'reqs':>4} | {'decode ceiling':>14} | {'workload ceiling':>16} | {'engine':>9} | "
         f"{'engine/ceiling':>14} "

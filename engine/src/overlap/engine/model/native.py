@@ -158,6 +158,21 @@ def _build() -> Path:
     return target
 
 
+def cpu_isa() -> str:
+    """The widest matrix/vector instructions this CPU offers the kernels, in one word (from /proc/cpuinfo's flags)."""
+    try:
+        flags = set(
+            next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+        )
+    except (OSError, StopIteration):
+        return platform.machine()
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX-512"),
+                       ("avx2", "AVX2")):  # fmt: skip
+        if flag in flags:
+            return name
+    return "SSE"
+
+
 def _cpu_model() -> str:
     """The CPU's model name and feature flags: a library built with -march=native is only reused on a like CPU."""
     try:

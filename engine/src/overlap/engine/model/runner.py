@@ -196,6 +196,16 @@ class ModelRunner:
         self.last_prompt_logprobs: dict | None = None
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
 
+    @property
+    def kernels(self) -> str:
+        """What runs the step's work on this machine, for start-up logs and benchmarks."""
+        if self.device.type != "cpu":
+            return f"{self.device.type} {str(self.dtype).removeprefix('torch.')}: torch ops"
+        dtype = str(self.dtype).removeprefix("torch.")
+        linear = "oneDNN linear, weights prepacked" if self._linear is not F.linear else "torch linear"
+        attention = "native decode attention" if self._decode_kernel is not None else "torch decode attention"
+        return f"CPU {native.cpu_isa()} {dtype}: {linear}; {attention}; torch {torch.backends.cpu.get_cpu_capability()}"
+
     # Names the engine and executor read.
     @property
     def last_forward_time_s(self) -> float | None:

@@ -133,7 +133,9 @@ class EngineServer:
         self._hello_frame = self._hello()
         self._listen()
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
-        log.info("engine listening on %s", self.socket_path)
+        log.info(
+            "engine listening on %s (%s)", self.socket_path, getattr(self.engine.runner, "kernels", "kernels: n/a")
+        )
         try:
             while not self._should_stop():
                 self._process_input(block=not self.engine.has_unfinished())
