@@ -100,8 +100,10 @@ def test_a_missing_image_is_err_image_pull_in_the_pod_deployment_and_service(nod
     state = wait_for(lambda: (s := _container_state(cluster, "no-image", "engine")) and s["state"]["waiting"], 60,
                      "the engine container waiting")  # fmt: skip
     assert state["reason"] == "ErrImagePull" and "localhost/overlap-missing:0" in state["message"]
-    deployment = cluster.apps.read_namespaced_deployment_status("no-image", NAMESPACE).status
-    assert not deployment.ready_replicas and deployment.replicas == 1
+    # The agent writes the Deployment's status after its pods' in each pass: wait for it, as a controller would.
+    deployment = wait_for(lambda: (d := cluster.apps.read_namespaced_deployment_status("no-image", NAMESPACE).status)
+                          and d.replicas == 1 and d, 30, "the Deployment's status")  # fmt: skip
+    assert not deployment.ready_replicas
     assert [c.status for c in deployment.conditions if c.type == "Available"] == ["False"]
     message = wait_for(
         lambda: "ErrImagePull" in (text := _ready_message(cluster, "no-image")) and text,
@@ -127,7 +129,8 @@ def test_a_container_that_exits_crash_loops_and_the_pod_never_becomes_ready(node
     assert ready.status == "False" and "engine" in ready.message
     wait_for(lambda: "CrashLoopBackOff" in _ready_message(cluster, "no-model") or "exited with code" in
              _ready_message(cluster, "no-model"), 60, "the operator to report the crash loop")  # fmt: skip
-    assert not cluster.apps.read_namespaced_deployment_status("no-model", NAMESPACE).status.ready_replicas
+    status = cluster.apps.read_namespaced_deployment_status("no-model", NAMESPACE).status
+    assert status is not None and not status.ready_replicas
     assert any("no-model" in e and "exited with" in e for e in agent.events)
     cluster.kubectl("delete", "inferenceservice", "no-model")
 
