@@ -1,11 +1,23 @@
 """Engine tests import their helpers (fake runner, factories) from `tests.support.engine`; the
-transformers reference for the tiny model is the `hf_greedy` fixture below."""
+transformers reference for the tiny model is the `hf_greedy` fixture below, and `two_torch_threads` gives a module
+the two intra-op threads the runner's CPU paths are tested with."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def two_torch_threads():
+    """torch on two intra-op threads for the module (the runner splits a batch in two halves with 2+), then back."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

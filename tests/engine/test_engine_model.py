@@ -13,13 +13,7 @@ from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.types import FinishReason
 from tests.support.engine import add_and_run, tokens_of
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 def _prompts(n: int, seed: int, min_len: int = 1, max_len: int = 80) -> list[list[int]]:

@@ -26,8 +26,7 @@ def hf(tiny_model_dir):
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-buffer", "2-buffers"])
-def engine(tiny_model_dir, request):
-    torch.set_num_threads(2)
+def engine(tiny_model_dir, two_torch_threads, request):
     return Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=256, num_kv_blocks=128,
                                num_buffers=request.param))  # fmt: skip
 

@@ -31,8 +31,7 @@ def _reference(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
-def test_logprobs_equal_transformers_log_softmax(tiny_model_dir, hf, num_buffers):
-    torch.set_num_threads(2)
+def test_logprobs_equal_transformers_log_softmax(tiny_model_dir, hf, num_buffers, two_torch_threads):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=256, num_kv_blocks=128,
                                  num_buffers=num_buffers))  # fmt: skip
     rng = random.Random(4)
@@ -69,8 +68,9 @@ def test_logprobs_bounds_are_checked():
 
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
-def test_prompt_logprobs_equal_transformers_over_chunks_and_skip_the_prefix_cache(tiny_model_dir, hf, num_buffers):
-    torch.set_num_threads(2)
+def test_prompt_logprobs_equal_transformers_over_chunks_and_skip_the_prefix_cache(
+    tiny_model_dir, hf, num_buffers, two_torch_threads
+):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=256, num_kv_blocks=128,
                                  num_buffers=num_buffers, max_num_batched_tokens=16))  # fmt: skip
     prompt = [random.Random(9).randrange(3, 8192) for _ in range(40)]  # three chunks of at most 16 tokens

@@ -29,12 +29,7 @@ PROMPT_LENS = (100, 37, 5, 64)  # 100 and 64 reach past the sliding windows (32)
 PATHS = ("cpu", "device-generic")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 @pytest.fixture(scope="module")

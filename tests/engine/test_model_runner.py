@@ -17,12 +17,7 @@ from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 @pytest.fixture(scope="module")

@@ -211,10 +211,9 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
 
 
 # ---- the real tiny model ------------------------------------------------------------------------------------------
-def test_tiny_model_greedy_is_identical_for_1_2_3_buffers_and_equals_transformers(tiny_model_dir, hf_greedy):
-    import torch
-
-    torch.set_num_threads(2)
+def test_tiny_model_greedy_is_identical_for_1_2_3_buffers_and_equals_transformers(
+    tiny_model_dir, hf_greedy, two_torch_threads
+):
     rng = random.Random(3)
     requests = {
         f"t{i}": ([rng.randrange(3, 8192) for _ in range(rng.randint(4, 40))], rng.randint(8, 20)) for i in range(10)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
@@ -15,8 +14,7 @@ from tests.support.engine import run_to_completion, tokens_of
 
 
 @pytest.mark.parametrize("num_buffers", [1, 2])
-def test_siblings_share_the_computed_prompt_and_sample_as_if_alone(tiny_model_dir, num_buffers):
-    torch.set_num_threads(2)
+def test_siblings_share_the_computed_prompt_and_sample_as_if_alone(tiny_model_dir, num_buffers, two_torch_threads):
     prompt = [random.Random(11).randrange(3, 8192) for _ in range(70)]  # 4 full blocks of 16, then 6 tokens
 
     def engine() -> Engine:

@@ -9,7 +9,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
@@ -46,8 +45,7 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1-buffer", "2-buffers"])
-def engine(tiny_model_dir, request):
-    torch.set_num_threads(2)
+def engine(tiny_model_dir, two_torch_threads, request):
     return Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=512, num_kv_blocks=512, max_num_seqs=64,
                                num_buffers=request.param))  # fmt: skip
 
