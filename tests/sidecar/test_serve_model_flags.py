@@ -6,36 +6,22 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
-from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support.sidecar import ADMIN_TOKEN, Proc, free_port, http, is_ready, overlap_cmd, wait_until
+from tests.support.sidecar import ADMIN_TOKEN, Proc, free_port, http, overlap_cmd, overlap_serve, wait_until
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    workdir = Path(tempfile.mkdtemp(prefix="ovl-flags-"))
-    model = shutil.copytree(tiny_model_dir, workdir / "model")
+def server(tiny_model_dir, tmp_path_factory):
+    model = shutil.copytree(tiny_model_dir, tmp_path_factory.mktemp("flags") / "model")
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "temperature": 0.0}))
-    (workdir / "token").write_text(ADMIN_TOKEN)
-    (workdir / "engine.yaml").write_text("max_num_seqs: 4\nnum_kv_blocks: 256\nnum_threads: 1\n")  # flags win
-    port, admin_port = free_port(), free_port()
-    cmd = overlap_cmd("serve", "--model", str(model), "--dtype", "bfloat16", "--max-num-seqs", "128",
-                      "--max-model-len", "256", "--no-enable-prefix-caching", "--seed", "7",
-                      "--served-model-name", "llama3-style", "--config", str(workdir / "engine.yaml"),
-                      "--port", str(port), "--admin-port", str(admin_port),
-                      "--admin-token-file", str(workdir / "token"))  # fmt: skip
-    proc = Proc(cmd, workdir / "serve.log")
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: is_ready(base_url), 300, "overlap serve ready", proc)
-        yield {"url": base_url, "admin": f"http://127.0.0.1:{admin_port}", "proc": proc}
-    finally:
-        proc.stop(60)
-        shutil.rmtree(workdir, ignore_errors=True)
+    config = "max_num_seqs: 4\nnum_kv_blocks: 256\nnum_threads: 1\n"  # the flags below win over it
+    flags = ("--dtype", "bfloat16", "--max-num-seqs", "128", "--max-model-len", "256", "--no-enable-prefix-caching",
+             "--seed", "7", "--served-model-name", "llama3-style")  # fmt: skip
+    with overlap_serve(model, "engine.yaml", config, *flags) as s:
+        yield s
 
 
 def test_vllm_style_flags_reach_the_engine_over_the_config_file(server):

@@ -8,35 +8,22 @@ import json
 import shlex
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support.sidecar import ADMIN_TOKEN, Proc, free_port, http, is_ready, metric_value, overlap_cmd, wait_until
+from tests.support.sidecar import ADMIN_TOKEN, http, is_ready, metric_value, overlap_serve, wait_until
 
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    workdir = Path(tempfile.mkdtemp(prefix="ovl-serve-"))
-    (workdir / "token").write_text(ADMIN_TOKEN)
-    (workdir / "engine.json").write_text(json.dumps({"num_kv_blocks": 512, "max_num_seqs": 16, "num_threads": 1}))
-    port, admin_port = free_port(), free_port()
-    cmd = overlap_cmd("serve", "--model", str(tiny_model_dir), "--port", str(port), "--config",
-                      str(workdir / "engine.json"), "--admin-port", str(admin_port),
-                      "--admin-token-file", str(workdir / "token"))  # fmt: skip
-    proc = Proc(cmd, workdir / "serve.log")
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: is_ready(base_url) and "curl" in proc.output(), 300, "overlap serve ready", proc)
-        yield {"url": base_url, "proc": proc, "model": tiny_model_dir.name, "admin": f"http://127.0.0.1:{admin_port}"}
-    finally:
-        proc.stop(60)
-        shutil.rmtree(workdir, ignore_errors=True)
+    config = json.dumps({"num_kv_blocks": 512, "max_num_seqs": 16, "num_threads": 1})
+    with overlap_serve(tiny_model_dir, "engine.json", config, also_ready=lambda proc: "curl" in proc.output()) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
-from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from tests.support.sidecar import Proc, free_port, http, is_ready, overlap_cmd, wait_until
+from tests.support.sidecar import http, overlap_serve
 
 PROMPT_IDS = [1, 523, 1201, 77, 3000, 45, 812]
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -23,19 +20,9 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    workdir = Path(tempfile.mkdtemp(prefix="ovl-logprobs-"))
-    (workdir / "engine.json").write_text(json.dumps({"num_kv_blocks": 256, "num_threads": 1}))
-    port = free_port()
-    cmd = overlap_cmd("serve", "--model", str(tiny_model_dir), "--port", str(port),
-                      "--config", str(workdir / "engine.json"), "--tool-call-parser", "hermes")  # fmt: skip
-    proc = Proc(cmd, workdir / "serve.log")
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: is_ready(base_url), 300, "overlap serve ready", proc)
-        yield {"url": base_url, "model": tiny_model_dir.name}
-    finally:
-        proc.stop(60)
-        shutil.rmtree(workdir, ignore_errors=True)
+    config = json.dumps({"num_kv_blocks": 256, "num_threads": 1})
+    with overlap_serve(tiny_model_dir, "engine.json", config, "--tool-call-parser", "hermes") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 FAKE_ENGINE = Path(__file__).with_name("fake_engine_server.py")
@@ -111,6 +115,31 @@ def is_ready(base_url: str) -> bool:
 
 def overlap_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "overlap.cli", "--log-level", "INFO", *args]
+
+
+@contextlib.contextmanager
+def overlap_serve(
+    model: Path, config_name: str, config_text: str, *flags: str, also_ready: Callable[[Proc], bool] | None = None
+) -> Iterator[dict]:
+    """`overlap serve` of `model` as a user starts it: free public and admin ports, an admin token file and an engine
+    config file (`config_name` holding `config_text`), more `flags` after them. Yields its url, admin url, process
+    and model name once /readyz (and `also_ready`) pass; stopped by PID and its folder removed after."""
+    workdir = Path(tempfile.mkdtemp(prefix="ovl-serve-"))
+    (workdir / "token").write_text(ADMIN_TOKEN)
+    (workdir / config_name).write_text(config_text)
+    port, admin_port = free_port(), free_port()
+    cmd = overlap_cmd("serve", "--model", str(model), "--port", str(port), "--admin-port", str(admin_port),
+                      "--admin-token-file", str(workdir / "token"), "--config", str(workdir / config_name),
+                      *flags)  # fmt: skip
+    proc = Proc(cmd, workdir / "serve.log")
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: is_ready(base_url) and (also_ready is None or also_ready(proc)), 300,
+                   "overlap serve ready", proc)  # fmt: skip
+        yield {"url": base_url, "admin": f"http://127.0.0.1:{admin_port}", "proc": proc, "model": model.name}
+    finally:
+        proc.stop(60)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def start_fake_engine(socket_path: Path, model_dir: Path, log_path: Path, step_s: float = 0.005) -> Proc:
