@@ -145,7 +145,7 @@ def operator_requests(cluster: Cluster) -> set[tuple[str, str, str, str | None]]
             verb = verbs[method]
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
         used.add((verb, request.resource.group, resource, request.name if verb != "create" else None))
-        if any(created is request for created in cluster.api.applies_that_created):
+        if id(request) in cluster.api.applies_that_created:
             used.add(("create", request.resource.group, resource, None))  # an apply that creates needs both verbs
     return used
 

@@ -110,7 +110,9 @@ class ApiServer(kmock.KubernetesEmulator):
         self.watchers: set[asyncio.Queue] = set()
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
         self.request_log: list[rendering.Request] = []  # every request answered, in order (for the tests' checks)
-        self.applies_that_created: list[rendering.Request] = []  # RBAC authorizes these as create too
+        # Applies that created their object (RBAC authorizes them as create too), by id(): the request stays here,
+        # so its id is never reused.
+        self.applies_that_created: dict[int, rendering.Request] = {}
         self.failures_lock = threading.Lock()
         self.validate_custom_resources = True  # False: a server without CRD validation (to test the operator's)
         for group, version, plural, kind, namespaced, subresources, short in BUILTINS:
@@ -224,7 +226,7 @@ class ApiServer(kmock.KubernetesEmulator):
             result = await self._delete(res, request.namespace, request.name)
         else:
             return await super()._handle(request)
-        created = method == "POST" or any(r is request for r in self.applies_that_created)
+        created = method == "POST" or id(request) in self.applies_that_created
         return aiohttp.web.json_response(result, status=201 if created else 200)
 
     async def _publish(self, resource, kind: str, obj: dict) -> None:
@@ -313,7 +315,7 @@ class ApiServer(kmock.KubernetesEmulator):
         async with self._lock:
             missing = key not in self.objects or self.objects[key].deleted
         if missing and content_type == APPLY_PATCH and sub is None:
-            self.applies_that_created.append(request)
+            self.applies_that_created[id(request)] = request
             return await self._insert(request, copy.deepcopy(request.data), applied=True)
         async with self._lock:
             if key not in self.objects or self.objects[key].deleted:
