@@ -33,7 +33,7 @@ from tests.support.cluster import (
     wait_for,
 )
 from tests.support.prometheus import Prometheus
-from tests.support.sidecar import Stack, free_port, http
+from tests.support.sidecar import Stack, free_port, http, metric_value
 
 NAME = "looped"
 
@@ -89,11 +89,14 @@ class Load:
 def test_signals_read_from_prometheus_match_the_sidecar(prometheus: Prometheus, served: Stack):
     queries = signals.queries_for(NAMESPACE, NAME)
     wait_for(lambda: signals.query(prometheus.url, queries["queueDepth"]) is not None, 20, "the first scrape")
+    wait_for(lambda: signals.query(prometheus.url, queries["arrivalRate"]) is not None, 20, "a second scrape (rate)")
     reading = signals.read_signals(prometheus.url, queries, ready_replicas=1, now=time.time())
     assert reading.queue_depth == 0  # idle: the sidecar says 0 waiting, Prometheus too
     assert reading.kv_cache_usage == 0
     assert 0 <= reading.device_busy <= 1
     assert reading.p99_latency_s is None  # no request finished yet: no reading rather than a made-up 0
+    assert reading.arrival_rate == 0 and reading.running == 0  # the counters exist at 0 from the first scrape on
+    assert reading.scraped_replicas == 1 and reading.stale == ()
     other = signals.queries_for(NAMESPACE, "another-service")
     assert signals.query(prometheus.url, other["queueDepth"]) is None  # the selector keeps services apart
 
@@ -140,9 +143,16 @@ def _play_pod(cluster, name: str) -> None:
         "metadata": {"name": f"{name}-0", "labels": labels},
         "spec": {"containers": [{"name": "sidecar", "image": "overlap"}]},
     }
+    if cluster.core.list_namespaced_pod(NAMESPACE, field_selector=f"metadata.name={name}-0").items:
+        cluster.core.delete_namespaced_pod(f"{name}-0", NAMESPACE)  # left by an earlier test (no owner)
     cluster.core.create_namespaced_pod(NAMESPACE, pod)
     ready = {"podIP": "127.0.0.1", "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
     cluster.core.patch_namespaced_pod_status(f"{name}-0", NAMESPACE, {"status": ready})
+
+
+def _engine_knob(served: Stack, knob: str) -> float | None:
+    """A live knob as the sidecar's /metrics reports it (overlap_engine_config), no admin token needed."""
+    return metric_value(served.metrics(), "overlap_engine_config", f'knob="{knob}"')
 
 
 def _live_config(served: Stack, token: str) -> dict:
@@ -158,8 +168,8 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
             "mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "queueWatermarkPerReplica": 2,
             "scaleDownWatermark": 1, "scaleUpWindowSeconds": 0, "scaleUpCooldownSeconds": 600, "intervalSeconds": 5,
         },
-        # maxNumSeqs may go 2 -> 4 and no further up, and the tuner does not undo a move within three waits:
-        # the knob stays 4 while the test checks where it landed.
+        # maxNumSeqs may go 2 -> 4 and no further up (tune before scale raises it first), and the tuner does not
+        # undo a move within three waits: the knob stays 4 while the test checks where it landed.
         "tuning": {
             "enabled": True, "intervalSeconds": 5, "latencySLO": {"p99Seconds": 0.05},
             "bounds": {"maxNumSeqs": {"min": 1, "max": 4}},
@@ -193,35 +203,39 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
 
         load = Load(served.base_url, served.model, clients=10)  # 2 running, ~8 waiting: 8 per replica > 2
         try:
-            scaled = wait_for(
-                lambda: (s := cluster.service(NAME))["spec"]["replicas"] == 3 and "lastDecision" in s["status"] and s,
-                60,
-                "the control loop to scale up",
-            )
-            decision = scaled["status"]["lastDecision"]
-            assert decision["action"] == "scale-up" and decision["replicas"] == 3
-            assert "waiting per ready replica > watermark 2" in decision["reason"]
-            assert scaled["status"]["signals"]["queueDepth"] > 2
-            wait_for(
-                lambda: cluster.apps.read_namespaced_deployment(NAME, NAMESPACE).spec.replicas == 3,
-                20,
-                "the Deployment to follow spec.replicas",
-            )
-            # The loop waits for the new replicas before its next move; play them ready (their load still lands
-            # on the one real sidecar, so the queue stays long).
-            cluster.play_deployment_controller(NAME)
-            # At maxReplicas, with P99 over the (tiny) SLO and most of it queueing: the loop retunes max_num_seqs.
+            # Tune before scale: the batch (2) is full and the KV cache nearly empty, so the loop first raises
+            # max_num_seqs to its bound (2 -> 4), and adds replicas only when the queue stays over the watermark.
             retuned = wait_for(
                 lambda: (s := cluster.service(NAME))["status"].get("lastDecision", {}).get("action") == "retune" and s,
                 60,
                 "the control loop to retune",
             )
+            scaled = wait_for(
+                lambda: (
+                    (s := cluster.service(NAME))["spec"]["replicas"] == 3
+                    and s["status"]["lastDecision"]["action"] == "scale-up"
+                    and s
+                ),
+                60,
+                "the control loop to scale up",
+            )
+            wait_for(
+                lambda: cluster.apps.read_namespaced_deployment(NAME, NAMESPACE).spec.replicas == 3,
+                20,
+                "the Deployment to follow spec.replicas",
+            )
+            cluster.play_deployment_controller(NAME)
         finally:
             load.stop()
 
         decision = retuned["status"]["lastDecision"]
-        assert "max_num_seqs 2 -> 4" in decision["reason"] and "queueing" in decision["reason"]
+        assert "tune before scale" in decision["reason"] and "max_num_seqs 2 -> 4" in decision["reason"]
+        assert "batch full" in decision["reason"]
         assert retuned["status"]["engineConfig"]["max_num_seqs"] == 4
+        assert retuned["spec"]["replicas"] == 1  # the retune came instead of a replica
+        decision = scaled["status"]["lastDecision"]
+        assert decision["replicas"] == 3 and "waiting per ready replica > watermark 2" in decision["reason"]
+        assert scaled["status"]["signals"]["queueDepth"] > 2
         # The running engine got it through the admin port, not through a file sync (the harness did not copy it).
         assert _live_config(served, token)["max_num_seqs"] == 4
         assert json.loads(served.config_file.read_text())["max_num_seqs"] == 2
@@ -229,17 +243,16 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
             cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE).data["engine.json"]
         )
         assert engine_json["max_num_seqs"] == 4  # new and restarted pods start tuned
-        conditions = {c["type"]: c for c in retuned["status"]["conditions"]}
+        conditions = {c["type"]: c for c in scaled["status"]["conditions"]}
         assert conditions["Tuned"]["status"] == "True" and conditions["Tuned"]["reason"] == "Retuned"
-        # The retune's tick held the replicas: Scaling went back to Stable after the scale-up's tick.
-        assert (conditions["Scaling"]["status"], conditions["Scaling"]["reason"]) == ("False", "Stable")
+        assert (conditions["Scaling"]["status"], conditions["Scaling"]["reason"]) == ("True", "ScaledUp")
         events = cluster.core.list_namespaced_event(NAMESPACE).items
         assert {"ScaledUp", "Retuned"} <= {e.reason for e in events if e.involved_object.name == NAME}
         # Every request the clients sent was served: nothing refused, nothing lost while the knobs moved.
         assert load.statuses and set(load.statuses) == {200}
         assert "control loop: scale-up" in operator.log()
         wide = cluster.kubectl("get", "oisvc", NAME, "-o", "wide").stdout.splitlines()
-        assert wide[0].split()[-2:] == ["WAITING", "DECISION"] and wide[1].split()[-1] == "retune"
+        assert wide[0].split()[-2:] == ["WAITING", "DECISION"] and wide[1].split()[-1] == "scale-up"
         used = operator_requests(cluster)
         assert ("list", "", "pods", None) in used, sorted(used)
         assert not not_granted(used, chart_grants()), sorted(not_granted(used, chart_grants()))
@@ -259,6 +272,76 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
         )
         assert engine_json["max_num_seqs"] == 4
         cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE)  # waits for kopf to remove its finalizer
+
+
+def test_advise_mode_reports_the_scale_up_and_applies_nothing(cluster, prometheus, served, tmp_path):
+    spec_extra = {
+        "autoscaling": {
+            "mode": "advise", "minReplicas": 1, "maxReplicas": 3, "queueWatermarkPerReplica": 2,
+            "scaleDownWatermark": 1, "scaleUpWindowSeconds": 0, "scaleUpCooldownSeconds": 600, "intervalSeconds": 5,
+        },
+    }  # fmt: skip
+    with running_operator(
+        cluster, tmp_path, "--namespace", NAMESPACE, "--standalone", "--prometheus-url", prometheus.url,
+        "--signal-window-s", "5",
+    ):  # fmt: skip
+        cluster.apply("-f", "-", stdin=_service(spec_extra, served.admin_port))
+        # Play the kubelet: the pod mounts the ConfigMap's engine.json (maxNumSeqs 2), which the sidecar watches.
+        configmap = wait_for(lambda: cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE), 20, "CM")
+        # (An earlier test's retune reached this sidecar through its admin port: a file edit resets the knob.)
+        served.config_file.write_text(json.dumps({"max_num_seqs": 3}))
+        wait_for(lambda: _engine_knob(served, "max_num_seqs") == 3, 20, "the sidecar to apply the file")
+        served.config_file.write_text(configmap.data["engine.json"])
+        wait_for(lambda: _engine_knob(served, "max_num_seqs") == 2, 20, "the sidecar to apply the file")
+        _play_pod(cluster, NAME)
+        wait_for(lambda: cluster.apps.read_namespaced_deployment(NAME, NAMESPACE), 20, "the Deployment")
+        cluster.play_deployment_controller(NAME)
+        load = Load(served.base_url, served.model, clients=10)
+        try:
+            advised = wait_for(
+                lambda: "lastAdvice" in (s := cluster.service(NAME)).get("status", {}) and s, 60, "the advice"
+            )
+            signals_seen = wait_for(
+                lambda: (s := cluster.service(NAME)["status"]["signals"]).get("arrivalRate", 0) > 0 and s,
+                20,
+                "the arrival rate in status.signals",
+            )
+        finally:
+            load.stop()
+        advice = advised["status"]["lastAdvice"]
+        assert advice["action"] == "scale-up" and advice["replicas"] == 3
+        assert advised["spec"]["replicas"] == 1 and "lastDecision" not in advised["status"]  # nothing applied
+        assert cluster.apps.read_namespaced_deployment(NAME, NAMESPACE).spec.replicas == 1
+        conditions = {c["type"]: c for c in advised["status"]["conditions"]}
+        assert (
+            conditions["Scaling"]["reason"] == "Advised" and "would scale-up to 3" in conditions["Scaling"]["message"]
+        )
+        events = cluster.core.list_namespaced_event(NAMESPACE).items
+        assert "Advised" in {e.reason for e in events if e.involved_object.name == NAME}
+        assert advised["status"]["forecast"]["horizonSeconds"] > 0
+        assert signals_seen["scrapedReplicas"] == 1 and signals_seen["finishRate"] > 0
+        cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE)
+
+
+def test_a_failing_query_holds_with_a_condition_naming_it(cluster, prometheus, tmp_path):
+    spec = {
+        "model": {"servedName": "tiny", "path": "/models/tiny"},
+        "autoscaling": {"mode": "builtin", "intervalSeconds": 5},
+        "prometheus": {"url": prometheus.url, "queries": {"kvCacheUsage": "max(vllm:kv_cache_usage_perc{$selector}"}},
+    }
+    manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "stale"}}
+    with running_operator(cluster, tmp_path, "--namespace", NAMESPACE, "--standalone"):
+        cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
+
+        def scaling_condition():
+            conditions = cluster.service("stale").get("status", {}).get("conditions", [])
+            return next((c for c in conditions if c["type"] == "Scaling"), None)
+
+        condition = wait_for(scaling_condition, 30, "the Scaling condition")
+        assert (condition["status"], condition["reason"]) == ("Unknown", "StaleSignals")
+        assert "kvCacheUsage" in condition["message"]
+        assert cluster.service("stale")["spec"]["replicas"] == 1
+        cluster.kubectl("delete", "oisvc", "stale", "-n", NAMESPACE)
 
 
 def test_signals_to_status_leaves_missing_readings_out():

@@ -61,7 +61,8 @@ INVALID = [
     ),
     pytest.param(
         with_spec(autoscaling={"mode": "aggressive"}),
-        'spec.autoscaling.mode: Unsupported value: "aggressive": supported values: "builtin", "external", "off"',
+        'spec.autoscaling.mode: Unsupported value: "aggressive": '
+        'supported values: "builtin", "advise", "external", "off"',
         id="bad-enum",
     ),
     pytest.param(

@@ -65,9 +65,11 @@ DEFAULTS: dict[str, Any] = {
         "scaleUpWindowSeconds": 30,
         "scaleDownWindowSeconds": 300,
         "scaleUpCooldownSeconds": 60,
-        "scaleDownCooldownSeconds": 300,
+        "scaleDownCooldownSeconds": 60,
         "startupDeadlineSeconds": 600,
         "intervalSeconds": 15,
+        "idleTimeoutSeconds": 600,
+        "predictive": {"enabled": True, "targetUtilization": 0.9, "coldStartSeconds": 60, "periodSeconds": 86400},
     },
     "engine": {
         "maxNumSeqs": 64,

@@ -46,6 +46,7 @@ class Generation:
         self.state, self.request_id, self.arrival, self.timeout_s = state, request_id, arrival, timeout_s
         self.num_prompt_tokens = len(prompt_token_ids)
         admission = state.admission
+        state.metrics.received.inc()  # offered load, refused or not: what the operator's forecast follows
         rejection = admission.check(len(prompt_token_ids))
         if rejection is not None:
             state.metrics.rejected_by[rejection.reason].inc()

@@ -35,6 +35,11 @@ class SidecarMetrics:
         self.e2e = histogram("overlap_e2e_request_latency_seconds", "Time from HTTP arrival to the last token")
         self.prompt_tokens = Counter("overlap_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter("overlap_generation_tokens", "Generated tokens", registry=registry)
+        self.received = Counter(
+            "overlap_requests_received",
+            "Generations (one per choice) that arrived, before admission",
+            registry=registry,
+        )
         self.finished = Counter(
             "overlap_requests_finished", "Requests finished, by reason", ["reason"], registry=registry
         )

@@ -24,12 +24,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
 import kubernetes
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError
@@ -55,20 +55,32 @@ SIGNAL_WINDOW_ENV = "OVERLAP_SIGNAL_WINDOW_S"  # the latency signals' rate windo
 ADMIN_TIMEOUT_S = 5.0
 
 DECISIONS = Counter("overlap_operator_decisions_total", "Control loop decisions carried out", ["action"])
+ADVICE = Counter(
+    "overlap_operator_advice_total", "Decisions advised, not applied (autoscaling.mode advise)", ["action"]
+)
+_SERVICE = ["namespace", "service"]
+FORECAST = Gauge("overlap_operator_forecast_arrival_rate", "Arrival rate the floor expects a horizon ahead", _SERVICE)
+FORECAST_ERROR = Gauge(
+    "overlap_operator_forecast_relative_error", "Smoothed |forecast - actual| / actual of past forecasts", _SERVICE
+)
+CAPACITY = Gauge(
+    "overlap_operator_capacity_per_replica", "Requests/s a saturated replica was measured to finish", _SERVICE
+)
+FLOOR = Gauge("overlap_operator_replica_floor", "Replicas the forecast needs at the target utilisation", _SERVICE)
 
 _EVENT_REASONS = {SCALE_UP: "ScaledUp", SCALE_DOWN: "ScaledDown", RETUNE: "Retuned"}
 
 
 @dataclass
 class LoopState:
-    history: History = field(default_factory=History)
+    history: History
     last_tick: float = -math.inf
 
 
 def _controlled(spec: Mapping[str, Any], **_: Any) -> bool:
     """Only services with a loop on get the timer, and with it kopf's finalizer."""
     full = specs.with_defaults(spec or {})
-    return full["autoscaling"]["mode"] == "builtin" or bool(full["tuning"]["enabled"])
+    return full["autoscaling"]["mode"] in ("builtin", "advise") or bool(full["tuning"]["enabled"])
 
 
 @kopf.timer(children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S, when=_controlled)
@@ -80,7 +92,7 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
         return  # reconcile reports it as Degraded; nothing to control
     policy = Policy.from_spec(spec, signal_window_s=signal_window_s())
     now = time.time()
-    state: LoopState = memo.setdefault("control", LoopState())
+    state: LoopState = memo.setdefault("control", LoopState(History(scaling=policy.scaling)))
     if now - state.last_tick < policy.interval_s() - TICK_S / 2:
         return  # not due (or both loops off: the interval is infinite)
     state.last_tick = now
@@ -120,25 +132,38 @@ def run_tick(
     engine = specs.tuned_config(config, spec, current_status)
     live = specs.tunable_values(engine)
     decision = decide(reading, Current(spec["replicas"], live), state.history, policy)
-    if decision.action == RETUNE:
+    advise = policy.scaling.mode == "advise"
+    if decision.action == RETUNE and not advise:
         try:
             engine = engine.replace(**decision.engine)
         except ConfigError as exc:  # a move the engine refuses (e.g. budget below max_seq_len): hold instead
             decision = Decision(HOLD, f"retune refused by the engine config: {exc}", decision.replicas, live)
-    if decision.action in (SCALE_UP, SCALE_DOWN):
+    if decision.action in (SCALE_UP, SCALE_DOWN) and not advise:
         _scale(name, namespace, decision.replicas)
     state.history.record(reading, decision)
+    forecast = _forecast_status(state.history, decision, reading)
+    _export_forecast(namespace, name, forecast)
 
     def compute(cur: dict[str, Any]) -> dict[str, Any]:
-        new = _loop_conditions(cur, policy, decision, None, when)
+        new = _loop_conditions(cur, policy, decision, None, when, reading.stale)
         new["signals"] = signals.to_status(reading)
+        new["forecast"] = forecast
         if decision.action != HOLD:
-            new["lastDecision"] = decision.to_status(when)
-        if decision.action == RETUNE:
+            new["lastAdvice" if advise else "lastDecision"] = decision.to_status(when)
+        if decision.action == RETUNE and not advise:
             new["engineConfig"] = {k: v for k, v in engine.to_dict().items() if v is not None}
         return new
 
     kube.patch_status(name, namespace, compute)
+    if advise:
+        if decision.action == HOLD:
+            logger.debug(f"control loop (advise): hold: {decision.reason}")
+        else:
+            ADVICE.labels(decision.action).inc()
+            logger.info(f"control loop (advise): would {decision.action} to {decision.replicas}: {decision.reason}")
+            message = f"would {decision.action} (replicas {decision.replicas}): {decision.reason}"
+            kopf.info(dict(body), reason="Advised", message=message)
+        return decision
     if decision.action == RETUNE:
         # After the status: a reconcile builds the ConfigMap from status.engineConfig, so it must hold the new
         # knobs before the ConfigMap changes (or the operator's own drift repair would put the old ones back).
@@ -150,6 +175,31 @@ def run_tick(
     else:
         logger.debug(f"control loop: hold: {decision.reason}")
     return decision
+
+
+def _forecast_status(history: History, decision: Decision, reading: signals.Signals) -> dict[str, Any]:
+    """status.forecast: what the predictive floor expects and how well its past forecasts did."""
+    forecast, horizon = history.forecast, history.horizon_s()
+    fields = {
+        "horizonSeconds": horizon,
+        "coldStartSeconds": history.cold_start.seconds(),
+        "arrivalRate": forecast.predict(reading.time, horizon) if forecast.level is not None else None,
+        "relativeError": forecast.relative_error,
+        "capacityPerReplica": history.capacity.get(int(decision.engine.get("max_num_seqs", 0))),
+        "floor": decision.floor,
+    }
+    return {
+        key: round(value, 4) if isinstance(value, float) else value
+        for key, value in fields.items()
+        if value is not None
+    }
+
+
+def _export_forecast(namespace: str, name: str, forecast: Mapping[str, Any]) -> None:
+    for gauge, key in ((FORECAST, "arrivalRate"), (FORECAST_ERROR, "relativeError"), (CAPACITY, "capacityPerReplica"),
+                       (FLOOR, "floor")):  # fmt: skip
+        if key in forecast:
+            gauge.labels(namespace, name).set(forecast[key])
 
 
 def signal_window_s() -> float:
@@ -199,25 +249,36 @@ def put_admin_config(url: str, token: str, knobs: Mapping[str, Any]) -> dict[str
 
 
 def _loop_conditions(
-    owner: Mapping[str, Any], policy: Policy, decision: Decision | None, problem: str | None, when: str
+    owner: Mapping[str, Any],
+    policy: Policy,
+    decision: Decision | None,
+    problem: str | None,
+    when: str,
+    stale: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Scaling and Tuned conditions for the loops that are on (messages stay stable while holding, so a quiet
     service's status is not rewritten every tick)."""
     generation = (owner.get("status") or {}).get("observedGeneration")
     new = []
-    if policy.scaling.mode == "builtin":
+    if policy.scaling.scales:
         if problem is not None:
             new.append(status.condition(status.SCALING, None, "NoSignals", problem, generation, when))
+        elif stale:
+            message = f"holding: the queries for {', '.join(stale)} failed this tick"
+            new.append(status.condition(status.SCALING, None, "StaleSignals", message, generation, when))
+        elif decision.action in (SCALE_UP, SCALE_DOWN) and policy.scaling.mode == "advise":
+            message = f"advise mode, not applied: would {decision.action} to {decision.replicas}: {decision.reason}"
+            new.append(status.condition(status.SCALING, False, "Advised", message, generation, when))
         elif decision.action in (SCALE_UP, SCALE_DOWN):
             reason = _EVENT_REASONS[decision.action]
             new.append(status.condition(status.SCALING, True, reason, decision.reason, generation, when))
         else:
-            message = "replicas follow the queue watermark"
+            message = "replicas follow the predictive floor, the queue watermark and the SLO law"
             new.append(status.condition(status.SCALING, False, "Stable", message, generation, when))
     if policy.tuning.enabled:
         if problem is not None:
             new.append(status.condition(status.TUNED, None, "NoSignals", problem, generation, when))
-        elif decision.action == RETUNE:
+        elif decision.action == RETUNE and policy.scaling.mode != "advise":
             new.append(status.condition(status.TUNED, True, "Retuned", decision.reason, generation, when))
     old = (owner.get("status") or {}).get("conditions") or []
     return {"conditions": status.merge_conditions(old, new)}

@@ -36,6 +36,19 @@ DEFAULT_QUERIES: dict[str, str] = {
         "histogram_quantile(0.99, sum by (le) (rate(overlap_time_to_first_token_seconds_bucket{$selector}[$window])))"
     ),
     "kvCacheUsage": "max(vllm:kv_cache_usage_perc{$selector})",
+    "arrivalRate": "sum(rate(overlap_requests_received_total{$selector}[$window]))",
+    "finishRate": 'sum(rate(overlap_requests_finished_total{$selector,reason=~"stop|length"}[$window]))',
+    "running": "sum(vllm:num_requests_running{$selector})",
+    "ttftP90": (
+        "histogram_quantile(0.9, sum by (le) (rate(overlap_time_to_first_token_seconds_bucket{$selector}[$window])))"
+    ),
+    "itlP90": (
+        "histogram_quantile(0.9, sum by (le) (rate(overlap_inter_token_latency_seconds_bucket{$selector}[$window])))"
+    ),
+    # pods whose last scrape succeeded (a failed scrape marks a target's series stale at once): the per-replica
+    # figures are over these, so one failing scrape does not dilute (or block) the others
+    "scrapedReplicas": "count(overlap_sidecar_inflight_requests{$selector})",
+    "activatorQueue": "sum(overlap_activator_queued_requests{$selector})",
 }
 # spec.prometheus.queries key -> Signals field
 SIGNAL_FIELDS = {
@@ -45,6 +58,13 @@ SIGNAL_FIELDS = {
     "p99Latency": "p99_latency_s",
     "ttftP99": "ttft_p99_s",
     "kvCacheUsage": "kv_cache_usage",
+    "arrivalRate": "arrival_rate",
+    "finishRate": "finish_rate",
+    "running": "running",
+    "ttftP90": "ttft_p90_s",
+    "itlP90": "itl_p90_s",
+    "scrapedReplicas": "scraped_replicas",
+    "activatorQueue": "activator_queue",
 }
 TIMEOUT_S = 5.0
 
@@ -91,9 +111,20 @@ def query(base_url: str, promql: str, timeout_s: float = TIMEOUT_S) -> float | N
 def read_signals(
     base_url: str, queries: Mapping[str, str], *, ready_replicas: int, now: float, timeout_s: float = TIMEOUT_S
 ) -> Signals:
-    """One reading of every signal (expanded queries from `queries_for`)."""
-    values = {SIGNAL_FIELDS[key]: query(base_url, promql, timeout_s) for key, promql in queries.items()}
-    return Signals(time=now, ready_replicas=ready_replicas, **values)
+    """One reading of every signal (expanded queries from `queries_for`). A query that fails leaves its signal out
+    and names it in `stale`; PrometheusError only when every query failed (Prometheus is down or unreachable)."""
+    values: dict[str, float | None] = {}
+    failed: dict[str, PrometheusError] = {}
+    for key, promql in queries.items():
+        try:
+            values[SIGNAL_FIELDS[key]] = query(base_url, promql, timeout_s)
+        except PrometheusError as exc:
+            failed[key] = exc
+    if failed and len(failed) == len(queries):
+        raise next(iter(failed.values()))
+    if values.get("scraped_replicas") is not None:
+        values["scraped_replicas"] = round(values["scraped_replicas"])
+    return Signals(time=now, ready_replicas=ready_replicas, stale=tuple(failed), **values)
 
 
 def to_status(signals: Signals) -> dict[str, float]:
@@ -107,5 +138,11 @@ def to_status(signals: Signals) -> dict[str, float]:
         "p99LatencySeconds": signals.p99_latency_s,
         "ttftP99Seconds": signals.ttft_p99_s,
         "kvCacheUsage": signals.kv_cache_usage,
+        "arrivalRate": signals.arrival_rate,
+        "finishRate": signals.finish_rate,
+        "ttftP90Seconds": signals.ttft_p90_s,
+        "itlP90Seconds": signals.itl_p90_s,
+        "scrapedReplicas": signals.scraped_replicas,
+        "activatorQueue": signals.activator_queue,
     }
     return {key: round(value, 4) for key, value in fields.items() if value is not None}

@@ -1,0 +1,170 @@
+"""What the predictive floor learns from the service's own readings: where the arrival rate is going, how many
+requests a replica serves, and how long a new replica takes to serve.
+
+- `RateForecast`: Holt's linear trend on the arrival rate (level and slope, updated at irregular ticks) and, once a
+  whole period (a day by default) has been seen, a profile of the rate by time of day, so a ramp seen yesterday is
+  met before it comes back. It keeps the error of its own forecasts (what it said a horizon ago against what came).
+- `CapacityProfile`: requests/s one replica finishes while it is saturated (requests waiting, device busy), per
+  max_num_seqs value, since the batch limit sets what a replica can do.
+- `ColdStart`: the time from a scale-up to its replicas being ready, as observed.
+
+All three are pure and kept in the control loop's History; the policy turns them into a replica floor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+SATURATED_BUSY = 0.9  # device busy above this with requests waiting: what finishes is what a replica can do
+SATURATED_BATCH = 0.9  # ... and the batches this full (running / max_num_seqs)
+SATURATED_QUEUE = 8  # ... or this many waiting per replica
+
+
+@dataclass(slots=True)
+class RateForecast:
+    alpha: float = 0.5  # level smoothing per tick (the rate signal is already a trailing-window mean)
+    beta: float = 0.05  # slope smoothing per tick
+    period_s: float = 86400.0
+    buckets: int = 96  # profile resolution: 15 minutes of a day
+    level: float | None = None
+    slope: float = 0.0  # requests/s per second
+    last_t: float | None = None
+    first_t: float | None = None
+    profile: list[float | None] = field(default_factory=list)
+    # [due time, forecast, highest rate seen since] of forecasts made earlier, scored when their time comes
+    pending: deque[list[float]] = field(default_factory=deque)
+    relative_error: float | None = None  # smoothed |forecast - actual| / actual
+
+    def update(self, t: float, rate: float, horizon_s: float) -> None:
+        """One reading of the arrival rate (requests/s) at time t; remembers the forecast for t + horizon_s."""
+        # A forecast says the highest rate of its horizon: score it against the highest that came.
+        for entry in self.pending:
+            entry[2] = max(entry[2], rate)
+        while self.pending and self.pending[0][0] <= t:
+            _, said, came = self.pending.popleft()
+            if came > 0:
+                error = abs(said - came) / came
+                self.relative_error = error if self.relative_error is None else 0.8 * self.relative_error + 0.2 * error
+        if self.level is None:
+            self.first_t = t
+            self.profile = [None] * self.buckets
+        self.level, self.slope = self._advanced(t, rate)
+        self.last_t = t
+        i = self._bucket(t)
+        old = self.profile[i]
+        self.profile[i] = rate if old is None else 0.7 * old + 0.3 * rate
+        self.pending.append([t + horizon_s, self.predict(t, horizon_s), 0.0])
+
+    def _advanced(self, t: float, rate: float) -> tuple[float, float]:
+        """(level, slope) after a reading of `rate` at t."""
+        if self.level is None or self.last_t is None:
+            return rate, 0.0
+        dt = max(t - self.last_t, 1e-9)
+        predicted = self.level + self.slope * dt
+        level = self.alpha * rate + (1 - self.alpha) * predicted
+        slope = self.beta * (level - self.level) / dt + (1 - self.beta) * self.slope
+        return max(level, 0.0), slope
+
+    def predict_with(self, t: float, rate: float, horizon_s: float) -> float:
+        """predict() as it would be after a reading of `rate` at t, without keeping the reading."""
+        saved = (self.level, self.slope, self.last_t, self.first_t)
+        if self.level is None:
+            self.first_t = t
+        self.level, self.slope = self._advanced(t, rate)
+        self.last_t = t
+        try:
+            return self.predict(t, horizon_s)
+        finally:
+            self.level, self.slope, self.last_t, self.first_t = saved
+
+    def has_profile(self, t: float) -> bool:
+        """True once a whole period of readings has been seen."""
+        return self.first_t is not None and t - self.first_t >= self.period_s
+
+    def predict(self, t: float, horizon_s: float) -> float:
+        """The highest rate expected between t and t + horizon_s (requests/s): the trend's, or where a period has
+        been seen, the profile's for that stretch scaled to how today compares with it, whichever is higher."""
+        if self.level is None:
+            return 0.0
+        trend = max(self.level, self.level + self.slope * horizon_s)
+        if not self.has_profile(t):
+            return trend
+        now = self.profile[self._bucket(t)]
+        ahead = [self.profile[self._bucket(t + s)] for s in _steps(horizon_s, self.period_s / self.buckets)]
+        ahead = [v for v in ahead if v is not None]
+        if not now or not ahead:
+            return trend
+        ratio = min(max(self.level / now, 0.5), 1.5)
+        return max(trend, max(ahead) * ratio)
+
+    def _bucket(self, t: float) -> int:
+        return int((t % self.period_s) / self.period_s * self.buckets) % self.buckets
+
+
+def _steps(horizon_s: float, bucket_s: float) -> list[float]:
+    n = max(1, math.ceil(horizon_s / bucket_s))
+    return [horizon_s * k / n for k in range(n + 1)]
+
+
+@dataclass(slots=True)
+class CapacityProfile:
+    """Requests/s one saturated replica finishes, per max_num_seqs: the 90th percentile of the last saturated
+    readings at that limit. A saturated replica never finishes much more than it can, while a reading over a rate
+    window that began before the saturation, or just after a replica started, is low: a high percentile of recent
+    readings is the figure, and old ones age out when the workload changes."""
+
+    samples: dict[int, deque[float]] = field(default_factory=dict)
+    keep: int = 32  # readings kept per limit
+    min_readings: int = 3  # a figure is used once this many readings stand behind it
+    hint: float | None = None  # a figure measured offline (autoscaling.predictive.capacityPerReplica), until then
+
+    def update(
+        self, max_num_seqs: int, finish_rate: float, replicas: int, waiting: float, running: float, busy: float
+    ) -> None:
+        # Requests waiting while the device is busy and either the batches are full or the queue is long (the
+        # step's token budget or the KV cache holds them back): what finishes is what a replica can do at these
+        # limits. A few waiting between two steps is not saturation.
+        full = running >= SATURATED_BATCH * max_num_seqs * replicas
+        long_queue = waiting >= SATURATED_QUEUE * replicas
+        saturated = replicas > 0 and waiting >= replicas and busy >= SATURATED_BUSY and (full or long_queue)
+        if not saturated or finish_rate <= 0:
+            return  # not saturated: what finishes says what was asked, not what a replica can do
+        self.samples.setdefault(max_num_seqs, deque(maxlen=self.keep)).append(finish_rate / replicas)
+
+    def get(self, max_num_seqs: int) -> float | None:
+        """The capacity at this limit, or at the nearest limit measured; before enough saturated readings, the
+        offline hint (None without one)."""
+        known = [k for k, v in self.samples.items() if len(v) >= self.min_readings]
+        if not known:
+            return self.hint
+        if max_num_seqs not in known:
+            max_num_seqs = min(
+                known, key=lambda k: abs(math.log(k / max_num_seqs)) if k > 0 and max_num_seqs > 0 else math.inf
+            )
+        ordered = sorted(self.samples[max_num_seqs])
+        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+@dataclass(slots=True)
+class ColdStart:
+    """Seconds from a scale-up to its replicas being ready (EWMA of the starts seen; `default` before any)."""
+
+    default: float = 60.0
+    observed: float | None = None
+    _since: float | None = None
+
+    def scaled_up(self, t: float) -> None:
+        if self._since is None:
+            self._since = t
+
+    def track(self, t: float, asked: int, ready: int) -> None:
+        """A reading after the decision: `asked` replicas wanted, `ready` of them serving."""
+        if asked <= ready and self._since is not None:
+            took = t - self._since
+            self.observed = took if self.observed is None else 0.7 * self.observed + 0.3 * took
+            self._since = None
+
+    def seconds(self) -> float:
+        return self.default if self.observed is None else self.observed

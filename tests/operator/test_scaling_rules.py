@@ -1,0 +1,307 @@
+"""The scaling rules beyond the queue watermark, on hand-made readings: the SLO law with warming pods, the
+predictive floor, tune before scale, safe scale-in, zero traffic and scale to zero, a failing scrape, a stale
+signal, advisory mode. `decide` is pure; each test builds a History and a sequence of Signals."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+
+import pytest
+
+from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast
+from overlap.operator.control.policy import (
+    HOLD,
+    RETUNE,
+    SCALE_DOWN,
+    SCALE_UP,
+    Current,
+    History,
+    Policy,
+    ScalingPolicy,
+    Signals,
+    TuningPolicy,
+    decide,
+)
+
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_buffers": 2}
+BASE = ScalingPolicy(
+    mode="builtin",
+    min_replicas=1,
+    max_replicas=10,
+    up_window_s=30,
+    down_window_s=60,
+    up_cooldown_s=0,
+    down_cooldown_s=0,
+    interval_s=15,
+    cold_start_s=60,
+    target_utilization=0.8,
+)
+
+
+def scaling(**changes) -> ScalingPolicy:
+    return replace(BASE, **changes)
+
+
+def run(readings: list[dict], policy: Policy, replicas: int, history: History | None = None, step_s: float = 15):
+    """Tick the loop over readings (Signals fields; ready_replicas defaults to the replicas asked for), carrying
+    each decision out; the decisions in order."""
+    history = history or History(scaling=policy.scaling)
+    current, decisions = Current(replicas, dict(ENGINE)), []
+    for i, fields in enumerate(readings):
+        signals = Signals(time=i * step_s, **{"ready_replicas": current.replicas, **fields})
+        decision = decide(signals, current, history, policy)
+        history.record(signals, decision)
+        current = Current(decision.replicas, decision.engine)
+        decisions.append(decision)
+    return decisions
+
+
+# ---------------------------------------------------------------------------------------------- SLO law
+
+
+def test_slo_law_scales_up_after_a_whole_window_over_the_slo():
+    policy = Policy(scaling=scaling(ttft_slo_s=1.0, tpot_slo_s=0.05, predictive=False))
+    over = {"queue_depth": 0, "ttft_p90_s": 1.5, "itl_p90_s": 0.02}  # TTFT at 1.5x its SLO, TPOT within
+    decisions = run([over] * 3, policy, replicas=2)
+    assert [d.action for d in decisions] == [HOLD, HOLD, SCALE_UP]
+    assert decisions[-1].replicas == 3  # ceil(2 x 1.5)
+    assert "1.50x its SLO" in decisions[-1].reason
+
+
+def test_slo_law_takes_the_worse_objective_and_caps_the_step_at_double():
+    policy = Policy(scaling=scaling(ttft_slo_s=1.0, tpot_slo_s=0.05, predictive=False))
+    over = {"queue_depth": 0, "ttft_p90_s": 0.5, "itl_p90_s": 0.5}  # TPOT at 10x
+    assert run([over] * 3, policy, replicas=3)[-1].replicas == 6
+
+
+def test_slo_law_waits_for_warming_pods():
+    policy = Policy(scaling=scaling(ttft_slo_s=1.0, predictive=False))
+    over = {"queue_depth": 0, "ttft_p90_s": 3.0, "ready_replicas": 2}  # 2 of 4 ready: 2 still starting
+    decisions = run([over] * 4, policy, replicas=4)
+    assert all(d.action == HOLD for d in decisions)
+    assert "2 of 4 replicas still starting" in decisions[-1].reason
+
+
+# ---------------------------------------------------------------------------------------------- predictive floor
+
+
+def learned_history(policy: Policy, capacity: float = 50.0) -> History:
+    history = History(scaling=policy.scaling)
+    history.capacity.samples[ENGINE["max_num_seqs"]] = deque([capacity] * history.capacity.min_readings)
+    return history
+
+
+def test_the_floor_scales_up_on_a_ramp_before_any_queue_builds():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)  # 50 req/s per replica, planned at 80%: 40
+    ramp = [{"queue_depth": 0, "arrival_rate": 60 + 20 * i} for i in range(8)]
+    decisions = run(ramp, policy, replicas=2, history=history)
+    ups = [(i, d.replicas) for i, d in enumerate(decisions) if d.action == SCALE_UP]
+    assert ups, [d.reason for d in decisions]
+    first, target = ups[0]
+    rate_then = 60 + 20 * first
+    assert target * 40 > rate_then  # ahead of the load, not behind it
+    assert all(r["queue_depth"] == 0 for r in ramp[: first + 1])  # nothing was waiting
+    assert "predictive floor" in decisions[first].reason and "req/s per replica" in decisions[first].reason
+
+
+def test_the_floor_counts_replicas_still_starting():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)
+    # 4 asked, 1 ready: the floor for 150 req/s at 40 per replica is 4, already asked for
+    readings = [{"queue_depth": 0, "arrival_rate": 150, "ready_replicas": 1}] * 3
+    decisions = run(readings, policy, replicas=4, history=history)
+    assert all(d.action == HOLD for d in decisions)
+    assert all(d.floor == 4 for d in decisions)
+
+
+def test_without_a_measured_capacity_there_is_no_floor():
+    policy = Policy(scaling=scaling())
+    decisions = run([{"queue_depth": 0, "arrival_rate": 500}] * 3, policy, replicas=1)
+    assert all(d.action == HOLD and d.floor is None for d in decisions)
+
+
+def test_capacity_is_learned_only_from_saturated_readings():
+    profile = CapacityProfile()
+    profile.update(64, finish_rate=30, replicas=2, waiting=0, running=20, busy=0.95)  # idle: not saturated
+    profile.update(64, finish_rate=30, replicas=2, waiting=4, running=60, busy=0.95)  # a few between steps
+    assert profile.samples == {}
+    for _ in range(profile.min_readings - 1):
+        profile.update(64, finish_rate=100, replicas=2, waiting=10, running=120, busy=0.97)  # full batches
+    assert profile.get(64) is None  # too few readings to trust
+    profile.update(64, finish_rate=90, replicas=2, waiting=40, running=80, busy=0.97)  # a long queue
+    assert profile.get(64) == pytest.approx(50)  # the 90th percentile of 50, 50, 45
+    for _ in range(10):  # low readings (a window that began before the saturation) do not drag it down
+        profile.update(64, finish_rate=60, replicas=2, waiting=40, running=128, busy=0.97)
+    assert profile.get(64) == pytest.approx(50)
+    for _ in range(profile.keep):  # a workload that stays slower ages the old figure out
+        profile.update(64, finish_rate=60, replicas=2, waiting=40, running=128, busy=0.97)
+    assert profile.get(64) == pytest.approx(30)
+    assert profile.get(128) == profile.get(64)  # the nearest limit measured stands in
+
+
+def test_the_forecast_follows_a_trend_and_learns_a_daily_profile():
+    forecast = RateForecast(period_s=100, buckets=10)
+    for t in range(0, 50):  # a steady ramp of 2 req/s per second
+        forecast.update(float(t), 10 + 2.0 * t, horizon_s=5)
+    assert forecast.predict(49, 10) > 10 + 2 * 49  # the trend carries it beyond the last reading
+    day = RateForecast(period_s=100, buckets=10)
+    shape = [10 if (t % 100) < 50 else 100 for t in range(0, 200)]  # a quiet half, then a busy half, twice
+    for t, rate in enumerate(shape):
+        day.update(float(t), float(rate), horizon_s=10)
+    quiet_forecast = day.predict(245, 10)  # in the quiet half of day three, with the busy half 5 s ahead
+    assert quiet_forecast > 50  # the profile remembers what comes next; the trend alone would say ~10
+    assert day.relative_error is not None
+
+
+def test_cold_start_is_learned_from_observed_starts():
+    cold = ColdStart(default=60)
+    cold.scaled_up(100)
+    cold.track(100, asked=3, ready=1)
+    cold.track(115, asked=3, ready=2)
+    cold.track(130, asked=3, ready=3)
+    assert cold.seconds() == pytest.approx(30)
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)
+    readings = [{"queue_depth": 0, "arrival_rate": 100, "ready_replicas": r} for r in (1, 1, 3, 3)]
+    run(readings, policy, replicas=1, history=history)  # the floor asks 3 at t=0; ready at t=30
+    assert history.cold_start.seconds() == pytest.approx(30)
+
+
+# ---------------------------------------------------------------------------------------------- tune before scale
+
+TUNING = TuningPolicy(enabled=True, interval_s=30, signal_window_s=30, bounds={"max_num_seqs": (8, 256)})
+
+
+def test_a_full_batch_with_kv_headroom_is_raised_before_a_replica_is_added():
+    policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
+    busy = {"queue_depth": 100, "running": 128, "kv_cache_usage": 0.3}  # 50 waiting per replica, batches full
+    decisions = run([busy] * 3, policy, replicas=2)
+    assert decisions[-1].action == RETUNE
+    assert decisions[-1].engine["max_num_seqs"] == 128 and "tune before scale" in decisions[-1].reason
+    assert decisions[-1].replicas == 2
+
+
+def test_after_the_raise_a_still_breached_slo_adds_the_replica():
+    policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
+    busy = {"queue_depth": 100, "running": 128, "kv_cache_usage": 0.3}
+    full_kv = {"queue_depth": 100, "running": 256, "kv_cache_usage": 0.8}  # after the raise: KV has no headroom
+    decisions = run([busy, busy, busy, full_kv, full_kv, full_kv], policy, replicas=2)
+    actions = [d.action for d in decisions]
+    assert actions[2] == RETUNE and SCALE_UP in actions[3:]
+    up = actions.index(SCALE_UP)
+    assert (up - 2) * 15 >= TUNING.interval_s  # a whole tuning interval to show the raise's effect first
+
+
+def test_no_headroom_scales_at_once():
+    policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
+    busy = {"queue_depth": 100, "running": 128, "kv_cache_usage": 0.85}  # KV nearly full: the batch cannot grow
+    assert run([busy] * 3, policy, replicas=2)[-1].action == SCALE_UP
+
+
+# ---------------------------------------------------------------------------------------------- safe scale-in
+
+
+def test_no_scale_in_while_n_minus_one_replicas_would_not_carry_the_load():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)  # 40 req/s per replica at the target
+    # an empty queue, but 150 req/s: 3.75 replicas of load, 4 running: 3 would be over capacity
+    decisions = run([{"queue_depth": 0, "arrival_rate": 150}] * 8, policy, replicas=4, history=history)
+    assert SCALE_DOWN not in [d.action for d in decisions]
+
+
+def test_scale_in_when_the_others_carry_the_load_with_margin():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)
+    decisions = run([{"queue_depth": 0, "arrival_rate": 100}] * 8, policy, replicas=4, history=history)
+    downs = [d for d in decisions if d.action == SCALE_DOWN]
+    assert downs and downs[0].replicas == 3  # 2.5 replicas of load: 3 carry it (2.5 x 1.1 <= 3)
+    assert all(d.replicas >= 3 for d in decisions)  # never to 2: 2.5 x 1.1 > 2
+    assert "3 replicas carry the forecast load" in downs[0].reason
+
+
+def test_no_two_to_one_flapping_on_a_load_just_over_one_replica():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)  # 1.2 replicas of load, noisy: never 2 -> 1 -> 2
+    readings = [{"queue_depth": 0, "arrival_rate": 48 + (6 if i % 2 else -6)} for i in range(30)]
+    decisions = run(readings, policy, replicas=2, history=history)
+    assert [d.action for d in decisions if d.action != HOLD] == []
+
+
+# ---------------------------------------------------------------------------------------------- zero traffic
+
+
+def test_zero_traffic_scales_down_though_the_latency_signals_are_nan():
+    policy = Policy(scaling=scaling(ttft_slo_s=1.0))
+    idle = {"queue_depth": None, "arrival_rate": 0.0, "p99_latency_s": None, "ttft_p90_s": None}
+    decisions = run([idle] * 10, policy, replicas=3)
+    assert [d.replicas for d in decisions if d.action == SCALE_DOWN] == [2, 1]
+
+
+def test_to_zero_after_the_idle_timeout_and_back_on_the_first_held_request():
+    policy = Policy(scaling=scaling(min_replicas=0, idle_timeout_s=120))
+    idle = {"queue_depth": 0, "arrival_rate": 0.0}
+    decisions = run([idle] * 10, policy, replicas=1)
+    down = [i for i, d in enumerate(decisions) if d.action == SCALE_DOWN]
+    assert down and decisions[down[0]].replicas == 0 and down[0] * 15 >= 120
+    assert "no requests for 120 s" in decisions[down[0]].reason
+    history = History(scaling=policy.scaling)
+    woken = decide(Signals(0, 0, activator_queue=7), Current(0, ENGINE), history, policy)
+    assert woken.action == SCALE_UP and woken.replicas == 1 and "7 requests held by the activator" in woken.reason
+
+
+def test_one_arrival_inside_the_idle_timeout_keeps_the_last_replica():
+    policy = Policy(scaling=scaling(min_replicas=0, idle_timeout_s=120))
+    readings = [{"queue_depth": 0, "arrival_rate": 0.0}] * 6 + [{"queue_depth": 0, "arrival_rate": 0.1}]
+    readings += [{"queue_depth": 0, "arrival_rate": 0.0}] * 6
+    decisions = run(readings, policy, replicas=1)
+    assert all(d.replicas == 1 for d in decisions)
+
+
+# ---------------------------------------------------------------------------------------------- robust signals
+
+
+def test_a_pod_that_fails_its_scrape_does_not_block_the_others():
+    policy = Policy(scaling=scaling(predictive=False, up_window_s=0))
+    # 3 ready, 2 scraped: the 80 waiting are over the 2 seen (40 each > 32), not the 3 (26.7)
+    signals = Signals(0, ready_replicas=3, queue_depth=80, scraped_replicas=2)
+    decision = decide(signals, Current(3, ENGINE), History(scaling=policy.scaling), policy)
+    assert decision.action == SCALE_UP and decision.replicas == 3 + 1
+    assert "40.0 waiting per ready replica" in decision.reason
+
+
+def test_a_stale_signal_holds_and_says_which():
+    policy = Policy(scaling=scaling(predictive=False, up_window_s=0))
+    signals = Signals(0, ready_replicas=2, queue_depth=500, stale=("kvCacheUsage",))
+    decision = decide(signals, Current(2, ENGINE), History(scaling=policy.scaling), policy)
+    assert decision.action == HOLD and "stale signals (kvCacheUsage)" in decision.reason
+
+
+# ---------------------------------------------------------------------------------------------- advisory mode
+
+
+def test_advisory_mode_decides_what_builtin_would():
+    readings = [{"queue_depth": 100 * (i + 1), "arrival_rate": 20.0 * i} for i in range(6)]
+    builtin = run(readings, Policy(scaling=scaling()), replicas=2)
+    advise = run(readings, Policy(scaling=scaling(mode="advise")), replicas=2)
+    assert [(d.action, d.replicas) for d in advise] == [(d.action, d.replicas) for d in builtin]
+    assert any(d.action == SCALE_UP for d in advise)
+
+
+def test_an_offline_capacity_figure_stands_in_until_the_loop_measures_one():
+    profile = CapacityProfile(hint=80.0)
+    assert profile.get(64) == 80.0
+    for _ in range(profile.min_readings):
+        profile.update(64, finish_rate=120, replicas=2, waiting=40, running=128, busy=0.97)
+    assert profile.get(64) == pytest.approx(60)  # measured: the pods' own figure wins
+    policy = Policy(scaling=scaling(capacity_hint_rps=50.0))
+    decisions = run([{"queue_depth": 0, "arrival_rate": 150}] * 2, policy, replicas=2)
+    assert decisions[0].action == SCALE_UP and decisions[0].replicas == 4  # ceil(150 / (50 x 0.8))
+
+
+def test_scale_in_goes_as_far_as_the_load_allows_but_halves_the_fleet_at_most():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)  # 40 req/s per replica at the target
+    decisions = run([{"queue_depth": 0, "arrival_rate": 20}] * 8, policy, replicas=8, history=history)
+    assert [d.replicas for d in decisions if d.action == SCALE_DOWN] == [4, 2, 1]
