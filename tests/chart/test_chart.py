@@ -108,9 +108,10 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("overlap.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
         ("overlap.dev", "inferenceservices/status"): {"patch"},
         ("overlap.dev", "inferenceservices/finalizers"): {"update"},
-        ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
+        # delete: the activator of a service that no longer scales to zero (its Deployment and Service)
+        ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
         ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
-        ("", "services"): {"get", "list", "watch", "create", "patch"},
+        ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
         # No Secret can be read but the operator's own (create cannot be scoped by name).
         ("", "secrets"): {"create"},
         ("", "secrets", "overlap-admin-tokens"): {"get", "patch"},

@@ -303,3 +303,51 @@ def test_the_rollout_strategy_follows_the_spec_and_refuses_one_that_can_never_mo
     assert full_pool["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     with pytest.raises(specs.SpecError, match="cannot both be 0"):
         build({"rollout": {"maxSurge": "0%", "maxUnavailable": 0}})
+
+
+def test_a_service_that_scales_to_zero_gets_an_activator_and_routes_to_it_while_at_zero() -> None:
+    spec = specs.with_defaults({
+        "model": {"servedName": "llm", "path": "/models/llm"},
+        "replicas": 0,
+        "autoscaling": {"mode": "builtin", "minReplicas": 0},
+    })  # fmt: skip
+    config = specs.check_spec(spec)
+    built = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in children.build_children(OWNER, spec, config, with_servicemonitor=True)
+    }
+    for obj in built.values():
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    activator, pods = built[("Deployment", "llm-activator")], built[("Service", "llm-pods")]
+    engine = built[("Deployment", "llm")]
+    activator_labels = activator["spec"]["template"]["metadata"]["labels"]
+    # neither Deployment's selector matches the other's pods
+    assert not children.is_subset(engine["spec"]["selector"]["matchLabels"], activator_labels)
+    assert not children.is_subset(
+        activator["spec"]["selector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"]
+    )
+    args = activator["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:3] == ["activator", "--upstream", "http://llm-pods.ml.svc:8000"]
+    assert "nvidia.com/gpu" not in json.dumps(activator)  # the activator never holds a GPU
+    assert pods["spec"]["selector"] == children.selector_labels("llm")
+    # the ServiceMonitor selects Services by the selector labels: the pods' Service must not match (double scrape)
+    assert not children.is_subset(
+        built[("ServiceMonitor", "llm")]["spec"]["selector"]["matchLabels"], pods["metadata"]["labels"]
+    )
+    public = built[("Service", "llm")]
+    assert public["spec"]["selector"] == children.activator_labels("llm")  # no replica: the activator answers
+    order = [key for key in built]
+    assert order.index(("Service", "llm")) < order.index(("Deployment", "llm"))  # routed away before pods go
+    serving = {**OWNER, "status": {"readyReplicas": 1}}
+    spec_one = {**spec, "replicas": 1}
+    routed = [
+        o
+        for o in children.build_children(serving, spec_one, config, with_servicemonitor=False)
+        if o["kind"] == "Service"
+    ]
+    assert {o["metadata"]["name"]: o["spec"]["selector"] for o in routed}["llm"] == children.selector_labels("llm")
+    # a service with a floor of one replica has neither
+    plain = build({"autoscaling": {"mode": "builtin", "minReplicas": 1}})
+    assert plain["Service"]["spec"]["selector"] == children.selector_labels("llm")
+    assert plain["Deployment"]["metadata"]["name"] == "llm"

@@ -316,6 +316,29 @@ def test_no_finalizer_without_a_control_loop_and_one_once_it_is_on(cluster, appl
     )
 
 
+def test_scaling_to_zero_adds_the_activator_routes_by_readiness_and_removes_it_after(cluster, applied) -> None:
+    activator, pods = f"{NAME}-activator", f"{NAME}-pods"
+    patch = {"spec": {"autoscaling": {"mode": "advise", "minReplicas": 0}}}
+    cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(patch))
+    wait_for(lambda: cluster.get("deployment", activator) and cluster.get("service", pods), 10, "the activator")
+    assert cluster.get("service", pods)["spec"]["selector"] == children.selector_labels(NAME)
+
+    def routes_to(labels: dict) -> bool:
+        return cluster.get("service", NAME)["spec"]["selector"] == labels
+
+    cluster.play_deployment_controller(NAME, ready=0)  # no ready replica: the activator answers
+    wait_for(lambda: routes_to(children.activator_labels(NAME)), 10, "the Service to route to the activator")
+    cluster.play_deployment_controller(NAME, ready=1)  # a ready pod takes the traffic back at once
+    wait_for(lambda: routes_to(children.selector_labels(NAME)), 10, "the Service to route to the pods")
+    events = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.involved_object.name == NAME}
+    assert "Routed" in events
+    patch = {"spec": {"autoscaling": {"mode": "off", "minReplicas": 1}}}
+    cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(patch))
+    wait_for(lambda: cluster.get("deployment", activator) is None and cluster.get("service", pods) is None, 10,
+             "the activator to go")  # fmt: skip
+    assert routes_to(children.selector_labels(NAME))
+
+
 def test_deleting_the_inferenceservice_removes_its_children(cluster, applied) -> None:
     cluster.kubectl("delete", "oisvc", NAME)
     wait_for(lambda: all(cluster.get(kind, name) is None for kind, name in CHILDREN), what="the children gone")

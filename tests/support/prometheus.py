@@ -29,10 +29,12 @@ class Prometheus:
         wait_for(lambda: http("GET", f"{self.url}/-/ready", timeout=2)[0] == 200, 30, "Prometheus to be ready")
 
     @classmethod
-    def of_targets(cls, workdir: Path, targets: dict[str, dict[str, str]]) -> Prometheus:
+    def of_targets(
+        cls, workdir: Path, targets: dict[str, dict[str, str]], metrics_path: str = "/metrics"
+    ) -> Prometheus:
         """Scraping fixed targets, each with its labels."""
         static = [{"targets": [target], "labels": labels} for target, labels in targets.items()]
-        return cls(workdir, {"job_name": "overlap", "static_configs": static})
+        return cls(workdir, {"job_name": "overlap", "static_configs": static, "metrics_path": metrics_path})
 
     @classmethod
     def of_discovery_file(cls, workdir: Path, sd_file: Path) -> Prometheus:

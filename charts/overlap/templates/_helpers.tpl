@@ -55,11 +55,15 @@ app.kubernetes.io/component: operator
 - apiGroups: [overlap.dev]
   resources: [inferenceservices/finalizers]
   verbs: [update]
+# delete: the scale-to-zero activator's Deployment and Service go when a service no longer scales to zero.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
-  resources: [configmaps, services]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [configmaps]
   verbs: [get, list, watch, create, patch]
 # Secrets: create cannot be scoped by name, but reads and writes are: the operator can read no Secret but its own.
 - apiGroups: [""]

@@ -50,6 +50,33 @@ def labels(name: str) -> dict[str, str]:
     }
 
 
+def activator_labels(name: str) -> dict[str, str]:
+    """The activator's pods: not the engine pods' selector, so neither Deployment claims the other's pods."""
+    return {"app.kubernetes.io/name": "overlap-activator", INSTANCE_LABEL: name}
+
+
+def scales_to_zero(spec: Mapping[str, Any]) -> bool:
+    """minReplicas 0 with a loop that scales: the service gets an activator to hold requests while at zero."""
+    auto = spec["autoscaling"]
+    return auto["minReplicas"] == 0 and auto["mode"] in ("builtin", "advise")
+
+
+def at_zero(owner: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
+    """Whether the Service should route to the activator: no replica asked for, or none ready yet. Asked for 0,
+    the switch comes before the pods go, so requests during their drain reach the activator, which forwards them
+    to the pods while they still serve."""
+    ready = (owner.get("status") or {}).get("readyReplicas") or 0
+    return scales_to_zero(spec) and (spec["replicas"] == 0 or ready == 0)
+
+
+def pods_service_name(name: str) -> str:
+    return f"{name}-pods"
+
+
+def activator_name(name: str) -> str:
+    return f"{name}-activator"
+
+
 def selector_string(name: str) -> str:
     """The pods' label selector in the string form `status.selector` (and /scale) uses."""
     return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
@@ -88,16 +115,93 @@ def build_configmap(name: str, namespace: str, config: EngineConfig) -> dict[str
     }
 
 
-def build_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The public API only: the admin port is never on the Service."""
+def build_service(name: str, namespace: str, spec: Mapping[str, Any], to_activator: bool = False) -> dict[str, Any]:
+    """The public API only: the admin port is never on the Service. At zero replicas it routes to the activator."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(name, namespace, name),
         "spec": {
             "type": "ClusterIP",
+            "selector": activator_labels(name) if to_activator else selector_labels(name),
+            "ports": [{"name": "http", "port": spec["sidecar"]["port"], "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_pods_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine pods whatever the public Service routes to: where the activator forwards. Its labels leave out
+    the selector labels, so a ServiceMonitor (which selects Services by them) does not scrape the pods twice."""
+    metadata = _metadata(pods_service_name(name), namespace, name)
+    metadata["labels"] = {INSTANCE_LABEL: name, "app.kubernetes.io/managed-by": MANAGED_BY}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata,
+        "spec": {
+            "type": "ClusterIP",
             "selector": selector_labels(name),
             "ports": [{"name": "http", "port": spec["sidecar"]["port"], "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_activator(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """`overlap activator` (the sidecar image, no GPU) on the public port, forwarding to the pods' Service."""
+    port = spec["sidecar"]["port"]
+    upstream = f"http://{pods_service_name(name)}.{namespace}.svc:{port}"
+    metadata = _metadata(activator_name(name), namespace, name)
+    metadata["labels"] = {**metadata["labels"], **activator_labels(name), "app.kubernetes.io/component": "activator"}
+    container = {
+        "name": "activator",
+        "image": spec["images"]["sidecar"],
+        "imagePullPolicy": spec["images"]["pullPolicy"],
+        "command": ["overlap"],
+        "args": [
+            "activator",
+            "--upstream",
+            upstream,
+            "--port",
+            str(port),
+            "--hold-timeout-s",
+            str(spec["sidecar"]["requestTimeoutSeconds"]),
+        ],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "readinessProbe": {"httpGet": {"path": "/activator/healthz", "port": "http"}, "periodSeconds": 5},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
+        "securityContext": _container_security(),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": activator_labels(name)},
+            "template": {
+                "metadata": {
+                    "labels": metadata["labels"],
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(port),
+                        "prometheus.io/path": "/activator/metrics",
+                    },
+                },
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": RUN_AS_USER,
+                        "runAsGroup": RUN_AS_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                },
+            },
         },
     }
 
@@ -331,10 +435,13 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """Every child the operator keeps in line with the spec (the admin tokens are admin_tokens.py's)."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    children = [
-        build_configmap(name, namespace, config),
+    children = [build_configmap(name, namespace, config)]
+    if scales_to_zero(spec):
+        children += [build_activator(name, namespace, spec), build_pods_service(name, namespace, spec)]
+    # The Service before the Deployment: scaled to zero, requests go to the activator before the pods go.
+    children += [
+        build_service(name, namespace, spec, to_activator=at_zero(owner, spec)),
         build_deployment(name, namespace, spec, config),
-        build_service(name, namespace, spec),
         build_pdb(name, namespace),
     ]
     if with_servicemonitor and spec["prometheus"]["serviceMonitor"]["enabled"]:

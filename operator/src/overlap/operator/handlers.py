@@ -87,13 +87,22 @@ def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched
             logger.info(message)
             kopf.info(dict(body), reason=outcome.capitalize(), message=message)
 
-    # A child the spec no longer wants goes (only ServiceMonitors come and go with the spec).
-    unwanted = with_monitor and not spec["prometheus"]["serviceMonitor"]["enabled"]
-    if unwanted and kube.delete_if_owned("ServiceMonitor", name, namespace, body["metadata"]["uid"]):
-        CHILD_WRITES.labels("ServiceMonitor", "deleted").inc()
-        message = f"ServiceMonitor {name} deleted: spec.prometheus.serviceMonitor.enabled is false"
-        logger.info(message)
-        kopf.info(dict(body), reason="Deleted", message=message)
+    # A child the spec no longer wants goes (ServiceMonitors and the scale-to-zero activator come and go with it).
+    unwanted: list[tuple[str, str, str]] = []
+    if with_monitor and not spec["prometheus"]["serviceMonitor"]["enabled"]:
+        unwanted.append(("ServiceMonitor", name, "spec.prometheus.serviceMonitor.enabled is false"))
+    if not children.scales_to_zero(spec):
+        why = "the service no longer scales to zero"
+        unwanted += [
+            ("Deployment", children.activator_name(name), why),
+            ("Service", children.pods_service_name(name), why),
+        ]
+    for kind, child, why in unwanted:
+        if kube.delete_if_owned(kind, child, namespace, body["metadata"]["uid"]):
+            CHILD_WRITES.labels(kind, "deleted").inc()
+            message = f"{kind} {child} deleted: {why}"
+            logger.info(message)
+            kopf.info(dict(body), reason="Deleted", message=message)
 
     deployment = kube.read("Deployment", name, namespace)
     problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
@@ -176,13 +185,30 @@ def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> N
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
-def mirror_rollout(body: kopf.Body, type: str | None, **_: Any) -> None:
+def mirror_rollout(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
     if type == "DELETED":
         return  # restore_child recreates it; the new one's events update the status
     owner = _owner_of(body)
-    if owner is None:
-        return
+    if owner is None or body["metadata"]["name"] != owner["metadata"]["name"]:
+        return  # not the engine Deployment (the activator's has no status of the service's to mirror)
     _mirror(owner, dict(body))
+    _route(owner, dict(body), logger)
+
+
+def _route(owner: Mapping[str, Any], deployment: Mapping[str, Any], logger: logging.Logger) -> None:
+    """For a service that scales to zero: point its Service at the pods once one is ready, at the activator while
+    none is (the first ready pod takes the traffic at once, without waiting for a reconcile)."""
+    spec = specs.with_defaults(owner.get("spec") or {})
+    if not children.scales_to_zero(spec):
+        return
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    ready = (deployment.get("status") or {}).get("readyReplicas") or 0
+    to_activator = spec["replicas"] == 0 or ready == 0
+    service = children.adopt(children.build_service(name, namespace, spec, to_activator=to_activator), owner)
+    if kube.apply(service) != "unchanged":
+        where = "the activator (no ready replica)" if to_activator else f"the pods ({ready} ready)"
+        logger.info(f"Service {name} routes to {where}")
+        kopf.info(dict(owner), reason="Routed", message=f"Service {name} routes to {where}")
 
 
 @kopf.on.event("", "v1", "pods", labels=OWNED)

@@ -29,6 +29,10 @@ def register(subparsers) -> None:
     add_engine_flags(serve)
     serve.set_defaults(func=_run_serve)
 
+    from overlap.sidecar import activator
+
+    activator.add_parser(subparsers)
+
 
 def _run_sidecar(args: argparse.Namespace) -> int:
     import asyncio

@@ -1,0 +1,261 @@
+"""`overlap activator`: the proxy a service's clients reach while it has no ready replica.
+
+A service scaled to zero must not answer 404 or refuse the connection: its first request is what should wake it.
+The activator accepts every request, holds it (up to `--max-held` requests, each at most `--hold-timeout-s`) while
+the upstream (the service's pods) is not ready, and reports how many it holds at `/metrics`
+(`overlap_activator_queued_requests`), which the operator's control loop reads to scale 0 -> 1 at once. It probes
+the upstream's `/readyz`; once that answers 200 it forwards what it holds, streams included, and everything after.
+A request it cannot hold gets a 503 with `Retry-After`: the hold limit is reached, or its hold timed out. A pod
+that has just woken may refuse part of the burst at admission (429, before any work is done): the activator keeps
+such a request and sends it again after the pod's `Retry-After`, while its hold deadline allows.
+
+It is plain HTTP in both directions: headers and body pass through (hop-by-hop headers excepted), and a response
+is relayed chunk by chunk, so server-sent events stream through it unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from overlap.engine.errors import ConfigError
+
+log = logging.getLogger("overlap.activator")
+
+# RFC 9110 section 7.6.1: connection-specific headers a proxy must not forward.
+HOP_BY_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
+    "upgrade", "host", "content-length",
+}  # fmt: skip
+
+
+@dataclass(slots=True)
+class ActivatorConfig:
+    upstream: str  # base URL of the service's pods, e.g. http://llm-pods.default.svc:8000
+    host: str = "0.0.0.0"
+    port: int = 8080
+    max_held: int = 1000
+    hold_timeout_s: float = 300.0
+    probe_interval_s: float = 0.25
+    retry_after_s: int = 10
+    max_body_bytes: int = 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ConfigError(f"--upstream must be an http(s) URL, got {self.upstream!r}")
+        if self.max_held < 1 or self.hold_timeout_s <= 0 or self.probe_interval_s <= 0 or self.retry_after_s < 1:
+            raise ConfigError("--max-held, --hold-timeout-s, --probe-interval-s and --retry-after-s must be positive")
+        self.upstream = self.upstream.rstrip("/")
+
+
+class Activator:
+    def __init__(self, config: ActivatorConfig, registry: CollectorRegistry | None = None) -> None:
+        self.config = config
+        self.registry = registry or CollectorRegistry()
+        self.held = 0
+        self.retried = 0  # requests a woken pod refused at admission and the activator sent again
+        self.ready = asyncio.Event()
+        self.session: aiohttp.ClientSession | None = None
+        self._probe_task: asyncio.Task | None = None
+        Gauge(
+            "overlap_activator_queued_requests", "Requests held while the service has no ready replica",
+            registry=self.registry,
+        ).set_function(lambda: self.held)  # fmt: skip
+        Gauge(
+            "overlap_activator_upstream_ready",
+            "1 when the upstream answers its readiness probe",
+            registry=self.registry,
+        ).set_function(lambda: 1 if self.ready.is_set() else 0)
+        self.outcomes = Counter(
+            "overlap_activator_requests", "Requests by outcome", ["outcome"], registry=self.registry
+        )
+        for outcome in ("forwarded", "held_too_long", "hold_full", "upstream_error"):
+            self.outcomes.labels(outcome)
+        self.hold_time = Histogram(
+            "overlap_activator_hold_seconds", "How long a forwarded request was held", registry=self.registry,
+            buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        self._probe_task = asyncio.create_task(self._probe())
+
+    async def stop(self, app: web.Application) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        if self.session is not None:
+            await self.session.close()
+
+    async def _probe(self) -> None:
+        url = f"{self.config.upstream}/readyz"
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.probe_interval_s * 4))
+        while True:
+            try:
+                async with self.session.get(url, timeout=timeout) as response:
+                    ok = response.status == 200
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                ok = False
+            if ok and not self.ready.is_set():
+                log.info(f"upstream {self.config.upstream} is ready; forwarding {self.held} held requests")
+                self.ready.set()
+            elif not ok and self.ready.is_set():
+                log.info(f"upstream {self.config.upstream} is not ready; holding requests")
+                self.ready.clear()
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    def _refuse(self, outcome: str, message: str) -> web.Response:
+        self.outcomes.labels(outcome).inc()
+        body = {"error": {"message": message, "type": "service_unavailable", "code": outcome}}
+        return web.json_response(body, status=503, headers={"Retry-After": str(self.config.retry_after_s)})
+
+    async def _wait_until_ready(self, deadline: float) -> bool:
+        """Hold until the upstream is ready or the deadline passes; True when ready."""
+        if self.ready.is_set():
+            return True
+        self.held += 1
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.held -= 1
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        deadline = arrived + self.config.hold_timeout_s
+        if not self.ready.is_set() and self.held >= self.config.max_held:
+            return self._refuse("hold_full", f"the service is starting and {self.held} requests already wait")
+        body = await request.read()
+        attempt = 0
+        while True:
+            if not await self._wait_until_ready(deadline):
+                return self._refuse(
+                    "held_too_long", f"the service did not become ready within {self.config.hold_timeout_s:g} s"
+                )
+            response = await self._forward(request, body, arrived, deadline, attempt)
+            attempt += 1
+            if isinstance(response, web.StreamResponse):
+                return response
+            if response is None:
+                # Not connected (the pod went away between probes): the request was not sent; hold it again.
+                self.ready.clear()
+                continue
+            # A pod that just woke refused it at admission (429/503, before any work): hold it a little longer.
+            self.retried += 1
+            self.held += 1
+            try:
+                await asyncio.sleep(response)
+            finally:
+                self.held -= 1
+
+    async def _forward(
+        self, request: web.Request, body: bytes, arrived: float, deadline: float, attempt: int
+    ) -> web.StreamResponse | float | None:
+        """Relay the request and its response. None when the upstream refused the connection (nothing sent); the
+        seconds to wait when it refused the request at admission (429, or 503 while not ready) and the deadline
+        leaves time to try again (its answer is relayed otherwise)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        url = f"{self.config.upstream}{request.rel_url}"
+        try:
+            upstream = await self.session.request(request.method, url, headers=headers, data=body or None)
+        except aiohttp.ClientConnectorError:
+            return None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return self._refuse("upstream_error", f"the service failed the request: {exc}")
+        try:
+            if upstream.status in (429, 503):
+                # sooner than the pod's Retry-After at first: its queue drains fast once it serves
+                wait = min(_retry_after(upstream.headers.get("Retry-After")), 0.1 * 2**attempt)
+                if time.monotonic() + wait < deadline:
+                    return wait
+            self.hold_time.observe(time.monotonic() - arrived)
+            self.outcomes.labels("forwarded").inc()
+            response = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
+            )
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+        finally:
+            upstream.release()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"held": self.held, "upstream_ready": self.ready.is_set(), "retried": self.retried})
+
+
+def _retry_after(value: str | None) -> float:
+    """A Retry-After in seconds (the sidecar sends whole seconds), between 0.1 and 5 s; 0.5 s when absent."""
+    try:
+        return min(max(float(value), 0.1), 5.0) if value is not None else 0.5
+    except ValueError:
+        return 0.5
+
+
+def build_app(config: ActivatorConfig, registry: CollectorRegistry | None = None) -> web.Application:
+    activator = Activator(config, registry)
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app.on_startup.append(activator.start)
+    app.on_cleanup.append(activator.stop)
+    app.router.add_get("/activator/healthz", activator.healthz)
+    app.router.add_get("/activator/metrics", activator.metrics)
+    # At zero replicas the service's Service routes to the activator, so its ServiceMonitor scrapes it at /metrics.
+    app.router.add_get("/metrics", activator.metrics)
+    app.router.add_route("*", "/{tail:.*}", activator.handle)
+    app["activator"] = activator
+    return app
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "activator",
+        help="hold requests while a service has no ready replica (scale from zero), then forward them",
+        description=__doc__.splitlines()[0],
+    )
+    defaults = ActivatorConfig(upstream="http://placeholder")
+    parser.add_argument("--upstream", required=True, help="base URL of the service's pods (http://HOST:PORT)")
+    parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)d)")
+    parser.add_argument("--max-held", type=int, default=defaults.max_held, help="most requests held at once")
+    parser.add_argument("--hold-timeout-s", type=float, default=defaults.hold_timeout_s,
+                        help="longest a request is held before a 503 (default %(default)g)")  # fmt: skip
+    parser.add_argument("--probe-interval-s", type=float, default=defaults.probe_interval_s,
+                        help="how often the upstream's /readyz is asked (default %(default)g)")  # fmt: skip
+    parser.add_argument("--retry-after-s", type=int, default=defaults.retry_after_s,
+                        help="Retry-After of a 503 (default %(default)d)")  # fmt: skip
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = ActivatorConfig(
+        upstream=args.upstream,
+        host=args.host,
+        port=args.port,
+        max_held=args.max_held,
+        hold_timeout_s=args.hold_timeout_s,
+        probe_interval_s=args.probe_interval_s,
+        retry_after_s=args.retry_after_s,
+    )
+    log.info(f"activator on {config.host}:{config.port} for {config.upstream}")
+    web.run_app(build_app(config), host=config.host, port=config.port, print=None, handle_signals=True)
+    return 0
