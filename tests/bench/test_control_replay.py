@@ -40,15 +40,17 @@ def report(burst_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("control-out")
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        rc = main(control_args(burst_file, "--runs", "static-min,static-max,autoscale", "--json", "--out", str(out)))
+        runs = "static-min,static-max,static-2,watermark,keda-queue,overlap"
+        rc = main(control_args(burst_file, "--runs", runs, "--start-replicas", "1", "--json", "--out", str(out)))
     assert rc == 0, stderr.getvalue()
     return json.loads(stdout.getvalue()), out, stderr.getvalue()
 
 
-def test_autoscale_scales_up_then_down_and_loses_nothing(report):
+@pytest.mark.parametrize("label", ["watermark", "keda-queue", "overlap"])
+def test_autoscalers_scale_up_then_down_and_lose_nothing(report, label):
     data, _, _ = report
     runs = {run["label"]: run for run in data["runs"]}
-    auto = runs["autoscale"]
+    auto = runs[label]
     actions = [d["action"] for d in auto["decisions"]]
     assert "scale-up" in actions and "scale-down" in actions
     assert actions.index("scale-up") < len(actions) - 1 - actions[::-1].index("scale-down")  # up first, down later
@@ -76,6 +78,12 @@ def test_json_fields_are_consistent(report):
         assert sum(k["slo_misses"] for k in run["timeline"]) == missed
     static_max = data["runs"][1]
     assert static_max["label"] == "static-max" and static_max["decisions"] == []
+    assert data["runs"][2]["label"] == "static-2" and data["runs"][2]["mean_replicas"] == pytest.approx(2, rel=0.02)
+    assert data["setup"]["start_replicas"] == 1
+    verdict = data["verdict"]
+    assert len(verdict) == 4 and all(line.startswith("verdict: ") for line in verdict)
+    assert all(line.endswith(("PASS", "FAIL")) for line in verdict)
+    assert "verdict:" in log
     assert static_max["mean_replicas"] == pytest.approx(MAX_REPLICAS, rel=0.02)
     assert (out / "control.png").stat().st_size > 0 and (out / "report.json").is_file()
     assert "static-max" in log and "repl-s" in log  # the table went to stderr with --json
@@ -108,7 +116,10 @@ def test_a_draining_replica_finishes_what_it_holds():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--runs", "autoscale,bogus"], "unknown run bogus"),
+        (["--runs", "overlap,bogus"], "unknown run bogus"),
+        (["--runs", "static-9"], "static-9 is above --max-replicas 8"),
+        (["--start-replicas", "12"], "--start-replicas must be within"),
+        (["--ttft-slo-s", "0"], "--ttft-slo-s must be > 0"),
         (["--min-replicas", "0"], "--min-replicas"),
         (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas"),
         (["--time-scale", "0"], "--time-scale must be > 0"),
@@ -129,3 +140,54 @@ def test_argparse_refuses_non_numbers(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "control", "--max-replicas", "many"])
     assert exc.value.code == 2 and "invalid int value" in capsys.readouterr().err
+
+
+def test_flaps_are_reversals_within_the_scale_down_window():
+    from overlap.bench.control_replay.summary import count_flaps
+
+    moves = [
+        {"t": 0.0, "action": "scale-up"},
+        {"t": 1.0, "action": "retune"},
+        {"t": 2.0, "action": "scale-down"},  # 2 s after the up: a flap within a 5 s window
+        {"t": 10.0, "action": "scale-down"},  # same direction: not a reversal
+        {"t": 20.0, "action": "scale-up"},  # 10 s after: outside the window
+    ]
+    assert count_flaps(moves, window_s=5) == 1
+    assert count_flaps(moves, window_s=15) == 2
+
+
+def test_the_verdict_reads_dominance_on_slo_and_cost():
+    from overlap.bench.control_replay.summary import verdict
+
+    def run(label, slo, cost, flaps=0.0):
+        return {"label": label, "slo_attainment": slo, "replica_seconds": cost, "flaps_per_hour": flaps}
+
+    lines = verdict([run("static-max", 1.0, 100), run("keda-queue", 0.99, 80), run("overlap", 0.995, 70)])
+    assert lines == [
+        "verdict: SLO 99.5% vs static-max 100.0% (+0.5 points behind; bar <= 1): PASS",
+        "verdict: replica-seconds 70% of static-max (bar <= 75%): PASS",
+        "verdict: 0.0 flaps per trace-hour (bar <= 1): PASS",
+        "verdict: dominated by no run on (SLO, replica-seconds): PASS",
+    ]
+    lines = verdict([run("static-max", 1.0, 100), run("static-6", 0.995, 60), run("overlap", 0.98, 80, flaps=2)])
+    assert lines[0].endswith("FAIL") and lines[1].endswith("FAIL") and lines[2].endswith("FAIL")
+    assert lines[3] == "verdict: dominated by static-6 on (SLO, replica-seconds): FAIL"
+
+
+def test_the_baselines_follow_their_published_arithmetic():
+    from overlap.bench.control_replay.baselines import HpaCpu, KedaQueue, LlmdSlo
+    from overlap.operator.control.policy import Signals
+
+    hpa = HpaCpu(time_scale=1, low=1, high=10)
+    assert hpa.target(Signals(0, 2, device_busy=0.74), 2)[0] == 2  # 0.74 / 0.7 within the 10% tolerance
+    assert hpa.target(Signals(15, 2, device_busy=1.0), 2)[0] == 3  # ceil(2 x 1.0 / 0.7)
+    # scale-down waits for the 300 s stabilisation window: the highest recommendation of the window holds
+    assert hpa.target(Signals(30, 3, device_busy=0.1), 3)[0] == 3
+    assert hpa.target(Signals(340, 3, device_busy=0.1), 3)[0] == 1
+    keda = KedaQueue(time_scale=1, low=1, high=10)
+    assert keda.target(Signals(0, 2, queue_depth=14), 2)[0] == 3  # ceil(14 / 5)
+    assert keda.target(Signals(15, 2, queue_depth=400), 2)[0] == 6  # 80 wanted, at most max(2 x 2, 2 + 4)
+    llmd = LlmdSlo(time_scale=1, low=1, high=10, ttft_slo_s=1.0, tpot_slo_s=0.05)
+    assert llmd.target(Signals(0, 2, ttft_p90_s=0.8), 2)[0] == 3  # s 0.8 > 0.55: one up
+    assert llmd.target(Signals(50, 2, ttft_p90_s=0.8), 4)[0] == 4  # 2 of 4 ready: ask 0.4, between: hold
+    assert llmd.target(Signals(100, 4, ttft_p90_s=0.2, itl_p90_s=0.01), 4)[0] == 3  # s 0.2 < 0.4: one down

@@ -136,7 +136,7 @@ def test_unknown_trace_name_is_refused():
 
 
 def test_builtin_traces_load():
-    for name in ("steady", "bursty", "bursty_2x"):
+    for name in ("steady", "bursty", "bursty_2x", "diurnal"):
         trace = traces.resolve_trace(name)
         assert len(trace) > 50
         assert all(r.prompt_tokens for r in trace.requests)

@@ -35,6 +35,7 @@ BUILTIN_TRACES = {
     "steady": TRACES_DIR / "steady.jsonl",
     "bursty": TRACES_DIR / "bursty.jsonl",
     "bursty_2x": TRACES_DIR / "bursty_2x.jsonl",
+    "diurnal": TRACES_DIR / "diurnal.jsonl",
     "azure": AZURE_TRACE,
 }
 DEFAULT_PRIORITY = 1
@@ -131,7 +132,7 @@ _BUILTIN_NOTES = {
 
 
 def resolve_trace(name_or_path: str) -> Trace:
-    """A built-in trace by name (steady, bursty, bursty_2x, azure) or a file path."""
+    """A built-in trace by name (steady, bursty, bursty_2x, diurnal, azure) or a file path."""
     path = BUILTIN_TRACES.get(name_or_path)
     if path is None:
         path = Path(name_or_path)
@@ -361,6 +362,23 @@ def diurnal(
     )
 
 
+def with_azure_mix(trace: Trace, scale: float, seed: int = 0) -> Trace:
+    """The trace's arrivals with (prompt, output) token pairs drawn from the Azure conversation hour, scaled."""
+    azure = load_azure()
+    pairs = [(r.prompt_tokens or 1, r.max_tokens) for r in azure.requests]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(pairs), size=len(trace.requests))
+    requests = [
+        dataclasses.replace(
+            r,
+            prompt_tokens=max(1, round(pairs[i][0] * scale)),
+            max_tokens=max(1, round(pairs[i][1] * scale)),
+        )
+        for r, i in zip(trace.requests, picks, strict=True)
+    ]
+    return trace.with_requests(requests, f"Azure conversation token mix x{scale:g}")
+
+
 def _check_positive(**values: float) -> None:
     for key, value in values.items():
         if not value > 0:
@@ -464,6 +482,21 @@ BUILTIN_RECIPES = {
         rate_on=300, rate_off=60, on_s=2, off_s=2, duration_s=20, seed=12, prompt_tokens=(4, 12), max_tokens=(16, 128)
     ),
     "bursty_2x": lambda: inject_burst(BUILTIN_RECIPES["bursty"](), at_s=8, length_s=4, factor=2, seed=13),
+    # Two days of 40 s each (night trough 60 req/s, afternoon peak 420), the Azure hour's token mix at the control
+    # replay's scale, and one 1.5x burst per day: on the morning ramp of day one, just after the peak of day two.
+    "diurnal": lambda: inject_burst(
+        inject_burst(
+            with_azure_mix(diurnal(60, 420, period_s=40, duration_s=80, seed=14), scale=0.05, seed=14),
+            at_s=12,
+            length_s=1.5,
+            factor=1.5,
+            seed=15,
+        ),
+        at_s=63,
+        length_s=1.5,
+        factor=1.5,
+        seed=16,
+    ),
 }
 
 

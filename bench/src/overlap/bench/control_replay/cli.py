@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from datetime import UTC, datetime
@@ -22,16 +23,31 @@ from overlap.bench.control_replay.plan import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MAX_REPLICAS,
     DEFAULT_MIN_REPLICAS,
+    DEFAULT_RUNS,
     DEFAULT_SIM_COST,
     DEFAULT_SLO_S,
     DEFAULT_TIME_SCALE,
+    DEFAULT_TPOT_SLO_S,
     DEFAULT_TRACE,
+    DEFAULT_TTFT_SLO_S,
     QUICK_DRAIN_S,
+    QUICK_RUNS,
     RUNS,
+    SIGNAL_WINDOW_S,
+    START_UTILIZATION,
+    START_WINDOWS,
+    TRACE_PERIODS_S,
     TUNING_BOUNDS,
     Setup,
+    static_size,
 )
-from overlap.bench.control_replay.summary import header_lines, plot, replica_capacity_rps, summarize_run, table
+from overlap.bench.control_replay.summary import (
+    header_lines,
+    plot,
+    summarize_run,
+    table,
+    verdict,
+)
 from overlap.bench.report import markdown_table, text_table
 from overlap.bench.traces import TraceError, truncate
 from overlap.bench.workload import QUICK_TRACE_S, add_transform_arguments, load_for_args, parse_sim_cost
@@ -44,14 +60,35 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"azure defaults: --scale-rate {AZURE_SCALE_RATE:g} --scale-tokens {AZURE_SCALE_TOKENS:g} "
-        "(other traces: 1 and 1). Runs: static-min and static-max hold min/max replicas; autoscale uses the "
-        "builtin queue watermark; "
-        f"autoscale+tune also retunes {', '.join(TUNING_BOUNDS)} within {TUNING_BOUNDS} against --slo-s.",
+        "(other traces: 1 and 1). Runs: static-min, static-max and static-N hold min/max/N replicas; watermark "
+        "is decide() on the queue watermark alone; hpa-cpu, keda-queue and llm-slo are the baselines "
+        "(control_replay/baselines.py); overlap is decide() with the predictive floor, the SLO law and tuning "
+        f"of {', '.join(TUNING_BOUNDS)} within {TUNING_BOUNDS}.",
     )
     parser.add_argument(
-        "--trace", default=DEFAULT_TRACE, help="azure | steady | bursty | bursty_2x | a .jsonl/.csv file"
+        "--trace", default=DEFAULT_TRACE, help="azure | diurnal | steady | bursty | bursty_2x | a .jsonl/.csv file"
     )
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {', '.join(RUNS)}")
+    parser.add_argument(
+        "--runs",
+        help=f"comma-separated runs from {', '.join(RUNS)}, static-N (default {','.join(DEFAULT_RUNS)}; "
+        f"quick {','.join(QUICK_RUNS)})",
+    )
+    parser.add_argument(
+        "--start-replicas",
+        type=int,
+        help=f"the dynamic runs' first fleet (default: what serves the mean rate of the trace's first {START_WINDOWS} "
+        "signal windows at "
+        f"{START_UTILIZATION:.0%} of a replica's capacity, the fleet a controller running before the trace holds)",
+    )
+    parser.add_argument(
+        "--ttft-slo-s", type=float, default=DEFAULT_TTFT_SLO_S, help="P90 TTFT objective of the SLO laws"
+    )
+    parser.add_argument(
+        "--tpot-slo-s", type=float, default=DEFAULT_TPOT_SLO_S, help="P90 time-per-output-token objective"
+    )
+    parser.add_argument(
+        "--period-s", type=float, help="the load profile's period, replayed seconds (default: the trace's, or a day)"
+    )
     parser.add_argument(
         "--min-replicas",
         type=int,
@@ -121,13 +158,16 @@ def add_parser(subparsers) -> None:
 
 def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, list[str]]:
     """Check the arguments (TraceError with one line for anything wrong) and build the shared setup."""
-    names = [n.strip() for n in args.runs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RUNS]
+    given = args.runs if args.runs is not None else ",".join(QUICK_RUNS if args.quick else DEFAULT_RUNS)
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS and not _is_static(n)]
     if unknown or not names:
-        raise TraceError(f"--runs: unknown run {', '.join(unknown) or '(none given)'}; choose from {', '.join(RUNS)}")
+        raise TraceError(
+            f"--runs: unknown run {', '.join(unknown) or '(none given)'}; choose from {', '.join(RUNS)}, static-N"
+        )
     if args.min_replicas < 1 or args.max_replicas < args.min_replicas:
         raise TraceError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
-    for flag in ("time_scale", "slo_s", "up_watermark", "max_num_seqs"):
+    for flag in ("time_scale", "slo_s", "up_watermark", "max_num_seqs", "ttft_slo_s", "tpot_slo_s"):
         if not getattr(args, flag) > 0:
             raise TraceError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     for flag in ("cold_start_s", "down_watermark"):
@@ -135,6 +175,10 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
             raise TraceError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.interval_s is not None and not args.interval_s > 0:
         raise TraceError(f"--interval-s must be > 0, got {args.interval_s}")
+    if args.start_replicas is not None and not args.min_replicas <= args.start_replicas <= args.max_replicas:
+        raise TraceError(f"--start-replicas must be within --min-replicas..--max-replicas, got {args.start_replicas}")
+    if args.period_s is not None and not args.period_s > 0:
+        raise TraceError(f"--period-s must be > 0, got {args.period_s}")
     if args.drain_s is not None and not args.drain_s >= 0:
         raise TraceError(f"--drain-s must be >= 0, got {args.drain_s}")
     azure = args.trace == "azure"
@@ -160,11 +204,32 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
         drain_s=args.drain_s if args.drain_s is not None else (QUICK_DRAIN_S if args.quick else DEFAULT_DRAIN_S),
         up_watermark=args.up_watermark,
         down_watermark=args.down_watermark,
+        ttft_slo_s=args.ttft_slo_s,
+        tpot_slo_s=args.tpot_slo_s,
+        period_s=args.period_s or TRACE_PERIODS_S.get(args.trace, 86400.0 / args.time_scale),
         seed=args.seed,
         progress=not args.no_progress,
         log=log,
     )
+    if args.start_replicas is not None:
+        setup.start_replicas = args.start_replicas
+    else:
+        window_s = SIGNAL_WINDOW_S / args.time_scale
+        first = len(truncate(trace, duration_s=START_WINDOWS * window_s).requests) / (START_WINDOWS * window_s)
+        wanted = math.ceil(first / (setup.replica_capacity_rps() * START_UTILIZATION))
+        setup.start_replicas = min(max(wanted, args.min_replicas), args.max_replicas)
+    too_big = [n for n in names if _is_static(n) and static_size(n) > args.max_replicas]
+    if too_big:
+        raise TraceError(f"--runs: {', '.join(too_big)} is above --max-replicas {args.max_replicas}")
     return setup, names
+
+
+def _is_static(name: str) -> bool:
+    try:
+        static_size(name)
+    except ValueError:
+        return False
+    return True
 
 
 def compare(setup: Setup, names: list[str]) -> dict:
@@ -173,11 +238,11 @@ def compare(setup: Setup, names: list[str]) -> dict:
     runs = []
     for plan in setup.plans(names):
         setup.say(
-            f"run {plan.label}: {plan.initial_replicas} replicas, scaling {plan.mode}, "
+            f"run {plan.label}: {plan.initial_replicas} replicas, controller {plan.controller}, "
             f"tuning {'on' if plan.tune else 'off'}",
         )
         run = run_control(setup, plan, prepared)
-        summary = summarize_run(run, setup.slo_s)
+        summary = summarize_run(run, setup)
         runs.append(summary)
         setup.say(
             f"run {plan.label}: {summary['finished']}/{summary['requests']} finished in {summary['wall_s']:.1f} s, "
@@ -189,17 +254,22 @@ def compare(setup: Setup, names: list[str]) -> dict:
         "header": header_lines(setup),
         "setup": {
             "sim_cost": {"fixed_ms": setup.cost_ms_us[0], "per_token_us": setup.cost_ms_us[1]},
-            "replica_capacity_rps": round(replica_capacity_rps(setup), 1),
+            "replica_capacity_rps": round(setup.replica_capacity_rps(), 1),
             "time_scale": setup.time_scale,
             "interval_s": setup.interval_s,
             "cold_start_s": setup.cold_start_s,
             "slo_s": setup.slo_s,
             "drain_s": setup.drain_s,
-            "scaling": dataclasses.asdict(setup.scaling_policy("builtin")),
+            "start_replicas": setup.start_replicas,
+            "ttft_slo_s": setup.ttft_slo_s,
+            "tpot_slo_s": setup.tpot_slo_s,
+            "period_s": setup.period_s,
+            "scaling": dataclasses.asdict(setup.scaling_policy("builtin", predictive=True, slo_law=True)),
             "tuning_bounds": TUNING_BOUNDS,
             "router": "least outstanding requests over ready replicas",
         },
         "runs": runs,
+        "verdict": verdict(runs),
     }
 
 
@@ -228,12 +298,16 @@ def _run(args: argparse.Namespace) -> int:
                 "",
                 markdown_table(header, rows),
                 "",
+                *report["verdict"],
+                "",
                 "![control](control.png)",
                 "",
             ]
         )
     )
     print("\n" + text_table(header, rows), file=log)
+    for line in report["verdict"]:
+        print(line, file=log)
     print(f"report: {out_dir}/report.md, plot {out_dir}/control.png (wall {report['wall_s']:.1f} s)", file=log)
     if args.json:
         print(json.dumps(report, indent=2))

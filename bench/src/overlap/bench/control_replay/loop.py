@@ -25,6 +25,8 @@ class Tick:
     replicas: int  # asked for (ready + starting)
     queue_depth: float
     action: str
+    floor: int | None = None  # the predictive floor (overlap's run)
+    forecast: float | None = None  # the arrival rate the floor expected one horizon ahead (req/s)
 
 
 @dataclass(slots=True)
@@ -57,15 +59,31 @@ class _Loop:
         self.setup, self.plan, self.prepared = setup, plan, prepared
         self.trace = setup.trace
         self.policy = setup.policy(plan)
+        self.baseline = None
+        if plan.controller not in ("static", "decide"):
+            from overlap.bench.control_replay import baselines
+
+            self.baseline = baselines.make(
+                plan.controller,
+                setup.time_scale,
+                setup.min_replicas,
+                setup.max_replicas,
+                setup.ttft_slo_s,
+                setup.tpot_slo_s,
+            )
         self.knobs = {"max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": 2048, "num_buffers": 2}
-        self.history = History(keep_s=900 / setup.time_scale)
+        # the history must reach back over a whole load period for the daily profile
+        keep_s = max(900 / setup.time_scale, 1.1 * setup.period_s if setup.period_s < 1e5 else 0)
+        self.history = History(keep_s=keep_s, scaling=self.policy.scaling)
         self.signal_window_s = SIGNAL_WINDOW_S / setup.time_scale
         self.records = [
             RequestRecord(f"r{i}", r.arrival_s, num_prompt_tokens=len(p[0]))
             for i, (r, p) in enumerate(zip(self.trace.requests, prepared, strict=True))
         ]
-        self.recent: deque[tuple[float, float, float, float]] = deque()  # (finished, e2e, queued, ttft) per request
+        # (finished, e2e, queued, ttft, time per output token) per request
+        self.recent: deque[tuple[float, float, float, float, float | None]] = deque()
         self.fleet: list[Replica] = []
+        self.arrivals: deque[float] = deque()  # router times of the arrivals in the signal window
         self.run = ControlRun(RunResult(plan.label, "in-process", {}, self.records, 0.0, 0.0))
         self.num_submitted = 0
         self._submitted_at_last_tick = 0
@@ -90,7 +108,10 @@ class _Loop:
         rec.status = "finished"
         queued = (rec.first_scheduled if rec.first_scheduled is not None else rec.finished) - rec.arrived
         ttft = (rec.first_token if rec.first_token is not None else rec.finished) - rec.arrived
-        self.recent.append((rec.finished, rec.finished - rec.arrived, queued, ttft))
+        tpot = None
+        if rec.first_token is not None and out.num_output_tokens > 1:
+            tpot = (rec.finished - rec.first_token) / (out.num_output_tokens - 1)
+        self.recent.append((rec.finished, rec.finished - rec.arrived, queued, ttft, tpot))
 
     def add_replica(self, cold: bool) -> None:
         name = f"{self.plan.label}-{len(self.fleet)}"
@@ -124,6 +145,11 @@ class _Loop:
             self.recent.popleft()
         window = list(self.recent)
         e2e = [w[1] for w in window]
+        tpots = [w[4] for w in window if w[4] is not None]
+        # arrivals over the same trailing window as the latency signals (the operator's rate() over a counter)
+        while self.arrivals and self.arrivals[0] < now - self.signal_window_s:
+            self.arrivals.popleft()
+        span = min(self.signal_window_s, max(now, 1e-9))
         return Signals(
             time=now,
             ready_replicas=len(ready),
@@ -133,15 +159,24 @@ class _Loop:
             p99_latency_s=float(np.percentile(e2e, 99)) if e2e else None,
             ttft_p99_s=float(np.percentile([w[3] for w in window], 99)) if window else None,
             kv_cache_usage=max(s["kv_usage"] for s in stats) if stats else None,
+            arrival_rate=len(self.arrivals) / span if self.run.ticks else None,
+            finish_rate=len(window) / span if self.run.ticks else None,
+            running=float(sum(s["num_running"] for s in stats)) if ready else None,
+            ttft_p90_s=float(np.percentile([w[3] for w in window], 90)) if window else None,
+            itl_p90_s=float(np.percentile(tpots, 90)) if tpots else None,
         )
 
     def tick(self, now: float) -> None:
         """Read the signals, decide, carry the decision out, remember it."""
-        from overlap.operator.control.policy import RETUNE, SCALE_DOWN, SCALE_UP, Current, decide
+        from overlap.operator.control.policy import RETUNE, SCALE_DOWN, SCALE_UP, Current, Decision, decide
 
         signals = self.signals(now)
         asked = [r for r in self.fleet if r.is_asked_for]
         decision = decide(signals, Current(len(asked), dict(self.knobs)), self.history, self.policy)
+        if self.baseline is not None:
+            target, why = self.baseline.target(signals, len(asked))
+            action = SCALE_UP if target > len(asked) else SCALE_DOWN if target < len(asked) else "hold"
+            decision = Decision(action, f"{self.plan.label}: {why}", target, dict(self.knobs))
         if decision.action == SCALE_UP:
             for _ in range(decision.replicas - len(asked)):
                 self.add_replica(cold=True)
@@ -157,6 +192,8 @@ class _Loop:
         self.history.record(signals, decision)
         if decision.action != "hold":
             entry = {"t": round(now, 3), "action": decision.action, "replicas": decision.replicas}
+            if decision.floor is not None:
+                entry["floor"] = decision.floor
             self.run.decisions.append({**entry, "reason": decision.reason})
             self.setup.say(
                 f"  {self.plan.label} t={now:5.1f} s {decision.action} -> {decision.replicas}: {decision.reason}",
@@ -172,6 +209,8 @@ class _Loop:
                 len([r for r in self.fleet if r.is_asked_for]),
                 signals.queue_depth or 0.0,
                 decision.action,
+                decision.floor,
+                self.history.forecast.predict(now, self.history.horizon_s()) if self.history.forecast.level else None,
             )
         )
         self._submitted_at_last_tick, self._last_tick = self.num_submitted, now
@@ -194,6 +233,7 @@ class _Loop:
             now = self.clock()
             while self.num_submitted < len(records) and trace.requests[self.num_submitted].arrival_s <= now:
                 self.route(self.num_submitted, now, SamplingParams, InvalidRequestError)
+                self.arrivals.append(now)
                 lags.append(now - trace.requests[self.num_submitted].arrival_s)
                 self.num_submitted += 1
             if submit_end is None and self.num_submitted == len(records):

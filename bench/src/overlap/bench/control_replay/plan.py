@@ -5,11 +5,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import numpy as np
+
 from overlap.bench.traces import Trace
 from overlap.operator.control.policy import ScalingPolicy
 from overlap.operator.control.signals import DEFAULT_WINDOW_S
 
-RUNS = ("static-min", "static-max", "autoscale", "autoscale+tune")
+# static-N (any N) is a fixed fleet too; the baselines are in control_replay.baselines.
+RUNS = ("static-min", "static-max", "watermark", "hpa-cpu", "keda-queue", "llmd-slo", "overlap")
+DEFAULT_RUNS = ("static-min", "static-max", "static-6", *RUNS[2:])
+QUICK_RUNS = ("static-max", "static-6", "keda-queue", "overlap")
 DEFAULT_TRACE = "azure"
 # The Azure hour replayed in ~58 s with prompts/outputs at 5% (mean ~58 prompt and ~11 output tokens): the peak
 # minute then offers ~500 req/s, several times what one simulated replica serves.
@@ -21,6 +26,13 @@ DEFAULT_MAX_NUM_SEQS = 32
 DEFAULT_MIN_REPLICAS, DEFAULT_MAX_REPLICAS = 1, 8
 DEFAULT_COLD_START_S = 1.0  # a 60 s pod start (image pull, model load) at the default time scale
 DEFAULT_SLO_S = 1.0  # P99 end-to-end latency objective, replayed seconds
+# The SLO law's objectives (overlap's and llm-d's), P90, replayed seconds: a ~11-token answer within the 1 s above.
+DEFAULT_TTFT_SLO_S = 0.5
+DEFAULT_TPOT_SLO_S = 0.04
+# The dynamic runs start with the fleet that serves the mean rate of the first START_WINDOWS signal windows at
+# START_UTILIZATION of a replica's capacity: what a controller running before the trace would hold.
+START_UTILIZATION = 0.9
+START_WINDOWS = 5
 DEFAULT_DRAIN_S = 10.0
 QUICK_DRAIN_S = 3.0
 CRD_SCALING = ScalingPolicy()  # the CRD's autoscaling defaults (seconds in operator time)
@@ -29,16 +41,20 @@ SIGNAL_WINDOW_S = DEFAULT_WINDOW_S
 # autoscale+tune: the tuner may move these knobs inside these bounds (a knob without bounds is never tuned).
 TUNING_BOUNDS = {"max_num_seqs": (8, 128), "max_num_batched_tokens": (256, 4096), "num_buffers": (1, 3)}
 PROGRESS_EVERY_S = 5.0
+# Load-profile periods of the shipped traces, replayed seconds (the diurnal trace's days last 40 s).
+TRACE_PERIODS_S = {"diurnal": 40.0}
 
 
 @dataclass(slots=True)
 class RunPlan:
-    """One run of the comparison: the scaling mode, the first replica count, and whether tuning is on."""
+    """One run of the comparison: who scales, the first replica count, and what of decide() is on."""
 
     label: str
-    mode: str  # builtin | off
+    controller: str  # static | decide (the operator's policy) | a baseline's name (control_replay.baselines)
     initial_replicas: int
-    tune: bool
+    tune: bool = False
+    predictive: bool = False
+    slo_law: bool = False
 
 
 @dataclass(slots=True)
@@ -57,15 +73,28 @@ class Setup:
     drain_s: float
     up_watermark: float = CRD_SCALING.up_watermark
     down_watermark: float = CRD_SCALING.down_watermark
+    start_replicas: int = 1  # the dynamic runs' first fleet
+    ttft_slo_s: float = DEFAULT_TTFT_SLO_S
+    tpot_slo_s: float = DEFAULT_TPOT_SLO_S
+    period_s: float = 86400.0  # the load profile's period, replayed seconds
     seed: int = 0
     progress: bool = True
     log: object = sys.stdout
 
-    def scaling_policy(self, mode: str) -> ScalingPolicy:
+    def scaling_policy(self, mode: str, predictive: bool = False, slo_law: bool = False) -> ScalingPolicy:
+        """The operator's policy for this replay; with `predictive`, seeded with the cost model's capacity per
+        replica (what an offline profile, autoscaling.predictive.capacityPerReplica, would give)."""
         crd = CRD_SCALING
         k = self.time_scale
         return ScalingPolicy(
             mode=mode,
+            predictive=predictive,
+            ttft_slo_s=self.ttft_slo_s if slo_law else None,
+            tpot_slo_s=self.tpot_slo_s if slo_law else None,
+            cold_start_s=crd.cold_start_s / k,
+            period_s=self.period_s,
+            target_utilization=crd.target_utilization,
+            capacity_hint_rps=self.replica_capacity_rps() if predictive else None,
             min_replicas=self.min_replicas,
             max_replicas=self.max_replicas,
             up_watermark=self.up_watermark,
@@ -87,7 +116,18 @@ class Setup:
             bounds=TUNING_BOUNDS if plan.tune else {},
             p99_slo_s=self.slo_s,
         )
-        return Policy(scaling=self.scaling_policy(plan.mode), tuning=tuning)
+        mode = "builtin" if plan.controller == "decide" else "off"
+        return Policy(scaling=self.scaling_policy(mode, plan.predictive, plan.slo_law), tuning=tuning)
+
+    def replica_capacity_rps(self) -> float:
+        """What one replica serves at most of this trace at its starting sequence cap B: with B sequences
+        decoding, a step of fixed + per_token x tokens, and each request's prompt + output tokens passing through
+        once, throughput is B / (O x fixed + B x per_token x (P + O)) for mean prompt P and output O tokens."""
+        fixed_s, per_token_s = self.cost_ms_us[0] / 1000, self.cost_ms_us[1] / 1e6
+        prompts = [r.prompt_tokens or 1 for r in self.trace.requests]
+        outputs = [r.max_tokens for r in self.trace.requests]
+        p, o, b = float(np.mean(prompts)), float(np.mean(outputs)), self.max_num_seqs
+        return b / (o * fixed_s + b * per_token_s * (p + o))
 
     def say(self, text: str) -> None:
         """A progress line, unless progress is off."""
@@ -95,10 +135,20 @@ class Setup:
             print(text, file=self.log, flush=True)
 
     def plans(self, names: list[str]) -> list[RunPlan]:
+        start = self.start_replicas
         table = {
-            "static-min": RunPlan("static-min", "off", self.min_replicas, False),
-            "static-max": RunPlan("static-max", "off", self.max_replicas, False),
-            "autoscale": RunPlan("autoscale", "builtin", self.min_replicas, False),
-            "autoscale+tune": RunPlan("autoscale+tune", "builtin", self.min_replicas, True),
+            "static-min": RunPlan("static-min", "static", self.min_replicas),
+            "static-max": RunPlan("static-max", "static", self.max_replicas),
+            "watermark": RunPlan("watermark", "decide", start),
+            "overlap": RunPlan("overlap", "decide", start, tune=True, predictive=True, slo_law=True),
+            **{name: RunPlan(name, name, start) for name in ("hpa-cpu", "keda-queue", "llmd-slo")},
         }
-        return [table[name] for name in names]
+        return [table[name] if name in table else RunPlan(name, "static", static_size(name)) for name in names]
+
+
+def static_size(name: str) -> int:
+    """N of a static-N run name (ValueError if it is not one)."""
+    prefix, _, size = name.partition("-")
+    if prefix != "static" or not size.isdigit() or int(size) < 1:
+        raise ValueError(name)
+    return int(size)

@@ -3,6 +3,7 @@ describe the setup."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import textwrap
 from pathlib import Path
@@ -15,8 +16,15 @@ from overlap.bench.report import compute_metrics
 from overlap.bench.traces import Trace
 
 
-def summarize_run(run: ControlRun, slo_s: float) -> dict:
+def count_flaps(decisions: list[dict], window_s: float) -> int:
+    """Reversals: a scale move in the opposite direction of the previous one within `window_s` of it."""
+    moves = [d for d in decisions if d["action"] in ("scale-up", "scale-down")]
+    return sum(b["action"] != a["action"] and b["t"] - a["t"] <= window_s for a, b in itertools.pairwise(moves))
+
+
+def summarize_run(run: ControlRun, setup: Setup) -> dict:
     """One run's figures for the table and the JSON."""
+    slo_s = setup.slo_s
     m = compute_metrics(run.result)
     records = run.result.records
     wall = run.result.wall_s
@@ -46,6 +54,9 @@ def summarize_run(run: ControlRun, slo_s: float) -> dict:
         "scale_ups": counts["scale-up"],
         "scale_downs": counts["scale-down"],
         "retunes": counts["retune"],
+        "flaps": (flaps := count_flaps(run.decisions, setup.scaling_policy("builtin").down_window_s)),
+        # the trace's hours in operator time (replayed seconds x time scale)
+        "flaps_per_hour": round(flaps / max(setup.trace.duration_s * setup.time_scale / 3600, 1e-9), 2),
         "knobs_final": run.final_knobs,
         "host": {
             "submit_lag_ms": {k: round(v, 1) for k, v in run.submit_lag_ms.items()},
@@ -60,6 +71,8 @@ def summarize_run(run: ControlRun, slo_s: float) -> dict:
                 "replicas": k.replicas,
                 "queue_depth": k.queue_depth,
                 "action": k.action,
+                "floor": k.floor,
+                "forecast_rps": None if k.forecast is None else round(k.forecast, 1),
                 "slo_misses": int(missed),
             }
             for k, missed in zip(run.ticks, misses, strict=True)
@@ -87,7 +100,45 @@ _TABLE = (
     ("ups", "scale_ups", "d"),
     ("downs", "scale_downs", "d"),
     ("retunes", "retunes", "d"),
+    ("flaps/h", "flaps_per_hour", ".1f"),
 )
+
+
+def verdict(runs: list[dict]) -> list[str]:
+    """The issue's bar for overlap's run: SLO attainment within 1 point of static-max's at <= 75% of its
+    replica-seconds, <= 1 flap per trace-hour, and no run better or equal on both SLO and cost (dominance)."""
+    by = {run["label"]: run for run in runs}
+    ours, top = by.get("overlap"), by.get("static-max")
+    if ours is None:
+        return []
+    lines = []
+    if top is not None:
+        gap = (top["slo_attainment"] - ours["slo_attainment"]) * 100
+        cost = ours["replica_seconds"] / max(top["replica_seconds"], 1e-9)
+        lines.append(
+            f"verdict: SLO {ours['slo_attainment']:.1%} vs static-max {top['slo_attainment']:.1%} "
+            f"({gap:+.1f} points behind; bar <= 1): {'PASS' if gap <= 1 else 'FAIL'}"
+        )
+        lines.append(
+            f"verdict: replica-seconds {cost:.0%} of static-max (bar <= 75%): {'PASS' if cost <= 0.75 else 'FAIL'}"
+        )
+    lines.append(
+        f"verdict: {ours['flaps_per_hour']:.1f} flaps per trace-hour (bar <= 1): "
+        f"{'PASS' if ours['flaps_per_hour'] <= 1 else 'FAIL'}"
+    )
+    dominating = [
+        run["label"]
+        for run in runs
+        if run is not ours
+        and run["slo_attainment"] >= ours["slo_attainment"]
+        and run["replica_seconds"] <= ours["replica_seconds"]
+        and (run["slo_attainment"], -run["replica_seconds"]) != (ours["slo_attainment"], -ours["replica_seconds"])
+    ]
+    lines.append(
+        f"verdict: dominated by {', '.join(dominating) if dominating else 'no run'} on (SLO, replica-seconds): "
+        f"{'FAIL' if dominating else 'PASS'}"
+    )
+    return lines
 
 
 def table(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -127,17 +178,6 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def replica_capacity_rps(setup: Setup) -> float:
-    """What one replica serves at most of this trace at its starting sequence cap B: with B sequences decoding,
-    a step of fixed + per_token x tokens, and each request's prompt + output tokens passing through once, throughput
-    is B / (O x fixed + B x per_token x (P + O)) for mean prompt P and output O tokens."""
-    fixed_s, per_token_s = setup.cost_ms_us[0] / 1000, setup.cost_ms_us[1] / 1e6
-    prompts = [r.prompt_tokens or 1 for r in setup.trace.requests]
-    outputs = [r.max_tokens for r in setup.trace.requests]
-    p, o, b = float(np.mean(prompts)), float(np.mean(outputs)), setup.max_num_seqs
-    return b / (o * fixed_s + b * per_token_s * (p + o))
-
-
 def peak_rate_rps(trace: Trace, bin_s: float) -> float:
     arrivals = [r.arrival_s for r in trace.requests]
     counts, _ = np.histogram(
@@ -151,7 +191,7 @@ def peak_rate_rps(trace: Trace, bin_s: float) -> float:
 def header_lines(setup: Setup) -> list[str]:
     policy = setup.scaling_policy("builtin")
     k = setup.time_scale
-    capacity = replica_capacity_rps(setup)
+    capacity = setup.replica_capacity_rps()
     peak = peak_rate_rps(setup.trace, SIGNAL_WINDOW_S / k)
     return [
         f"trace {setup.trace.describe()}",
@@ -163,4 +203,7 @@ def header_lines(setup: Setup) -> list[str]:
         f"latency signals over {SIGNAL_WINDOW_S / k:g} s; cold start {setup.cold_start_s:g} s; watermarks "
         f"{setup.up_watermark:g} up / {setup.down_watermark:g} down waiting per ready replica; replicas "
         f"{setup.min_replicas}..{setup.max_replicas}; P99 SLO {setup.slo_s:g} s; router: least outstanding requests",
+        f"dynamic runs start with {setup.start_replicas} replicas; SLO laws: P90 TTFT {setup.ttft_slo_s:g} s, "
+        f"P90 TPOT {setup.tpot_slo_s:g} s; overlap's floor plans {policy.target_utilization:.0%} of the measured "
+        f"capacity, cold start assumed {policy.cold_start_s:g} s until seen, load period {setup.period_s:g} s",
     ]
