@@ -303,5 +303,24 @@ def test_an_offline_capacity_figure_stands_in_until_the_loop_measures_one():
 def test_scale_in_goes_as_far_as_the_load_allows_but_halves_the_fleet_at_most():
     policy = Policy(scaling=scaling())
     history = learned_history(policy)  # 40 req/s per replica at the target
-    decisions = run([{"queue_depth": 0, "arrival_rate": 20}] * 8, policy, replicas=8, history=history)
-    assert [d.replicas for d in decisions if d.action == SCALE_DOWN] == [4, 2, 1]
+    decisions = run([{"queue_depth": 0, "arrival_rate": 20}] * 14, policy, replicas=8, history=history)
+    downs = [(i * 15, d.replicas) for i, d in enumerate(decisions) if d.action == SCALE_DOWN]
+    assert downs == [(60, 4), (120, 2), (180, 1)]  # each after a fresh quiet window (60 s) at the new size
+
+
+def test_a_scale_up_is_not_undone_within_the_cooldown():
+    policy = Policy(scaling=scaling(down_cooldown_s=120))
+    history = learned_history(policy)
+    readings = [{"queue_depth": 0, "arrival_rate": 150}] + [{"queue_depth": 0, "arrival_rate": 20}] * 14
+    decisions = run(readings, policy, replicas=2, history=history)
+    moves = [(i * 15, d.action) for i, d in enumerate(decisions) if d.action != HOLD]
+    assert moves[0] == (0, SCALE_UP) and moves[1][1] == SCALE_DOWN and moves[1][0] >= 120
+
+
+def test_the_floor_holds_within_its_tolerance():
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)  # 40 req/s per replica at the target
+    # 5.09 replicas of load on 5: within 5%, the target utilisation's headroom covers it
+    assert run([{"queue_depth": 0, "arrival_rate": 203.6}], policy, replicas=5, history=history)[0].action == HOLD
+    history = learned_history(policy)
+    assert run([{"queue_depth": 0, "arrival_rate": 215}], policy, replicas=5, history=history)[0].action == SCALE_UP

@@ -437,7 +437,8 @@ def build_children(
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     children = [build_configmap(name, namespace, config)]
     if scales_to_zero(spec):
-        children += [build_activator(name, namespace, spec), build_pods_service(name, namespace, spec)]
+        # the pods' Service first: the activator's pod resolves its name when it starts
+        children += [build_pods_service(name, namespace, spec), build_activator(name, namespace, spec)]
     # The Service before the Deployment: scaled to zero, requests go to the activator before the pods go.
     children += [
         build_service(name, namespace, spec, to_activator=at_zero(owner, spec)),

@@ -15,11 +15,15 @@ from overlap.bench.control_replay.plan import SIGNAL_WINDOW_S, Setup
 from overlap.bench.report import compute_metrics
 from overlap.bench.traces import Trace
 
+# A flap: a scale move reversed within 5 minutes (operator time; the HPA's default scale-down stabilisation),
+# whatever window the policy itself uses, so that a shorter window cannot hide one.
+FLAP_WINDOW_S = 300.0
+
 
 def count_flaps(decisions: list[dict], window_s: float) -> int:
     """Reversals: a scale move in the opposite direction of the previous one within `window_s` of it."""
     moves = [d for d in decisions if d["action"] in ("scale-up", "scale-down")]
-    return sum(b["action"] != a["action"] and b["t"] - a["t"] <= window_s for a, b in itertools.pairwise(moves))
+    return sum(b["action"] != a["action"] and b["t"] - a["t"] < window_s for a, b in itertools.pairwise(moves))
 
 
 def summarize_run(run: ControlRun, setup: Setup) -> dict:
@@ -54,7 +58,7 @@ def summarize_run(run: ControlRun, setup: Setup) -> dict:
         "scale_ups": counts["scale-up"],
         "scale_downs": counts["scale-down"],
         "retunes": counts["retune"],
-        "flaps": (flaps := count_flaps(run.decisions, setup.scaling_policy("builtin").down_window_s)),
+        "flaps": (flaps := count_flaps(run.decisions, FLAP_WINDOW_S / setup.time_scale)),
         # the trace's hours in operator time (replayed seconds x time scale)
         "flaps_per_hour": round(flaps / max(setup.trace.duration_s * setup.time_scale / 3600, 1e-9), 2),
         "knobs_final": run.final_knobs,

@@ -117,7 +117,7 @@ class CapacityProfile:
 
     samples: dict[int, deque[float]] = field(default_factory=dict)
     keep: int = 32  # readings kept per limit
-    min_readings: int = 3  # a figure is used once this many readings stand behind it
+    min_readings: int = 8  # a figure is used once this many readings stand behind it (the first are often low)
     hint: float | None = None  # a figure measured offline (autoscaling.predictive.capacityPerReplica), until then
 
     def update(

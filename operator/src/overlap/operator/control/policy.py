@@ -4,14 +4,23 @@
 operator's timer (overlap.operator.control.loop) reads the signals from Prometheus and carries the decision out; the
 closed-loop trace replay (`overlap bench control`) calls the same function on simulated replicas.
 
-Replicas follow a queue watermark: waiting requests per ready replica must stay above
-`queueWatermarkPerReplica` for a whole scale-up window (below `scaleDownWatermark` for a whole scale-down window)
-before anything moves, and cooldowns space the moves out. Scaling up is proportional (like the HPA's
-`ceil(replicas x load / target)`), scaling down goes one replica at a time, since an idle replica costs less than
-a cold start under the next burst.
+Replicas follow whichever of three rules asks for more:
 
-Nothing moves while replicas are still starting (spec asks for more than are ready): a backlog built during a
-cold start does not shrink in proportion to the replicas on their way, so scaling again on it overshoots.
+- the predictive floor: the arrival rate forecast one cold start ahead (overlap.operator.control.forecast) over
+  the requests/s a saturated replica was measured to finish, at the target utilisation. Replicas still starting
+  count, so it may move while they start (at most doubling the fleet per step);
+- the queue watermark: waiting requests per ready replica above `queueWatermarkPerReplica` for a whole scale-up
+  window scale up proportionally (like the HPA's `ceil(replicas x load / target)`);
+- the SLO law: P90 TTFT or P90 time per output token over its objective for a whole scale-up window scales up by
+  the ratio (at most double).
+
+The two reactive rules wait while replicas start (a backlog built during a cold start does not shrink in proportion
+to the replicas on their way, so scaling again on it overshoots), and give way to a larger batch while the engines
+have headroom (tune before scale). Scale-in needs a whole quiet scale-down window, the SLO met on average over it,
+and the window's forecast load to fit the smaller fleet with a margin (no 2 <-> 1 flapping); it goes as far as
+that allows, at most half the fleet per step. With `minReplicas` 0 the last replica goes after an idle timeout
+without arrivals, and the first request the activator holds brings one back at once. A signal whose query failed
+holds everything; the per-replica figures are over the pods Prometheus scraped.
 
 Engine knobs follow what the device is doing, one knob per decision so that the next tick measures its effect.
 Readings are averaged over the last tuning interval, and the table's thresholds leave a dead band between
@@ -50,6 +59,7 @@ DEVICE_IDLE = 0.70  # device busy below this while requests wait: the host is th
 BATCH_FULL = 0.9
 KV_HEADROOM = 0.7
 SCALE_IN_MARGIN = 0.1  # scale in only when the forecast load fits N - 1 replicas with this much to spare
+FLOOR_TOLERANCE = 0.05  # the floor adds replicas only for a load this much above the fleet
 BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
 
 HOLD, SCALE_UP, SCALE_DOWN, RETUNE = "hold", "scale-up", "scale-down", "retune"
@@ -111,9 +121,9 @@ class ScalingPolicy:
     up_watermark: float = 32
     down_watermark: float = 4
     up_window_s: float = 30
-    down_window_s: float = 300
+    down_window_s: float = 120
     up_cooldown_s: float = 60
-    down_cooldown_s: float = 60
+    down_cooldown_s: float = 300  # after a scale-up, before any scale-in
     interval_s: float = 15
     # How long the loop waits for replicas to become ready before it stops holding for them (a GPU pod Pending
     # for want of a node, a crash loop): it then scales on the ready ones, and can remove the stuck ones.
@@ -318,8 +328,9 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
         woken = _from_zero(signals, current, floor, scaling)
         if woken is not None:
             return decision(*woken)
-        if floor is not None and floor[0] > current.replicas:
-            # at most double per step, like the reactive rules' bound: an early capacity figure can be low
+        # Within a small tolerance of the fleet the floor holds (its target utilisation is the headroom already);
+        # at most double per step, like the reactive rules' bound: an early capacity figure can be low.
+        if floor is not None and floor[2] > current.replicas * (1 + FLOOR_TOLERANCE):
             target = min(floor[0], scaling.max_replicas, max(2 * current.replicas, current.replicas + 1))
             if target > current.replicas:
                 return decision(SCALE_UP, f"predictive floor {floor[0]}: {floor[1]}", target)
@@ -458,7 +469,10 @@ def _scale_in(
     capacity): down to what carries it, at most half the fleet per step, one at a time without a forecast. To zero
     only after the idle timeout without a single arrival."""
     now, n = signals.time, current.replicas
-    if n <= policy.min_replicas or _since(history.last_scale(), now) < policy.down_cooldown_s:
+    # A scale-up is not undone within the cooldown; after a scale-in, the next one needs a whole fresh window.
+    if n <= policy.min_replicas or _since(history.last_scale_up, now) < policy.down_cooldown_s:
+        return None
+    if _since(history.last_scale_down, now) < max(policy.down_window_s, policy.interval_s):
         return None
     per_replica = _waiting(signals)
     if per_replica is None or per_replica >= policy.down_watermark:
@@ -471,7 +485,9 @@ def _scale_in(
     ratios = [r for s in window if (r := _slo_ratio(s, policy)) is not None]
     if ratios and sum(ratios) / len(ratios) > 1:
         return None  # the SLO was not met over the window: no fewer replicas
-    loads = [load for t, load in history.loads if now - t <= policy.down_window_s] + ([floor[2]] if floor else [])
+    # the load over the longer of the window and the cooldown: the spikes of the last minutes count too
+    look_back = max(policy.down_window_s, policy.down_cooldown_s)
+    loads = [load for t, load in history.loads if now - t <= look_back] + ([floor[2]] if floor else [])
     # the margin is at least what the forecast has been missing by, so the next tick's floor does not undo this
     margin = max(SCALE_IN_MARGIN, history.forecast.relative_error or 0.0)
     # the window's load: its 90th percentile, so one noisy reading does not hold a whole fleet
