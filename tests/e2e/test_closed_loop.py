@@ -24,8 +24,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from overlap.bench.traces import resolve_trace, scale_rate, truncate
+from overlap.operator import children
 from overlap.operator.control import signals
 from tests.support.cluster import (
     NAMESPACE,
@@ -340,3 +342,98 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+ZERO = "tiny-zero"
+HELD = 100
+
+
+async def _held_streams(address: tuple[str, int], clients: int) -> list[dict]:
+    """`clients` streaming completions at once through the Service's proxy, one connection each."""
+    import aiohttp
+
+    url = f"http://{address[0]}:{address[1]}/v1/completions"
+    body = {"model": "tiny", "prompt": "wake up", "max_tokens": 8, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    async def one(session) -> dict:
+        result: dict = {"status": None, "first_token": None, "tokens": None, "error": None}
+        try:
+            async with session.post(url, json=body) as reply:
+                result["status"] = reply.status
+                async for raw in reply.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        result["tokens"] = chunk["usage"]["completion_tokens"]
+                    elif result["first_token"] is None:
+                        result["first_token"] = time.monotonic()
+        except Exception as exc:  # a refused or reset connection: a lost request
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        return result
+
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+        return await asyncio.gather(*(one(session) for _ in range(clients)))
+
+
+@pytest.mark.timeout(600)
+def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zero(world):
+    """minReplicas 0: the activator pod answers while no engine pod runs; 100 held streams wake the service, each
+    gets its first token within 1 s of the engine pod being ready; idle again, the service goes back to zero."""
+
+    cluster, agent = world["cluster"], world["agent"]
+    # The pods reach Services at the gateway by port: the closed loop's service (port 8000 too) goes first.
+    cluster.kubectl("delete", "inferenceservice", NAME, "--ignore-not-found")
+    wait_for(lambda: not [p for p in agent.pods.values() if p.deployment == NAME and not p.gone], 120,
+             "the closed loop's pods gone", interval=1)  # fmt: skip
+    manifest = yaml.safe_load((REPO / "examples" / "inferenceservice-cpu.yaml").read_text())
+    manifest["metadata"]["name"] = ZERO
+    manifest["spec"].update({
+        "replicas": 0,
+        # a batch that takes the whole held burst at once (the example's 8 would queue most of it in the engine)
+        "engine": {**manifest["spec"]["engine"], "simulatedDevice": SIMULATED_DEVICE, "maxNumSeqs": 128},
+        "sidecar": {"gracePeriodSeconds": 5, "maxQueuedRequests": 256},
+        "autoscaling": {
+            "mode": "builtin", "minReplicas": 0, "maxReplicas": 1, "idleTimeoutSeconds": 15,
+            "scaleDownWindowSeconds": 5, "scaleDownCooldownSeconds": 5, "intervalSeconds": 5,
+        },
+    })  # fmt: skip
+    cluster.apply("-f", "-", stdin=yaml.safe_dump(manifest))
+    try:
+        wait_for(lambda: (cluster.apps.read_namespaced_deployment(f"{ZERO}-activator", NAMESPACE).status.ready_replicas
+                          or 0) == 1, 120, "the activator pod ready", interval=1)  # fmt: skip
+        wait_for(lambda: cluster.core.read_namespaced_service(ZERO, NAMESPACE).spec.selector
+                 == children.activator_labels(ZERO), 30, "the Service routed to the activator")  # fmt: skip
+        assert cluster.service(ZERO)["spec"]["replicas"] == 0
+        results: list = []
+        clients = threading.Thread(
+            target=lambda: results.extend(asyncio.run(_held_streams(agent.service_address(ZERO), HELD))), daemon=True
+        )
+        sent = time.monotonic()
+        clients.start()
+        wait_for(lambda: cluster.service(ZERO)["spec"]["replicas"] == 1, 60, "the operator to scale 0 -> 1", 0.2)
+        scaled = time.monotonic()
+        wait_for(lambda: (cluster.apps.read_namespaced_deployment(ZERO, NAMESPACE).status.ready_replicas or 0) == 1,
+                 180, "the engine pod ready", interval=0.1)  # fmt: skip
+        ready = time.monotonic()
+        clients.join(120)
+        assert not clients.is_alive(), "the held streams did not finish"
+        wait_for(lambda: cluster.core.read_namespaced_service(ZERO, NAMESPACE).spec.selector
+                 == children.selector_labels(ZERO), 30, "the Service routed back to the pods")  # fmt: skip
+        # Idle for the timeout: back to zero, the Service on the activator before the pod goes.
+        wait_for(lambda: cluster.service(ZERO)["spec"]["replicas"] == 0, 120, "the service back at zero", interval=1)
+        wait_for(lambda: cluster.core.read_namespaced_service(ZERO, NAMESPACE).spec.selector
+                 == children.activator_labels(ZERO), 30, "the Service routed to the activator again")  # fmt: skip
+        wait_for(lambda: not [p for p in agent.pods.values() if p.deployment == ZERO and not p.gone], 120,
+                 "the engine pod gone", interval=1)  # fmt: skip
+        decisions = [e for e in agent.events if ZERO in e]
+    finally:
+        cluster.kubectl("delete", "inferenceservice", ZERO, "--ignore-not-found")
+    failed = [r for r in results if r["error"] or r["status"] != 200 or r["tokens"] != 8]
+    assert len(results) == HELD and not failed, f"{len(failed)} of {HELD} held requests failed, e.g. {failed[:3]}"
+    late = sorted(round(r["first_token"] - ready, 2) for r in results if r["first_token"] - ready > 1.0)
+    print(f"scale-up {scaled - sent:.1f} s after the first request, engine pod ready {ready - scaled:.1f} s later")
+    assert not late, f"first tokens more than 1 s after the pod was ready: {late[:10]}; agent: {decisions[-10:]}"

@@ -9,12 +9,16 @@ memory limits. It runs the readiness and liveness probes itself (HTTP GET on the
 that exits or fails liveness (with kubelet's back-off), and removes a pod as kubelet does: not ready at once, then
 every container's preStop hook, SIGTERM, and SIGKILL at the end of the grace period. It writes the Pod objects (IP,
 phase, conditions, container states such as ErrImagePull or CrashLoopBackOff) and the Deployment's status from what
-really runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its ready pods (kube-proxy), and every
-pod with an IP is a target in a Prometheus file-based discovery file.
+really runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its ready pods (kube-proxy), following
+its selector as it changes, and a second one on the bridge's gateway at the Service's own port, which pods reach by
+the Service's DNS name (`NAME.NAMESPACE.svc`, written into every pod's /etc/hosts: cluster DNS). Every pod with an
+IP is a target in a Prometheus file-based discovery file, labelled with its InferenceService as a pod-role scrape
+relabels it.
 
 Limits, by design: one namespace; no ReplicaSets (pods belong to the Deployment); no image pulls (images must be in
 podman's local storage, `make images`), so a missing image is ErrImagePull at once; rollouts follow the Deployment
-strategy's maxSurge and maxUnavailable. Everything it starts it removes by id on `stop()`, and a new agent first
+strategy's maxSurge and maxUnavailable; Services share the gateway's address, so two with the same port are not
+both reachable from pods (the first one is). Everything it starts it removes by id on `stop()`, and a new agent first
 removes the pods an earlier one left behind (found by label).
 """
 
@@ -55,6 +59,7 @@ default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
 runtime = "runc"
 """
 BACKOFF_S = (0, 10, 20, 40, 80, 160, 300)  # kubelet's restart back-off, by restarts so far
+INSTANCE_LABEL = "overlap.dev/inferenceservice"  # a pod's service, as the Prometheus relabelling would name it
 
 
 def now_iso() -> str:
@@ -221,7 +226,10 @@ class NodeAgent:
         self.sd_file = sd_file
         self.proxy_ports = dict(proxy_ports or {})
         self.pods: dict[str, Pod] = {}
-        self.proxies: dict[str, ServiceProxy] = {}
+        self.proxies: dict[str, ServiceProxy] = {}  # on 127.0.0.1, for the test
+        self.pod_proxies: dict[str, ServiceProxy] = {}  # on the bridge's gateway, for pods (cluster DNS)
+        self.selectors: dict[str, dict[str, str]] = {}  # each Service's selector as last read
+        self.gateway = self._gateway()
         self.events: list[str] = []  # what happened, for a report
         self.terminations: list[dict[str, Any]] = []  # per removed pod: seconds taken, exit codes
         self._stop = threading.Event()
@@ -246,9 +254,10 @@ class NodeAgent:
                 self.podman("pod", "rm", "--force", "--time", "2", pod.pod_id, check=False)
             shutil.rmtree(pod.dir, ignore_errors=True)
         self.pods.clear()
-        for proxy in self.proxies.values():
+        for proxy in [*self.proxies.values(), *self.pod_proxies.values()]:
             proxy.close()
         self.proxies.clear()
+        self.pod_proxies.clear()
 
     def remove_leftovers(self) -> None:
         """Pods an earlier agent for this namespace left behind (killed before its stop()), found by label."""
@@ -303,6 +312,11 @@ class NodeAgent:
             self._write_deployment_status(deployment)
         self._sync_services()
         self._write_service_discovery()
+
+    def _gateway(self) -> str:
+        """The podman bridge's gateway: the host, as the pods reach it."""
+        gateway = self.podman("network", "inspect", "podman", "--format", "{{(index .Subnets 0).Gateway}}", check=False)
+        return gateway.strip() or "10.88.0.1"
 
     def _list(self, method) -> list[dict[str, Any]]:
         return json.loads(method(self.namespace, _preload_content=False).data)["items"]
@@ -402,9 +416,14 @@ class NodeAgent:
         self.core.create_namespaced_pod(self.namespace, body, _preload_content=False)
         try:
             self._set_up_volumes(pod)
+            # Cluster DNS: every Service's name resolves to the gateway, where its pod-facing proxy listens.
+            hosts = []
+            for service in self._list(self.core.list_namespaced_service):
+                svc = f"{service['metadata']['name']}.{self.namespace}.svc"
+                hosts += ["--add-host", f"{svc}:{self.gateway}", "--add-host", f"{svc}.cluster.local:{self.gateway}"]
             pod.pod_id = self.podman(
                 "pod", "create", "--name", f"{self.namespace}-{name}", "--label", f"{AGENT_LABEL}={self.namespace}",
-                "--network", "podman",
+                "--network", "podman", *hosts,
             )  # fmt: skip
         except (PodmanError, OSError) as exc:
             pod.problem = ("FailedCreatePodSandBox", str(exc))
@@ -696,14 +715,33 @@ class NodeAgent:
 
     # ---- kube-proxy and Prometheus discovery ---------------------------------------------------------------------
     def _sync_services(self) -> None:
-        for service in self._list(self.core.list_namespaced_service):
+        services = self._list(self.core.list_namespaced_service)
+        live = {s["metadata"]["name"] for s in services}
+        for proxies in (self.proxies, self.pod_proxies):
+            for name in [n for n in proxies if n not in live]:  # the Service went: so does its proxy
+                proxies.pop(name).close()
+                self.note(f"service {name}: gone, proxy closed")
+        for service in services:
             name, spec = service["metadata"]["name"], service["spec"]
-            if name not in self.proxies and spec.get("ports"):
-                port = spec["ports"][0]
-                self.proxies[name] = ServiceProxy(
-                    name, lambda s=spec["selector"], p=port: self._endpoints(s, p), self.proxy_ports.get(name, 0)
-                )
+            if not spec.get("ports"):
+                continue
+            if self.selectors.get(name) not in (None, spec.get("selector")):
+                self.note(f"service {name}: selector now {spec.get('selector')}")
+            self.selectors[name] = spec.get("selector") or {}
+            port = spec["ports"][0]
+
+            def endpoints(n=name, p=port):
+                return self._endpoints(self.selectors[n], p)
+
+            if name not in self.proxies:
+                self.proxies[name] = ServiceProxy(name, endpoints, self.proxy_ports.get(name, 0))
                 self.note(f"service {name}: proxy on 127.0.0.1:{self.proxies[name].port}")
+            if name not in self.pod_proxies:
+                try:  # the bridge (and its gateway address) exists once a first pod runs
+                    self.pod_proxies[name] = ServiceProxy(name, endpoints, port["port"], host=self.gateway)
+                    self.note(f"service {name}: proxy for pods on {self.gateway}:{port['port']}")
+                except OSError:
+                    pass
 
     def _endpoints(self, selector: dict[str, str], port: dict[str, Any]) -> list[tuple[str, int]]:
         target = port.get("targetPort", port["port"])
@@ -723,7 +761,8 @@ class NodeAgent:
             annotations = pod.template.get("metadata", {}).get("annotations", {})
             if not pod.ip or pod.gone or annotations.get("prometheus.io/scrape") != "true":
                 continue
-            labels = {"namespace": self.namespace, "pod": pod.name, "service": pod.deployment,
+            service = pod.labels.get(INSTANCE_LABEL, pod.deployment)
+            labels = {"namespace": self.namespace, "pod": pod.name, "service": service,
                       "__metrics_path__": annotations.get("prometheus.io/path", "/metrics")}  # fmt: skip
             groups.append({"targets": [f"{pod.ip}:{annotations.get('prometheus.io/port', '80')}"], "labels": labels})
         text = json.dumps(groups, indent=1)
@@ -775,9 +814,9 @@ class ServiceProxy:
     to the next ready endpoint (round robin). Open connections keep their endpoint while it drains; with no ready
     endpoint a connection is refused at once (closed), as kube-proxy rejects it."""
 
-    def __init__(self, name: str, endpoints, port: int = 0) -> None:
+    def __init__(self, name: str, endpoints, port: int = 0, host: str = "127.0.0.1") -> None:
         self.name, self.endpoints = name, endpoints
-        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener = socket.create_server((host, port))
         self.port = self.listener.getsockname()[1]
         self.connections = 0
         self._next = 0
