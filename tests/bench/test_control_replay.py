@@ -165,7 +165,7 @@ def test_the_verdict_reads_dominance_on_slo_and_cost():
     lines = verdict([run("static-max", 1.0, 100), run("keda-queue", 0.99, 80), run("overlap", 0.995, 70)])
     assert lines == [
         "verdict: SLO 99.5% vs static-max 100.0% (+0.5 points behind; bar <= 1): PASS",
-        "verdict: replica-seconds 70% of static-max (bar <= 75%): PASS",
+        "verdict: replica-seconds 70.0% of static-max (bar <= 75%): PASS",
         "verdict: 0.0 flaps per trace-hour (bar <= 1): PASS",
         "verdict: dominated by no run on (SLO, replica-seconds): PASS",
     ]

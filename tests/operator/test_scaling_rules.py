@@ -67,6 +67,8 @@ def test_slo_law_scales_up_after_a_whole_window_over_the_slo():
     assert [d.action for d in decisions] == [HOLD, HOLD, SCALE_UP]
     assert decisions[-1].replicas == 3  # ceil(2 x 1.5)
     assert "1.50x its SLO" in decisions[-1].reason
+    near = {"queue_depth": 0, "ttft_p90_s": 1.2, "itl_p90_s": 0.02}  # 1.2x: one more replica, not 20% more
+    assert run([near] * 3, policy, replicas=6)[-1].replicas == 7
 
 
 def test_slo_law_takes_the_worse_objective_and_caps_the_step_at_double():

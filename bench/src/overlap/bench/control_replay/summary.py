@@ -124,7 +124,7 @@ def verdict(runs: list[dict]) -> list[str]:
             f"({gap:+.1f} points behind; bar <= 1): {'PASS' if gap <= 1 else 'FAIL'}"
         )
         lines.append(
-            f"verdict: replica-seconds {cost:.0%} of static-max (bar <= 75%): {'PASS' if cost <= 0.75 else 'FAIL'}"
+            f"verdict: replica-seconds {cost:.1%} of static-max (bar <= 75%): {'PASS' if cost <= 0.75 else 'FAIL'}"
         )
     lines.append(
         f"verdict: {ours['flaps_per_hour']:.1f} flaps per trace-hour (bar <= 1): "

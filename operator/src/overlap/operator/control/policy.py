@@ -60,6 +60,7 @@ BATCH_FULL = 0.9
 KV_HEADROOM = 0.7
 SCALE_IN_MARGIN = 0.1  # scale in only when the forecast load fits N - 1 replicas with this much to spare
 FLOOR_TOLERANCE = 0.05  # the floor adds replicas only for a load this much above the fleet
+SLO_PROPORTIONAL = 1.5  # the SLO law adds one replica below this latency / objective ratio, in proportion above
 BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
 
 HOLD, SCALE_UP, SCALE_DOWN, RETUNE = "hold", "scale-up", "scale-down", "retune"
@@ -453,7 +454,10 @@ def _reactive_up(
     ratio = _slo_ratio(signals, policy)
     settled = _since(history.last_scale_up, now) >= signal_window_s
     if settled and ratio is not None and all((r := _slo_ratio(s, policy)) is not None and r > 1 for s in window):
-        replicas = math.ceil(signals.seen_replicas() * min(ratio, 2.0))
+        # Near the objective one more replica (latency is far from proportional to load near capacity); far over
+        # it, in proportion, at most double.
+        seen = signals.seen_replicas()
+        replicas = seen + 1 if ratio < SLO_PROPORTIONAL else math.ceil(seen * min(ratio, 2.0))
         wanted.append((replicas, f"latency at {ratio:.2f}x its SLO (P90 TTFT, P90 TPOT) for {policy.up_window_s:g} s"))
     if not wanted:
         return None
