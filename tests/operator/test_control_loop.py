@@ -323,6 +323,11 @@ def test_advise_mode_reports_the_scale_up_and_applies_nothing(cluster, prometheu
         cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE)
 
 
+def _scaling_condition(cluster, name: str) -> dict | None:
+    conditions = cluster.service(name).get("status", {}).get("conditions", [])
+    return next((c for c in conditions if c["type"] == "Scaling"), None)
+
+
 def test_a_failing_query_holds_with_a_condition_naming_it(cluster, prometheus, tmp_path):
     spec = {
         "model": {"servedName": "tiny", "path": "/models/tiny"},
@@ -332,12 +337,7 @@ def test_a_failing_query_holds_with_a_condition_naming_it(cluster, prometheus, t
     manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "stale"}}
     with running_operator(cluster, tmp_path, "--namespace", NAMESPACE, "--standalone"):
         cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
-
-        def scaling_condition():
-            conditions = cluster.service("stale").get("status", {}).get("conditions", [])
-            return next((c for c in conditions if c["type"] == "Scaling"), None)
-
-        condition = wait_for(scaling_condition, 30, "the Scaling condition")
+        condition = wait_for(lambda: _scaling_condition(cluster, "stale"), 30, "the Scaling condition")
         assert (condition["status"], condition["reason"]) == ("Unknown", "StaleSignals")
         assert "kvCacheUsage" in condition["message"]
         assert cluster.service("stale")["spec"]["replicas"] == 1
@@ -359,12 +359,7 @@ def test_without_prometheus_the_loop_holds_and_says_why(cluster, tmp_path):
     manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "blind"}}
     with running_operator(cluster, tmp_path, "--namespace", NAMESPACE, "--standalone"):
         cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
-
-        def scaling_condition():
-            conditions = cluster.service("blind").get("status", {}).get("conditions", [])
-            return next((c for c in conditions if c["type"] == "Scaling"), None)
-
-        condition = wait_for(scaling_condition, 30, "the Scaling condition")
+        condition = wait_for(lambda: _scaling_condition(cluster, "blind"), 30, "the Scaling condition")
         assert condition["status"] == "Unknown" and condition["reason"] == "NoSignals"
         assert f"cannot query Prometheus at {nobody}" in condition["message"]
         assert cluster.service("blind")["spec"]["replicas"] == 1  # nothing moved

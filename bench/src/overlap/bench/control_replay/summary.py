@@ -161,14 +161,15 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(7, 6), dpi=80, sharex=True)
+    fig, axes = plt.subplots(3, 1, figsize=(7, 6.6), dpi=80, sharex=True)
     first = runs[0]["timeline"]
     axes[0].plot([k["t"] for k in first[1:]], [k["arrival_rps"] for k in first[1:]], color="black", lw=0.8)
     axes[0].set_ylabel("arrivals (req/s)")
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r["label"] == "overlap"):  # overlap's lines on top, thicker
         t = [k["t"] for k in run["timeline"]]
-        axes[1].step(t, [k["replicas"] for k in run["timeline"]], where="post", label=run["label"], lw=1.2)
-        axes[2].plot(t, [k["queue_depth"] for k in run["timeline"]], label=run["label"], lw=0.9)
+        wide = 2.0 if run["label"] == "overlap" else 1.0
+        axes[1].step(t, [k["replicas"] for k in run["timeline"]], where="post", label=run["label"], lw=wide)
+        axes[2].plot(t, [k["queue_depth"] for k in run["timeline"]], label=run["label"], lw=wide * 0.8)
     axes[1].set_ylabel("replicas (asked)")
     axes[2].set_ylabel("waiting requests")
     axes[2].set_yscale("symlog", linthresh=10)
@@ -176,8 +177,9 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].set_title(textwrap.fill(title, 110), fontsize=7)
-    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=len(runs), fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    columns = min(len(runs), 5)
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.03 * (1 + (len(runs) - 1) // columns), 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
