@@ -35,7 +35,11 @@ def start_activator(workdir: Path, upstream: str, *flags: str) -> tuple[Proc, st
                       "--probe-interval-s", "0.1", *flags)  # fmt: skip
     proc = Proc(cmd, workdir / "activator.log")
     url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: http("GET", f"{url}/activator/healthz", timeout=2)[0] == 200, 30, "the activator")
+    try:
+        wait_for(lambda: http("GET", f"{url}/activator/healthz", timeout=2)[0] == 200, 30, "the activator")
+    except BaseException:
+        proc.stop()  # stopped by its PID whatever failed
+        raise
     return proc, url
 
 
