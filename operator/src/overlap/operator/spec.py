@@ -39,6 +39,9 @@ ENGINE_FIELDS: dict[str, str] = {
 TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "numBuffers")
 
 
+# autoscaling.mode values under which decide() computes replica moves (builtin applies them, advise reports them).
+SCALING_MODES = ("builtin", "advise")
+
 # The CRD's defaults, as a real API server fills them in. The operator applies them too (a spec written to a
 # server without structural defaulting still works); tests/operator check this table against crds/.
 DEFAULTS: dict[str, Any] = {

@@ -210,7 +210,7 @@ class _Loop:
                 signals.queue_depth or 0.0,
                 decision.action,
                 decision.floor,
-                self.history.forecast.predict(now, self.history.horizon_s()) if self.history.forecast.level else None,
+                self.history.expected_rate(now),
             )
         )
         self._submitted_at_last_tick, self._last_tick = self.num_submitted, now

@@ -69,15 +69,7 @@ class RateForecast:
 
     def predict_with(self, t: float, rate: float, horizon_s: float) -> float:
         """predict() as it would be after a reading of `rate` at t, without keeping the reading."""
-        saved = (self.level, self.slope, self.last_t, self.first_t)
-        if self.level is None:
-            self.first_t = t
-        self.level, self.slope = self._advanced(t, rate)
-        self.last_t = t
-        try:
-            return self.predict(t, horizon_s)
-        finally:
-            self.level, self.slope, self.last_t, self.first_t = saved
+        return self._predict(t, horizon_s, *self._advanced(t, rate))
 
     def has_profile(self, t: float) -> bool:
         """True once a whole period of readings has been seen."""
@@ -88,7 +80,10 @@ class RateForecast:
         been seen, the profile's for that stretch scaled to how today compares with it, whichever is higher."""
         if self.level is None:
             return 0.0
-        trend = max(self.level, self.level + self.slope * horizon_s)
+        return self._predict(t, horizon_s, self.level, self.slope)
+
+    def _predict(self, t: float, horizon_s: float, level: float, slope: float) -> float:
+        trend = max(level, level + slope * horizon_s)
         if not self.has_profile(t):
             return trend
         now = self.profile[self._bucket(t)]
@@ -96,11 +91,17 @@ class RateForecast:
         ahead = [v for v in ahead if v is not None]
         if not now or not ahead:
             return trend
-        ratio = min(max(self.level / now, 0.5), 1.5)
+        ratio = min(max(level / now, 0.5), 1.5)
         return max(trend, max(ahead) * ratio)
 
     def _bucket(self, t: float) -> int:
         return int((t % self.period_s) / self.period_s * self.buckets) % self.buckets
+
+
+def quantile(values, q: float) -> float:
+    """The nearest-rank q-quantile of a non-empty collection (an observed value, never an interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _steps(horizon_s: float, bucket_s: float) -> list[float]:
@@ -143,8 +144,7 @@ class CapacityProfile:
             max_num_seqs = min(
                 known, key=lambda k: abs(math.log(k / max_num_seqs)) if k > 0 and max_num_seqs > 0 else math.inf
             )
-        ordered = sorted(self.samples[max_num_seqs])
-        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+        return quantile(self.samples[max_num_seqs], 0.9)
 
 
 @dataclass(slots=True)

@@ -80,7 +80,7 @@ class LoopState:
 def _controlled(spec: Mapping[str, Any], **_: Any) -> bool:
     """Only services with a loop on get the timer, and with it kopf's finalizer."""
     full = specs.with_defaults(spec or {})
-    return full["autoscaling"]["mode"] in ("builtin", "advise") or bool(full["tuning"]["enabled"])
+    return full["autoscaling"]["mode"] in specs.SCALING_MODES or bool(full["tuning"]["enabled"])
 
 
 @kopf.timer(children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S, when=_controlled)
@@ -179,12 +179,11 @@ def run_tick(
 
 def _forecast_status(history: History, decision: Decision, reading: signals.Signals) -> dict[str, Any]:
     """status.forecast: what the predictive floor expects and how well its past forecasts did."""
-    forecast, horizon = history.forecast, history.horizon_s()
     fields = {
-        "horizonSeconds": horizon,
+        "horizonSeconds": history.horizon_s(),
         "coldStartSeconds": history.cold_start.seconds(),
-        "arrivalRate": forecast.predict(reading.time, horizon) if forecast.level is not None else None,
-        "relativeError": forecast.relative_error,
+        "arrivalRate": history.expected_rate(reading.time),
+        "relativeError": history.forecast.relative_error,
         "capacityPerReplica": history.capacity.get(int(decision.engine.get("max_num_seqs", 0))),
         "floor": decision.floor,
     }

@@ -45,9 +45,10 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
-from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast
+from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast, quantile
+from overlap.operator.spec import ENGINE_FIELDS, SCALING_MODES, TUNABLE_KNOBS
 
 # Thresholds of the tuning table above (shares and ratios, 0..1).
 KV_PRESSURE = 0.90  # KV usage above this: preemptions are near
@@ -143,7 +144,7 @@ class ScalingPolicy:
     @property
     def scales(self) -> bool:
         """decide() computes replica moves (builtin applies them, advise only reports them)."""
-        return self.mode in ("builtin", "advise")
+        return self.mode in SCALING_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,11 @@ class TuningPolicy:
     p99_slo_s: float | None = None
     ttft_slo_s: float | None = None
 
+    @property
+    def settle_s(self) -> float:
+        """How long after any move the tuner waits: a whole interval and at least the signal window."""
+        return max(self.interval_s, self.signal_window_s)
+
 
 @dataclass(frozen=True, slots=True)
 class Policy:
@@ -169,8 +175,6 @@ class Policy:
     def from_spec(cls, spec: Mapping[str, Any], signal_window_s: float = 60) -> Policy:
         """The policy of an InferenceService spec (with the CRD's defaults filled in: spec.with_defaults) for an
         operator whose latency signals look back `signal_window_s`."""
-        from overlap.operator.spec import ENGINE_FIELDS, TUNABLE_KNOBS
-
         auto = spec["autoscaling"]
         scaling = ScalingPolicy(
             mode=auto["mode"],
@@ -286,6 +290,10 @@ class History:
         """How far ahead the floor must look: a new replica's start-up plus one tick."""
         return self.cold_start.seconds() + self.interval_s
 
+    def expected_rate(self, now: float) -> float | None:
+        """The highest arrival rate the forecast expects within the horizon; None before any reading."""
+        return None if self.forecast.level is None else self.forecast.predict(now, self.horizon_s())
+
     def last_scale(self) -> float | None:
         """When the loop last moved the replica count."""
         return max((t for t in (self.last_scale_up, self.last_scale_down) if t is not None), default=None)
@@ -309,13 +317,13 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
     The replica count follows whichever rule asks for more: the predictive floor (the forecast arrival rate over
     the measured capacity per replica; replicas still starting count, so it may move while they start), the queue
     watermark and the SLO law (both reactive: they wait for starting replicas). A reactive scale-up is replaced by
-    a larger batch while the engines have headroom (tune before scale). Scale-in is one replica at a time, and only
-    when the others carry the load."""
+    a larger batch while the engines have headroom (tune before scale). Scale-in goes as far as the forecast load
+    allows (at most half the fleet per step), and only when the smaller fleet carries it."""
     scaling = policy.scaling
     engine = dict(current.engine)
     floor = _floor(signals, current, history, scaling) if scaling.scales else None
 
-    marks = {"floor": floor[0], "load": floor[2]} if floor is not None else {}
+    marks = {"floor": floor.replicas, "load": floor.load} if floor is not None else {}
 
     def decision(action: str, reason: str, replicas: int = current.replicas) -> Decision:
         return Decision(action, reason, replicas, engine, **marks)
@@ -331,10 +339,10 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
             return decision(*woken)
         # Within a small tolerance of the fleet the floor holds (its target utilisation is the headroom already);
         # at most double per step, like the reactive rules' bound: an early capacity figure can be low.
-        if floor is not None and floor[2] > current.replicas * (1 + FLOOR_TOLERANCE):
-            target = min(floor[0], scaling.max_replicas, max(2 * current.replicas, current.replicas + 1))
+        if floor is not None and floor.load > current.replicas * (1 + FLOOR_TOLERANCE):
+            target = min(floor.replicas, scaling.max_replicas, max(2 * current.replicas, current.replicas + 1))
             if target > current.replicas:
-                return decision(SCALE_UP, f"predictive floor {floor[0]}: {floor[1]}", target)
+                return decision(SCALE_UP, f"predictive floor {floor.replicas}: {floor.why}", target)
     pending = current.replicas - signals.ready_replicas
     stuck = None
     if pending > 0 and signals.queue_depth is not None and scaling.scales:
@@ -362,7 +370,7 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
         if down is not None:
             return decision(*down)
     if policy.tuning.enabled and stuck is None:  # a retune measured on a fleet with stuck replicas would mislead
-        tuned = _tune(signals, current, history, policy.tuning, None if floor is None else floor[2])
+        tuned = _tune(signals, current, history, policy.tuning, None if floor is None else floor.load)
         if tuned is not None:
             return replace(tuned, **marks)
     return decision(HOLD, stuck or _hold_reason(signals, policy))
@@ -382,7 +390,7 @@ def _bounds(current: Current, policy: ScalingPolicy) -> tuple[str, str, int] | N
 
 
 def _from_zero(
-    signals: Signals, current: Current, floor: tuple[int, str, float] | None, policy: ScalingPolicy
+    signals: Signals, current: Current, floor: Floor | None, policy: ScalingPolicy
 ) -> tuple[str, str, int] | None:
     """At zero replicas any request, held by the activator or counted on arrival, brings one back at once."""
     if current.replicas > 0:
@@ -390,15 +398,20 @@ def _from_zero(
     held, arriving = signals.activator_queue or 0, signals.arrival_rate or 0
     if held <= 0 and arriving <= 0:
         return None
-    target = min(max(1, floor[0] if floor else 1), policy.max_replicas)
+    target = min(max(1, floor.replicas if floor else 1), policy.max_replicas)
     return SCALE_UP, f"{held:g} requests held by the activator at zero replicas", target
 
 
-def _floor(
-    signals: Signals, current: Current, history: History, policy: ScalingPolicy
-) -> tuple[int, str, float] | None:
-    """(replicas, why, load in replicas) the forecast arrival rate needs at the measured capacity and the target
-    utilisation; None before both are known."""
+class Floor(NamedTuple):
+    """What the forecast arrival rate needs at the measured capacity and the target utilisation."""
+
+    replicas: int  # at least min_replicas
+    why: str
+    load: float  # in replicas, unrounded
+
+
+def _floor(signals: Signals, current: Current, history: History, policy: ScalingPolicy) -> Floor | None:
+    """The predictive floor; None before both a forecast and a capacity are known."""
     if not policy.predictive or signals.arrival_rate is None:
         return None
     capacity = history.capacity.get(int(current.engine.get("max_num_seqs", 0)))
@@ -412,7 +425,7 @@ def _floor(
         f"{rate:.1f} req/s expected within {horizon:.0f} s, {capacity:.1f} req/s per replica at "
         f"{policy.target_utilization:.0%} utilisation"
     )
-    return max(replicas, policy.min_replicas), why, load
+    return Floor(max(replicas, policy.min_replicas), why, load)
 
 
 def _slo_ratio(signals: Signals, policy: ScalingPolicy) -> float | None:
@@ -423,10 +436,6 @@ def _slo_ratio(signals: Signals, policy: ScalingPolicy) -> float | None:
         if value is not None and slo
     ]
     return max(ratios) if ratios else None
-
-
-def _waiting(sample: Signals) -> float | None:
-    return sample.waiting_per_replica()
 
 
 def _reactive_up(
@@ -442,9 +451,11 @@ def _reactive_up(
     if not covered:
         return None
     window = [*history.window(now, policy.up_window_s), signals]
-    per_replica = _waiting(signals)
+    per_replica = signals.waiting_per_replica()
     wanted: list[tuple[int, str]] = []
-    if per_replica is not None and all((v := _waiting(s)) is not None and v > policy.up_watermark for s in window):
+    if per_replica is not None and all(
+        (v := s.waiting_per_replica()) is not None and v > policy.up_watermark for s in window
+    ):
         replicas = math.ceil(signals.seen_replicas() * per_replica / policy.up_watermark)
         why = (
             f"{per_replica:.1f} waiting per ready replica > watermark {policy.up_watermark:g} "
@@ -466,7 +477,7 @@ def _reactive_up(
 
 
 def _scale_in(
-    signals: Signals, current: Current, history: History, policy: ScalingPolicy, floor: tuple[int, str, float] | None
+    signals: Signals, current: Current, history: History, policy: ScalingPolicy, floor: Floor | None
 ) -> tuple[str, str, int] | None:
     """Fewer replicas when the queue stayed under the scale-down watermark for the whole window, the SLO was met
     on average over it, and the forecast load of the window fits N - 1 replicas with a margin (load x N / (N - 1) under
@@ -478,24 +489,24 @@ def _scale_in(
         return None
     if _since(history.last_scale_down, now) < max(policy.down_window_s, policy.interval_s):
         return None
-    per_replica = _waiting(signals)
+    per_replica = signals.waiting_per_replica()
     if per_replica is None or per_replica >= policy.down_watermark:
         return None
     if policy.down_window_s and not history.covers(now, policy.down_window_s):
         return None
     window = [*history.window(now, policy.down_window_s), signals]
-    if not all((v := _waiting(s)) is not None and v < policy.down_watermark for s in window):
+    if not all((v := s.waiting_per_replica()) is not None and v < policy.down_watermark for s in window):
         return None
     ratios = [r for s in window if (r := _slo_ratio(s, policy)) is not None]
     if ratios and sum(ratios) / len(ratios) > 1:
         return None  # the SLO was not met over the window: no fewer replicas
     # the load over the longer of the window and the cooldown: the spikes of the last minutes count too
     look_back = max(policy.down_window_s, policy.down_cooldown_s)
-    loads = [load for t, load in history.loads if now - t <= look_back] + ([floor[2]] if floor else [])
+    loads = [load for t, load in history.loads if now - t <= look_back] + ([floor.load] if floor else [])
     # the margin is at least what the forecast has been missing by, so the next tick's floor does not undo this
     margin = max(SCALE_IN_MARGIN, history.forecast.relative_error or 0.0)
     # the window's load: its 90th percentile, so one noisy reading does not hold a whole fleet
-    load = sorted(loads)[min(len(loads) - 1, math.ceil(0.9 * len(loads)) - 1)] if loads else None
+    load = quantile(loads, 0.9) if loads else None
     if load is not None and load * (1 + margin) > n - 1:
         return None  # the others would not carry the load
     if n == 1:  # to zero: only when nothing has arrived for the idle timeout
@@ -548,7 +559,7 @@ def _tune_before_scale(
     if kv >= KV_HEADROOM or running / replicas < BATCH_FULL * seqs:
         return None
     moved = _move(engine, "max_num_seqs", policy, 2)
-    settle_s = max(policy.interval_s, policy.signal_window_s)
+    settle_s = policy.settle_s
     if moved is None or _undoes(history, "max_num_seqs", engine, moved, signals.time, settle_s):
         return None
     text = f"tune before scale ({why}; batch full, KV {kv:.0%}): max_num_seqs {seqs:g} -> {moved['max_num_seqs']:g}"
@@ -561,7 +572,7 @@ def _tune(
     """The tuning table's move, if any. `load`: the forecast load in replicas, when the floor has one; while it is
     above BUSY_FLEET of the fleet, no move shrinks the batch or the step budget (they cost throughput)."""
     now = signals.time
-    settle_s = max(policy.interval_s, policy.signal_window_s)
+    settle_s = policy.settle_s
     if _since(history.last_move(), now) < settle_s:
         return None  # the last move's effect is not in the readings yet
     engine = dict(current.engine)
