@@ -58,14 +58,13 @@ def activator_labels(name: str) -> dict[str, str]:
 def scales_to_zero(spec: Mapping[str, Any]) -> bool:
     """minReplicas 0 with a loop that scales: the service gets an activator to hold requests while at zero."""
     auto = spec["autoscaling"]
-    return auto["minReplicas"] == 0 and auto["mode"] in ("builtin", "advise")
+    return auto["minReplicas"] == 0 and auto["mode"] in specs.SCALING_MODES
 
 
-def at_zero(owner: Mapping[str, Any], spec: Mapping[str, Any]) -> bool:
-    """Whether the Service should route to the activator: no replica asked for, or none ready yet. Asked for 0,
-    the switch comes before the pods go, so requests during their drain reach the activator, which forwards them
-    to the pods while they still serve."""
-    ready = (owner.get("status") or {}).get("readyReplicas") or 0
+def at_zero(spec: Mapping[str, Any], ready: int) -> bool:
+    """Whether the Service should route to the activator: no replica asked for, or none of them (`ready`) ready.
+    Asked for 0, the switch comes before the pods go, so requests during their drain reach the activator, which
+    forwards them to the pods while they still serve."""
     return scales_to_zero(spec) and (spec["replicas"] == 0 or ready == 0)
 
 
@@ -115,18 +114,24 @@ def build_configmap(name: str, namespace: str, config: EngineConfig) -> dict[str
     }
 
 
-def build_service(name: str, namespace: str, spec: Mapping[str, Any], to_activator: bool = False) -> dict[str, Any]:
-    """The public API only: the admin port is never on the Service. At zero replicas it routes to the activator."""
+def _http_service(metadata: dict[str, Any], selector: dict[str, str], port: int) -> dict[str, Any]:
+    """A ClusterIP Service with the one public port (the admin port is never on a Service)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(name, namespace, name),
+        "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
-            "selector": activator_labels(name) if to_activator else selector_labels(name),
-            "ports": [{"name": "http", "port": spec["sidecar"]["port"], "targetPort": "http", "protocol": "TCP"}],
+            "selector": selector,
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+
+
+def build_service(name: str, namespace: str, spec: Mapping[str, Any], to_activator: bool = False) -> dict[str, Any]:
+    """The public API only. At zero replicas it routes to the activator."""
+    selector = activator_labels(name) if to_activator else selector_labels(name)
+    return _http_service(_metadata(name, namespace, name), selector, spec["sidecar"]["port"])
 
 
 def build_pods_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -134,16 +139,7 @@ def build_pods_service(name: str, namespace: str, spec: Mapping[str, Any]) -> di
     the selector labels, so a ServiceMonitor (which selects Services by them) does not scrape the pods twice."""
     metadata = _metadata(pods_service_name(name), namespace, name)
     metadata["labels"] = {INSTANCE_LABEL: name, "app.kubernetes.io/managed-by": MANAGED_BY}
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata,
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector_labels(name),
-            "ports": [{"name": "http", "port": spec["sidecar"]["port"], "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return _http_service(metadata, selector_labels(name), spec["sidecar"]["port"])
 
 
 def build_activator(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -192,12 +188,7 @@ def build_activator(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[
                 "spec": {
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": RUN_AS_USER,
-                        "runAsGroup": RUN_AS_USER,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
+                    "securityContext": _pod_security(),
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                 },
@@ -237,6 +228,15 @@ def _container_security() -> dict[str, Any]:
         "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 
@@ -347,13 +347,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": ENDPOINT_DRAIN_S + grace + GRACE_MARGIN_S,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": {**_pod_security(), "fsGroup": RUN_AS_USER},  # the volumes the engine writes
         "containers": [engine_container, sidecar_container],
         "volumes": [
             {"name": "socket", "emptyDir": {}},
@@ -440,8 +434,9 @@ def build_children(
         # the pods' Service first: the activator's pod resolves its name when it starts
         children += [build_pods_service(name, namespace, spec), build_activator(name, namespace, spec)]
     # The Service before the Deployment: scaled to zero, requests go to the activator before the pods go.
+    ready = (owner.get("status") or {}).get("readyReplicas") or 0
     children += [
-        build_service(name, namespace, spec, to_activator=at_zero(owner, spec)),
+        build_service(name, namespace, spec, to_activator=at_zero(spec, ready)),
         build_deployment(name, namespace, spec, config),
         build_pdb(name, namespace),
     ]

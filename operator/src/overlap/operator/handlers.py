@@ -203,7 +203,7 @@ def _route(owner: Mapping[str, Any], deployment: Mapping[str, Any], logger: logg
         return
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     ready = (deployment.get("status") or {}).get("readyReplicas") or 0
-    to_activator = spec["replicas"] == 0 or ready == 0
+    to_activator = children.at_zero(spec, ready)
     service = children.adopt(children.build_service(name, namespace, spec, to_activator=to_activator), owner)
     if kube.apply(service) != "unchanged":
         where = "the activator (no ready replica)" if to_activator else f"the pods ({ready} ready)"
