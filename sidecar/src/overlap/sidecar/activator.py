@@ -122,18 +122,25 @@ class Activator:
         body = {"error": {"message": message, "type": "service_unavailable", "code": outcome}}
         return web.json_response(body, status=503, headers={"Retry-After": str(self.config.retry_after_s)})
 
+    @contextlib.contextmanager
+    def _holding(self):
+        """Count a request as held (overlap_activator_queued_requests) while the block runs."""
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+
     async def _wait_until_ready(self, deadline: float) -> bool:
         """Hold until the upstream is ready or the deadline passes; True when ready."""
         if self.ready.is_set():
             return True
-        self.held += 1
-        try:
-            await asyncio.wait_for(self.ready.wait(), timeout=max(0.0, deadline - time.monotonic()))
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self.held -= 1
+        with self._holding():
+            try:
+                await asyncio.wait_for(self.ready.wait(), timeout=max(0.0, deadline - time.monotonic()))
+                return True
+            except TimeoutError:
+                return False
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
@@ -157,11 +164,8 @@ class Activator:
                 continue
             # A pod that just woke refused it at admission (429/503, before any work): hold it a little longer.
             self.retried += 1
-            self.held += 1
-            try:
+            with self._holding():
                 await asyncio.sleep(response)
-            finally:
-                self.held -= 1
 
     async def _forward(
         self, request: web.Request, body: bytes, arrived: float, deadline: float, attempt: int
