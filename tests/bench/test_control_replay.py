@@ -164,14 +164,16 @@ def test_the_verdict_reads_dominance_on_slo_and_cost():
 
     lines = verdict([run("static-max", 1.0, 100), run("keda-queue", 0.99, 80), run("overlap", 0.995, 70)])
     assert lines == [
-        "verdict: SLO 99.5% vs static-max 100.0% (+0.5 points behind; bar <= 1): PASS",
+        "verdict: SLO 99.5% vs static-max 100.0% (0.5 points behind; bar: at most 1 behind): PASS",
         "verdict: replica-seconds 70.0% of static-max (bar <= 75%): PASS",
-        "verdict: 0.0 flaps per trace-hour (bar <= 1): PASS",
+        "verdict: 0.00 flaps per trace-hour (bar <= 1): PASS",
         "verdict: dominated by no run on (SLO, replica-seconds): PASS",
     ]
     lines = verdict([run("static-max", 1.0, 100), run("static-6", 0.995, 60), run("overlap", 0.98, 80, flaps=2)])
     assert lines[0].endswith("FAIL") and lines[1].endswith("FAIL") and lines[2].endswith("FAIL")
     assert lines[3] == "verdict: dominated by static-6 on (SLO, replica-seconds): FAIL"
+    ahead = verdict([run("static-max", 0.5, 100), run("overlap", 0.9, 60)])[0]
+    assert "(40.0 points ahead; bar: at most 1 behind): PASS" in ahead
 
 
 def test_the_baselines_follow_their_published_arithmetic():

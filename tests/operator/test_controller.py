@@ -180,6 +180,21 @@ def test_policy_from_a_defaulted_spec():
     assert Policy.from_spec(bare) == Policy()
 
 
+def test_offline_capacity_figures_belong_to_their_batch_limits():
+    predictive = {
+        "capacityPerReplica": 30,
+        "capacityProfile": [{"maxNumSeqs": 64, "requestsPerSecond": 50}, {"maxNumSeqs": 8, "requestsPerSecond": 9}],
+    }
+    spec = specs.with_defaults(
+        {
+            "model": {"servedName": "m", "path": "/models/m"},
+            "engine": {"maxNumSeqs": 16},
+            "autoscaling": {"mode": "builtin", "predictive": predictive},
+        }
+    )
+    assert Policy.from_spec(spec).scaling.capacity_hints == {16: 30.0, 64: 50.0, 8: 9.0}
+
+
 def test_decision_status_matches_the_crd():
     decision = decide(Signals(0, 1, 0), Current(1, ENGINE), History(), Policy())
     status = decision.to_status("2026-01-01T00:00:00Z")

@@ -140,7 +140,7 @@ def test_capacity_is_learned_only_from_saturated_readings():
     for _ in range(profile.keep):  # a workload that stays slower ages the old figure out
         profile.update(64, finish_rate=60, replicas=2, waiting=40, running=128, busy=0.97)
     assert profile.get(64) == pytest.approx(30)
-    assert profile.get(128) == profile.get(64)  # the nearest limit measured stands in
+    assert profile.get(128) is None  # another limit's figure does not stand in: it would never be corrected
 
 
 def test_the_forecast_follows_a_trend_and_learns_a_daily_profile():
@@ -223,6 +223,14 @@ def test_scale_in_when_the_others_carry_the_load_with_margin():
     assert "3 replicas carry the forecast load" in downs[0].reason
 
 
+def test_no_scale_in_while_latency_sits_in_the_dead_band_below_its_slo():
+    policy = Policy(scaling=scaling(ttft_slo_s=1.0, predictive=False))
+    near = {"queue_depth": 0, "ttft_p90_s": 0.9}  # met, but at 0.9 of it: one replica fewer would breach it
+    assert SCALE_DOWN not in [d.action for d in run([near] * 8, policy, replicas=4)]
+    low = {"queue_depth": 0, "ttft_p90_s": 0.5}
+    assert SCALE_DOWN in [d.action for d in run([low] * 8, policy, replicas=4)]
+
+
 def test_no_two_to_one_flapping_on_a_load_just_over_one_replica():
     policy = Policy(scaling=scaling())
     history = learned_history(policy)  # 1.2 replicas of load, noisy: never 2 -> 1 -> 2
@@ -292,12 +300,13 @@ def test_advisory_mode_decides_what_builtin_would():
 
 
 def test_an_offline_capacity_figure_stands_in_until_the_loop_measures_one():
-    profile = CapacityProfile(hint=80.0)
+    profile = CapacityProfile(hints={64: 80.0})
     assert profile.get(64) == 80.0
+    assert profile.get(128) is None  # a figure holds at the limit it was measured at
     for _ in range(profile.min_readings):
         profile.update(64, finish_rate=120, replicas=2, waiting=40, running=128, busy=0.97)
     assert profile.get(64) == pytest.approx(60)  # measured: the pods' own figure wins
-    policy = Policy(scaling=scaling(capacity_hint_rps=50.0))
+    policy = Policy(scaling=scaling(capacity_hints={64: 50.0}))
     decisions = run([{"queue_depth": 0, "arrival_rate": 150}] * 2, policy, replicas=2)
     assert decisions[0].action == SCALE_UP and decisions[0].replicas == 4  # ceil(150 / (50 x 0.8))
 

@@ -83,7 +83,8 @@ class Setup:
 
     def scaling_policy(self, mode: str, predictive: bool = False, slo_law: bool = False) -> ScalingPolicy:
         """The operator's policy for this replay; with `predictive`, seeded with the cost model's capacity per
-        replica (what an offline profile, autoscaling.predictive.capacityPerReplica, would give)."""
+        replica at each batch limit the tuner can reach (what an offline profile, autoscaling.predictive's
+        capacityPerReplica and capacityProfile, would give)."""
         crd = CRD_SCALING
         k = self.time_scale
         return ScalingPolicy(
@@ -94,7 +95,9 @@ class Setup:
             cold_start_s=crd.cold_start_s / k,
             period_s=self.period_s,
             target_utilization=crd.target_utilization,
-            capacity_hint_rps=self.replica_capacity_rps() if predictive else None,
+            capacity_hints={b: self.replica_capacity_rps(b) for b in self.reachable_max_num_seqs()}
+            if predictive
+            else {},
             min_replicas=self.min_replicas,
             max_replicas=self.max_replicas,
             up_watermark=self.up_watermark,
@@ -119,14 +122,27 @@ class Setup:
         mode = "builtin" if plan.controller == "decide" else "off"
         return Policy(scaling=self.scaling_policy(mode, plan.predictive, plan.slo_law), tuning=tuning)
 
-    def replica_capacity_rps(self) -> float:
-        """What one replica serves at most of this trace at its starting sequence cap B: with B sequences
+    def reachable_max_num_seqs(self) -> list[int]:
+        """The batch limits the tuner can reach from the start: it doubles and halves within TUNING_BOUNDS."""
+        lo, hi = TUNING_BOUNDS["max_num_seqs"]
+        limits, b = {self.max_num_seqs}, self.max_num_seqs
+        while b < hi:
+            b = min(2 * b, hi)
+            limits.add(b)
+        b = self.max_num_seqs
+        while b > lo:
+            b = max(round(b / 2), lo)
+            limits.add(b)
+        return sorted(limits)
+
+    def replica_capacity_rps(self, max_num_seqs: int | None = None) -> float:
+        """What one replica serves at most of this trace at sequence cap B (default: the start's): with B sequences
         decoding, a step of fixed + per_token x tokens, and each request's prompt + output tokens passing through
         once, throughput is B / (O x fixed + B x per_token x (P + O)) for mean prompt P and output O tokens."""
         fixed_s, per_token_s = self.cost_ms_us[0] / 1000, self.cost_ms_us[1] / 1e6
         prompts = [r.prompt_tokens or 1 for r in self.trace.requests]
         outputs = [r.max_tokens for r in self.trace.requests]
-        p, o, b = float(np.mean(prompts)), float(np.mean(outputs)), self.max_num_seqs
+        p, o, b = float(np.mean(prompts)), float(np.mean(outputs)), max_num_seqs or self.max_num_seqs
         return b / (o * fixed_s + b * per_token_s * (p + o))
 
     def say(self, text: str) -> None:

@@ -104,7 +104,7 @@ _TABLE = (
     ("ups", "scale_ups", "d"),
     ("downs", "scale_downs", "d"),
     ("retunes", "retunes", "d"),
-    ("flaps/h", "flaps_per_hour", ".1f"),
+    ("flaps/h", "flaps_per_hour", ".2f"),
 )
 
 
@@ -119,15 +119,16 @@ def verdict(runs: list[dict]) -> list[str]:
     if top is not None:
         gap = (top["slo_attainment"] - ours["slo_attainment"]) * 100
         cost = ours["replica_seconds"] / max(top["replica_seconds"], 1e-9)
+        standing = f"{gap:.1f} points behind" if gap >= 0 else f"{-gap:.1f} points ahead"
         lines.append(
             f"verdict: SLO {ours['slo_attainment']:.1%} vs static-max {top['slo_attainment']:.1%} "
-            f"({gap:+.1f} points behind; bar <= 1): {'PASS' if gap <= 1 else 'FAIL'}"
+            f"({standing}; bar: at most 1 behind): {'PASS' if gap <= 1 else 'FAIL'}"
         )
         lines.append(
             f"verdict: replica-seconds {cost:.1%} of static-max (bar <= 75%): {'PASS' if cost <= 0.75 else 'FAIL'}"
         )
     lines.append(
-        f"verdict: {ours['flaps_per_hour']:.1f} flaps per trace-hour (bar <= 1): "
+        f"verdict: {ours['flaps_per_hour']:.2f} flaps per trace-hour (bar <= 1): "
         f"{'PASS' if ours['flaps_per_hour'] <= 1 else 'FAIL'}"
     )
     dominating = [

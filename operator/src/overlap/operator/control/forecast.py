@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SATURATED_BUSY = 0.9  # device busy above this with requests waiting: what finishes is what a replica can do
@@ -119,7 +120,9 @@ class CapacityProfile:
     samples: dict[int, deque[float]] = field(default_factory=dict)
     keep: int = 32  # readings kept per limit
     min_readings: int = 8  # a figure is used once this many readings stand behind it (the first are often low)
-    hint: float | None = None  # a figure measured offline (autoscaling.predictive.capacityPerReplica), until then
+    # figures measured offline per max_num_seqs (autoscaling.predictive.capacityPerReplica/capacityProfile), until
+    # the loop has its own at that limit
+    hints: Mapping[int, float] = field(default_factory=dict)
 
     def update(
         self, max_num_seqs: int, finish_rate: float, replicas: int, waiting: float, running: float, busy: float
@@ -135,16 +138,13 @@ class CapacityProfile:
         self.samples.setdefault(max_num_seqs, deque(maxlen=self.keep)).append(finish_rate / replicas)
 
     def get(self, max_num_seqs: int) -> float | None:
-        """The capacity at this limit, or at the nearest limit measured; before enough saturated readings, the
-        offline hint (None without one)."""
-        known = [k for k, v in self.samples.items() if len(v) >= self.min_readings]
-        if not known:
-            return self.hint
-        if max_num_seqs not in known:
-            max_num_seqs = min(
-                known, key=lambda k: abs(math.log(k / max_num_seqs)) if k > 0 and max_num_seqs > 0 else math.inf
-            )
-        return quantile(self.samples[max_num_seqs], 0.9)
+        """The capacity at this limit: measured once enough saturated readings stand behind it, before that the
+        offline figure for this limit, else None. A figure from another limit is not used: a lower limit's would
+        keep the fleet too large to ever saturate at this one, so it would never be corrected."""
+        readings = self.samples.get(max_num_seqs, ())
+        if len(readings) >= self.min_readings:
+            return quantile(readings, 0.9)
+        return self.hints.get(max_num_seqs)
 
 
 @dataclass(slots=True)

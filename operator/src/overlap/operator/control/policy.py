@@ -61,6 +61,7 @@ BATCH_FULL = 0.9
 KV_HEADROOM = 0.7
 SCALE_IN_MARGIN = 0.1  # scale in only when the forecast load fits N - 1 replicas with this much to spare
 FLOOR_TOLERANCE = 0.05  # the floor adds replicas only for a load this much above the fleet
+SCALE_IN_SLO = 0.8  # scale in only when latency averaged under this share of its SLO (0.8-1: the dead band)
 SLO_PROPORTIONAL = 1.5  # the SLO law adds one replica below this latency / objective ratio, in proportion above
 BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
 
@@ -138,7 +139,8 @@ class ScalingPolicy:
     target_utilization: float = 0.9
     cold_start_s: float = 60  # the start-up time assumed until one has been observed
     period_s: float = 86400  # the daily profile's period
-    capacity_hint_rps: float | None = None  # requests/s per replica measured offline, until the loop measures it
+    # requests/s per replica measured offline, per max_num_seqs, until the loop measures its own at that limit
+    capacity_hints: Mapping[int, float] = field(default_factory=dict)
     idle_timeout_s: float = 600  # with min_replicas 0: no arrivals for this long scales to zero
 
     @property
@@ -194,7 +196,7 @@ class Policy:
             target_utilization=auto["predictive"]["targetUtilization"],
             cold_start_s=auto["predictive"]["coldStartSeconds"],
             period_s=auto["predictive"]["periodSeconds"],
-            capacity_hint_rps=auto["predictive"].get("capacityPerReplica"),
+            capacity_hints=_capacity_hints(auto["predictive"], spec["engine"]["maxNumSeqs"]),
             idle_timeout_s=auto["idleTimeoutSeconds"],
         )
         tuning = spec["tuning"]
@@ -217,6 +219,15 @@ class Policy:
         intervals = [self.scaling.interval_s] if self.scaling.scales else []
         intervals += [self.tuning.interval_s] if self.tuning.enabled else []
         return min(intervals) if intervals else math.inf
+
+
+def _capacity_hints(predictive: Mapping[str, Any], start_max_num_seqs: int) -> dict[int, float]:
+    """max_num_seqs -> offline requests/s per replica: capacityProfile's entries, and capacityPerReplica at the
+    engine's start limit."""
+    hints = {int(e["maxNumSeqs"]): float(e["requestsPerSecond"]) for e in predictive.get("capacityProfile") or ()}
+    if predictive.get("capacityPerReplica") is not None:
+        hints[int(start_max_num_seqs)] = float(predictive["capacityPerReplica"])
+    return hints
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +265,7 @@ class History:
         self.last_retune: float | None = None
         self.last_moves: dict[str, tuple[float, int]] = {}  # knob -> (time, +1 up / -1 down) of its last retune
         self.forecast = RateForecast(period_s=scaling.period_s)
-        self.capacity = CapacityProfile(hint=scaling.capacity_hint_rps)
+        self.capacity = CapacityProfile(hints=scaling.capacity_hints)
         self.cold_start = ColdStart(default=scaling.cold_start_s)
         self.interval_s = scaling.interval_s
 
@@ -498,8 +509,8 @@ def _scale_in(
     if not all((v := s.waiting_per_replica()) is not None and v < policy.down_watermark for s in window):
         return None
     ratios = [r for s in window if (r := _slo_ratio(s, policy)) is not None]
-    if ratios and sum(ratios) / len(ratios) > 1:
-        return None  # the SLO was not met over the window: no fewer replicas
+    if ratios and sum(ratios) / len(ratios) > SCALE_IN_SLO:
+        return None  # latency was near or over its SLO over the window: fewer replicas would breach it
     # the load over the longer of the window and the cooldown: the spikes of the last minutes count too
     look_back = max(policy.down_window_s, policy.down_cooldown_s)
     loads = [load for t, load in history.loads if now - t <= look_back] + ([floor.load] if floor else [])
