@@ -80,6 +80,12 @@ def test_json_fields_are_consistent(report):
     assert static_max["label"] == "static-max" and static_max["decisions"] == []
     assert data["runs"][2]["label"] == "static-2" and data["runs"][2]["mean_replicas"] == pytest.approx(2, rel=0.02)
     assert data["setup"]["start_replicas"] == 1
+    # the offline profile covers every limit the tuner can reach (it doubles and halves within 8..128)
+    profile = {int(b): rps for b, rps in data["setup"]["capacity_profile_rps"].items()}
+    assert sorted(profile) == [8, 16, 32, 64, 128]
+    assert profile[8] == pytest.approx(data["setup"]["replica_capacity_rps"], abs=0.1)  # the start limit
+    rates = [profile[b] for b in sorted(profile)]
+    assert rates == sorted(rates)  # a larger batch never serves less on this cost model
     verdict = data["verdict"]
     assert len(verdict) == 4 and all(line.startswith("verdict: ") for line in verdict)
     assert all(line.endswith(("PASS", "FAIL")) for line in verdict)

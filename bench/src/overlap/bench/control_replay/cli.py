@@ -255,6 +255,7 @@ def compare(setup: Setup, names: list[str]) -> dict:
         "setup": {
             "sim_cost": {"fixed_ms": setup.cost_ms_us[0], "per_token_us": setup.cost_ms_us[1]},
             "replica_capacity_rps": round(setup.replica_capacity_rps(), 1),
+            "capacity_profile_rps": {str(b): round(rps, 1) for b, rps in setup.capacity_profile().items()},
             "time_scale": setup.time_scale,
             "interval_s": setup.interval_s,
             "cold_start_s": setup.cold_start_s,

@@ -95,9 +95,7 @@ class Setup:
             cold_start_s=crd.cold_start_s / k,
             period_s=self.period_s,
             target_utilization=crd.target_utilization,
-            capacity_hints={b: self.replica_capacity_rps(b) for b in self.reachable_max_num_seqs()}
-            if predictive
-            else {},
+            capacity_hints=self.capacity_profile() if predictive else {},
             min_replicas=self.min_replicas,
             max_replicas=self.max_replicas,
             up_watermark=self.up_watermark,
@@ -121,6 +119,11 @@ class Setup:
         )
         mode = "builtin" if plan.controller == "decide" else "off"
         return Policy(scaling=self.scaling_policy(mode, plan.predictive, plan.slo_law), tuning=tuning)
+
+    def capacity_profile(self) -> dict[int, float]:
+        """The cost model's capacity per replica at each batch limit the tuner can reach: what a load test per
+        limit would give as autoscaling.predictive's capacityPerReplica and capacityProfile."""
+        return {b: self.replica_capacity_rps(b) for b in self.reachable_max_num_seqs()}
 
     def reachable_max_num_seqs(self) -> list[int]:
         """The batch limits the tuner can reach from the start: it doubles and halves within TUNING_BOUNDS."""

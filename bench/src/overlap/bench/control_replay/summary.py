@@ -213,4 +213,6 @@ def header_lines(setup: Setup) -> list[str]:
         f"dynamic runs start with {setup.start_replicas} replicas; SLO laws: P90 TTFT {setup.ttft_slo_s:g} s, "
         f"P90 TPOT {setup.tpot_slo_s:g} s; overlap's floor plans {policy.target_utilization:.0%} of the measured "
         f"capacity, cold start assumed {policy.cold_start_s:g} s until seen, load period {setup.period_s:g} s",
+        "overlap's offline capacity profile (req/s per replica at max_num_seqs): "
+        + ", ".join(f"{b}: {rps:.0f}" for b, rps in setup.capacity_profile().items()),
     ]
