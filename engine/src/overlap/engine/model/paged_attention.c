@@ -45,6 +45,152 @@ static inline __attribute__((always_inline)) float load(const void *base, int64_
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 16 consecutive q, K or V elements as fp32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* Lane i of the result is the sum of v[i]'s 16 lanes: a transposing tree of adds, about 2 instructions per vector
+ * where reducing each vector alone takes 8. */
+static inline __attribute__((always_inline)) __m512 sum16(__m512 v[16]) {
+    __m512 w[8], u[4], z[2];
+    for (int i = 0; i < 8; i++) w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                                      _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(w[2 * i]), y = _mm512_castps_pd(w[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* exp(x) for x <= 0 (softmax after the max is subtracted): x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial
+ * for e^r, then 2^n by scalef; within 2 ulp of expf, and 0 below about -87. */
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 e = _mm512_set1_ps(1.38888889e-3f);
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(8.33333333e-3f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(4.16666667e-2f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.66666667e-1f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+}
+
+/* attend_one with AVX-512, for head_dim a multiple of 32 (a constant at each call site). Both passes stream the
+ * K and V rows block by block, in position order, and go head by head within a block (its rows stay in L1): the QK
+ * pass reduces 16 positions' dot products at once, and the V pass loads and stores a head's fp32 output once per
+ * block rather than once per position. With AVX512-BF16 the bf16 QK products are `vdpbf16ps` (pairs of bf16
+ * multiplied and summed into fp32, no widening). `inv_sums` is scratch for one float per head. */
+static inline __attribute__((always_inline)) void attend_one_avx512(
+    const void *q_row, const void *k_pool, const void *v_pool, const int32_t *table, int32_t len, float *o,
+    float *scores, int32_t max_len, float *inv_sums, int32_t num_heads, int32_t num_kv_heads, const int32_t head_dim,
+    int32_t block_size, float scale, const int bf16) {
+    enum { MAX_VECS = 8 }; /* head_dim <= 128 */
+    const int32_t group = num_heads / num_kv_heads, vecs = head_dim / 16;
+    const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+
+    /* scores[h * max_len + p] = scale * q_h . k_p */
+    for (int32_t p0 = 0; p0 < len; p0 += block_size) {
+        const int64_t k_block = (int64_t)table[p0 / block_size] * block_size * slot_stride;
+        const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+        for (int32_t r0 = 0; r0 < rows; r0 += 16) {
+            const int32_t n = rows - r0 < 16 ? rows - r0 : 16;
+            for (int32_t h = 0; h < num_heads; h++) {
+                const int64_t q_head = (int64_t)h * head_dim, k_head = k_block + (int64_t)(h / group) * head_dim;
+                __m512 acc[16];
+#if defined(__AVX512BF16__)
+                if (bf16) {
+                    __m512bh qb[MAX_VECS / 2];
+                    for (int j = 0; j < vecs / 2; j++)
+                        qb[j] = (__m512bh)_mm512_loadu_si512((const uint16_t *)q_row + q_head + 32 * j);
+                    for (int32_t i = 0; i < 16; i++) {
+                        acc[i] = _mm512_setzero_ps();
+                        if (i >= n) continue;
+                        const uint16_t *k = (const uint16_t *)k_pool + k_head + (int64_t)(r0 + i) * slot_stride;
+                        for (int j = 0; j < vecs / 2; j++)
+                            acc[i] = _mm512_dpbf16_ps(acc[i], qb[j], (__m512bh)_mm512_loadu_si512(k + 32 * j));
+                    }
+                } else
+#endif
+                {
+                    __m512 qv[MAX_VECS];
+                    for (int j = 0; j < vecs; j++) qv[j] = load16(q_row, q_head + 16 * j, bf16);
+                    for (int32_t i = 0; i < 16; i++) {
+                        acc[i] = _mm512_setzero_ps();
+                        if (i >= n) continue;
+                        const int64_t k = k_head + (int64_t)(r0 + i) * slot_stride;
+                        for (int j = 0; j < vecs; j++)
+                            acc[i] = _mm512_fmadd_ps(qv[j], load16(k_pool, k + 16 * j, bf16), acc[i]);
+                    }
+                }
+                _mm512_mask_storeu_ps(scores + (int64_t)h * max_len + p0 + r0, (__mmask16)((1u << n) - 1u),
+                                      _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+            }
+        }
+    }
+
+    /* softmax per head, 16 positions at a time (the tail under a mask); the 1 / sum is applied to the output */
+    for (int32_t h = 0; h < num_heads; h++) {
+        float *row = scores + (int64_t)h * max_len;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int32_t p = 0; p < len; p += 16) {
+            const __mmask16 m = len - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - p)) - 1u);
+            top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + p));
+        }
+        const __m512 top_all = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int32_t p = 0; p < len; p += 16) {
+            const __mmask16 m = len - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - p)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), top_all)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(row + p, m, e);
+        }
+        inv_sums[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+
+    /* o_h = sum_p w_hp v_p / sum_p w_hp, streaming V rows block by block like K */
+    for (int32_t i = 0; i < num_heads * head_dim; i++) o[i] = 0.0f;
+    for (int32_t p0 = 0; p0 < len; p0 += block_size) {
+        const int64_t v_block = (int64_t)table[p0 / block_size] * block_size * slot_stride;
+        const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+        for (int32_t h = 0; h < num_heads; h++) {
+            const int64_t v_head = v_block + (int64_t)(h / group) * head_dim;
+            const float *w = scores + (int64_t)h * max_len + p0;
+            float *o_head = o + (int64_t)h * head_dim;
+            __m512 out[MAX_VECS];
+            for (int j = 0; j < vecs; j++) out[j] = _mm512_loadu_ps(o_head + 16 * j);
+            for (int32_t r = 0; r < rows; r++) {
+                const __m512 w_r = _mm512_set1_ps(w[r]);
+                const int64_t v = v_head + (int64_t)r * slot_stride;
+                for (int j = 0; j < vecs; j++) out[j] = _mm512_fmadd_ps(w_r, load16(v_pool, v + 16 * j, bf16), out[j]);
+            }
+            for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o_head + 16 * j, out[j]);
+        }
+    }
+    for (int32_t h = 0; h < num_heads; h++) {
+        const __m512 inv = _mm512_set1_ps(inv_sums[h]);
+        float *o_head = o + (int64_t)h * head_dim;
+        for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o_head + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(o_head + 16 * j), inv));
+    }
+}
+#endif
+
 /* One sequence. Always inlined into the three call sites below, so for the common head sizes (64, 128) head_dim is
  * a constant and the compiler unrolls the per-head loops. Both passes read K and V rows whole, in position order:
  * an earlier V pass went head by head, reading every V row in num_heads strided pieces, and a batch-64 decode step
@@ -121,10 +267,13 @@ static inline __attribute__((always_inline)) int decode_attention(
     for (int32_t s = seq_begin; s < seq_end; s++)
         if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
     /* scratch: one row of attention weights per query head, the scaled query, and (bf16) the fp32 output */
-    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + 2 * width));
+    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + 2 * width + num_heads));
     if (scores == NULL) return -1;
     float *q_scaled = scores + (size_t)num_heads * max_len;
     float *o_f32 = q_scaled + width;
+#if defined(__AVX512F__)
+    float *inv_sums = o_f32 + width;
+#endif
 
     for (int32_t s = seq_begin; s < seq_end; s++) {
         const char *q_row = (const char *)q + (int64_t)q_rows[s] * q_row_stride * elem;
@@ -132,6 +281,15 @@ static inline __attribute__((always_inline)) int decode_attention(
         float *o = bf16 ? o_f32 : (float *)out_row;
         const int32_t *table = block_tables + table_starts[s];
         const int32_t len = ctx_lens[s];
+#if defined(__AVX512F__)
+        if (head_dim == 64) {
+            attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, num_heads,
+                              num_kv_heads, 64, block_size, scale, bf16);
+        } else if (head_dim == 128) {
+            attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, num_heads,
+                              num_kv_heads, 128, block_size, scale, bf16);
+        } else
+#endif
         if (head_dim == 64)
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 64,
                        block_size, scale, bf16);
