@@ -453,20 +453,34 @@ async def _stream(request, state, body, sequences: list[_Sequence], request_id: 
             data["usage"] = _usage(delta) if options.continuous_usage_stats and delta is not None else None
         return b"data: " + _json.encode(data) + b"\n\n"
 
-    # Every sequence's deltas into one queue, in arrival order; (sequence, None, None) marks a sequence's end.
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(seq: _Sequence) -> None:
+    async def events(seq: _Sequence):
+        """(seq, delta, None) per delta, then (seq, None, None) at its end, or (seq, None, error) on a failure."""
         first = True
         try:
             async for delta in seq.generation.deltas():
                 if first:
                     delta, first = _echoed(state, delta, seq.echo), False
-                await queue.put((seq, delta, None))
+                yield seq, delta, None
         except ApiError as exc:
-            await queue.put((seq, None, exc))
-        finally:
-            await queue.put((seq, None, None))
+            yield seq, None, exc
+            return
+        yield seq, None, None
+
+    # One sequence (the usual request) is read in place. Several are pumped into one queue in arrival order: a task
+    # and a queue hand-off per streamed token, which a single sequence does not need.
+    pumps: list[asyncio.Task] = []
+    if len(sequences) == 1:
+        source = events(sequences[0])
+        next_event = source.__anext__
+    else:
+        source, queue = None, asyncio.Queue()
+
+        async def pump(seq: _Sequence) -> None:
+            async for event in events(seq):
+                await queue.put(event)
+
+        pumps = [asyncio.create_task(pump(seq)) for seq in sequences]
+        next_event = queue.get
 
     def tool_chunks(seq: _Sequence, text: str, delta: Delta) -> list[bytes]:
         """A finished sequence under tools: its text, then each call whole, in OpenAI's delta shape."""
@@ -482,12 +496,11 @@ async def _stream(request, state, body, sequences: list[_Sequence], request_id: 
         return out
 
     buffered: dict[int, str] = {}  # under tools: each sequence's text until it ends
-    pumps = [asyncio.create_task(pump(seq)) for seq in sequences]
     lasts: dict[int, Delta] = {}
     remaining = len(sequences)
     try:
         # The first delta comes before the headers, so a request the engine refuses still gets its 4xx/5xx status.
-        seq, delta, error = await queue.get()
+        seq, delta, error = await next_event()
         if error is not None:
             raise error
         response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -512,13 +525,15 @@ async def _stream(request, state, body, sequences: list[_Sequence], request_id: 
                 else:
                     lasts[seq.index] = delta
                     await response.write(chunk(seq, delta.text, delta.finish_reason, delta))
-                seq, delta, error = await queue.get()
+                seq, delta, error = await next_event()
         except ApiError as exc:  # the headers are sent already: report the error in the stream
             await response.write(b"data: " + _json.encode(exc.body()) + b"\n\n")
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
     finally:
+        if source is not None:
+            await source.aclose()  # a client gone mid-stream: the generation's own cleanup aborts it in the engine
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
