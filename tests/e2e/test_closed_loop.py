@@ -348,12 +348,12 @@ ZERO = "tiny-zero"
 HELD = 100
 
 
-async def _held_streams(address: tuple[str, int], clients: int) -> list[dict]:
+async def _held_streams(address: tuple[str, int], clients: int, max_tokens: int = 8) -> list[dict]:
     """`clients` streaming completions at once through the Service's proxy, one connection each."""
     import aiohttp
 
     url = f"http://{address[0]}:{address[1]}/v1/completions"
-    body = {"model": "tiny", "prompt": "wake up", "max_tokens": 8, "stream": True, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": "wake up", "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
 
     async def one(session) -> dict:
@@ -437,3 +437,52 @@ def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zer
     late = sorted(round(r["first_token"] - ready, 2) for r in results if r["first_token"] - ready > 1.0)
     print(f"scale-up {scaled - sent:.1f} s after the first request, engine pod ready {ready - scaled:.1f} s later")
     assert not late, f"first tokens more than 1 s after the pod was ready: {late[:10]}; agent: {decisions[-10:]}"
+
+
+STREAMS = "tiny-streams"
+
+
+@pytest.mark.timeout(600)
+def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world):
+    """2 -> 1 replicas while 20 streams of 60 s run on both pods: the removed pod leaves the Service, its preStop
+    waits out the endpoint drain, then its sidecar drains on SIGTERM within the grace period: every stream on it
+    runs to its last token, and its containers exit 0."""
+    cluster, agent = world["cluster"], world["agent"]
+    manifest = yaml.safe_load((REPO / "examples" / "inferenceservice-cpu.yaml").read_text())
+    manifest["metadata"]["name"] = STREAMS
+    manifest["spec"].update({
+        "replicas": 2,
+        # 240 steps of 0.25 s: a 60 s stream whatever the batch
+        "engine": {**manifest["spec"]["engine"], "simulatedDevice": {"fixedSeconds": 0.25, "perTokenSeconds": 0.0},
+                   "maxNumSeqs": 32},
+        "sidecar": {"gracePeriodSeconds": 90},
+    })  # fmt: skip
+    streams, tokens = 20, 240
+    cluster.apply("-f", "-", stdin=yaml.safe_dump(manifest))
+    removed: list = []
+    try:
+        wait_for(lambda: (cluster.service(STREAMS).get("status") or {}).get("readyReplicas") == 2, 180,
+                 "two ready pods", interval=1)  # fmt: skip
+        before = {t["pod"] for t in agent.terminations}
+        results: list = []
+        clients = threading.Thread(
+            target=lambda: results.extend(asyncio.run(_held_streams(agent.service_address(STREAMS), streams, tokens))),
+            daemon=True,
+        )
+        clients.start()
+        time.sleep(5)  # the streams are 5 s into their 60 s, spread over both pods by the Service
+        cluster.kubectl("patch", "inferenceservice", STREAMS, "--type", "merge", "-p", '{"spec": {"replicas": 1}}')
+        clients.join(150)
+        assert not clients.is_alive(), "the streams did not finish"
+        removed = wait_for(lambda: [t for t in agent.terminations if t["pod"] not in before
+                                    and t["pod"].startswith(STREAMS)], 60, "the removed pod gone", 1)  # fmt: skip
+    finally:
+        cluster.kubectl("delete", "inferenceservice", STREAMS, "--ignore-not-found")
+        wait_for(lambda: not [p for p in agent.pods.values() if p.deployment == STREAMS and not p.gone], 150,
+                 "the service's pods gone", interval=1)  # fmt: skip
+    cut = [r for r in results if r["error"] or r["status"] != 200 or r["tokens"] != tokens]
+    assert len(results) == streams and not cut, f"{len(cut)} of {streams} streams cut, e.g. {cut[:3]}"
+    (pod,) = removed
+    # it stayed until its streams ended (55 s after the scale-down), then exited on SIGTERM, not SIGKILL
+    assert pod["seconds"] >= 50 and all(code == 0 for code in pod["exit_codes"].values()), pod
+    print(f"the removed pod drained its streams and went {pod['seconds']} s after the scale-down")
