@@ -32,6 +32,16 @@ def test_tiny_run_reports_every_section(tiny_model_dir):
     assert paged["batch"] == 4 and paged["contiguous_ms"] > 0 and paged["paged_scattered_ms"] > 0
     assert paged["paged_runs_overhead"] == pytest.approx(paged["paged_runs_ms"] / paged["contiguous_ms"] - 1)
     assert 0 < report["startup"]["fresh_import_and_init_s"] < report["startup"]["fresh_process_s"]
+    assert "over_fp32" not in paged  # fp32 is compared with itself only at another dtype
+
+
+def test_bf16_run_reports_its_step_against_fp32_side_by_side(tiny_model_dir):
+    result = _overlap("--quick", "--batch-sizes", "4", "--num-requests", "4", "--prompt-len", "8", "--output-len", "4",
+                      "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--json")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    paged = json.loads(result.stdout)["paged_vs_contiguous"][0]
+    assert paged["paged_fp32_ms"] > 0
+    assert paged["over_fp32"] == pytest.approx(paged["paged_runs_ms"] / paged["paged_fp32_ms"])
 
 
 @pytest.mark.parametrize(

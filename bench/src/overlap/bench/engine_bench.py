@@ -10,7 +10,8 @@ Figures (all measured in this one process, so their ratios are comparable on a s
   sched ms/step      CPU time of Scheduler.schedule() per engine step
   paged vs contig    decode step time with the paged pool (block runs, as the block manager hands out), the paged
                      pool with every block table scattered (the gather path), and a contiguous per-sequence cache
-                     read by one batched attention call per layer
+                     read by one batched attention call per layer; at --dtype bfloat16 also the fp32 paged step,
+                     interleaved with the others, and the bf16 / fp32 step ratio
 """
 
 from __future__ import annotations
@@ -133,12 +134,12 @@ class EngineBench:
         fields.update(overrides)
         return EngineConfig(**fields)
 
-    def _runner(self, batch: int, runner_cls=None):
+    def _runner(self, batch: int, runner_cls=None, **overrides):
         from pathlib import Path
 
         from overlap.engine.model.runner import ModelRunner
 
-        return (runner_cls or ModelRunner)(self._config(batch), Path(self.model_dir))
+        return (runner_cls or ModelRunner)(self._config(batch, **overrides), Path(self.model_dir))
 
     # ---- start-up -----------------------------------------------------------------------------------------------
     def startup(self) -> dict:
@@ -298,6 +299,9 @@ class EngineBench:
             "paged_scattered": (paged, scattered_input(pos)),
             "contiguous": (contiguous, dense_input(pos)),
         }
+        if self.dtype != "float32":  # the same step in fp32, in the same interleaved repeats: a ratio load can't skew
+            fp32 = self._runner(batch, dtype="float32")
+            cases["paged_fp32"] = (fp32, self._decode_inputs(fp32, batch, self.prompt_len)(pos))
         times: dict[str, list[float]] = {name: [] for name in cases}
         cpu: dict[str, list[float]] = {name: [] for name in cases}
         for runner, model_input in cases.values():
@@ -319,6 +323,12 @@ class EngineBench:
         _progress(
             f"batch {batch}: paged {best['paged_runs'] * 1e3:.1f} ms vs contiguous {best['contiguous'] * 1e3:.1f}"
         )
+        versus_fp32 = {}
+        if "paged_fp32" in best:
+            versus_fp32 = {
+                "over_fp32": best["paged_runs"] / best["paged_fp32"],
+                "over_fp32_median": med["paged_runs"] / med["paged_fp32"],
+            }
         return {
             "batch": batch,
             "context": pos,
@@ -330,6 +340,7 @@ class EngineBench:
             "paged_scattered_overhead": best["paged_scattered"] / best["contiguous"] - 1,
             **{f"{name}_cpu_ms": value * 1e3 for name, value in cpu_med.items()},
             "paged_runs_overhead_cpu": cpu_med["paged_runs"] / cpu_med["contiguous"] - 1,
+            **versus_fp32,
         }
 
 
@@ -404,6 +415,19 @@ def _table(results: dict) -> str:
             f"{p['paged_runs_overhead_cpu']:>+6.1%} | "
             f"{p['paged_scattered_overhead']:>+14.1%}"
         )
+    ratios = [p for p in results["paged_vs_contiguous"] if "over_fp32" in p]
+    if ratios:
+        lines += [
+            "",
+            f"{setup['dtype']} against float32, the paged decode step (interleaved with the cases above):",
+            f"{'batch':>5} | {'context':>7} | {setup['dtype']:>12} | {'float32':>10} | {'ratio':>6} | {'(median)':>8}",
+            "-" * 65,
+        ]
+        for p in ratios:
+            lines.append(
+                f"{p['batch']:>5} | {p['context']:>7} | {p['paged_runs_ms']:>9.1f} ms | "
+                f"{p['paged_fp32_ms']:>7.1f} ms | {p['over_fp32']:>6.2f} | {p['over_fp32_median']:>8.2f}"
+            )
     s = results["startup"]
     lines += [
         "",
