@@ -39,8 +39,8 @@ def _run_sidecar(args: argparse.Namespace) -> int:
 
     from overlap.sidecar.app import serve
 
-    # uvloop: the sidecar's CPU per request is mostly event-loop work (a socket read, a wake-up and an SSE write per
-    # streamed token), which libuv does in a fraction of asyncio's time.
+    # uvloop, as vLLM's server runs on: the sidecar's CPU per request is mostly event-loop work (a socket read, a
+    # wake-up and an SSE write per streamed token).
     uvloop.run(serve(SidecarConfig.from_args(args)))
     return 0
 
