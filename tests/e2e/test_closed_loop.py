@@ -483,6 +483,7 @@ def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world):
     cut = [r for r in results if r["error"] or r["status"] != 200 or r["tokens"] != tokens]
     assert len(results) == streams and not cut, f"{len(cut)} of {streams} streams cut, e.g. {cut[:3]}"
     (pod,) = removed
-    # it stayed until its streams ended (55 s after the scale-down), then exited on SIGTERM, not SIGKILL
-    assert pod["seconds"] >= 50 and all(code == 0 for code in pod["exit_codes"].values()), pod
+    # it stayed until its streams ended (55 s after the scale-down), then went: the engine's preStop returns once the
+    # sidecar is gone, not after the whole 5 + 90 s; both exited on SIGTERM, not SIGKILL
+    assert 50 <= pod["seconds"] < 80 and all(code == 0 for code in pod["exit_codes"].values()), pod
     print(f"the removed pod drained its streams and went {pod['seconds']} s after the scale-down")

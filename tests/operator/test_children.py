@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import threading
+import time
 
 import kubernetes_validate
 import pytest
@@ -91,9 +94,28 @@ def test_pod_follows_the_deployment_contract() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     # The drain: endpoints drop the pod, the sidecar drains, the engine outlives it, all within the grace period.
     grace = pod["terminationGracePeriodSeconds"]
-    engine_sleep = engine["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert sidecar["lifecycle"]["preStop"]["sleep"]["seconds"] < engine_sleep < grace
-    assert engine_sleep >= specs.DEFAULTS["sidecar"]["gracePeriodSeconds"]
+    alive = sidecar["args"][sidecar["args"].index("--alive-file") + 1]
+    assert alive.startswith("/run/overlap/")  # on the volume both containers mount
+    wait = engine["lifecycle"]["preStop"]["exec"]["command"]
+    assert wait[:2] == ["sh", "-c"] and alive in wait[2]
+    drain = sidecar["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert f"-lt {10 * (drain + specs.DEFAULTS['sidecar']['gracePeriodSeconds'])} ]" in wait[2]  # bounded, 0.1 s polls
+    assert drain + specs.DEFAULTS["sidecar"]["gracePeriodSeconds"] < grace
+
+
+def test_the_engines_pre_stop_returns_once_the_sidecars_alive_file_is_gone(tmp_path) -> None:
+    """The command itself, run by a real sh: it waits while the file exists, and returns once it is removed."""
+    alive = tmp_path / "sidecar.alive"
+    alive.write_text("1")
+    command = children._wait_while_exists(str(alive), 30)
+    threading.Timer(0.5, alive.unlink).start()
+    started = time.monotonic()
+    subprocess.run(command, check=True, timeout=10)
+    assert 0.4 < time.monotonic() - started < 3
+    alive.write_text("1")  # never removed: the bound ends it
+    started = time.monotonic()
+    subprocess.run(children._wait_while_exists(str(alive), 1), check=True, timeout=10)
+    assert 0.9 < time.monotonic() - started < 5
 
 
 def test_service_exposes_the_public_port_only() -> None:

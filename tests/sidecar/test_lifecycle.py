@@ -270,12 +270,16 @@ def test_sigterm_drains_in_flight_requests_then_exits(stack):
     thread = threading.Thread(target=long_request)
     thread.start()
     wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 1, 10, "request running")
+    alive = stack.alive_file()
+    assert alive.read_text().strip() == str(stack.sidecar.popen.pid)  # what a pod's engine preStop waits on
     stack.sidecar.signal(signal.SIGTERM)
     wait_until(lambda: http("GET", f"{stack.base_url}/readyz")[0] == 503, 5, "readiness false while draining")
     status, _, body = http("POST", f"{stack.base_url}/v1/completions", completion(stack))
     assert status == 503 and body["error"]["code"] == "draining"
+    assert alive.exists()  # still draining: the engine must stay
     thread.join(30)
     status, _, body = results["response"]
     assert status == 200 and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 200
     assert stack.sidecar.popen.wait(30) == 0
+    assert not alive.exists()  # drained and stopped: the engine may go

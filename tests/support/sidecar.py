@@ -183,12 +183,17 @@ class Stack:
             "sidecar", "--engine-socket", str(self.socket), "--host", "127.0.0.1", "--port", str(port or self.port),
             "--admin-host", "127.0.0.1", "--admin-port", str(self.admin_port if port is None else free_port()),
             "--admin-token-file", str(self.token_file), "--watch-config", str(self.config_file),
-            "--watch-interval-s", "0.3", "--grace-period-s", "20", *self.sidecar_args, *extra,
+            "--watch-interval-s", "0.3", "--grace-period-s", "20", "--alive-file", str(self.alive_file(port)),
+            *self.sidecar_args, *extra,
         )  # fmt: skip
         proc = Proc(cmd, self.workdir / f"sidecar-{port or self.port}.log", env=env)
         if port is None:
             self.sidecar = proc
         return proc
+
+    def alive_file(self, port: int | None = None) -> Path:
+        """The --alive-file of the sidecar on `port` (default: the first one)."""
+        return self.workdir / f"sidecar-{port or self.port}.alive"
 
     def start(self) -> Stack:
         self.start_engine()

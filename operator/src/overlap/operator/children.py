@@ -24,6 +24,7 @@ RESTART_HASH_ANNOTATION = "overlap.dev/engine-restart-hash"
 # The pod contract shared with the sidecar and engine commands (see DESIGN.md, "The pod").
 SOCKET_DIR = "/run/overlap"
 SOCKET = f"{SOCKET_DIR}/engine.sock"
+SIDECAR_ALIVE = f"{SOCKET_DIR}/sidecar.alive"  # exists while the sidecar runs (its --alive-file)
 CONFIG_DIR = "/etc/overlap"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.json"
 ADMIN_TOKEN_DIR = "/var/run/secrets/overlap"
@@ -255,6 +256,7 @@ def _sidecar_args(spec: Mapping[str, Any]) -> list[str]:
         "--max-inflight", str(sidecar["maxInflight"]),
         "--request-timeout-s", str(sidecar["requestTimeoutSeconds"]),
         "--grace-period-s", str(sidecar["gracePeriodSeconds"]),
+        "--alive-file", SIDECAR_ALIVE,
     ]  # fmt: skip
     if sidecar.get("apiKeySecret"):
         args += ["--api-key-env", API_KEY_ENV]
@@ -271,6 +273,12 @@ def _model_volume(spec: Mapping[str, Any]) -> tuple[list[dict], list[dict]]:
     else:
         return [], []
     return [volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}]
+
+
+def _wait_while_exists(path: str, timeout_s: int) -> list[str]:
+    """A preStop command (POSIX sh, in the engine image) that returns once `path` is gone, or after `timeout_s`."""
+    polls = 10 * int(timeout_s)
+    return ["sh", "-c", f"i=0; while [ -e {path} ] && [ $i -lt {polls} ]; do sleep 0.1; i=$((i + 1)); done"]
 
 
 def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config: EngineConfig) -> dict[str, Any]:
@@ -305,8 +313,9 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model_mounts,
         ],
-        # The engine outlives the sidecar's drain: in-flight requests still need it.
-        "lifecycle": {"preStop": {"sleep": {"seconds": ENDPOINT_DRAIN_S + grace}}},
+        # The engine outlives the sidecar's drain (in-flight requests still need it), and no longer: its preStop
+        # waits for the sidecar's alive file to go, at most the endpoint drain plus the sidecar's grace period.
+        "lifecycle": {"preStop": {"exec": {"command": _wait_while_exists(SIDECAR_ALIVE, ENDPOINT_DRAIN_S + grace)}}},
     }
     sidecar_env = [{"name": "HOME", "value": "/tmp"}]
     if sidecar.get("apiKeySecret"):

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import signal
 import tempfile
@@ -181,19 +182,26 @@ async def serve(config: SidecarConfig, registry: CollectorRegistry | None = None
         runners.append(admin)
         log.info("admin API on http://%s:%d/admin/config", config.admin_host, config.admin_port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    alive = Path(config.alive_file) if config.alive_file else None
+    if alive is not None:
+        alive.write_text(f"{os.getpid()}\n")
+    try:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
 
-    state.draining = True
-    deadline = time.monotonic() + config.grace_period_s
-    log.info("draining: %d requests in flight, up to %.0f s", state.admission.num_inflight, config.grace_period_s)
-    while state.admission.num_inflight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if state.admission.num_inflight:
-        log.warning("grace period over: aborting %d requests", state.admission.num_inflight)
-    for runner in reversed(runners):
-        await runner.cleanup()
+        state.draining = True
+        deadline = time.monotonic() + config.grace_period_s
+        log.info("draining: %d requests in flight, up to %.0f s", state.admission.num_inflight, config.grace_period_s)
+        while state.admission.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if state.admission.num_inflight:
+            log.warning("grace period over: aborting %d requests", state.admission.num_inflight)
+        for runner in reversed(runners):
+            await runner.cleanup()
+    finally:
+        if alive is not None:
+            alive.unlink(missing_ok=True)
     log.info("sidecar stopped")

@@ -29,6 +29,9 @@ class SidecarConfig:
     admin_token_env: str | None = None  # ... or an environment variable naming it
     api_key_env: str | None = None  # an environment variable holding the API key for /v1/*
     watch_config: str | None = None  # an engine config file (ConfigMap mount) whose live knobs are applied on change
+    # Created once listening, removed once drained and stopped: in a pod, the engine container's preStop waits for
+    # it to go, so the engine outlives the sidecar's drain by no more than it must.
+    alive_file: str | None = None
     watch_interval_s: float = 2.0
     served_model_name: str | None = None  # default: the engine's model folder name
     tokenizer: str | None = None  # default: the engine's model folder
@@ -131,6 +134,7 @@ FLAGS = (
     Flag("grace_period_s", float, "on SIGTERM, how long in-flight requests may take to finish"),
     Flag("watch_config", str, "engine config file (ConfigMap mount) whose live knobs are applied when it changes"),
     Flag("watch_interval_s", float, "how often the watched config file is checked"),
+    Flag("alive_file", str, "a file that exists from start-up until the sidecar has drained and stopped"),
 )
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 assert all(flag.field in _FIELDS for flag in FLAGS), "every flag sets a SidecarConfig field"
