@@ -348,6 +348,14 @@ ZERO = "tiny-zero"
 HELD = 100
 
 
+def _apply_example(cluster: Cluster, name: str, engine: dict, **spec) -> None:
+    """examples/inferenceservice-cpu.yaml under another name, with these engine knobs added and spec fields set."""
+    manifest = yaml.safe_load((REPO / "examples" / "inferenceservice-cpu.yaml").read_text())
+    manifest["metadata"]["name"] = name
+    manifest["spec"].update({**spec, "engine": {**manifest["spec"]["engine"], **engine}})
+    cluster.apply("-f", "-", stdin=yaml.safe_dump(manifest))
+
+
 async def _held_streams(address: tuple[str, int], clients: int, max_tokens: int = 8) -> list[dict]:
     """`clients` streaming completions at once through the Service's proxy, one connection each."""
     import aiohttp
@@ -389,19 +397,17 @@ def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zer
     cluster.kubectl("delete", "inferenceservice", NAME, "--ignore-not-found")
     wait_for(lambda: not [p for p in agent.pods.values() if p.deployment == NAME and not p.gone], 120,
              "the closed loop's pods gone", interval=1)  # fmt: skip
-    manifest = yaml.safe_load((REPO / "examples" / "inferenceservice-cpu.yaml").read_text())
-    manifest["metadata"]["name"] = ZERO
-    manifest["spec"].update({
-        "replicas": 0,
+    _apply_example(
+        cluster, ZERO,
         # a batch that takes the whole held burst at once (the example's 8 would queue most of it in the engine)
-        "engine": {**manifest["spec"]["engine"], "simulatedDevice": SIMULATED_DEVICE, "maxNumSeqs": 128},
-        "sidecar": {"gracePeriodSeconds": 5, "maxQueuedRequests": 256},
-        "autoscaling": {
+        {"simulatedDevice": SIMULATED_DEVICE, "maxNumSeqs": 128},
+        replicas=0,
+        sidecar={"gracePeriodSeconds": 5, "maxQueuedRequests": 256},
+        autoscaling={
             "mode": "builtin", "minReplicas": 0, "maxReplicas": 1, "idleTimeoutSeconds": 15,
             "scaleDownWindowSeconds": 5, "scaleDownCooldownSeconds": 5, "intervalSeconds": 5,
         },
-    })  # fmt: skip
-    cluster.apply("-f", "-", stdin=yaml.safe_dump(manifest))
+    )  # fmt: skip
     try:
         wait_for(lambda: (cluster.apps.read_namespaced_deployment(f"{ZERO}-activator", NAMESPACE).status.ready_replicas
                           or 0) == 1, 120, "the activator pod ready", interval=1)  # fmt: skip
@@ -448,17 +454,10 @@ def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world):
     waits out the endpoint drain, then its sidecar drains on SIGTERM within the grace period: every stream on it
     runs to its last token, and its containers exit 0."""
     cluster, agent = world["cluster"], world["agent"]
-    manifest = yaml.safe_load((REPO / "examples" / "inferenceservice-cpu.yaml").read_text())
-    manifest["metadata"]["name"] = STREAMS
-    manifest["spec"].update({
-        "replicas": 2,
-        # 240 steps of 0.25 s: a 60 s stream whatever the batch
-        "engine": {**manifest["spec"]["engine"], "simulatedDevice": {"fixedSeconds": 0.25, "perTokenSeconds": 0.0},
-                   "maxNumSeqs": 32},
-        "sidecar": {"gracePeriodSeconds": 90},
-    })  # fmt: skip
+    # 240 steps of 0.25 s: a 60 s stream whatever the batch
+    engine = {"simulatedDevice": {"fixedSeconds": 0.25, "perTokenSeconds": 0.0}, "maxNumSeqs": 32}
+    _apply_example(cluster, STREAMS, engine, replicas=2, sidecar={"gracePeriodSeconds": 90})
     streams, tokens = 20, 240
-    cluster.apply("-f", "-", stdin=yaml.safe_dump(manifest))
     removed: list = []
     try:
         wait_for(lambda: (cluster.service(STREAMS).get("status") or {}).get("readyReplicas") == 2, 180,

@@ -16,9 +16,9 @@ Replicas follow whichever of three rules asks for more:
 
 The two reactive rules wait while replicas start (a backlog built during a cold start does not shrink in proportion
 to the replicas on their way, so scaling again on it overshoots), and give way to a larger batch while the engines
-have headroom (tune before scale). Scale-in needs a whole quiet scale-down window, the SLO met on average over it,
-and the window's forecast load to fit the smaller fleet with a margin (no 2 <-> 1 flapping); it goes as far as
-that allows, at most half the fleet per step. With `minReplicas` 0 the last replica goes after an idle timeout
+have headroom (tune before scale). Scale-in needs a whole quiet scale-down window, latency averaged under 0.8 of
+its SLO over it, and the recent forecast load to fit the smaller fleet with a margin (no 2 <-> 1 flapping); it goes
+as far as that allows, at most half the fleet per step. With `minReplicas` 0 the last replica goes after an idle timeout
 without arrivals, and the first request the activator holds brings one back at once. A signal whose query failed
 holds everything; the per-replica figures are over the pods Prometheus scraped.
 
@@ -490,10 +490,11 @@ def _reactive_up(
 def _scale_in(
     signals: Signals, current: Current, history: History, policy: ScalingPolicy, floor: Floor | None
 ) -> tuple[str, str, int] | None:
-    """Fewer replicas when the queue stayed under the scale-down watermark for the whole window, the SLO was met
-    on average over it, and the forecast load of the window fits N - 1 replicas with a margin (load x N / (N - 1) under
-    capacity): down to what carries it, at most half the fleet per step, one at a time without a forecast. To zero
-    only after the idle timeout without a single arrival."""
+    """Fewer replicas when the queue stayed under the scale-down watermark for the whole window, latency averaged
+    under SCALE_IN_SLO of its objective over it, and the forecast load over the longer of the window and the cooldown
+    fits N - 1 replicas with a margin (load x N / (N - 1) under capacity): down to what carries it, at most half the
+    fleet per step, one at a time without a forecast. To zero only after the idle timeout without a single
+    arrival."""
     now, n = signals.time, current.replicas
     # A scale-up is not undone within the cooldown; after a scale-in, the next one needs a whole fresh window.
     if n <= policy.min_replicas or _since(history.last_scale_up, now) < policy.down_cooldown_s:
