@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make images`: the engine and operator images, built into this machine's podman storage with no registry and no
 # Docker daemon.
-#   1. buildah, podman, runc, debootstrap and uidmap from apt, if missing.
+#   1. buildah, podman, runc, debootstrap, uidmap and catatonit from apt, if missing.
 #   2. A base image from Debian's own packages, once: `debootstrap --variant=minbase bookworm` from the mirror apt
 #      is configured with, then `podman import`.
 #   3. docker/Dockerfile and docker/operator.Dockerfile built FROM that base with `buildah bud`. pip inside the build
@@ -19,7 +19,8 @@ log() { echo "== images: $*" >&2; }
 
 ensure_tools() {
   local missing=()
-  for pair in buildah:buildah podman:podman runc:runc debootstrap:debootstrap newuidmap:uidmap; do
+  # catatonit: the init of the pause image behind every podman pod (a Recommends of podman, so not pulled in here)
+  for pair in buildah:buildah podman:podman runc:runc debootstrap:debootstrap newuidmap:uidmap catatonit:catatonit; do
     command -v "${pair%%:*}" >/dev/null || missing+=("${pair##*:}")
   done
   [ ${#missing[@]} -eq 0 ] && return

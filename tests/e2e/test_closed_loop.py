@@ -87,7 +87,7 @@ class OperatorContainer:
         )  # fmt: skip
 
     def log(self) -> str:
-        return self.podman("logs", self.id, check=False)
+        return self.podman.logs(self.id)
 
     def stop(self) -> None:
         self.podman("rm", "--force", "--time", "5", self.id, check=False)
@@ -205,6 +205,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         yield {"cluster": cluster, "agent": agent, "operator": operator, "prometheus": prometheus,
                "workdir": workdir}  # fmt: skip
     finally:
+        if len(started) == 3:  # the operator's log and the node's events over the module, whichever test failed
+            REPORT_DIR.mkdir(exist_ok=True)
+            (REPORT_DIR / "operator.log").write_text(started[2].log())
+            (REPORT_DIR / "node-events.txt").write_text("\n".join(started[1].events) + "\n")
         for thing in reversed(started):
             thing.stop()
         api_thread.close()
@@ -309,7 +313,6 @@ def _write_report(recorder: Recorder, load: LoadGenerator | None, agent: NodeAge
     lines = [f"{e.get('lastTimestamp') or e.get('eventTime') or ''} {e.get('reason')}: {e.get('message')}"
              for e in events]  # fmt: skip
     (REPORT_DIR / "events.txt").write_text("\n".join(["# operator events", *lines, "", "# node agent", *agent.events]))
-    (REPORT_DIR / "operator.log").write_text(operator.log())
     table = [
         "| figure | value |", "|---|---|",
         *(f"| {key} | {value} |" for key, value in summary.items() if key not in ("terminations",)),
@@ -441,7 +444,9 @@ def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zer
     failed = [r for r in results if r["error"] or r["status"] != 200 or r["tokens"] != 8]
     assert len(results) == HELD and not failed, f"{len(failed)} of {HELD} held requests failed, e.g. {failed[:3]}"
     late = sorted(round(r["first_token"] - ready, 2) for r in results if r["first_token"] - ready > 1.0)
-    print(f"scale-up {scaled - sent:.1f} s after the first request, engine pod ready {ready - scaled:.1f} s later")
+    firsts = sorted(r["first_token"] - ready for r in results)
+    print(f"scale-up {scaled - sent:.1f} s after the first request, engine pod ready {ready - scaled:.1f} s later; "
+          f"first tokens {firsts[0]:.2f}-{firsts[-1]:.2f} s after it was ready")  # fmt: skip
     assert not late, f"first tokens more than 1 s after the pod was ready: {late[:10]}; agent: {decisions[-10:]}"
 
 

@@ -98,6 +98,12 @@ class Podman:
             raise PodmanError(f"podman {args[0]}: {(done.stderr or done.stdout).strip()}")
         return done.stdout.strip()
 
+    def logs(self, container_id: str) -> str:
+        """A container's output, its stdout and stderr interleaved as it wrote them (podman logs splits them)."""
+        done = subprocess.run(["podman", "logs", container_id], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=self.env, timeout=120)  # fmt: skip
+        return done.stdout
+
     def state(self, container_id: str) -> dict[str, Any]:
         out = self("inspect", "--format", "{{json .State}}", container_id, check=False)
         return json.loads(out) if out else {"Status": "missing", "ExitCode": -1}

@@ -44,7 +44,7 @@ class ActivatorConfig:
     port: int = 8080
     max_held: int = 1000
     hold_timeout_s: float = 300.0
-    probe_interval_s: float = 0.25
+    probe_interval_s: float = 0.1  # part of the first token's delay after a pod becomes ready
     retry_after_s: int = 10
     max_body_bytes: int = 1024 * 1024
 
