@@ -15,3 +15,11 @@ def tiny_model_dir() -> Path:
     from overlap.engine.model.builder import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture
+def reliability(request: pytest.FixtureRequest):
+    """The row a reliability scenario records (tests/support/reliability.py; `make reliability` collects them)."""
+    from tests.support.reliability import Recorder
+
+    return Recorder(request.node.nodeid, e2e=request.node.get_closest_marker("e2e") is not None)
