@@ -287,7 +287,7 @@ def test_top_k_and_top_p_are_respected(runner):
 
     def draw(**kw) -> set[int]:
         params = [SamplingParams(seed=s, **kw) for s in range(60)]
-        return set(sampler.sample(rows, params, [0] * 60, gen).tolist())
+        return set(sampler.sample(rows, params, [0] * 60, gen)[0].tolist())
 
     top5 = set(logits.topk(5).indices.tolist())
     drawn = draw(temperature=50.0, top_k=5)

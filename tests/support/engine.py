@@ -50,6 +50,8 @@ class FakeRunner:
         self.max_model_len = max_model_len
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
         self.fail_on: set[str] = set()  # request ids whose presence makes execute() raise
+        self.fail_calls: dict[int, BaseException] = {}  # execute() call number (from 0) -> what that call raises
+        self.calls = 0
         self.batches: list[ModelInput] = []  # every input seen (tests inspect order and sizes)
         self.keep_batches = True
         self.delay_s = 0.0  # simulated forward time (sleeps, releasing the GIL as a real forward does)
@@ -59,6 +61,9 @@ class FakeRunner:
             self.batches.append(model_input)
         if self.delay_s:
             time.sleep(self.delay_s)
+        call, self.calls = self.calls, self.calls + 1
+        if call in self.fail_calls:
+            raise self.fail_calls[call]
         bad = self.fail_on.intersection(s.request_id for s in model_input.seqs)
         if bad:
             raise RuntimeError(f"injected failure for {sorted(bad)}")

@@ -147,6 +147,10 @@ class RequestOutput:
 # (overlap.engine.execution).
 PLACEHOLDER_TOKEN = -1
 
+# What a runner hands back for a sequence whose logits held a NaN or an infinity: nothing can be sampled from them,
+# so the scheduler fails that request (and only that one) instead of emitting a garbage token.
+NONFINITE_TOKEN = -2
+
 
 @dataclass(slots=True)
 class ScheduledSeq:

@@ -25,7 +25,9 @@ from overlap.engine.batching.policies import make_batching_policy
 from overlap.engine.config import EngineConfig
 from overlap.engine.requests.queue import make_request_queue
 from overlap.engine.requests.request import Request, RequestStatus
-from overlap.engine.types import PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
+from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
+
+NONFINITE_ERROR = "the model's logits for this sequence held a NaN or an infinity; nothing could be sampled"
 
 
 def _priority_key(request: Request) -> tuple[int, float, int]:
@@ -319,6 +321,10 @@ class Scheduler:
                 continue  # finished (EOS one step late, abort) or preempted after it was scheduled: dropped
             bm.register_computed_blocks(request, computed)
             if token is None:
+                continue
+            if token == NONFINITE_TOKEN:
+                self._finish(request, FinishReason.ERROR, now, error=NONFINITE_ERROR)
+                updated.append(request)
                 continue
             request.num_placeholders -= 1
             request.append_output_token(token, logprob)

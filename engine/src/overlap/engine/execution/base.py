@@ -31,7 +31,7 @@ from typing import TypeVar
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution.busy import BusyTracker
-from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput
+from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, ModelInput
 
 __all__ = [
     "MAX_BUFFERS",
@@ -48,6 +48,8 @@ MAX_BUFFERS = 4
 # the executor lowers it to this when it starts a worker (process-wide; the engine owns its process). Measured on
 # the simulated 4 ms step with 1.5 ms of host work: device idle ~25% -> ~8% with two buffers on a loaded machine.
 WORKER_SWITCH_INTERVAL_S = 0.001
+# What a placeholder of a request whose step failed gets (any valid token id would do; its result is dropped).
+DISCARDED_TOKEN = 0
 
 
 @dataclass(slots=True)
@@ -243,20 +245,25 @@ class Executor:
                 token_ids = token_ids.tolist()
         except BaseException:
             # Tokens these sequences sampled earlier must never feed a later placeholder as if they were new.
-            for seq in batch.seqs:
-                self._last_token.pop(seq.request_id, None)
+            self._discard_tokens(seq.request_id for seq in batch.seqs)
             raise
         end = time.perf_counter()
         interval = getattr(self.runner, "last_busy_interval", None) or (start, end)
         self.busy.record_interval(*interval)
         sampled = [seq.request_id for seq in batch.seqs if seq.do_sample]
         if len(sampled) != len(token_ids):
-            for seq in batch.seqs:
-                self._last_token.pop(seq.request_id, None)
+            self._discard_tokens(seq.request_id for seq in batch.seqs)
             raise RuntimeError(f"runner returned {len(token_ids)} tokens for {len(sampled)} sampling sequences")
         for request_id, token in zip(sampled, token_ids, strict=True):
-            self._last_token[request_id] = token
+            self._last_token[request_id] = DISCARDED_TOKEN if token == NONFINITE_TOKEN else token
         return token_ids, interval[1] - interval[0], logprobs
+
+    def _discard_tokens(self, request_ids) -> None:
+        """These requests' step failed: postprocessing finishes them with ERROR, but a later step for them may be in
+        flight already. Its placeholders get DISCARDED_TOKEN (what it samples for them is dropped), so that step
+        still runs for the other requests in it."""
+        for request_id in request_ids:
+            self._last_token[request_id] = DISCARDED_TOKEN
 
     def _fill_placeholders(self, model_input: ModelInput) -> ModelInput:
         seqs = model_input.seqs

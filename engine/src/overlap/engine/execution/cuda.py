@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult, placeholder_source
 from overlap.engine.execution.busy import BusyTracker
-from overlap.engine.types import ModelInput, ScheduledSeq
+from overlap.engine.types import NONFINITE_TOKEN, ModelInput, ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -137,18 +137,22 @@ class CudaExecutor(Executor):
             if gather_pos:
                 inputs.input_ids.index_copy_(0, gather_pos_t, self._token_table.index_select(0, gather_rows_t))
             logits = runner.forward(inputs)
-            tokens = runner.sample(logits, inputs).to(torch.long)
+            tokens, finite = runner.sample(logits, inputs)
+            tokens = tokens.to(torch.long)
             runner.record_sampled(inputs, tokens)
             step.logprobs = runner.logprob_tensors(logits, inputs, tokens)  # None unless a request asks
             step.inputs = inputs if inputs.prompt_spans else None  # its prompt logits, read back after the step
             if sample_rows:
                 self._token_table.index_copy_(0, sample_rows_t, tokens)
+            # The token table keeps the sampled index (a later step may embed it); the host also learns which rows
+            # had non-finite logits.
+            readback = torch.where(finite, tokens, NONFINITE_TOKEN)
             step.end.record(self._compute)
         self._d2h.wait_event(step.end)
         with torch.cuda.stream(self._d2h):
             if sample_rows:
-                self._pinned[step.slot][: len(sample_rows)].copy_(tokens, non_blocking=True)
-            tokens.record_stream(self._d2h)
+                self._pinned[step.slot][: len(sample_rows)].copy_(readback, non_blocking=True)
+            readback.record_stream(self._d2h)
             step.done.record(self._d2h)
 
     def _row_for(self, request_id: str) -> int:

@@ -54,7 +54,7 @@ from overlap.engine.model.loader import (
     read_spec,
     rope_tables,
 )
-from overlap.engine.types import ModelInput, SamplingParams, TokenLogprob
+from overlap.engine.types import NONFINITE_TOKEN, ModelInput, SamplingParams, TokenLogprob
 
 # A step's decode attention is shared with the helper thread only from this many decodes on: below it the hand-off
 # costs more than the second thread saves.
@@ -250,10 +250,10 @@ class ModelRunner:
                     # waking the team (batch-64 greedy sampling measured 2.9 ms that way, 0.4 ms on one thread).
                     torch.set_num_threads(1)
                 logits = self.forward(inputs)
-                sampled = self.sample(logits, inputs)
+                sampled, finite = self.sample(logits, inputs)
                 self.record_sampled(inputs, sampled)
                 logprobs = self.logprob_tensors(logits, inputs, sampled)
-                tokens = sampled.tolist()  # .tolist() waits for the device
+                tokens = torch.where(finite, sampled, NONFINITE_TOKEN).tolist()  # .tolist() waits for the device
                 self.last_logprobs = self.logprob_lists(logprobs, len(tokens))
                 self.last_prompt_logprobs = self.prompt_logprob_lists(inputs)
         finally:
@@ -678,9 +678,9 @@ class ModelRunner:
             enable_gqa=self._gqa,
         )[0].transpose(0, 1)
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        """Token ids [S] from the raw logits: the logits controls first (penalties, bias, ...), for the rows that
-        set any."""
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [S] and their rows' finiteness (`sampler.sample`) from the raw logits: the logits controls
+        first (penalties, bias, ...), for the rows that set any."""
         if any(p.has_logits_controls for p in inputs.sampling):
             rows = list(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True))
             histories = [self._history_of(rid, n) if p.needs_history else None for rid, n, p in rows]

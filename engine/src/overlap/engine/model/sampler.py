@@ -24,13 +24,16 @@ def sample(
     params: list[SamplingParams],
     num_generated: list[int],
     generator: torch.Generator,
-) -> torch.Tensor:
-    """logits [S, V] (any float dtype) -> token ids [S] (int64, on logits' device). Sampled in fp32: widening bf16
-    is exact (the same argmax), and torch's CPU argmax over bf16 is several times slower than over fp32."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [S, V] (any float dtype) -> token ids [S] (int64, on logits' device) and whether each row's logits
+    were finite. Sampled in fp32: widening bf16 is exact (the same argmax), and torch's CPU argmax over bf16 is
+    several times slower than over fp32. A row's argmax lands on a NaN or +inf if it holds one (and anywhere in a
+    row of -inf), so the logit there tells a broken row for the price of one gather instead of another pass."""
     logits = logits.float()
-    if all(p.is_greedy for p in params):
-        return logits.argmax(dim=-1)
     out = logits.argmax(dim=-1)
+    finite = torch.isfinite(logits.gather(1, out.unsqueeze(1)).squeeze(1))
+    if all(p.is_greedy for p in params):
+        return out, finite
     rows = [i for i, p in enumerate(params) if not p.is_greedy]
     uniforms = _uniforms([params[i] for i in rows], [num_generated[i] for i in rows], generator)
     topk_rows = [n for n, i in enumerate(rows) if params[i].top_k > 0]
@@ -58,7 +61,7 @@ def sample(
         else:
             tokens = _inverse_cdf(scaled, top_p, u, is_sorted=False)
         out[idx] = tokens
-    return out
+    return out, finite
 
 
 def _inverse_cdf(values: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, is_sorted: bool) -> torch.Tensor:
