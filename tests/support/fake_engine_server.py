@@ -22,12 +22,12 @@ SCRIPT_TEXT = "héllo wörld, 日本語 and 🎉 STOP here. "
 class ScriptRunner:
     """Sequence i's n-th generated token is script[n % len(script)]; each step sleeps `step_s`."""
 
-    num_kv_blocks = 1024
     block_size = 16
     max_model_len = 2048
 
-    def __init__(self, script: list[int], vocab_size: int, eos_token_id: int, step_s: float) -> None:
+    def __init__(self, script: list[int], vocab_size: int, eos_token_id: int, step_s: float, num_kv_blocks: int):
         self.script, self.vocab_size, self.eos_token_id, self.step_s = script, vocab_size, eos_token_id, step_s
+        self.num_kv_blocks = num_kv_blocks
 
     def execute(self, model_input) -> list[int]:
         time.sleep(self.step_s)
@@ -40,6 +40,8 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--step-s", type=float, default=0.005)
     parser.add_argument("--grace-period-s", type=float, default=5.0)
+    parser.add_argument("--num-kv-blocks", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, help="default: the engine's")
     args = parser.parse_args()
     logging.basicConfig(level="INFO")
 
@@ -47,8 +49,11 @@ def main() -> None:
 
     tokenizer = Tokenizer.from_file(f"{args.model_dir}/tokenizer.json")
     script = tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False).ids
-    runner = ScriptRunner(script, tokenizer.get_vocab_size(), tokenizer.token_to_id("</s>"), args.step_s)
-    engine = Engine(EngineConfig(model=args.model_dir), runner=runner, model_dir=args.model_dir)
+    runner = ScriptRunner(script, tokenizer.get_vocab_size(), tokenizer.token_to_id("</s>"), args.step_s,
+                          args.num_kv_blocks)  # fmt: skip
+    limits = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    config = EngineConfig(model=args.model_dir, **limits)
+    engine = Engine(config, runner=runner, model_dir=args.model_dir)
     server = EngineServer(engine, args.socket, grace_period_s=args.grace_period_s)
     signal.signal(signal.SIGTERM, lambda *_: server.request_stop())
     signal.signal(signal.SIGINT, lambda *_: server.request_stop())

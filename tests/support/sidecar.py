@@ -142,9 +142,9 @@ def overlap_serve(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def start_fake_engine(socket_path: Path, model_dir: Path, log_path: Path, step_s: float = 0.005) -> Proc:
+def start_fake_engine(socket_path: Path, model_dir: Path, log_path: Path, step_s: float = 0.005, *args: str) -> Proc:
     cmd = [sys.executable, str(FAKE_ENGINE), "--socket", str(socket_path), "--model-dir", str(model_dir)]
-    return Proc([*cmd, "--step-s", str(step_s)], log_path)
+    return Proc([*cmd, "--step-s", str(step_s), *args], log_path)
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float | None:
@@ -159,7 +159,15 @@ def metric_value(text: str, name: str, labels: str = "") -> float | None:
 class Stack:
     """An engine process (the real EngineServer around a scripted runner) and an `overlap sidecar` process."""
 
-    def __init__(self, workdir: Path, model_dir: Path, *, step_s: float = 0.005, sidecar_args: tuple = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        model_dir: Path,
+        *,
+        step_s: float = 0.005,
+        sidecar_args: tuple = (),
+        engine_args: tuple = (),
+    ) -> None:
         self.workdir, self.model_dir, self.step_s = workdir, model_dir, step_s
         self.socket = workdir / "engine.sock"
         self.port, self.admin_port = free_port(), free_port()
@@ -169,13 +177,14 @@ class Stack:
         self.token_file.write_text(ADMIN_TOKEN + "\n")
         self.config_file = workdir / "engine.json"
         self.config_file.write_text("{}")
-        self.sidecar_args = sidecar_args
+        self.sidecar_args, self.engine_args = sidecar_args, engine_args
         self.engine: Proc | None = None
         self.sidecar: Proc | None = None
         self.model = model_dir.name
 
     def start_engine(self) -> Proc:
-        self.engine = start_fake_engine(self.socket, self.model_dir, self.workdir / "engine.log", self.step_s)
+        self.engine = start_fake_engine(self.socket, self.model_dir, self.workdir / "engine.log", self.step_s,
+                                        *self.engine_args)  # fmt: skip
         return self.engine
 
     def start_sidecar(self, *extra: str, port: int | None = None, env: dict | None = None) -> Proc:
