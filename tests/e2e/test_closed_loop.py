@@ -453,8 +453,9 @@ def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zer
 STREAMS = "tiny-streams"
 
 
+@pytest.mark.reliability
 @pytest.mark.timeout(600)
-def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world):
+def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world, reliability):
     """2 -> 1 replicas while 20 streams of 60 s run on both pods: the removed pod leaves the Service, its preStop
     waits out the endpoint drain, then its sidecar drains on SIGTERM within the grace period: every stream on it
     runs to its last token, and its containers exit 0."""
@@ -491,3 +492,9 @@ def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world):
     # sidecar is gone, not after the whole 5 + 90 s; both exited on SIGTERM, not SIGKILL
     assert 50 <= pod["seconds"] < 80 and all(code == 0 for code in pod["exit_codes"].values()), pod
     print(f"the removed pod drained its streams and went {pod['seconds']} s after the scale-down")
+    reliability.row(
+        "Pods", "scale-down 2 -> 1 during 60 s streams",
+        load=f"{streams} streams of {tokens} tokens over both pods", accepted=streams, answered=streams - len(cut),
+        outcome=f"every stream ran to its last token; the removed pod left the Service, drained and went "
+        f"{pod['seconds']} s after the scale-down, exit codes {pod['exit_codes']}",
+    )  # fmt: skip

@@ -349,7 +349,8 @@ def test_signals_to_status_leaves_missing_readings_out():
     assert signals.to_status(reading) == {"readyReplicas": 2, "queueDepth": 5, "waitingPerReplica": 2.5}
 
 
-def test_without_prometheus_the_loop_holds_and_says_why(cluster, tmp_path):
+@pytest.mark.reliability
+def test_without_prometheus_the_loop_holds_and_says_why(cluster, tmp_path, reliability):
     nobody = f"http://127.0.0.1:{free_port()}"
     spec = {
         "model": {"servedName": "tiny", "path": "/models/tiny"},
@@ -364,3 +365,7 @@ def test_without_prometheus_the_loop_holds_and_says_why(cluster, tmp_path):
         assert f"cannot query Prometheus at {nobody}" in condition["message"]
         assert cluster.service("blind")["spec"]["replicas"] == 1  # nothing moved
         cluster.kubectl("delete", "oisvc", "blind", "-n", NAMESPACE)
+    reliability.row(
+        "Operator", "Prometheus unreachable", load="a builtin-autoscaled InferenceService",
+        outcome=f"replicas held; Scaling condition Unknown/NoSignals: {condition['message']!r}",
+    )  # fmt: skip

@@ -44,7 +44,8 @@ def test_text_streams_exactly_with_multibyte_characters_and_stop_strings(stack):
                                   "finish_reason": "stop"}  # fmt: skip
 
 
-def test_admin_needs_the_bearer_token(stack):
+@pytest.mark.reliability
+def test_admin_needs_the_bearer_token(stack, reliability):
     url = f"{stack.admin_url}/admin/config"
     assert http("GET", url)[0] == 401
     assert http("GET", url, headers={"Authorization": "Bearer wrong-token-xxxxxxx"})[0] == 401
@@ -52,6 +53,11 @@ def test_admin_needs_the_bearer_token(stack):
     status, _, body = http("GET", url, headers=AUTH)
     assert status == 200 and body["config"]["max_num_seqs"] == 64
     assert http("GET", f"{stack.base_url}/admin/config")[0] == 404  # never on the public port
+    reliability.row(
+        "Security", "the admin API without, or with a wrong or non-ASCII, bearer token",
+        load="GET /admin/config on the admin port and the public one",
+        outcome="401 on the admin port for each; the right token answers; 404 on the public port (never served there)",
+    )  # fmt: skip
 
 
 def test_the_admin_token_follows_its_file_as_kubelet_rewrites_it(stack):
@@ -137,7 +143,8 @@ def test_request_timeout_gives_504_and_frees_the_engine(stack):
         wait_until(lambda: metric_value(stack.metrics(), "vllm:num_requests_running") == 0, 5, "engine abort")
 
 
-def test_api_key_guards_the_public_api(stack):
+@pytest.mark.reliability
+def test_api_key_guards_the_public_api(stack, reliability):
     port = free_port()
     env = {**os.environ, "TEST_OVERLAP_KEY": "sk-test-1234"}
     proc = stack.start_sidecar("--api-key-env", "TEST_OVERLAP_KEY", port=port, env=env)
@@ -153,6 +160,10 @@ def test_api_key_guards_the_public_api(stack):
         assert http("GET", f"{url}/healthz")[0] == 200  # probes need no key
     finally:
         assert proc.stop() == 0
+    reliability.row(
+        "Security", "no or a wrong API key on the public API (--api-key-env set)", load="completions with none, a "
+        "wrong and the right key", outcome="401 invalid_api_key without and with a wrong key; the right one served",
+    )  # fmt: skip
 
 
 def test_priority_from_body_or_header_orders_the_engine_queue(stack):
