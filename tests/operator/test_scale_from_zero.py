@@ -172,6 +172,44 @@ def test_what_the_activator_cannot_hold_gets_503_with_retry_after(tmp_path, flag
         assert len(refused) == clients - 2  # two were held (then timed out), the rest refused at once
 
 
+def test_more_held_streams_than_a_connection_pool_all_start_when_the_upstream_is_ready(tmp_path, tiny_model_dir):
+    """150 held streams of 2 s: every one gets its first token before the first one ends (a pool of 100 upstream
+    connections would keep 50 waiting for a whole stream)."""
+    held = 150
+    (tmp_path / "pod").mkdir()
+    sidecar_args = ("--max-inflight", "400", "--max-queued-requests", "400")
+    pod = Stack(
+        tmp_path / "pod", tiny_model_dir, step_s=0.01, sidecar_args=sidecar_args, engine_args=("--max-num-seqs", "256")
+    )
+    activator, url = start_activator(tmp_path, pod.base_url)
+    body = {"model": pod.model, "prompt": "wake up", "max_tokens": 200, "stream": True, "ignore_eos": True}
+
+    async def one(session) -> tuple[float, float]:
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            assert response.status == 200
+            first = None
+            async for line in response.content:
+                if first is None and line.startswith(b"data: {"):
+                    first = time.monotonic()
+            return first, time.monotonic()
+
+    async def all_streams():
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            tasks = [asyncio.create_task(one(session)) for _ in range(held)]
+            await asyncio.sleep(0.5)  # all held: no upstream yet
+            pod.start()
+            return await asyncio.gather(*tasks)
+
+    try:
+        times = asyncio.run(all_streams())
+    finally:
+        activator.stop()
+        pod.stop()
+    last_first, first_end = max(t[0] for t in times), min(t[1] for t in times)
+    assert last_first < first_end, f"a held stream began {last_first - first_end:.1f} s after the first one ended"
+
+
 def test_scale_down_during_60_s_streams_loses_none(tmp_path, tiny_model_dir):
     """A pod removed by a scale-down gets SIGTERM after its preStop (the endpoint drain): with the grace period
     sized for the service's streams (sidecar.gracePeriodSeconds), every stream it holds runs to its last token."""

@@ -87,7 +87,11 @@ class Activator:
     # ------------------------------------------------------------------------------------------------ lifecycle
 
     async def start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        # No connection limit (aiohttp's default is 100): every held request goes at once when the pod is ready, and
+        # a stream holds its connection to the end. --max-held bounds them.
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self._probe_task = asyncio.create_task(self._probe())
 
     async def stop(self, app: web.Application) -> None:
