@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -16,10 +18,11 @@ import aiohttp
 import pytest
 
 from overlap.engine.serving.client import EngineClient
-from tests.support.sidecar import Stack, http, is_ready, wait_until
+from tests.support.sidecar import Stack, http, is_ready, metric_value, wait_until
 
 STORM = 1000
 LOAD = 64  # a full running batch of the engine's default max_num_seqs
+SLOW_TIMEOUT_S = 2  # the sidecar's idle and body timeouts here (60 s and 30 s by default)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,8 @@ def stack(tiny_model_dir):
     # disconnects queue behind token deliveries and the engine is free only 0.5-1.1 s later (docs/reliability.md).
     s = Stack(
         workdir, tiny_model_dir, step_s=0.05,
-        sidecar_args=("--max-inflight", str(2 * STORM), "--max-queued-requests", str(2 * STORM)),
+        sidecar_args=("--max-inflight", str(2 * STORM), "--max-queued-requests", str(2 * STORM),
+                      "--idle-timeout-s", str(SLOW_TIMEOUT_S), "--body-timeout-s", str(SLOW_TIMEOUT_S)),
         engine_args=("--max-num-seqs", str(STORM + 24), "--num-kv-blocks", "65536"),
     ).start()  # fmt: skip
     yield s
@@ -96,6 +100,48 @@ def test_a_storm_of_streams_that_leave_mid_generation_frees_the_engine_within_1_
         load=f"{STORM} streams of 1500 tokens, all in the running batch", accepted=STORM, answered=result["aborted"],
         outcome=f"each aborted in the engine; no request running and every KV block back {result['freed_s']:.2f} s "
         "after they left (bound 1 s)",
+    )  # fmt: skip
+
+
+@pytest.mark.reliability
+def test_slow_clients_are_cut_off_by_the_timeouts_and_leave_nothing_behind(stack, reliability):
+    """100 clients that trickle their headers and 100 that send headers, then part of the body: the first are closed
+    after the idle timeout, the others get a 408 after the body timeout; the sidecar's sockets and requests go back
+    to what they were, and it serves meanwhile."""
+    pid = stack.sidecar.popen.pid
+    fds_before = len(os.listdir(f"/proc/{pid}/fd"))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    socks = []
+    for i in range(200):
+        sock = socket.create_connection(("127.0.0.1", stack.port))
+        sock.sendall(head[:20] if i < 100 else head + b'Content-Length: 500\r\n\r\n{"prompt": ')
+        sock.settimeout(SLOW_TIMEOUT_S + 10)
+        socks.append(sock)
+    opened = time.monotonic()
+    status, _, body = http("POST", f"{stack.base_url}/v1/completions", {"model": stack.model, "prompt": "hi"})
+    assert status == 200, body  # served while 200 slow clients hang on
+    answers = []
+    for sock in socks:
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+            if b"\r\n\r\n" in data and b'"code"' in data:
+                break
+        answers.append((data.split(b"\r\n", 1)[0], time.monotonic() - opened))
+        sock.close()
+    closed = [t for line, t in answers[:100] if line == b""]
+    timed_out = [t for line, t in answers[100:] if line.startswith(b"HTTP/1.1 408")]
+    assert len(closed) == 100 and max(closed) < SLOW_TIMEOUT_S + 3, answers[:3]
+    assert len(timed_out) == 100 and max(timed_out) < SLOW_TIMEOUT_S + 3, answers[100:103]
+    wait_until(lambda: len(os.listdir(f"/proc/{pid}/fd")) <= fds_before + 2, 10, "the sidecar's sockets closed")
+    wait_until(lambda: metric_value(stack.metrics(), "overlap_sidecar_inflight_requests") == 0, 5, "nothing in flight")
+    reliability.row(
+        "Sidecar", "slow clients: 100 trickle their headers, 100 their body",
+        load="200 connections held open, one completion served meanwhile",
+        outcome=f"header ones closed after the idle timeout ({max(closed):.1f} s), body ones 408 after the body "
+        f"timeout ({max(timed_out):.1f} s; both {SLOW_TIMEOUT_S} s here, 60 s and 30 s by default); sockets and "
+        "in-flight count back to before",
+        accepted=1, answered=1,
     )  # fmt: skip
 
 

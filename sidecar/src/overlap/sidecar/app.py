@@ -170,7 +170,8 @@ async def serve(config: SidecarConfig, registry: CollectorRegistry | None = None
     in-flight requests get up to `grace_period_s` to finish; the rest are aborted."""
     app = init_app(config, registry)
     state = app[STATE]
-    runner_args = {"handler_cancellation": True, "access_log": None, "shutdown_timeout": _HANDLER_CANCEL_WAIT_S}
+    runner_args = {"handler_cancellation": True, "access_log": None, "shutdown_timeout": _HANDLER_CANCEL_WAIT_S,
+                   "keepalive_timeout": config.idle_timeout_s}  # fmt: skip
     runners = [web.AppRunner(app, **runner_args)]
     await runners[0].setup()
     await web.TCPSite(runners[0], config.host, config.port).start()

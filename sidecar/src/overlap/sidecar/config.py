@@ -44,6 +44,10 @@ class SidecarConfig:
     tool_call_parser: str | None = None  # hermes | llama3_json: how tool_choice "auto" reads the model's calls
     request_timeout_s: float = 600.0  # default and upper bound; a request may only lower it
     max_body_bytes: int = 1024 * 1024
+    # Slow clients: a connection without a whole request (idle, or headers trickling in) closes after idle_timeout_s;
+    # a body that has not all arrived within body_timeout_s of its headers gets a 408.
+    idle_timeout_s: float = 60.0
+    body_timeout_s: float = 30.0
     grace_period_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     stats_interval_s: float = 0.5  # how often engine stats are polled (metrics, readiness)
 
@@ -67,6 +71,7 @@ class SidecarConfig:
               f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}")  # fmt: skip
         check(self.request_timeout_s > 0, "request_timeout_s must be > 0")
         check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        check(self.idle_timeout_s > 0 and self.body_timeout_s > 0, "idle_timeout_s and body_timeout_s must be > 0")
         check(self.grace_period_s >= 0, "grace_period_s must be >= 0")
         check(self.stats_interval_s > 0, "stats_interval_s must be > 0")
         check(self.watch_interval_s > 0, "watch_interval_s must be > 0")
@@ -131,6 +136,8 @@ FLAGS = (
     Flag("tool_call_parser", str, "hermes | llama3_json: how tool_choice auto reads tool calls (default: none)"),
     Flag("request_timeout_s", float, "per-request timeout; a request may only lower it"),
     Flag("max_body_bytes", int, "largest request body accepted, in bytes"),
+    Flag("idle_timeout_s", float, "a connection without a whole request (idle, or slow headers) closes after this"),
+    Flag("body_timeout_s", float, "a request body not all arrived this long after its headers gets a 408"),
     Flag("grace_period_s", float, "on SIGTERM, how long in-flight requests may take to finish"),
     Flag("watch_config", str, "engine config file (ConfigMap mount) whose live knobs are applied when it changes"),
     Flag("watch_interval_s", float, "how often the watched config file is checked"),

@@ -34,7 +34,12 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
 
 async def read_body(request: web.Request, kind: type):
     """Decode and type-check a JSON body; every failure is a 400 naming what is wrong."""
-    body = await request.read()  # over client_max_size: 413 from aiohttp, rendered by the error middleware
+    timeout_s = request.app[STATE].config.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            body = await request.read()  # over client_max_size: 413 from aiohttp, rendered by the error middleware
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout") from None
     if not body:
         raise ApiError(400, "the request body is empty; send a JSON object")
     try:
