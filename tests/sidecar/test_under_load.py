@@ -145,6 +145,29 @@ def test_slow_clients_are_cut_off_by_the_timeouts_and_leave_nothing_behind(stack
     )  # fmt: skip
 
 
+@pytest.mark.reliability
+def test_hostile_bodies_get_a_clear_4xx_and_the_sidecar_serves_on(stack, reliability):
+    model = stack.model.encode()
+    bodies = {
+        "a lone surrogate in a prompt": (b'{"model": "%s", "prompt": "a\\ud800b"}' % model, 400),
+        "a lone surrogate in a stop string": (b'{"model": "%s", "prompt": "a", "stop": ["\\udfff"]}' % model, 400),
+        "invalid UTF-8 in a prompt": (b'{"model": "%s", "prompt": "a\xff"}' % model, 400),
+        "100k levels of nesting": (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400),
+        "a 3 MiB body": (b'{"prompt": "' + b"a" * (3 << 20) + b'"}', 413),
+        "not JSON": (b"\x00\x01{{{", 400),
+    }
+    for what, (body, expected) in bodies.items():
+        status, _, answer = http("POST", f"{stack.base_url}/v1/completions", body)
+        assert status == expected and answer["error"]["message"], (what, status, answer)
+    status, _, answer = http("POST", f"{stack.base_url}/v1/completions", {"model": stack.model, "prompt": "hi"})
+    assert status == 200, answer
+    reliability.row(
+        "Sidecar", "hostile bodies: " + ", ".join(bodies), load="one request each, then a good one",
+        outcome="each an OpenAI error (400, 413 for the size) naming the problem, never a 5xx; the good one served",
+        accepted=1, answered=1,
+    )  # fmt: skip
+
+
 async def _engine_running(stack: Stack, wanted: int, timeout: float = 30) -> None:
     """Wait until the engine itself runs `wanted` requests (its own stats, not the sidecar's polled copy)."""
     engine = EngineClient(str(stack.socket))
