@@ -498,3 +498,115 @@ def test_a_scale_down_on_pods_during_60_s_streams_cuts_none(world, reliability):
         outcome=f"every stream ran to its last token; the removed pod left the Service, drained and went "
         f"{pod['seconds']} s after the scale-down, exit codes {pod['exit_codes']}",
     )  # fmt: skip
+
+
+RESTART = "tiny-restart"
+
+
+async def _steady_load(address: tuple[str, int], rate: float, duration_s: float) -> list[dict]:
+    """`rate` completions a second for `duration_s` through the Service's proxy: each one's send time, status and
+    error message (an OpenAI error body, or what broke the connection)."""
+    import aiohttp
+
+    url = f"http://{address[0]}:{address[1]}/v1/completions"
+    body = {"model": "tiny", "prompt": "keep going", "max_tokens": 16, "ignore_eos": True}
+
+    async def one(session) -> dict:
+        result: dict = {"sent": time.monotonic(), "status": None, "error": None}
+        try:
+            async with session.post(url, json=body) as reply:
+                result["status"] = reply.status
+                data = await reply.json()
+                if reply.status != 200:
+                    result["error"] = data["error"]["message"]
+                elif data["usage"]["completion_tokens"] != 16:
+                    result["error"] = f"{data['usage']['completion_tokens']} tokens"
+        except Exception as exc:  # a refused or reset connection: no answer
+            result["error"] = f"connection: {type(exc).__name__}: {exc}"
+        return result
+
+    connector = aiohttp.TCPConnector(force_close=True, limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        tasks = []
+        for _ in range(int(rate * duration_s)):
+            tasks.append(asyncio.create_task(one(session)))
+            await asyncio.sleep(1 / rate)
+        return await asyncio.gather(*tasks)
+
+
+def _security_of(podman: Podman, container_id: str) -> dict:
+    """What the container's main process really runs as, read inside it."""
+    status = podman("exec", container_id, "cat", "/proc/1/status")
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    write = subprocess.run(["podman", "exec", container_id, "touch", "/overlap-write-test"], capture_output=True,
+                           env=podman.env)  # fmt: skip
+    return {
+        "uid": int(fields["Uid"].split()[1]),
+        "cap_eff": int(fields["CapEff"], 16),
+        "no_new_privs": fields.get("NoNewPrivs", "").strip() == "1",
+        "root_writable": write.returncode == 0,
+    }
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(600)
+def test_an_engine_container_killed_under_load_is_restarted_and_nothing_goes_unanswered(world, reliability):
+    """Two pods under a steady load; one pod's engine container is killed (SIGKILL): the node restarts it, the sidecar
+    answers what it held with a clear 503 and reconnects, and every request gets an answer. Meanwhile the running
+    containers are checked for what their securityContext promises."""
+    cluster, agent = world["cluster"], world["agent"]
+    engine = {"simulatedDevice": {"fixedSeconds": 0.02, "perTokenSeconds": 0.0}, "maxNumSeqs": 32}
+    _apply_example(cluster, RESTART, engine, replicas=2)
+    try:
+        wait_for(lambda: (cluster.service(RESTART).get("status") or {}).get("readyReplicas") == 2, 180,
+                 "two ready pods", interval=1)  # fmt: skip
+        pods = [p for p in agent.pods.values() if p.deployment == RESTART and not p.gone]
+        security = {f"{p.name}/{c.name}": _security_of(agent.podman, c.id) for p in pods for c in p.containers}
+        results: list = []
+        address = agent.service_address(RESTART)
+        load = threading.Thread(
+            target=lambda: results.extend(asyncio.run(_steady_load(address, rate=10, duration_s=40))), daemon=True
+        )
+        load.start()
+        time.sleep(8)
+        victim = pods[0]
+        engine_container = next(c for c in victim.containers if c.name == "engine")
+        readyz = f"http://{victim.ip}:8000/readyz"
+        agent.podman("kill", "--signal", "KILL", engine_container.id)
+        killed = time.monotonic()
+        wait_for(lambda: http("GET", readyz, timeout=2)[0] == 503, 10, "the sidecar to see the engine gone", 0.05)
+        wait_for(lambda: engine_container.restarts == 1 and http("GET", readyz, timeout=2)[0] == 200, 120,
+                 "the engine restarted and the sidecar ready again", interval=0.1)  # fmt: skip
+        back_s = time.monotonic() - killed
+        load.join(120)
+        assert not load.is_alive(), "the load did not finish"
+        sidecar_restarts = next(c.restarts for c in victim.containers if c.name == "sidecar")
+    finally:
+        cluster.kubectl("delete", "inferenceservice", RESTART, "--ignore-not-found")
+        wait_for(lambda: not [p for p in agent.pods.values() if p.deployment == RESTART and not p.gone], 150,
+                 "the service's pods gone", interval=1)  # fmt: skip
+    unanswered = [r for r in results if r["status"] is None]
+    failed = [r for r in results if r["status"] is not None and r["error"]]
+    assert not unanswered, f"{len(unanswered)} requests got no answer, e.g. {unanswered[:3]}"
+    assert all(r["status"] == 503 and "engine" in r["error"] for r in failed), failed[:3]
+    assert all(r["sent"] < killed + back_s for r in failed)  # once its sidecar was ready again, nothing failed
+    assert sidecar_restarts == 0  # only the engine container restarted
+    for name, found in security.items():
+        assert found == {"uid": found["uid"], "cap_eff": 0, "no_new_privs": True, "root_writable": False}, (name, found)
+        assert found["uid"] != 0, (name, found)
+    print(f"engine killed: back and ready {back_s:.1f} s later; {len(failed)} of {len(results)} requests got a 503")
+    reliability.row(
+        "Pods", "a pod's engine container killed (SIGKILL) under load",
+        load=f"{len(results)} completions at 10/s over two pods for 40 s",
+        outcome=f"the node restarted it (the sidecar kept running), the sidecar ready again {back_s:.1f} s later; "
+        f"{len(failed)} requests reaching that pod meanwhile got a 503 naming the engine (with Retry-After), every "
+        f"other one served",
+        accepted=len(results), answered=len(results) - len(unanswered),
+    )  # fmt: skip
+    uids = sorted({s["uid"] for s in security.values()})
+    reliability.row(
+        "Security", "the running pods' containers: user, capabilities, root filesystem",
+        load=f"{len(security)} containers of two pods, read inside each",
+        outcome=f"every one non-root (uid {', '.join(map(str, uids))}), no effective capabilities, no_new_privs "
+        "set, its root filesystem read-only",
+    )  # fmt: skip

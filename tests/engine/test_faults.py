@@ -44,7 +44,7 @@ def test_a_failed_overlapped_step_fails_its_requests_and_the_step_behind_it_stil
     stats = engine.stats()
     assert stats["requests_finished_total"]["error"] == 1 and stats["num_free_kv_blocks"] == 64
     reliability.row(
-        "Engine", f"a {'simulated out-of-memory' if 'memory' in str(fault) else 'exception'} in an overlapped step",
+        "Engine", f"{'a simulated out-of-memory' if 'memory' in str(fault) else 'an exception'} in an overlapped step",
         load="3 greedy requests, 2 steps in flight", outcome="the step's request failed with the error; the step "
         "in flight behind it and later requests ran, tokens equal to the reference; every KV block back",
         accepted=3, answered=_answered(outputs),

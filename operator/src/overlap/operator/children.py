@@ -334,7 +334,9 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             {"name": "http", "containerPort": sidecar["port"], "protocol": "TCP"},
             {"name": "admin", "containerPort": sidecar["adminPort"], "protocol": "TCP"},
         ],
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        # /readyz is 503 while the engine is away (crashed, restarting): the Service stops sending this pod new
+        # requests within two periods. Two misses, so one slow answer under load does not pull a busy pod out.
+        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2},
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "http"},
             "initialDelaySeconds": 10,
