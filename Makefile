@@ -16,7 +16,7 @@ ALL_COMPONENTS := $(SERVE_COMPONENTS) -e operator -e bench
 COMPONENT_PYPROJECTS := engine/pyproject.toml sidecar/pyproject.toml operator/pyproject.toml bench/pyproject.toml
 
 .PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus chart-check crd-sync clean \
-	images constraints e2e
+	images constraints e2e reliability
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | column -t -s $$'\t'
@@ -84,6 +84,13 @@ images: venv  ## build the engine and operator images into podman's storage (bui
 
 e2e: venv model tools prometheus images  ## the closed loop on podman pods: operator image, node agent, Prometheus, load (report in e2e-report/)
 	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) -m pytest -q -s -m e2e tests/e2e $(PYTEST_ARGS)
+
+RELIABILITY_DIR := reliability-report
+
+reliability: venv model tools prometheus images  ## the reliability suite: every scenario marked `reliability` (pods ones on podman), its table into docs/reliability.md
+	rm -rf $(RELIABILITY_DIR)
+	OVERLAP_RELIABILITY_DIR=$(CURDIR)/$(RELIABILITY_DIR) PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) -m pytest -q -s -m reliability tests $(PYTEST_ARGS)
+	$(PY) -m tests.support.reliability $(RELIABILITY_DIR) --doc docs/reliability.md
 
 constraints: venv  ## pin the images' dependencies to the versions in .venv (docker/constraints.txt)
 	$(BIN)/pip freeze --exclude-editable | sed -E 's/\+[A-Za-z0-9.]+$$//' > docker/constraints.txt
