@@ -52,6 +52,7 @@ class FakeRunner:
         self.fail_on: set[str] = set()  # request ids whose presence makes execute() raise
         self.fail_calls: dict[int, BaseException] = {}  # execute() call number (from 0) -> what that call raises
         self.calls = 0
+        self.failed_requests: set[str] = set()  # the requests of every step that fail_calls made raise
         self.batches: list[ModelInput] = []  # every input seen (tests inspect order and sizes)
         self.keep_batches = True
         self.delay_s = 0.0  # simulated forward time (sleeps, releasing the GIL as a real forward does)
@@ -63,6 +64,7 @@ class FakeRunner:
             time.sleep(self.delay_s)
         call, self.calls = self.calls, self.calls + 1
         if call in self.fail_calls:
+            self.failed_requests.update(s.request_id for s in model_input.seqs)
             raise self.fail_calls[call]
         bad = self.fail_on.intersection(s.request_id for s in model_input.seqs)
         if bad:
