@@ -205,9 +205,13 @@ class Stack:
         return self.workdir / f"sidecar-{port or self.port}.alive"
 
     def start(self) -> Stack:
-        self.start_engine()
-        self.start_sidecar()
-        wait_until(lambda: is_ready(self.base_url), 120, "sidecar ready", self.sidecar)
+        try:
+            self.start_engine()
+            self.start_sidecar()
+            wait_until(lambda: is_ready(self.base_url), 120, "sidecar ready", self.sidecar)
+        except BaseException:
+            self.stop()  # nothing left running when it never became ready
+            raise
         return self
 
     def metrics(self) -> str:
