@@ -6,6 +6,7 @@ error, and the sidecar serves again when it is back. The tests share one stack a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -41,10 +42,24 @@ def stack(tiny_model_dir):
     s.stop()
 
 
+@contextlib.asynccontextmanager
+async def _engine_connection(stack: Stack):
+    """A second connection to the engine, to read its own counters (not the sidecar's polled copy)."""
+    engine = EngineClient(str(stack.socket))
+    task = asyncio.create_task(engine.run())
+    try:
+        await engine.wait_connected(10)
+        yield engine
+    finally:
+        task.cancel()
+
+
 async def _storm(stack: Stack, clients: int) -> dict:
-    engine = EngineClient(str(stack.socket))  # a second connection, to read the engine's own counters
-    engine_task = asyncio.create_task(engine.run())
-    await engine.wait_connected(10)
+    async with _engine_connection(stack) as engine:
+        return await _storm_on(stack, engine, clients)
+
+
+async def _storm_on(stack: Stack, engine: EngineClient, clients: int) -> dict:
     before = await engine.stats()
     body = {"model": stack.model, "prompt": "hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     started: list[aiohttp.ClientResponse] = []
@@ -81,7 +96,6 @@ async def _storm(stack: Stack, clients: int) -> dict:
                 raise AssertionError(f"10 s after the clients left the engine still has {stats}")
             await asyncio.sleep(0.01)
         await asyncio.gather(*tasks)
-    engine_task.cancel()
     aborted = stats["requests_finished_total"]["abort"] - before["requests_finished_total"]["abort"]
     return {"running": running, "freed_s": freed_s, "aborted": aborted}
 
@@ -169,16 +183,10 @@ def test_hostile_bodies_get_a_clear_4xx_and_the_sidecar_serves_on(stack, reliabi
 
 
 async def _engine_running(stack: Stack, wanted: int, timeout: float = 30) -> None:
-    """Wait until the engine itself runs `wanted` requests (its own stats, not the sidecar's polled copy)."""
-    engine = EngineClient(str(stack.socket))
-    task = asyncio.create_task(engine.run())
-    try:
-        await engine.wait_connected(10)
-        async with asyncio.timeout(timeout):
-            while (await engine.stats())["num_running"] < wanted:
-                await asyncio.sleep(0.02)
-    finally:
-        task.cancel()
+    """Wait until the engine itself runs `wanted` requests."""
+    async with _engine_connection(stack) as engine, asyncio.timeout(timeout):
+        while (await engine.stats())["num_running"] < wanted:
+            await asyncio.sleep(0.02)
 
 
 async def _request(session: aiohttp.ClientSession, stack: Stack, stream: bool, max_tokens: int) -> dict:

@@ -75,17 +75,14 @@ def read_rows(folder: Path) -> list[Row]:
 
 
 def machine() -> str:
-    """The CPU a run's figures came from: model name and the vector extensions that pick kernels."""
-    model, flags = platform.processor() or "unknown CPU", set()
+    """The CPU a run's figures came from: its model name and the widest instructions the engine's kernels use."""
+    from overlap.engine.model.native import cpu_isa
+
+    model = platform.processor() or "unknown CPU"
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        text = cpuinfo.read_text()
-        if found := re.search(r"^model name\s*:\s*(.+)$", text, re.M):
-            model = found.group(1).strip()
-        if found := re.search(r"^flags\s*:\s*(.+)$", text, re.M):
-            flags = set(found.group(1).split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return f"{model}, {os.cpu_count()} CPUs, flags {' '.join(f for f in wanted if f in flags) or 'none of avx2+'}"
+    if cpuinfo.exists() and (found := re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.M)):
+        model = found.group(1).strip()
+    return f"{model}, {os.cpu_count()} CPUs, {cpu_isa()}"
 
 
 def table(rows: list[Row]) -> str:

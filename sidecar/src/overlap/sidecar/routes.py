@@ -33,7 +33,8 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
 
 
 async def read_body(request: web.Request, kind: type):
-    """Decode and type-check a JSON body; every failure is a 400 naming what is wrong."""
+    """Decode and type-check a JSON body; every failure is a 400 naming what is wrong (408 for a body that does not
+    arrive in time, 413 for one too big)."""
     timeout_s = request.app[STATE].config.body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
