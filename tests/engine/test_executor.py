@@ -167,6 +167,7 @@ def test_a_failing_step_comes_back_as_an_error_and_never_feeds_a_stale_token():
     # The step behind it was fed DISCARDED_TOKEN, never the token "a" sampled before the failure (its result is
     # dropped: the engine fails "a"); here it also fails, on the KV hole the failed step left.
     assert dependent.model_input.seqs[0].token_ids == [DISCARDED_TOKEN] != good.token_ids
+    assert isinstance(dependent.error, ValueError) and "KV slot for position 2" in str(dependent.error)
     # the executor keeps serving
     executor.submit(ModelInput([ScheduledSeq("b", [7], 0, [5], True)]))
     assert executor.collect().error is None
