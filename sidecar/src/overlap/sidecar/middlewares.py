@@ -27,7 +27,8 @@ async def error_middleware(request: web.Request, handler):
         _count_client_error(request, exc.status)
         message = exc.text or exc.reason  # for 413, aiohttp names the limit and the body size
         error = ApiError(exc.status, message, "not_found_error" if exc.status == 404 else "invalid_request_error")
-        return json_response(error.body(), status=exc.status)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405 names the methods
+        return json_response(error.body(), status=exc.status, headers=allow)
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:

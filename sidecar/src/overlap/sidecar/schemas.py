@@ -7,11 +7,14 @@ otherwise (`unsupported_fields`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from overlap.sidecar import tools
+
+# Bounds in the types are in /openapi.json too; the rules a schema cannot say are checked where they apply.
+_Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -21,9 +24,9 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     top_k: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -31,17 +34,17 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Annotated[int, msgspec.Meta(ge=1)] = 1
     user: str | None = None
     # Overlap extensions: priority level (0 highest) and a timeout in seconds (may only lower the server's).
     priority: int | None = None
     timeout: float | None = None
     # Logits controls: OpenAI's, and vLLM's extras (repetition_penalty, min_tokens, bad_words).
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=10)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
-    min_tokens: int | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
     bad_words: list[str] | None = None
     # Structured outputs, vLLM's extras on both endpoints (chat also takes OpenAI's response_format).
     guided_json: dict[str, Any] | str | None = None
@@ -78,7 +81,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
@@ -86,7 +89,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -164,7 +167,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, msgspec.Meta(ge=0)]]  # the upper bound is the model's vocabulary, checked later
 
 
 class ConfigPatch(msgspec.Struct):
@@ -177,17 +180,12 @@ class ConfigPatch(msgspec.Struct):
     default_timeout_s: float | None = None
 
 
-_ROLES = ("system", "user", "assistant", "developer", "tool")
-
-
 def chat_messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages for the chat template, with content as plain text. Raises ValueError on bad messages."""
     if not messages:
         raise ValueError("messages must not be empty")
     result = []
     for i, message in enumerate(messages):
-        if message.role not in _ROLES:
-            raise ValueError(f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {message.role!r}")
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -209,39 +207,82 @@ def chat_messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     return result
 
 
+def _object(required: dict[str, Any], **optional: Any) -> dict:
+    """A JSON Schema object with these required properties (and these optional ones)."""
+    return {"type": "object", "properties": {**required, **optional}, "required": list(required)}
+
+
+_STR, _INT, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+_NULLABLE_STR = {"type": ["string", "null"]}
+_LOGPROBS = {"type": ["object", "null"]}
+_USAGE = _object({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT})
+
+
+def _completion(kind: str, choice: dict) -> dict:
+    return _object(
+        {"id": _STR, "object": {"const": kind}, "created": _INT, "model": _STR,
+         "choices": {"type": "array", "items": choice}, "usage": _USAGE},
+        overlap_timing={"type": "object"},
+    )  # fmt: skip
+
+
+_READY = _object({"ready": _BOOL, "engine_connected": _BOOL, "tokenizer_loaded": _BOOL, "draining": _BOOL})
+_MESSAGE = _object({"role": {"const": "assistant"}, "content": _NULLABLE_STR}, tool_calls={"type": "array"})
+_CHOICE = {"index": _INT, "logprobs": _LOGPROBS, "finish_reason": _NULLABLE_STR}
+
+_MODELS = _object({
+    "object": {"const": "list"},
+    "data": {"type": "array", "items": _object(
+        {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "max_model_len": _INT})},
+})  # fmt: skip
+_TOKENS = _object({
+    "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
+    "token_strs": {"type": ["array", "null"], "items": _STR},
+})  # fmt: skip
+
+# What each route answers with 200: (media type, JSON Schema) pairs. A stream is text/event-stream, each event a
+# `data:` line (OpenAPI 3.2's event items): a JSON chunk, an error object, or the closing [DONE].
+_JSON, _SSE = "application/json", ("text/event-stream", _object({"data": _STR}))
+RESPONSES: dict[str, list[tuple[str, dict]]] = {
+    "/v1/completions": [(_JSON, _completion("text_completion", _object({**_CHOICE, "text": _STR}))), _SSE],
+    "/v1/chat/completions": [(_JSON, _completion("chat.completion", _object({**_CHOICE, "message": _MESSAGE}))), _SSE],
+    "/v1/models": [(_JSON, _MODELS)],
+    "/tokenize": [(_JSON, _TOKENS)],
+    "/detokenize": [(_JSON, _object({"prompt": _STR}))],
+    "/version": [(_JSON, _object({"version": _STR}))],
+    "/healthz": [(_JSON, _object({"status": _STR}))],
+    "/health": [(_JSON, _READY)],
+    "/readyz": [(_JSON, _READY)],
+    "/metrics": [("text/plain", _STR)],
+    "/openapi.json": [(_JSON, {"type": "object"})],
+}  # fmt: skip
+# Readiness answers 503 with the same body when not ready (a probe reads which part is missing).
+_NOT_READY = {"/health", "/readyz"}
+
+_ERROR = _object(
+    {"error": _object({"message": _STR, "type": _STR},
+                      param=_NULLABLE_STR, code={"type": ["string", "integer", "null"]})}
+)  # fmt: skip
+
+
 def openapi_document(routes: list[tuple[str, str, str, type | None]]) -> dict:
-    """OpenAPI 3.1 for (method, path, summary, request body Struct or None), schemas generated by msgspec."""
+    """OpenAPI 3.1 for (method, path, summary, request body Struct or None): request schemas generated by msgspec,
+    200 bodies from RESPONSES, every error as OpenAI's error object."""
     bodies = [body for *_, body in routes if body is not None]
     schemas, components = msgspec.json.schema_components(bodies, ref_template="#/components/schemas/{name}")
-    error = {
-        "type": "object",
-        "properties": {
-            "error": {
-                "type": "object",
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "param": {"type": ["string", "null"]},
-                    "code": {"type": ["string", "integer", "null"]},
-                },
-                "required": ["message", "type"],
-            }
-        },
-    }
-    components["Error"] = error
+    components["Error"] = _ERROR
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     paths: dict[str, dict] = {}
     body_schema = dict(zip(bodies, schemas, strict=True))
     for method, path, summary, body in routes:
-        operation: dict[str, Any] = {
-            "summary": summary,
-            "responses": {
-                "200": {"description": "OK"},
-                "default": {
-                    "description": "an error",
-                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
-                },
-            },
+        ok = {media: {"schema": schema} for media, schema in RESPONSES[path]}
+        responses = {
+            "200": {"description": "OK", "content": ok},
+            "default": {"description": "an error", "content": error},
         }
+        if path in _NOT_READY:
+            responses["503"] = {"description": "not ready", "content": ok}
+        operation: dict[str, Any] = {"summary": summary, "responses": responses}
         if body is not None:
             operation["requestBody"] = {
                 "required": True,
