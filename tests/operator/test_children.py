@@ -38,7 +38,15 @@ def containers(deployment: dict) -> dict[str, dict]:
     [
         {},
         {"model": {"servedName": "llm", "path": "/models/llm", "source": "pvc", "claimName": "weights"}},
-        {"model": {"servedName": "llm", "path": "/m/llm", "source": "hostPath", "hostPath": "/data/m"}},
+        {
+            "model": {
+                "servedName": "llm",
+                "path": "/m/llm",
+                "source": "hostPath",
+                "hostPath": "/data/m",
+                "mountPath": "/m",
+            }
+        },
         {
             "resources": {
                 "gpus": 0,

@@ -132,6 +132,22 @@ BAD_VOLUMES = [
                  "pod.volumeMounts cannot use the operator's paths", id="reserved-mount-path"),
 ]  # fmt: skip
 INVALID += [pytest.param(with_spec(pod=p.values[0]), p.values[1], id=p.id) for p in BAD_VOLUMES]
+# Model paths that would read outside the volume the weights are mounted from.
+BAD_MODELS = [
+    pytest.param({"path": "/models/../etc", "source": "pvc", "claimName": "w"},
+                 "model.path and model.mountPath must not hold '.' or '..' segments", id="model-path-climbs-out"),
+    pytest.param({"path": "/m", "source": "hostPath", "hostPath": "/w", "mountPath": "/a/."},
+                 "model.path and model.mountPath must not hold '.' or '..' segments", id="mount-path-dot"),
+    pytest.param({"path": "/opt/llm", "source": "pvc", "claimName": "w"},
+                 "model.path must be inside model.mountPath when model.source is pvc or hostPath",
+                 id="model-path-outside-its-volume"),
+    pytest.param({"path": "/modelsx/llm", "source": "pvc", "claimName": "w"},
+                 "model.path must be inside model.mountPath when model.source is pvc or hostPath",
+                 id="model-path-beside-its-volume"),
+]  # fmt: skip
+INVALID += [
+    pytest.param(with_spec(model={"servedName": "llm", **p.values[0]}), p.values[1], id=p.id) for p in BAD_MODELS
+]
 
 
 @pytest.mark.parametrize(("obj", "message"), INVALID)
@@ -283,6 +299,26 @@ def test_strict_field_validation_names_the_unknown_field(cluster) -> None:
 def test_the_operator_refuses_bad_extra_volumes_with_the_crds_words(pod: dict, message: str) -> None:
     with pytest.raises(specs.SpecError, match=message):
         specs.check_spec(specs.with_defaults(with_spec(pod=pod)["spec"]))
+
+
+@pytest.mark.parametrize(("model", "message"), BAD_MODELS)
+def test_the_operator_refuses_model_paths_that_leave_their_volume_with_the_crds_words(model, message) -> None:
+    with pytest.raises(specs.SpecError, match=message.replace(".", r"\.")):
+        specs.check_spec(specs.with_defaults(with_spec(model={"servedName": "llm", **model})["spec"]))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"path": "/models/llm", "source": "pvc", "claimName": "w"},
+        {"path": "/weights", "source": "hostPath", "hostPath": "/w", "mountPath": "/weights/"},
+        {"path": "/opt/llm"},
+    ],
+)  # the last: an image path may be anywhere
+def test_model_paths_inside_their_volume_are_admitted(model) -> None:
+    spec = with_spec(model={"servedName": "llm", **model})
+    admission.admit(spec, SCHEMA, strict=True)
+    specs.check_spec(specs.with_defaults(spec["spec"]))
 
 
 def test_the_operator_refuses_two_gpus_with_the_crds_words() -> None:
