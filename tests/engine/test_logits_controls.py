@@ -144,3 +144,14 @@ def test_plain_requests_in_the_same_batch_are_untouched(engine, hf):
 def test_bad_control_values_are_refused(changes, message):
     with pytest.raises(InvalidRequestError, match=message):
         SamplingParams(max_tokens=16, **changes)
+
+
+def test_extreme_but_valid_values_sample_without_breaking_the_row(engine, hf):
+    """Found by the API fuzzing: a repetition penalty of 5e-324 divided a positive logit to +inf and the request
+    failed as if the model had diverged; a temperature of 1e-300 is 0 in fp32 and divided the logits by zero."""
+    prompt = _prompt(5)
+    greedy = tokens_of(_run(engine, prompt))
+    assert tokens_of(_run(engine, prompt, temperature=1e-300, seed=1)) == greedy
+    rewarded = _run(engine, prompt, repetition_penalty=5e-324)
+    assert rewarded[-1].finish_reason == FinishReason.LENGTH and len(tokens_of(rewarded)) == N
+    assert set(tokens_of(rewarded)) <= set(prompt) | set(greedy)  # seen tokens win, now by a finite margin

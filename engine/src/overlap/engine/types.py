@@ -12,6 +12,9 @@ from overlap.engine.errors import InvalidRequestError
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
 
+GREEDY_TEMPERATURE = 1e-5  # a temperature below this samples greedily
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     """A sampled token's log-probability under the model (log_softmax of the raw logits, before temperature,
@@ -108,7 +111,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # below GREEDY_TEMPERATURE, dividing the logits by it overflows them (vLLM draws the same line)
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 @dataclass(slots=True)

@@ -162,6 +162,8 @@ def apply_logits_controls(
                 if prompts[i]:
                     seen[torch.tensor(prompts[i], device=device)] = True
                 penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                # a tiny penalty overflows a positive logit to +inf, which reads as a broken model: saturate it
+                penalized.clamp_(max=torch.finfo(row.dtype).max)
                 row.copy_(torch.where(seen, penalized, row))
             if p.frequency_penalty:
                 row.sub_(counts * p.frequency_penalty)
