@@ -99,10 +99,13 @@ def test_scale_from_zero_serves_every_held_request(cluster, tmp_path, tiny_model
             routed = cluster.core.read_namespaced_service(NAME, NAMESPACE).spec.selector
             assert routed == children.activator_labels(NAME)
             clients = loop.create_task(many_streams(activator_url, pod.model, CLIENTS))
-            loop.run_until_complete(asyncio.sleep(1))
-            held = metric_value(
-                http("GET", f"{activator_url}/activator/metrics")[2], "overlap_activator_queued_requests"
-            )
+            for _ in range(150):  # up to 15 s for the clients to connect on a slow, loaded machine
+                loop.run_until_complete(asyncio.sleep(0.1))
+                held = metric_value(
+                    http("GET", f"{activator_url}/activator/metrics")[2], "overlap_activator_queued_requests"
+                )
+                if held == CLIENTS or clients.done():
+                    break
             assert held == CLIENTS  # every client waits in the activator: no 404, no refused connection
             # The control loop reads the held requests from Prometheus and scales to one replica.
             deployment = wait_for(
