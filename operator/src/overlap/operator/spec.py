@@ -198,7 +198,7 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
         raise SpecError("model.claimName is required when model.source is pvc")
     if source == "hostPath" and not model.get("hostPath"):
         raise SpecError("model.hostPath is required when model.source is hostPath")
-    path, mount = str(model["path"]), str(model.get("mountPath", "/models"))
+    path, mount = str(model["path"]), str(model.get("mountPath", DEFAULTS["model"]["mountPath"]))
     if {".", ".."} & {*path.split("/"), *mount.split("/")}:
         raise SpecError("model.path and model.mountPath must not hold '.' or '..' segments")
     if source != "image" and not (path + "/").startswith(mount.rstrip("/") + "/"):
