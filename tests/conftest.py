@@ -22,4 +22,5 @@ def reliability(request: pytest.FixtureRequest):
     """The row a reliability scenario records (tests/support/reliability.py; `make reliability` collects them)."""
     from tests.support.reliability import Recorder
 
-    return Recorder(request.node.nodeid, e2e=request.node.get_closest_marker("e2e") is not None)
+    marker = next((m for m in ("e2e", "long") if request.node.get_closest_marker(m)), None)
+    return Recorder(request.node.nodeid, marker)

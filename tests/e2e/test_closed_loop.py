@@ -610,3 +610,52 @@ def test_an_engine_container_killed_under_load_is_restarted_and_nothing_goes_una
         outcome=f"every one non-root (uid {', '.join(map(str, uids))}), no effective capabilities, no_new_privs "
         "set, its root filesystem read-only",
     )  # fmt: skip
+
+
+ROLLING = "tiny-rolling"
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(600)
+def test_a_rolling_restart_of_every_replica_under_load_fails_no_request(world, reliability):
+    """`kubectl rollout restart` of a two-pod service under a steady load: the node replaces the pods one by one (the
+    Deployment's surge and unavailability limits), each old pod leaves the Service before it drains; every request
+    sent meanwhile is served."""
+    cluster, agent = world["cluster"], world["agent"]
+    engine = {"simulatedDevice": {"fixedSeconds": 0.02, "perTokenSeconds": 0.0}, "maxNumSeqs": 32}
+    _apply_example(cluster, ROLLING, engine, replicas=2)
+
+    def pods() -> list:
+        return [p for p in agent.pods.values() if p.deployment == ROLLING and not p.gone]
+
+    try:
+        wait_for(lambda: (cluster.service(ROLLING).get("status") or {}).get("readyReplicas") == 2, 180,
+                 "two ready pods", interval=1)  # fmt: skip
+        old = {p.name for p in pods()}
+        results: list = []
+        address = agent.service_address(ROLLING)
+        load = threading.Thread(
+            target=lambda: results.extend(asyncio.run(_steady_load(address, rate=10, duration_s=70))), daemon=True
+        )
+        load.start()
+        time.sleep(5)
+        cluster.kubectl("rollout", "restart", f"deployment/{ROLLING}")
+        restarted = time.monotonic()
+        wait_for(lambda: (now := pods()) and not {p.name for p in now} & old and sum(p.ready for p in now) == 2,
+                 180, "every pod replaced and ready", interval=0.5)  # fmt: skip
+        rollout_s = time.monotonic() - restarted
+        load.join(150)
+        assert not load.is_alive(), "the load did not finish"
+    finally:
+        cluster.kubectl("delete", "inferenceservice", ROLLING, "--ignore-not-found")
+        wait_for(lambda: not pods(), 150, "the service's pods gone", interval=1)
+    failed = [r for r in results if r["status"] != 200 or r["error"]]
+    assert results and not failed, f"{len(failed)} of {len(results)} requests failed, e.g. {failed[:3]}"
+    print(f"rolling restart: both pods replaced in {rollout_s:.1f} s, {len(results)} requests all served")
+    reliability.row(
+        "Pods", "a rolling restart of every replica (`kubectl rollout restart`) under load",
+        load=f"{len(results)} completions at 10/s over two pods for 70 s",
+        outcome=f"both pods replaced one by one in {rollout_s:.1f} s (new one ready before an old one left the "
+        "Service and drained); every request served",
+        accepted=len(results), answered=len(results) - len(failed),
+    )  # fmt: skip

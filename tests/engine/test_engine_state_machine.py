@@ -1,11 +1,15 @@
 """A stateful test of queue, scheduler, block manager and executor together (hypothesis' RuleBasedStateMachine):
 requests added (some forks of another's prompt, as for `n > 1`, some sharing a prefix), aborted, preempted, live
-reconfiguration (batch limits and the number of steps in flight) and steps that fail, in any order. After every
-rule: nothing runs twice or both runs and waits, the block manager's invariants hold; at the end every request has
-ended exactly once, with the reference tokens unless it was aborted or in a failed step (then a prefix of them),
-and every KV block is back."""
+reconfiguration (batch limits, the number of steps in flight, the aging period), steps that fail and time passing
+(the engine runs on the test's clock), in any order. After every rule: nothing runs twice or both runs and waits,
+the block manager's invariants hold. After every step: the requests it admitted were the head of the queue as it
+stood (priority levels, FIFO within one: nothing jumped it), and no waiting request sits above the level aging
+guarantees (one level up per `aging_s` waited). At the end every request has ended exactly once, with the
+reference tokens unless it was aborted or in a failed step (then a prefix of them), and every KV block is back."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -18,20 +22,34 @@ from tests.support.engine import create_engine, reference_tokens
 
 NUM_BLOCKS = 12  # of 4 slots: decode growth often forces preemptions
 SHARED = [9, 8, 7, 6, 5, 4, 3, 2]  # a common prefix: prefix-cache hits
+AGING_S = 1.0
+STEP_S = 0.1  # the test's clock advances this much per engine step: requests that wait many steps age
 
 
 class EngineMachine(RuleBasedStateMachine):
     @initialize(chunked=st.booleans(), buffers=st.sampled_from([1, 2]), policy=st.sampled_from(["priority", "fifo"]))
     def start(self, chunked: bool, buffers: int, policy: str) -> None:
         self.chunked = chunked
+        self.now = 0.0
         self.engine = create_engine(
             num_blocks=NUM_BLOCKS, block_size=4, max_model_len=64, max_seq_len=64, max_num_seqs=6,
             max_num_batched_tokens=8 if chunked else 64, enable_chunked_prefill=chunked, enable_prefix_caching=True,
-            queue_policy=policy, num_buffers=buffers,
+            queue_policy=policy, num_buffers=buffers, aging_s=AGING_S, clock=lambda: self.now,
         )  # fmt: skip
+        self.aging_s = AGING_S
         self.added: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: set[str] = set()
         self.outputs: dict[str, list] = {}
+        # request id -> (when it entered the queue, the level it entered at, its preemption count then)
+        self.queued: dict[str, tuple[float, int, int]] = {}
+        self.schedules = 0
+        schedule = self.engine.scheduler.schedule
+
+        def counted(now):
+            self.schedules += 1
+            return schedule(now)
+
+        self.engine.scheduler.schedule = counted
 
     def _collect(self, outs) -> None:
         for out in outs:
@@ -79,17 +97,63 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(steps=st.integers(1, 4))
     def step(self, steps) -> None:
         for _ in range(steps):
-            self._collect(self.engine.step())
+            self._step()
+
+    @rule(periods=st.sampled_from([0.25, 1.0, 2.5]))
+    def wait(self, periods) -> None:
+        self.now += periods * self.aging_s
+
+    def _step(self) -> None:
+        """One engine step, checking the queue's order and the aging bound around it."""
+        self.now += STEP_S
+        waiting = self.engine.scheduler.waiting
+        aged = copy.deepcopy(waiting)
+        aged.update(self.now)  # the order the step's schedule sees once it has applied aging
+        queued = {r.request_id: (r, r.times.num_preemptions) for r in waiting}
+        schedules = self.schedules
+        self._collect(self.engine.step())
+
+        def admitted(rid: str) -> bool:  # left the queue for good, or left it and was preempted back in the step
+            request, preemptions = queued[rid]
+            return rid not in waiting or request.times.num_preemptions != preemptions
+
+        left = [(admitted(r.request_id), r.queue_level) for r in aged if r.request_id not in self.aborted]
+        assert [a for a, _ in left] == sorted((a for a, _ in left), reverse=True), "admitted ahead of the queue's head"
+        levels_in, levels_out = [lv for a, lv in left if a], [lv for a, lv in left if not a]
+        assert not (levels_in and levels_out) or max(levels_in) <= min(levels_out), "a lower level admitted first"
+        if self.schedules > schedules:  # aging is applied when a step is scheduled
+            self._check_aging(waiting)
+
+    def _check_aging(self, waiting) -> None:
+        """Each waiting request is at most `entry level - whole aging periods waited` (never below 0); the queue
+        scans for due requests at most 100 times a period, so one may be that late."""
+        queued = {}
+        for request in waiting:
+            rid, count = request.request_id, request.times.num_preemptions
+            entered, level, seen = self.queued.get(rid, (self.now, request.queue_level, count))
+            if seen != count:  # preempted since: queued anew
+                entered, level = self.now, request.queue_level
+            queued[rid] = (entered, level, count)
+            if waiting.aging_s is not None:
+                periods = int((self.now - entered - self.aging_s / 100) // self.aging_s)
+                bound = max(0, level - max(0, periods))
+                assert request.queue_level <= bound, f"{rid} waited {self.now - entered} s at level {level}"
+        self.queued = queued
 
     @rule(ahead=st.integers(0, 2))
     def fail_a_step(self, ahead) -> None:
         runner = self.engine.runner
         runner.fail_calls[runner.calls + ahead] = RuntimeError("injected step failure")
 
-    @rule(max_num_seqs=st.integers(1, 8), budget=st.sampled_from([4, 8, 64]), buffers=st.sampled_from([1, 2, 3]))
-    def reconfigure(self, max_num_seqs, budget, buffers) -> None:
-        self.engine.reconfigure(max_num_seqs=max_num_seqs, num_buffers=buffers,
+    @rule(max_num_seqs=st.integers(1, 8), budget=st.sampled_from([4, 8, 64]), buffers=st.sampled_from([1, 2, 3]),
+          aging_s=st.sampled_from([0.5, 1.0, 2.0]))  # fmt: skip
+    def reconfigure(self, max_num_seqs, budget, buffers, aging_s) -> None:
+        self.engine.reconfigure(max_num_seqs=max_num_seqs, num_buffers=buffers, aging_s=aging_s,
                                 max_num_batched_tokens=max(budget, 1 if self.chunked else 64))  # fmt: skip
+        # The bound restarts from here under the new period: a request's level now, one up per period from now.
+        self.aging_s = aging_s
+        self.queued = {r.request_id: (self.now, r.queue_level, r.times.num_preemptions)
+                       for r in self.engine.scheduler.waiting}  # fmt: skip
 
     @invariant()
     def consistent(self) -> None:
@@ -108,7 +172,7 @@ class EngineMachine(RuleBasedStateMachine):
         for _ in range(5000):
             if not engine.has_unfinished():
                 break
-            self._collect(engine.step())
+            self._step()
             self.consistent()
         assert not engine.has_unfinished(), "requests left unfinished"
         assert set(self.outputs) == set(self.added), "a request never ended"
@@ -138,8 +202,10 @@ EngineMachine.TestCase.settings = settings(
 def test_engine_state_machine(reliability) -> None:
     EngineMachine.TestCase("runTest").runTest()
     reliability.row(
-        "Engine", "any interleaving of add, fork (n > 1), abort, preempt, reconfigure and failing steps",
-        load="120 hypothesis runs of up to 40 rules, 1-3 steps in flight, 12 KV blocks",
-        outcome="after every rule nothing runs twice, block invariants hold; at the end each request ended once, "
-        "tokens equal to the reference (a prefix if aborted or failed), every block back",
+        "Engine", "any interleaving of add (3 priorities), fork (n > 1), abort, preempt, reconfigure (aging period "
+        "too), failing steps and time passing",
+        load="120 hypothesis runs of up to 40 rules, 1-3 steps in flight, 12 KV blocks, the engine on the test's clock",
+        outcome="after every rule nothing runs twice, block invariants hold; each step admits only the queue's head "
+        "(levels, then FIFO) and no request waits above its aging bound; at the end each request ended once, tokens "
+        "equal to the reference (a prefix if aborted or failed), every block back",
     )  # fmt: skip

@@ -217,6 +217,35 @@ def test_transient_api_errors_are_retried(cluster, operator_process, applied, re
     )  # fmt: skip
 
 
+def test_watches_cut_by_the_api_server_resume_and_an_expired_history_relists(
+    cluster, operator_process, applied, reliability
+) -> None:
+    """An API server restart (or a proxy's idle timeout) cuts every watch, and etcd has compacted the history they
+    would resume from: the operator is told 410 Expired, lists again and keeps reconciling."""
+
+    def count(watch: bool) -> int:  # watch requests, or lists (a collection read that does not watch)
+        reads = [r for r in list(cluster.api.request_log) if str(r.method.value).upper() == "GET" and r.name is None]
+        return sum(1 for r in reads if r.resource is not None and (r.params.get("watch") == "true") == watch)
+
+    watches, lists = count(watch=True), count(watch=False)
+    cluster.api.compact()
+    cut = cluster.end_watches()
+    assert cut >= 1
+    wait_for(lambda: count(watch=True) >= watches + cut, timeout=15, what="the watches resumed")
+    wait_for(lambda: count(watch=False) > lists, timeout=15, what="a list again after 410 Expired")
+    cluster.kubectl("scale", f"oisvc/{NAME}", "--replicas=2")
+    wait_for(lambda: cluster.get("deployment", NAME)["spec"]["replicas"] == 2, timeout=15, what="the scale followed")
+    cluster.kubectl("patch", "pdb", NAME, "--type=merge", "-p", '{"spec":{"maxUnavailable":0}}')
+    wait_for(lambda: cluster.get("pdb", NAME)["spec"]["maxUnavailable"] == 1, timeout=15, what="the PDB restored")
+    cluster.kubectl("scale", f"oisvc/{NAME}", "--replicas=1")
+    wait_for(lambda: cluster.get("deployment", NAME)["spec"]["replicas"] == 1, timeout=15, what="back to 1 replica")
+    reliability.row(
+        "Operator", f"every watch cut by the API server ({cut} streams), its history compacted (410 Expired)",
+        load="one InferenceService, then a scale and a child edited by hand",
+        outcome="the watches opened again (listing anew); the scale followed and the edited PDB was put back",
+    )  # fmt: skip
+
+
 def test_a_refused_apply_sets_degraded_with_the_servers_words_and_backs_off_until_it_passes(
     cluster, operator_process, applied
 ) -> None:

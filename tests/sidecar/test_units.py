@@ -104,14 +104,14 @@ def test_chat_template_is_applied(text):
 def test_admission_watermarks_and_retry_after():
     adm = Admission(max_queued_requests=2, max_queued_tokens=100, max_inflight=3)
     assert adm.check(10) is None
-    adm.admit("a", 10)
-    adm.admit("b", 10)
+    adm.admit("a", 10, max_tokens=16)
+    adm.admit("b", 10, max_tokens=16)
     rejection = adm.check(10)
     assert rejection.reason == "queued_requests" and rejection.retry_after_s >= 1
     adm.started("a")
     assert adm.check(90) is None  # 10 + 90 tokens queued fits the token watermark
     assert adm.check(91).reason == "queued_tokens"
-    adm.admit("c", 5)
+    adm.admit("c", 5, max_tokens=16)
     assert adm.check(1).reason == "inflight"
     for rid in ("a", "b", "c"):
         adm.finished(rid)
@@ -119,6 +119,27 @@ def test_admission_watermarks_and_retry_after():
     assert adm.drain_rate() > 0
     # A prompt bigger than the token watermark still gets in when nothing is queued (else it never would).
     assert Admission(2, 100, 3).check(500) is None
+
+
+def test_retry_after_is_when_the_requests_in_flight_are_expected_to_finish():
+    adm = Admission(max_queued_requests=8, max_queued_tokens=1000, max_inflight=2)
+    adm.admit("long", 4, max_tokens=100)
+    adm.admit("short", 4, max_tokens=30)
+    assert adm.expected_wait_s(1, now=0.0) is None  # nothing started, nothing finished: no estimate
+    for rid in ("long", "short"):
+        adm.progress(rid, 1, now=10.0)
+        adm.progress(rid, 11, now=11.0)  # 10 tokens a second each
+    assert adm.expected_wait_s(1, now=11.0) == pytest.approx(1.9)  # short: 19 tokens left
+    assert adm.expected_wait_s(2, now=11.0) == pytest.approx(8.9)  # then long: 89 left
+    assert adm.check(1).reason == "inflight"
+    # Recent requests stopped (at an EOS) after 21 tokens: long is expected to as well, not to run to 100.
+    adm.admit("stopped", 4, max_tokens=100)
+    adm.progress("stopped", 21, now=11.0)
+    adm.finished("stopped")
+    assert adm.expected_wait_s(2, now=11.0) == pytest.approx(1.0)
+    adm.progress("long", 40, now=13.9)  # past the recent longest: one more token
+    assert adm.expected_wait_s(1, now=13.9) == 0.0  # short is overdue: any moment now
+    assert adm.expected_wait_s(2, now=13.9) == pytest.approx(0.1)
 
 
 def test_tokenizer_shipped_in_hello_when_the_model_folder_is_not_mounted(tiny_model_dir, text):

@@ -58,6 +58,7 @@ class Cluster:
         import kubernetes
 
         self.api = api_thread.api
+        self.api_loop = api_thread.loop
         self.url = api_thread.url
         self.kubeconfig = kubeconfig
         self.client = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
@@ -65,6 +66,10 @@ class Cluster:
         self.apps = kubernetes.client.AppsV1Api(self.client)
         self.policy = kubernetes.client.PolicyV1Api(self.client)
         self.custom = kubernetes.client.CustomObjectsApi(self.client)
+
+    def end_watches(self) -> int:
+        """Cut every open watch stream (see ApiServer.end_watches); returns how many."""
+        return self.api.end_watches(self.api_loop)
 
     def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
         """The real kubectl (never the one on PATH) against the emulated API."""

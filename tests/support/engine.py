@@ -149,10 +149,12 @@ def run_step(scheduler: Scheduler, runner: FakeRunner, now: float):
     return batch, scheduler.postprocess(batch, runner.execute(batch.model_input), now)
 
 
-def create_engine(num_blocks: int = 256, block_size: int = 4, max_model_len: int = 512, **config) -> Engine:
+def create_engine(
+    num_blocks: int = 256, block_size: int = 4, max_model_len: int = 512, clock=time.monotonic, **config
+) -> Engine:
     config.setdefault("max_seq_len", max_model_len)
     runner = FakeRunner(num_blocks, block_size, max_model_len)
-    return Engine(EngineConfig(**config), runner=runner)
+    return Engine(EngineConfig(**config), runner=runner, clock=clock)
 
 
 def run_to_completion(engine: Engine, max_steps: int = 100_000) -> dict[str, list]:

@@ -45,10 +45,11 @@ class Recorder:
     """What a scenario test calls: `reliability.row(area, fault, load=..., outcome=..., accepted=N, answered=M)`;
     accepted and answered stay None where the scenario serves no requests."""
 
-    def __init__(self, nodeid: str, e2e: bool) -> None:
+    def __init__(self, nodeid: str, marker: str | None = None) -> None:
+        """marker: e2e or long, the marker a scenario's command must select (make test leaves both out)."""
         where = os.environ.get("OVERLAP_RELIABILITY_DIR")
         self.path = Path(where) / ROWS_FILE if where else None
-        self.nodeid, self.flags = nodeid, "-s -m e2e " if e2e else ""
+        self.nodeid, self.flags = nodeid, {"e2e": "-s -m e2e ", "long": "-m long "}.get(marker, "")
 
     def row(
         self, area: str, fault: str, *, load: str, outcome: str, accepted=None, answered=None, whole_module=False

@@ -12,7 +12,8 @@ kmock parses the URLs, serves discovery and reads, and renders errors. This subc
 | status is not a subresource, no /scale             | /status writes only status, the main path never does; /scale |
 | lists lack kind; selectors ignored                 | kind + resourceVersion; label and field selectors    |
 | watches: resourceVersion, timeoutSeconds ignored,  | a replayable event log; timeouts end the stream;     |
-|   octet-stream content type, no sendInitialEvents  |   application/json; the initial-events-end bookmark  |
+|   octet-stream content type, no sendInitialEvents  |   application/json; the initial-events-end bookmark; |
+|   no 410 Expired, streams never cut                |   compaction (410 Expired); streams cut on demand    |
 | no CRD validation, no server-side printing         | defaulting + schema + CEL (admission.py); Tables    |
 | no OpenAPI: kubectl apply wants --validate=false   | /openapi/v3 says "fieldValidation supported", no more |
 | no garbage collector                               | owner references followed on delete (background)     |
@@ -44,7 +45,7 @@ from tests.support.kube.admission import admit_crd, admit_custom_resource
 from tests.support.kube.apply import APPLY_PATCH, manager_of, record_update, server_side_apply
 from tests.support.kube.selectors import jsonpath, match_fields, match_labels
 from tests.support.kube.status import api_status
-from tests.support.kube.watches import watch_events
+from tests.support.kube.watches import WATCH_END, watch_events
 
 R = kmock.resource
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
@@ -108,6 +109,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.events: list[tuple[int, Any, dict]] = []  # (resourceVersion, resource, watch event): replayable
         self.added_at: dict[tuple[str, str | None, str], float] = {}  # (kind, namespace, name) -> monotonic time
         self.watchers: set[asyncio.Queue] = set()
+        self.compacted_rv = 0  # watches resuming from before this get 410 Expired (etcd compacted the history)
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
         self.request_log: list[rendering.Request] = []  # every request answered, in order (for the tests' checks)
         # Applies that created their object (RBAC authorizes them as create too), by id(): the request stays here,
@@ -129,6 +131,20 @@ class ApiServer(kmock.KubernetesEmulator):
             subresources=list(subresources),
         )
         self.infos[resource] = (kind, namespaced, tuple(subresources))
+
+    def end_watches(self, loop: asyncio.AbstractEventLoop) -> int:
+        """End every open watch stream now, as a restarting API server or a proxy's idle timeout does; returns how
+        many. `loop` is the server's (this is called from the tests' thread)."""
+        queues = list(self.watchers)
+        for queue in queues:
+            loop.call_soon_threadsafe(queue.put_nowait, WATCH_END)
+        return len(queues)
+
+    def compact(self) -> None:
+        """Forget the event history so far, as etcd's compaction does: a watch that resumes from an earlier
+        resourceVersion is told 410 Expired and must list again."""
+        self.compacted_rv = self.last_rv + 1
+        self.events.clear()
 
     def fail_next(self, method: str, plural: str, status: int, times: int = 1) -> None:
         """Answer the next `times` requests of `method` on `plural` with `status` (to test retries)."""

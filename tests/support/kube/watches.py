@@ -1,5 +1,6 @@
-"""Watches as a real API server serves them: resume from a resourceVersion (the server keeps a replayable event log),
-`sendInitialEvents` with its bookmark, label and field selectors, `timeoutSeconds` ending the stream."""
+"""Watches as a real API server serves them: resume from a resourceVersion (the server keeps a replayable event log,
+and answers 410 Expired for one older than its compacted history), `sendInitialEvents` with its bookmark, label and
+field selectors, `timeoutSeconds` ending the stream, and streams the server cuts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 from kmock._internal import rendering
 
 from tests.support.kube.selectors import match_fields, match_labels
+
+WATCH_END = (None, None)  # put on a watcher's queue: its stream ends (the server cut it)
 
 
 async def watch_events(server, request: rendering.Request) -> AsyncIterator[Any]:
@@ -36,6 +39,13 @@ async def watch_events(server, request: rendering.Request) -> AsyncIterator[Any]
     queue: asyncio.Queue = asyncio.Queue()
     async with server._lock:  # replay and subscribe atomically: no event falls in between
         initial = request.params.get("sendInitialEvents") == "true"
+        if since and since != "0" and not initial and int(since) < server.compacted_rv:
+            # what kube-apiserver's watch cache answers: an ERROR event with a 410 Status, then the stream ends
+            message = f"too old resource version: {since} ({server.compacted_rv})"
+            status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                      "message": message, "reason": "Expired", "code": 410}  # fmt: skip
+            yield {"type": "ERROR", "object": status}
+            return
         if since and since != "0" and not initial:
             backlog = [(res, ev) for rv, res, ev in server.events if rv > int(since)]
         else:
@@ -59,6 +69,8 @@ async def watch_events(server, request: rendering.Request) -> AsyncIterator[Any]
         async with asyncio.timeout(timeout):
             while True:
                 res, event = await queue.get()
+                if event is None:  # WATCH_END
+                    return
                 if wanted(res, event):
                     yield event
     except TimeoutError:

@@ -17,7 +17,7 @@ import contextlib
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,11 +55,20 @@ def _load_runner(config: EngineConfig, model_dir: Path):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, runner=None, model_dir: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner=None,
+        model_dir: Path | str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`runner` (tests, simulated devices) replaces the model runner; it needs `execute(ModelInput) ->
         list[int]` and the attributes `num_kv_blocks`, `block_size`, `vocab_size`, `eos_token_id`, `max_model_len`
-        (and, when the model declares several EOS ids, `eos_token_ids`)."""
+        (and, when the model declares several EOS ids, `eos_token_ids`). `clock` is what arrivals, deadlines and
+        aging are timed by (a test's own clock replays hours of aging in a moment)."""
         self.config = config
+        self.clock = clock
         if runner is None:
             if model_dir is None:
                 if config.model:
@@ -124,7 +133,7 @@ class Engine:
 
         `share_prompt_with`: the id of an earlier request with the same prompt (one of a request's `n` sequences);
         this one then reuses that request's computed prompt blocks instead of computing the prompt again."""
-        now = time.monotonic()
+        now = self.clock()
         request = self._validate(request_id, prompt_token_ids, sampling, priority, timeout_s, arrival_time, now)
         if share_prompt_with is not None:
             request.share_prompt_of = share_prompt_with  # resolved to the Request when it enters the scheduler
@@ -216,7 +225,7 @@ class Engine:
         schedules and submits steps while one of `num_buffers` is free, then this postprocesses the oldest step in
         flight (waiting for it if needed). Returns [] at once when nothing can run."""
         with self._step_lock:
-            outputs = self._process_input(time.monotonic())
+            outputs = self._process_input(self.clock())
 
             def schedule():
                 batch = self.schedule()
@@ -264,7 +273,7 @@ class Engine:
         """Decide the next step's work (the handle postprocess applies the result to)."""
         cpu0 = time.thread_time()
         wall0 = time.perf_counter()
-        batch = self.scheduler.schedule(time.monotonic())
+        batch = self.scheduler.schedule(self.clock())
         batch.schedule_cpu_s = time.thread_time() - cpu0
         batch.schedule_wall_s = time.perf_counter() - wall0
         return batch
@@ -292,7 +301,7 @@ class Engine:
 
     def postprocess(self, batch: ScheduledBatch, outcome: StepOutcome | None) -> list[RequestOutput]:
         """Apply a step's outcome to the requests in `batch`; also reports what finished while scheduling."""
-        now = time.monotonic()
+        now = self.clock()
         outputs = self._outputs_for(batch.finished)
         if outcome is None:
             return outputs

@@ -2,18 +2,32 @@
 
 A request is *queued* from admission until its first output arrives, and *in flight* until it finishes. Past the
 high watermark on queued requests, on their prompt tokens, or on in-flight requests, a new request is refused
-with a `Retry-After` computed from how fast requests are currently draining.
+with a `Retry-After`: when the requests in flight are expected to have freed enough room. Each started request's
+finish is expected after its remaining tokens at its own pace so far, counting no further than the longest output
+of the recent finished requests (most stop at an EOS well before their `max_tokens`); before any request has
+started, from how fast requests finished lately.
 """
 
 from __future__ import annotations
 
-import math
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
 
 _RATE_WINDOW_S = 10.0  # drain rate = requests finished over the last window
 _MAX_RETRY_AFTER_S = 60
+_RECENT_LENGTHS = 64  # finished requests whose output lengths bound the expected ones
+
+
+@dataclass(slots=True)
+class _Progress:
+    """An in-flight request's output so far: what its expected finish is computed from."""
+
+    max_tokens: int
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    num_output: int = 0
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,9 +43,10 @@ class Admission:
         self.max_queued_tokens = max_queued_tokens
         self.max_inflight = max_inflight
         self._queued: dict[str, int] = {}  # request id -> prompt tokens, until its first output
-        self._inflight: set[str] = set()
+        self._inflight: dict[str, _Progress] = {}
         self.num_queued_tokens = 0
         self._finish_times: deque[float] = deque()
+        self._recent_lengths: deque[int] = deque(maxlen=_RECENT_LENGTHS)
 
     @property
     def num_queued(self) -> int:
@@ -58,10 +73,10 @@ class Admission:
             )
         return None
 
-    def admit(self, request_id: str, num_prompt_tokens: int) -> None:
+    def admit(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
         self._queued[request_id] = num_prompt_tokens
         self.num_queued_tokens += num_prompt_tokens
-        self._inflight.add(request_id)
+        self._inflight[request_id] = _Progress(max_tokens)
 
     def started(self, request_id: str) -> None:
         """Its first output arrived: it no longer counts as queued."""
@@ -69,11 +84,22 @@ class Admission:
         if tokens is not None:
             self.num_queued_tokens -= tokens
 
+    def progress(self, request_id: str, num_output: int, now: float) -> None:
+        """It has produced `num_output` tokens so far."""
+        progress = self._inflight.get(request_id)
+        if progress is not None:
+            if progress.first_token_at is None:
+                progress.first_token_at = now
+            progress.last_token_at = now
+            progress.num_output = num_output
+
     def finished(self, request_id: str) -> None:
         self.started(request_id)
-        if request_id in self._inflight:
-            self._inflight.discard(request_id)
+        progress = self._inflight.pop(request_id, None)
+        if progress is not None:
             self._finish_times.append(time.monotonic())
+            if progress.num_output:
+                self._recent_lengths.append(progress.num_output)
 
     def drain_rate(self) -> float:
         """Requests finished per second over the recent window (0 when nothing finished lately)."""
@@ -84,8 +110,25 @@ class Admission:
             return 0.0
         return len(self._finish_times) / _RATE_WINDOW_S
 
-    def _retry(self, excess: int) -> int:
+    def expected_wait_s(self, excess: int, now: float | None = None) -> float | None:
+        """Seconds until `excess` requests in flight are expected to have finished; None if nothing tells."""
+        now = time.monotonic() if now is None else now
+        longest = max(self._recent_lengths, default=None)
+        remaining = []
+        for p in self._inflight.values():
+            if p.first_token_at is None or p.num_output < 2:
+                continue  # no pace yet
+            pace = (p.last_token_at - p.first_token_at) / (p.num_output - 1)
+            expected = p.max_tokens if longest is None else min(p.max_tokens, longest)
+            remaining.append(max(max(expected - p.num_output, 1) * pace - (now - p.last_token_at), 0.0))
+        if len(remaining) >= excess:
+            return heapq.nsmallest(excess, remaining)[-1]
         rate = self.drain_rate()
-        if rate <= 0:
+        return excess / rate if rate > 0 else None
+
+    def _retry(self, excess: int) -> int:
+        """Retry-After: whole seconds (RFC 9110), the expected wait rounded, at least 1."""
+        wait = self.expected_wait_s(excess)
+        if wait is None:
             return 1  # nothing measured yet: ask again soon
-        return max(1, min(_MAX_RETRY_AFTER_S, math.ceil(excess / rate)))
+        return max(1, min(_MAX_RETRY_AFTER_S, round(wait)))

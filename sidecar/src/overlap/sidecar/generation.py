@@ -69,7 +69,7 @@ class Generation:
         except EngineUnavailable as exc:
             state.metrics.rejected_by["engine_unavailable"].inc()
             raise engine_unavailable() from exc
-        admission.admit(request_id, len(prompt_token_ids))
+        admission.admit(request_id, len(prompt_token_ids), sampling.max_tokens)
         self.detokenizer = state.text.detokenizer(prompt_token_ids, stop)
         self.wants_logprobs = sampling.logprobs is not None
         self.done = False
@@ -107,6 +107,7 @@ class Generation:
                             for _ in out.new_token_ids:
                                 metrics.itl.observe(gap)
                         last_token_at = now
+                        state.admission.progress(self.request_id, out.num_output_tokens, now)
                     num_output = out.num_output_tokens
                     text = self.detokenizer.push(out.new_token_ids)
                     extra = {}
