@@ -26,7 +26,8 @@ from tests.support.hf_models import VARIANTS, VOCAB, edit_config, save_variant
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 PROMPT_LENS = (100, 37, 5, 64)  # 100 and 64 reach past the sliding windows (32)
-PATHS = ("cpu", "device-generic")
+# "triton": the device-generic paths with CUDA's attention, the Triton kernel, run in Triton's interpreter
+PATHS = ("cpu", "device-generic", "triton")
 
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
@@ -65,7 +66,10 @@ def _tables(lengths: list[int], block_size: int, num_blocks: int, seed: int = 0)
 
 
 def _runner(folder: Path, path: str, dtype: str = "float32") -> ModelRunner:
-    config = EngineConfig(num_kv_blocks=96, max_seq_len=512, block_size=16, dtype=dtype)
+    if path == "triton":
+        pytest.importorskip("triton")
+    backend = "triton" if path == "triton" else "auto"
+    config = EngineConfig(num_kv_blocks=96, max_seq_len=512, block_size=16, dtype=dtype, attention_backend=backend)
     return ModelRunner(config, folder, cpu_paths=path == "cpu")
 
 

@@ -19,6 +19,8 @@ class EngineConfig:
     dtype: str = "float32"  # float32 | bfloat16 | float16 | auto (the checkpoint's own; bf16 for fp32 on CUDA)
     device: str = "cpu"  # cpu | cuda | auto
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    # auto | triton | native | torch. auto: one Triton kernel per layer on CUDA, the native decode kernel on CPU.
+    attention_backend: str = "auto"
     seed: int = 0
 
     # KV pool: allocated once at start-up. On CUDA sized from kv_cache_ratio of free device memory; on CPU
@@ -66,6 +68,10 @@ class EngineConfig:
         )
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu|cuda|auto, got {self.device!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(
+            self.attention_backend in ("auto", "triton", "native", "torch"),
+            f"attention_backend must be auto|triton|native|torch, got {self.attention_backend!r}",
+        )
         check(
             self.block_size in (8, 16, 32, 64, 128),
             f"block_size must be a power of two in 8..128, got {self.block_size}",
@@ -125,6 +131,8 @@ ENGINE_FLAGS = (
      "on CUDA, the share of free device memory (after the weights) the KV pool takes"),
     ("--block-size", "block_size", int, "tokens per KV block (8..128, a power of two)"),
     ("--seed", "seed", int, "seed of the sampling generator"),
+    ("--attention-backend", "attention_backend", str,
+     "auto | triton | native | torch (auto: Triton on CUDA, the native kernel on CPU)"),
 )  # fmt: skip
 
 

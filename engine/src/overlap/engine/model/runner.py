@@ -54,6 +54,7 @@ from overlap.engine.model.loader import (
     read_spec,
     rope_tables,
 )
+from overlap.engine.model.staging import to_device
 from overlap.engine.types import NONFINITE_TOKEN, ModelInput, SamplingParams, TokenLogprob
 
 # A step's decode attention is shared with the helper thread only from this many decodes on: below it the hand-off
@@ -176,8 +177,15 @@ class ModelRunner:
         self._helper = None  # a thread for decode attention, made on first use
         # Decode attention in one native call per layer (fp32 or bf16 on CPU); None: per-sequence torch ops.
         self._decode_kernel = None
-        if self._cpu_paths and self.dtype in native.DecodeAttentionKernel.DTYPES:
+        # The GPU path: every sequence's attention in one Triton launch per layer (the triton_attention module).
+        self._paged = None
+        backend = _pick_attention(config.attention_backend, self.device, self._cpu_paths)
+        if backend == "native" and self.dtype in native.DecodeAttentionKernel.DTYPES:
             self._decode_kernel = native.decode_attention_kernel()
+        elif backend == "triton":
+            from overlap.engine.model import triton_attention
+
+            self._paged = triton_attention
         self._linear = _pick_linear(self.device, self.dtype) if self._cpu_paths else F.linear
         self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
         if self._linear is not F.linear:
@@ -199,11 +207,15 @@ class ModelRunner:
     @property
     def kernels(self) -> str:
         """What runs the step's work on this machine, for start-up logs and benchmarks."""
-        if self.device.type != "cpu":
-            return f"{self.device.type} {str(self.dtype).removeprefix('torch.')}: torch ops"
         dtype = str(self.dtype).removeprefix("torch.")
+        attention = "torch decode attention"
+        if self._paged is not None:
+            attention = "Triton paged attention"
+        elif self._decode_kernel is not None:
+            attention = "native decode attention"
+        if self.device.type != "cpu":
+            return f"{self.device.type} {dtype}: torch linear; {attention}"
         linear = "oneDNN linear, weights prepacked" if self._linear is not F.linear else "torch linear"
-        attention = "native decode attention" if self._decode_kernel is not None else "torch decode attention"
         return f"CPU {native.cpu_isa()} {dtype}: {linear}; {attention}; torch {torch.backends.cpu.get_cpu_capability()}"
 
     # Names the engine and executor read.
@@ -363,17 +375,22 @@ class ModelRunner:
             geometry.append(g)
         # Scoring prompt rows needs every row through the last layer: no skipping of unsampled rows then.
         num_kept = len(ids) if prompt_rows else None
-        plan = self._attention_plan(geometry, None, len(ids), num_kept)
-        # A sliding layer needs its own plan only when some sequence reaches past its window; below, it is causal.
-        window_plans = {w: self._attention_plan(geometry, w, len(ids), num_kept)
-                        for w in self._windows if any(g.end > w for g in geometry)}  # fmt: skip
+        window_plans = {}
+        if self._paged is not None:  # one plan serves every layer: the kernel applies each layer's window itself
+            plan = self._paged_plan(geometry, len(ids), num_kept)
+        else:
+            plan = self._attention_plan(geometry, None, len(ids), num_kept)
+            # A sliding layer needs its own plan only when some sequence reaches past its window; below, it is causal.
+            window_plans = {w: self._attention_plan(geometry, w, len(ids), num_kept)
+                            for w in self._windows if any(g.end > w for g in geometry)}  # fmt: skip
         device = self.device
+        input_ids, positions_t, slots_t, sample_rows_t = to_device(device, ids, positions, slots, sample_rows)
         return StepInputs(
-            input_ids=torch.tensor(ids, device=device),
-            positions=torch.tensor(positions, device=device),
-            slots=torch.tensor(slots, device=device),
+            input_ids=input_ids,
+            positions=positions_t,
+            slots=slots_t,
             seqs=plan.seqs,
-            sample_rows=torch.tensor(sample_rows, device=device, dtype=torch.long),
+            sample_rows=sample_rows_t,
             sampling=[s.sampling for s in batch.seqs if s.do_sample],
             num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
             request_ids=[s.request_id for s in batch.seqs if s.do_sample],
@@ -432,6 +449,20 @@ class ModelRunner:
             last_layer = (last_plan, torch_seqs)
         decode_plan = native.DecodePlan(tables, lens, rows, bs) if tables else None
         return AttentionPlan(decode_plan, seqs, last_layer)
+
+    def _paged_plan(self, geometry: list[_SeqGeometry], num_tokens: int, num_kept: int | None) -> AttentionPlan:
+        """The Triton kernel's plans: every sequence of the step, and (when some rows are not sampled) the last
+        layer's, one query per sampled sequence at its last position."""
+        build, group = self._paged.build_plan, self.spec.num_heads // self.spec.num_kv_heads
+        plan = build([g.table for g in geometry], [g.q_start for g in geometry], [g.n for g in geometry],
+                     [g.end for g in geometry], group, self.device)  # fmt: skip
+        sampled = [g for g in geometry if g.do_sample]
+        last_layer = None
+        if num_kept is None and len(sampled) < num_tokens:
+            last = build([g.table for g in sampled], list(range(len(sampled))), [1] * len(sampled),
+                         [g.end for g in sampled], group, self.device)  # fmt: skip
+            last_layer = (last, [])
+        return AttentionPlan(plan, [], last_layer)
 
     def _seq_attention(self, g: _SeqGeometry, q_start: int, q_len: int, lo: int, mask, is_causal: bool) -> SeqAttention:
         """Sequence g's queries (rows q_start .. q_start + q_len - 1) attending over its positions lo .. end - 1."""
@@ -520,9 +551,9 @@ class ModelRunner:
                 if inputs.sample_rows.numel() == 0:
                     return x.new_empty(0, spec.vocab_size)
                 q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
-                attn = self._attention(q, k_pool, v_pool, *last_plan)
+                attn = self._attention(q, k_pool, v_pool, *last_plan, window)
             else:
-                attn = self._attention(q, k_pool, v_pool, decode_plan, seqs)
+                attn = self._attention(q, k_pool, v_pool, decode_plan, seqs, window)
             x = linear(attn, lw.o, lw.o_bias).add_(x)  # the residual added in place into the projection's fresh output
             h = F.rms_norm(x, hidden, lw.post_norm, eps)
             if lw.gate_up is None:  # oneDNN: SiLU as the gate matmul's post-op, no separate pass
@@ -543,10 +574,15 @@ class ModelRunner:
         q: torch.Tensor,
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
-        plan: native.DecodePlan | None,
+        plan,
         seqs: list[SeqAttention],
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q [T, H, D] -> [T, H * D]: the native kernel for the decodes in `plan`, torch ops for `seqs`."""
+        """q [T, H, D] -> [T, H * D]: the Triton kernel for the whole step (`plan` a PagedPlan), or the native kernel
+        for the decodes in `plan` (a DecodePlan) and torch ops for `seqs` (their plans already hold the window)."""
+        if self._paged is not None:
+            out = self._paged.paged_attention(q, k_pool, v_pool, plan, self._scale, self.block_size, window)
+            return out.view(q.shape[0], -1)
         if plan is None:
             return self._attention_torch(q, k_pool, v_pool, seqs)
         num_tokens, heads, head_dim = q.shape
@@ -857,6 +893,29 @@ def _prepack_for_onednn(weights: ModelWeights) -> ModelWeights:
         return dataclasses.replace(weights, layers=layers, lm_head=pack(weights.lm_head, 32))
     except (AttributeError, RuntimeError):
         return weights
+
+
+def _pick_attention(requested: str, device: torch.device, cpu_paths: bool) -> str:
+    """The attention backend: `auto` is Triton on CUDA (torch ops if Triton is missing), the native kernel on the
+    CPU fast paths, torch ops on the CPU's device-generic paths. Triton on a CPU runs only in its interpreter."""
+    import os
+
+    if requested == "auto":
+        if device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                import logging
+
+                logging.getLogger(__name__).warning("Triton is not installed: attention runs as torch ops per sequence")
+                return "torch"
+            return "triton"
+        return "native" if cpu_paths else "torch"
+    if requested == "native" and not cpu_paths:
+        raise ConfigError(f"attention_backend 'native' is the CPU kernel; this runner is on {device.type}")
+    if requested == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("attention_backend 'triton' on a CPU runs only in Triton's interpreter (TRITON_INTERPRET=1)")
+    return requested
 
 
 def _pick_device(name: str) -> torch.device:

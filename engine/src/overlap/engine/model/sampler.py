@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from overlap.engine.model.staging import stage, to_device
 from overlap.engine.types import SamplingParams, TokenLogprob
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) pairs over the seed space
@@ -28,33 +29,36 @@ def sample(
     """logits [S, V] (any float dtype) -> token ids [S] (int64, on logits' device) and whether each row's logits
     were finite. Sampled in fp32: widening bf16 is exact (the same argmax), and torch's CPU argmax over bf16 is
     several times slower than over fp32. A row's argmax lands on a NaN or +inf if it holds one (and anywhere in a
-    row of -inf), so the logit there tells a broken row for the price of one gather instead of another pass."""
+    row of -inf), so the logit there tells a broken row for the price of one gather instead of another pass.
+
+    No host sync: every decision (which rows, how many candidates, whether to sort) is made on the host from `params`,
+    and the rows' numbers (index, temperature, top-p, top-k, uniform draw) reach the device in one staged copy."""
     logits = logits.float()
     out = logits.argmax(dim=-1)
     finite = torch.isfinite(logits.gather(1, out.unsqueeze(1)).squeeze(1))
     if all(p.is_greedy for p in params):
         return out, finite
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    vocab = logits.shape[1]
+    # Rows with top-k first, then the rest: each group is one slice of the staged table.
+    rows = [i for i, p in enumerate(params) if not p.is_greedy and p.top_k > 0]
+    num_topk = len(rows)
+    rows += [i for i, p in enumerate(params) if not p.is_greedy and p.top_k == 0]
+    table = [[i, params[i].temperature, params[i].top_p, min(params[i].top_k, vocab)] for i in rows]
     uniforms = _uniforms([params[i] for i in rows], [num_generated[i] for i in rows], generator)
-    topk_rows = [n for n, i in enumerate(rows) if params[i].top_k > 0]
-    full_rows = [n for n, i in enumerate(rows) if params[i].top_k == 0]
-    for group, use_topk in ((topk_rows, True), (full_rows, False)):
-        if not group:
+    staged = stage(torch.cat([torch.tensor(table, dtype=torch.float32), uniforms.unsqueeze(1)], dim=1), logits.device)
+    for lo, hi, use_topk in ((0, num_topk, True), (num_topk, len(rows), False)):
+        if lo == hi:
             continue
-        idx = torch.tensor([rows[n] for n in group], device=logits.device)
-        group_params = [params[rows[n]] for n in group]
-        temps = torch.tensor([p.temperature for p in group_params], device=logits.device).unsqueeze(1)
-        top_p = torch.tensor([p.top_p for p in group_params], device=logits.device).unsqueeze(1)
-        u = uniforms[group].to(logits.device).unsqueeze(1)
+        group = staged[lo:hi]
+        idx, temps, top_p, u = group[:, 0].long(), group[:, 1:2], group[:, 2:3], group[:, 4:5]  # the table's columns
         scaled = logits.index_select(0, idx) / temps
         if use_topk:
-            ks = torch.tensor([min(p.top_k, scaled.shape[1]) for p in group_params], device=logits.device)
-            values, candidates = scaled.topk(int(ks.max()), dim=-1)  # sorted, largest first
+            values, candidates = scaled.topk(max(t[3] for t in table[lo:hi]), dim=-1)  # sorted, largest first
             ranks = torch.arange(values.shape[1], device=logits.device)
-            values = values.masked_fill(ranks.unsqueeze(0) >= ks.unsqueeze(1), float("-inf"))
+            values = values.masked_fill(ranks.unsqueeze(0) >= group[:, 3:4], float("-inf"))
             picked = _inverse_cdf(values, top_p, u, is_sorted=True)
             tokens = candidates.gather(1, picked.unsqueeze(1)).squeeze(1)
-        elif bool((top_p < 1).any()):
+        elif any(t[2] < 1 for t in table[lo:hi]):
             values, candidates = scaled.sort(dim=-1, descending=True)
             picked = _inverse_cdf(values, top_p, u, is_sorted=True)
             tokens = candidates.gather(1, picked.unsqueeze(1)).squeeze(1)
@@ -96,7 +100,7 @@ def logprob_tensors(logits: torch.Tensor, params: list[SamplingParams], tokens: 
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    idx = torch.tensor(rows, device=logits.device)
+    (idx,) = to_device(logits.device, rows)
     logprobs = logits.index_select(0, idx).float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.index_select(0, idx).view(-1, 1).to(torch.long)).squeeze(1)
     k = max(params[i].logprobs for i in rows)
@@ -136,31 +140,33 @@ def apply_logits_controls(
     for i in rows:
         p, row, history = params[i], logits[i], histories[i]
         if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
+            (ids,) = to_device(device, [t for t, _ in p.logit_bias])
+            (bias,) = to_device(device, [b for _, b in p.logit_bias], dtype=row.dtype)
+            row.index_add_(0, ids, bias)
         banned = []
         if num_generated[i] < p.min_tokens:
             banned += [*eos_token_ids, *p.stop_token_ids]
         for word in p.bad_words_ids:
             if len(word) == 1:
                 banned.append(word[0])
-            elif (
+            elif (  # a host read of the last tokens: multi-token bad words are the one control that syncs
                 history is not None
                 and history.numel() >= len(word) - 1
                 and history[history.numel() - len(word) + 1 :].tolist() == list(word[:-1])  # its prefix just ended
             ):
                 banned.append(word[-1])
         if banned:
-            row.index_fill_(0, torch.tensor(banned, device=device), float("-inf"))
+            row.index_fill_(0, to_device(device, banned)[0], float("-inf"))
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            if history is not None and history.numel():
-                counts = torch.bincount(history, minlength=vocab).to(row.dtype)
-            else:
-                counts = torch.zeros(vocab, dtype=row.dtype, device=device)
+            counts = torch.zeros(vocab, dtype=row.dtype, device=device)
+            if (
+                history is not None and history.numel()
+            ):  # not bincount: on CUDA it reads the max back to size its output
+                counts.index_add_(0, history, torch.ones(history.shape, dtype=row.dtype, device=device))
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
                 if prompts[i]:
-                    seen[torch.tensor(prompts[i], device=device)] = True
+                    seen[to_device(device, prompts[i])[0]] = True
                 penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
                 # a tiny penalty overflows a positive logit to +inf, which reads as a broken model: saturate it
                 penalized.clamp_(max=torch.finfo(row.dtype).max)

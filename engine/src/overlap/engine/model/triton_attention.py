@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap.engine.model.staging import to_device
+
 DECODE_ROWS = 16  # rows of a decode-only step's tile (tl.dot's minimum)
 CHUNK_ROWS = 64  # rows of a tile when the step has prompt chunks
 BLOCK_N = 64  # key positions per inner iteration
@@ -169,15 +171,10 @@ def build_plan(
         for first in range(0, max(n, 1), block_q):
             prog_seq.append(i)
             prog_q.append(first)
-    num_seqs, width = len(tables), max((len(t) for t in tables), default=1) or 1
-    flat = [b for t in tables for b in (*t, *[0] * (width - len(t)))]
-    host = torch.tensor([*flat, *q_starts, *q_lens, *kv_lens, *prog_seq, *prog_q], dtype=torch.int32)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    staged = host.to(device, non_blocking=True)
-    cut = num_seqs * width
-    parts = staged[cut:].split([num_seqs, num_seqs, num_seqs, len(prog_seq), len(prog_q)])
-    return PagedPlan(staged[:cut].view(num_seqs, width), *parts, block_q)
+    width = max((len(t) for t in tables), default=1) or 1
+    padded = [b for t in tables for b in (*t, *[0] * (width - len(t)))]
+    flat, *parts = to_device(device, padded, q_starts, q_lens, kv_lens, prog_seq, prog_q, dtype=torch.int32)
+    return PagedPlan(flat.view(len(tables), width), *parts, block_q)
 
 
 def paged_attention(
