@@ -21,6 +21,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     # auto | triton | native | torch. auto: one Triton kernel per layer on CUDA, the native decode kernel on CPU.
     attention_backend: str = "auto"
+    # CUDA graphs for decode steps (with Triton attention on CUDA); false runs every step eagerly (vLLM's enforce_eager)
+    cuda_graphs: bool = True
     seed: int = 0
 
     # KV pool: allocated once at start-up. On CUDA sized from kv_cache_ratio of free device memory; on CPU
@@ -98,6 +100,7 @@ class EngineConfig:
         check(self.default_timeout_s is None or self.default_timeout_s > 0, "default_timeout_s must be > 0")
         check(1 <= self.num_buffers <= 4, f"num_buffers must be in 1..4, got {self.num_buffers}")
         check(isinstance(self.adaptive_buffers, bool), "adaptive_buffers must be true or false")
+        check(isinstance(self.cuda_graphs, bool), "cuda_graphs must be true or false")
         if self.simulated_device is not None:
             sim = self.simulated_device
             check(

@@ -1,7 +1,7 @@
 """The execution layer's CUDA path: the same N-buffered pipeline as `Executor`, with no worker thread.
 
-UNTESTED HERE: the development machine has no GPU. `bench/gpu/check.sh` is this module's test; the CPU test suite
-only checks that it refuses to start without CUDA.
+Not run on a GPU yet: the development machines have none. Its host side runs on CPU through the runner (staging,
+graph buckets, the Triton kernel in Triton's interpreter); `bench/gpu/check.sh` is its test on a GPU.
 
 On CUDA, launches are asynchronous, so the engine thread itself launches step N+1 while the device still runs
 step N. Per step:
@@ -14,12 +14,12 @@ step N. Per step:
 - Device-side placeholders: a device tensor holds each running request's latest sampled token (one row per
   request, assigned at its first sample, returned by `forget`). A decode scheduled with `PLACEHOLDER_TOKEN` gets its
   input id gathered from that table on the compute stream, so it never waits for a device-to-host copy.
-- Readback goes into pinned buffers preallocated per buffer slot (no allocation, no pageable copy in the loop).
-  The step's inputs are still built by `ModelRunner.prepare` (pageable copies, on their own stream so they do
-  not wait for the running step); staging them through per-slot pinned buffers as well is the next step.
+- Readback goes into pinned buffers preallocated per buffer slot (no allocation, no pageable copy in the loop),
+  sized with the token table for the largest max_num_seqs the KV pool allows, so live retuning never outgrows them.
+- The step's inputs are staged by `ModelRunner.prepare` through pinned memory in one non-blocking copy, on the h2d
+  stream, so they never wait for the running step.
 - Busy time comes from CUDA events around forward + sample, placed on one clock by a reference event.
-- CUDA graphs for common decode batch sizes: not done. The runner's attention loops over sequences with
-  per-sequence KV lengths, which a graph cannot capture; it needs a fixed-shape paged-attention kernel first.
+- Decode-only steps replay a CUDA graph captured at start-up (`overlap.engine.model.graphs`): one launch per step.
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ class CudaExecutor(Executor):
         self._h2d = torch.cuda.Stream(device)
         self._compute = torch.cuda.Stream(device)
         self._d2h = torch.cuda.Stream(device)
-        self._max_seqs = max_seqs or runner.config.max_num_seqs
+        # Sized for the largest max_num_seqs the pool allows (Engine.reconfigure's bound), so live retuning never
+        # outgrows the readback buffers or the token table.
+        self._max_seqs = max_seqs or runner.num_kv_blocks
         num_rows = 4 * self._max_seqs + 64
         self._token_table = torch.zeros(num_rows, dtype=torch.long, device=device)
         self._rows: dict[str, int] = {}
@@ -119,13 +121,11 @@ class CudaExecutor(Executor):
 
         with torch.cuda.stream(self._h2d):
             inputs = runner.prepare(ModelInput(host_seqs))
-            gather_pos_t = torch.tensor(gather_pos, dtype=torch.long, device=self._device)
-            gather_rows_t = torch.tensor(gather_rows, dtype=torch.long, device=self._device)
-            sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=self._device)
+            gather_pos_t, gather_rows_t, sample_rows_t = runner.to_device(gather_pos, gather_rows, sample_rows)
             staged = torch.cuda.Event()
             staged.record(self._h2d)
         # Tensors made on the h2d stream and used on the compute stream: tell the caching allocator.
-        for tensor in [*_tensors_of(inputs), gather_pos_t, gather_rows_t, sample_rows_t]:
+        for tensor in [*inputs.device_tensors(), gather_pos_t, gather_rows_t, sample_rows_t]:
             tensor.record_stream(self._compute)
 
         step.start = torch.cuda.Event(enable_timing=True)
@@ -203,10 +203,3 @@ class CudaExecutor(Executor):
 
     def close(self) -> list[StepResult]:
         return self.drain()
-
-
-def _tensors_of(inputs) -> list:
-    tensors = [inputs.input_ids, inputs.positions, inputs.slots, inputs.sample_rows]
-    for seq in inputs.seqs:
-        tensors += [t for t in (seq.kv_index, seq.mask) if t is not None]
-    return tensors

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError
-from overlap.engine.model import native, sampler
+from overlap.engine.model import graphs, native, sampler
 from overlap.engine.model.grammar import GrammarSet
 from overlap.engine.model.loader import (
     ModelWeights,
@@ -129,6 +129,22 @@ class StepInputs:
     prompt_targets: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
     prompt_logits: torch.Tensor | None = None
+    # A decode step served by a captured graph: (its packed inputs on the device, the bucket, how many sequences).
+    # input_ids, positions and slots are then views of that buffer.
+    graph: tuple[torch.Tensor, int, int] | None = None
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors a step reads on the device (for a stream hand-off: `record_stream`)."""
+        tensors = [self.input_ids, self.positions, self.slots, self.sample_rows]
+        plans = [self.decode_plan] + ([self.last_layer[0]] if self.last_layer else [])
+        for plan in plans:
+            if plan is not None and not isinstance(plan, native.DecodePlan):  # a Triton PagedPlan
+                tensors += [plan.tables, plan.q_starts, plan.q_lens, plan.kv_lens, plan.prog_seq, plan.prog_q]
+        for seq in self.seqs:
+            tensors += [t for t in (seq.kv_index, seq.mask) if t is not None]
+        if self.graph is not None:
+            tensors.append(self.graph[0])
+        return tensors
 
 
 class ModelRunner:
@@ -144,6 +160,14 @@ class ModelRunner:
         spec = read_spec(self.model_dir)
         self.spec = spec
         self.dtype = _pick_dtype(config.dtype, spec.torch_dtype, self.device)
+        self.attention_backend = _pick_attention(config.attention_backend, self.device, self._cpu_paths)
+        # The GPU path: every sequence's attention in one Triton launch per layer (the triton_attention module).
+        self._paged = None
+        if self.attention_backend == "triton":
+            from overlap.engine.model import triton_attention
+
+            self._paged = triton_attention
+        self._graphs: graphs.DecodeGraphs | None = None  # captured decode steps (CUDA graphs), see enable_decode_graphs
 
         self.vocab_size = spec.vocab_size
         self.eos_token_ids = frozenset(spec.eos_token_ids)
@@ -164,7 +188,9 @@ class ModelRunner:
             half = spec.head_dim // 2
             self.rope_sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(self.device, self.dtype)
             self.num_kv_blocks = self._size_kv_pool()
-            shape = (spec.num_layers, self.num_kv_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+            # With Triton, one spare block past the usable ones: a CUDA graph's padding rows write and read it.
+            pool_blocks = self.num_kv_blocks + (self._paged is not None)
+            shape = (spec.num_layers, pool_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
             # torch.empty: on CPU the pages are committed only when written; nothing reads a slot before it is
             # written (a sequence attends only to its own computed positions).
             self.k_pool = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -177,15 +203,8 @@ class ModelRunner:
         self._helper = None  # a thread for decode attention, made on first use
         # Decode attention in one native call per layer (fp32 or bf16 on CPU); None: per-sequence torch ops.
         self._decode_kernel = None
-        # The GPU path: every sequence's attention in one Triton launch per layer (the triton_attention module).
-        self._paged = None
-        backend = _pick_attention(config.attention_backend, self.device, self._cpu_paths)
-        if backend == "native" and self.dtype in native.DecodeAttentionKernel.DTYPES:
+        if self.attention_backend == "native" and self.dtype in native.DecodeAttentionKernel.DTYPES:
             self._decode_kernel = native.decode_attention_kernel()
-        elif backend == "triton":
-            from overlap.engine.model import triton_attention
-
-            self._paged = triton_attention
         self._linear = _pick_linear(self.device, self.dtype) if self._cpu_paths else F.linear
         self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
         if self._linear is not F.linear:
@@ -203,6 +222,38 @@ class ModelRunner:
         self.last_logprobs: list | None = None
         self.last_prompt_logprobs: dict | None = None
         self.last_busy_interval: tuple[float, float] | None = None  # its (start, end) in time.perf_counter()
+        if self.device.type == "cuda" and self._paged is not None and config.cuda_graphs:
+            self.enable_decode_graphs(graphs.cuda_capture(self.device))
+
+    def enable_decode_graphs(self, capture, limit: int | None = None) -> None:
+        """Capture the decode forward for every bucket up to `limit` (default: the largest max_num_seqs the pool
+        allows, so live retuning never captures again). `capture(fn) -> replay` is `graphs.cuda_capture` on CUDA;
+        tests pass one that runs eagerly."""
+        if self._paged is None or self._cpu_paths:
+            raise ConfigError("decode graphs need the Triton attention backend on the device paths")
+        width = -(-self.max_model_len // self.block_size)
+        spec = self.spec
+
+        def make_inputs(buffer: torch.Tensor, bucket: int) -> StepInputs:
+            ids, positions, slots, kv_lens, tables = graphs.buffer_views(buffer, bucket, width)
+            rows = torch.arange(bucket, device=self.device)
+            plan = self._paged.PagedPlan(tables, rows, torch.ones_like(rows), kv_lens, rows, torch.zeros_like(rows), 1)
+            return StepInputs(ids, positions, slots, [], rows, [], [], [], [], decode_plan=plan)
+
+        with torch.inference_mode():
+            self._graphs = graphs.DecodeGraphs(
+                graphs.decode_buckets(limit or self.num_kv_blocks), width, self.num_kv_blocks, self.block_size,
+                spec.vocab_size, self.device, self.dtype, make_inputs, self._forward, capture,
+            )  # fmt: skip
+
+    @property
+    def graph_steps(self) -> int:
+        """Steps served by a captured graph so far (0 without graphs)."""
+        return 0 if self._graphs is None else self._graphs.replayed
+
+    def to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
+        """int64 tensors on the runner's device without blocking the host (`staging.to_device`)."""
+        return to_device(self.device, *lists)
 
     @property
     def kernels(self) -> str:
@@ -373,6 +424,20 @@ class ModelRunner:
                 g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
                 slots.extend(g.slots[start:])
             geometry.append(g)
+        sampled = dict(
+            sampling=[s.sampling for s in batch.seqs if s.do_sample],
+            num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
+            request_ids=[s.request_id for s in batch.seqs if s.do_sample],
+            prompts=[s.prompt_token_ids for s in batch.seqs if s.do_sample],
+        )
+        bucket = self._graph_bucket(geometry, prompt_rows)
+        if bucket is not None:
+            decodes = [(ids[g.q_start], positions[g.q_start], slots[g.q_start], g.table) for g in geometry]
+            (staged,) = to_device(self.device, self._graphs.pack(decodes, bucket))
+            input_ids, positions_t, slots_t, _, _ = graphs.buffer_views(staged, bucket, self._graphs.width)
+            # sample_rows: unused, the graph samples its own first rows
+            return StepInputs(input_ids, positions_t, slots_t, [], staged[:0], **sampled,
+                              graph=(staged, bucket, len(geometry)))  # fmt: skip
         # Scoring prompt rows needs every row through the last layer: no skipping of unsampled rows then.
         num_kept = len(ids) if prompt_rows else None
         window_plans = {}
@@ -391,10 +456,7 @@ class ModelRunner:
             slots=slots_t,
             seqs=plan.seqs,
             sample_rows=sample_rows_t,
-            sampling=[s.sampling for s in batch.seqs if s.do_sample],
-            num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
-            request_ids=[s.request_id for s in batch.seqs if s.do_sample],
-            prompts=[s.prompt_token_ids for s in batch.seqs if s.do_sample],
+            **sampled,
             decode_plan=plan.decode_plan,
             last_layer=plan.last_layer,
             window_plans=window_plans,
@@ -450,6 +512,12 @@ class ModelRunner:
         decode_plan = native.DecodePlan(tables, lens, rows, bs) if tables else None
         return AttentionPlan(decode_plan, seqs, last_layer)
 
+    def _graph_bucket(self, geometry: list[_SeqGeometry], prompt_rows: list[int]) -> int | None:
+        """The captured bucket for a step of decodes that all sample (None: run it eagerly)."""
+        if self._graphs is None or prompt_rows or not all(g.n == 1 and g.do_sample for g in geometry):
+            return None
+        return self._graphs.bucket_for(len(geometry))
+
     def _paged_plan(self, geometry: list[_SeqGeometry], num_tokens: int, num_kept: int | None) -> AttentionPlan:
         """The Triton kernel's plans: every sequence of the step, and (when some rows are not sampled) the last
         layer's, one query per sampled sequence at its last position."""
@@ -482,6 +550,8 @@ class ModelRunner:
         by ~20% (batch 64: 2 threads made the [64, 512] x [512, N] matmuls only ~1.2x faster than one thread,
         while each half keeps one core busy with no barrier per kernel); prefill chunks gain ~5%. The halves write
         disjoint KV slots."""
+        if inputs.graph is not None:
+            return self._graphs.run(*inputs.graph)
         if inputs.halves is None:
             return self._forward(inputs)
         first, second = inputs.halves

@@ -1,0 +1,105 @@
+"""CUDA graphs for decode steps, their host side on a CPU: the capture seam runs each bucket's forward eagerly, so
+buckets, padding, the spare block and the static buffers run with the real Triton kernel (interpreted) and are
+compared with eager steps; the buckets reach the largest max_num_seqs the pool allows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from overlap.engine.config import EngineConfig
+from overlap.engine.errors import ConfigError
+from overlap.engine.model.graphs import GRAPH_BATCH_LIMIT, decode_buckets
+from overlap.engine.model.runner import ModelRunner
+from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+from tests.support.hf_models import VOCAB, save_variant
+
+pytest.importorskip("triton")
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+NUM_BLOCKS = 40
+
+
+def eager_capture(fn):
+    """The seam's CPU side: 'capturing' runs fn once, as the CUDA warm-up does; a replay runs it again."""
+    fn()
+    return fn
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A small Llama with grouped-query attention (the interpreter runs a program per KV head and sequence)."""
+    return save_variant("llama", tmp_path_factory.mktemp("llama"))
+
+
+def make_runner(model_dir, graphs: bool, **config) -> ModelRunner:
+    config = EngineConfig(**{"num_kv_blocks": NUM_BLOCKS, "max_seq_len": 256, "attention_backend": "triton", **config})
+    runner = ModelRunner(config, model_dir, cpu_paths=False)
+    if graphs:
+        runner.enable_decode_graphs(eager_capture, limit=8)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def runners(model_dir):
+    return make_runner(model_dir, graphs=False), make_runner(model_dir, graphs=True)
+
+
+def test_buckets_reach_the_limit_and_stop_at_the_cap():
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(12) == [1, 2, 4, 8, 12]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert decode_buckets(100_000)[-1] == GRAPH_BATCH_LIMIT
+
+
+def test_graphs_default_to_the_largest_batch_the_pool_allows(model_dir):
+    """Engine.reconfigure bounds max_num_seqs by the pool's blocks: the default limit covers any value it allows."""
+    runner = make_runner(model_dir, graphs=False, num_kv_blocks=20, max_num_seqs=2)
+    runner.enable_decode_graphs(eager_capture)
+    assert runner._graphs.buckets == [1, 2, 4, 8, 16, 20]
+
+
+def test_graphs_need_the_triton_backend(model_dir):
+    runner = make_runner(model_dir, graphs=False, attention_backend="torch")
+    with pytest.raises(ConfigError, match="Triton"):
+        runner.enable_decode_graphs(eager_capture)
+
+
+def _steps(batch: int, seed: int):
+    """A prefill of `batch` prompts over fragmented tables, then three decode steps (by their logits)."""
+    rng = random.Random(seed)
+    blocks = list(range(NUM_BLOCKS))
+    rng.shuffle(blocks)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 40))] for _ in range(batch)]
+    tables = [blocks[3 * i : 3 * i + 3] for i in range(batch)]
+    yield ModelInput([ScheduledSeq(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in
+                      enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
+    for step in range(3):
+        yield ModelInput([ScheduledSeq(f"r{i}", [7 + i + step], len(p) + step, t, True, GREEDY, step + 1)
+                          for i, (p, t) in enumerate(zip(prompts, tables, strict=True))])  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_a_padded_graph_step_equals_the_eager_step(runners, batch):
+    eager, graphed = runners
+    before = graphed.graph_steps
+    for n, step in enumerate(_steps(batch, seed=batch)):
+        want, got = eager.compute_logits(step), graphed.compute_logits(step)
+        assert got.shape == want.shape == (batch, eager.vocab_size)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {n}")
+    assert graphed.graph_steps - before == 3  # every decode step replayed a graph; the prefill ran eagerly
+
+
+def test_past_the_largest_bucket_the_step_runs_eagerly(runners):
+    eager, graphed = runners
+    before = graphed.graph_steps
+    for step in _steps(9, seed=5):
+        torch.testing.assert_close(graphed.compute_logits(step), eager.compute_logits(step), atol=1e-4, rtol=1e-4)
+    assert graphed.graph_steps == before
+
+
+def test_graph_steps_sample_what_eager_steps_sample(runners):
+    eager, graphed = runners
+    for step in _steps(5, seed=9):
+        assert graphed.execute(step) == eager.execute(step)
