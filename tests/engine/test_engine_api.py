@@ -139,7 +139,7 @@ STATS_KEYS = {
     "kv_usage", "num_kv_blocks", "num_free_kv_blocks", "prefix_cache_hit_rate", "prefix_cache_queries_total",
     "prefix_cache_hits_total", "num_preemptions_total", "num_prompt_tokens_total", "num_generation_tokens_total",
     "num_steps_total", "last_step_time_s", "avg_step_time_s", "last_batch_size", "avg_batch_size",
-    "schedule_time_s_avg", "device_busy_ratio", "requests_finished_total", "config",
+    "schedule_time_s_avg", "device_busy_ratio", "device_kernel_busy_ratio", "requests_finished_total", "config",
     # overlapped execution (overlap.engine.execution.base, overlap.engine.execution.busy)
     "device_busy_window_s", "device_idle_gap_ms", "host_ms_per_step", "num_buffers", "num_steps_in_flight",
     "buffer_decisions",

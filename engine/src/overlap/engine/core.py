@@ -254,7 +254,8 @@ class Engine:
         outputs = self.postprocess(batch, outcome)
         postprocess_s = time.perf_counter() - start
         self.executor.busy.record_host("postprocess", postprocess_s)
-        self._advisor.record(batch.schedule_wall_s + postprocess_s, result.busy_s)
+        # the device time the rule compares with host time: kernel time, where steps were profiled
+        self._advisor.record(batch.schedule_wall_s + postprocess_s, self.executor.busy.kernel_adjusted(result.busy_s))
         if self.config.adaptive_buffers:
             wanted = self._advisor.advise(self.executor.num_buffers)
             if wanted is not None:
@@ -449,6 +450,7 @@ class Engine:
             "avg_batch_size": sum(w[3] for w in window) / n,
             "schedule_time_s_avg": sum(w[4] for w in window) / n,
             "device_busy_ratio": busy.busy_ratio,
+            "device_kernel_busy_ratio": busy.kernel_busy_ratio,  # None until a step was profiled (CUDA)
             "device_busy_window_s": busy.window_s,
             "device_idle_gap_ms": busy.idle_gap_ms,
             "host_ms_per_step": busy.host_ms_per_step,

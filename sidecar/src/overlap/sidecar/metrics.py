@@ -84,6 +84,12 @@ class EngineCollector(Collector):
             "Share of time the device is busy (measured by the runner)",
             "device_busy_ratio",
         )
+        if stats.get("device_kernel_busy_ratio") is not None:  # CUDA, once a step was profiled
+            yield gauge(
+                "overlap_device_kernel_busy_ratio",
+                "Share of time the device's kernels run (event-bracketed busy time x profiled kernel share)",
+                "device_kernel_busy_ratio",
+            )
         yield gauge(
             "overlap_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", "prefix_cache_hit_rate"
         )

@@ -4,6 +4,11 @@ Each step's busy interval comes from the place that ran it: CUDA events on a GPU
 clock), the forward's own start and end on CPU, the simulated device's exact sleep. Never a sampled "is anything
 running" flag. From the intervals: the busy ratio over a sliding window, the distribution of idle gaps between
 consecutive steps, and the host-side time per step spent scheduling, staging and reading back.
+
+Events bracket what the host launched, so a step whose kernels wait on Python launches reads as busy while the GPU
+idles between kernels. The CUDA executor therefore profiles one step now and then and records the share of its
+event-bracketed time that kernels actually ran (`record_kernel_share`); the busy figures come in both forms, and
+the adaptive-buffer rule takes the kernel-time one (`kernel_adjusted`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from statistics import median
 
 
 @dataclass(slots=True)
@@ -21,9 +27,15 @@ class BusyStats:
     busy_s: float
     idle_gap_ms: dict[str, float]  # mean, p50, p90, p99, max of the gaps between consecutive steps in the window
     host_ms_per_step: dict[str, float] = field(default_factory=dict)  # phase -> mean ms over recent steps
+    # The share of event-bracketed step time that kernels ran (profiled steps; None: never profiled), and the busy
+    # ratio by kernel time (busy_ratio x that share).
+    kernel_share: float | None = None
+    kernel_busy_ratio: float | None = None
 
     def to_dict(self) -> dict:
         return {
+            "kernel_share": self.kernel_share,
+            "kernel_busy_ratio": self.kernel_busy_ratio,
             "busy_ratio": self.busy_ratio,
             "window_s": self.window_s,
             "num_steps": self.num_steps,
@@ -54,6 +66,7 @@ class BusyTracker:
         self._paused = True
         self.num_steps_total = 0
         self.busy_s_total = 0.0
+        self._kernel_shares: deque[float] = deque(maxlen=8)
 
     def record_interval(self, start: float, end: float) -> None:
         """One step ran on the device from `start` to `end`."""
@@ -66,6 +79,22 @@ class BusyTracker:
             self._paused = False
             self.num_steps_total += 1
             self.busy_s_total += end - start
+
+    def record_kernel_share(self, share: float) -> None:
+        """A profiled step: kernel time (the union of its kernels' intervals) / its event-bracketed time."""
+        with self._lock:
+            self._kernel_shares.append(min(1.0, max(0.0, share)))
+
+    @property
+    def kernel_share(self) -> float | None:
+        """The median of the recent profiled steps' kernel shares; None before any."""
+        with self._lock:
+            return median(self._kernel_shares) if self._kernel_shares else None
+
+    def kernel_adjusted(self, event_busy_s: float) -> float:
+        """A step's event-bracketed busy time scaled to kernel time (as is until a step was profiled)."""
+        share = self.kernel_share
+        return event_busy_s if share is None else event_busy_s * share
 
     def pause(self) -> None:
         """The engine ran out of work: the gap before the next step is not an overhead gap."""
@@ -83,8 +112,9 @@ class BusyTracker:
             steps = list(self._steps)
             host = {phase: list(values) for phase, values in self._host.items()}
         host_ms = {phase: 1000 * sum(v) / len(v) for phase, v in host.items() if v}
+        share = self.kernel_share
         if not steps:
-            return BusyStats(0.0, 0.0, 0, 0.0, _gap_summary([]), host_ms)
+            return BusyStats(0.0, 0.0, 0, 0.0, _gap_summary([]), host_ms, share, None if share is None else 0.0)
         end = max(e for _, e, _ in steps) if now is None else now
         begin = max(end - self.window_s, min(s for s, _, _ in steps))
         busy = 0.0
@@ -99,7 +129,19 @@ class BusyTracker:
                     gaps.append(gap)
         elapsed = end - begin
         ratio = min(1.0, busy / elapsed) if elapsed > 0 else 0.0
-        return BusyStats(ratio, elapsed, num, busy, _gap_summary(gaps), host_ms)
+        kernel_ratio = None if share is None else ratio * share
+        return BusyStats(ratio, elapsed, num, busy, _gap_summary(gaps), host_ms, share, kernel_ratio)
+
+
+def kernel_union_s(intervals: list[tuple[float, float]]) -> float:
+    """Total time covered by (start, end) intervals, overlaps counted once (kernels of several streams)."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
 
 
 def _gap_summary(gaps: list[float]) -> dict[str, float]:

@@ -18,20 +18,28 @@ step N. Per step:
   sized with the token table for the largest max_num_seqs the KV pool allows, so live retuning never outgrows them.
 - The step's inputs are staged by `ModelRunner.prepare` through pinned memory in one non-blocking copy, on the h2d
   stream, so they never wait for the running step.
-- Busy time comes from CUDA events around forward + sample, placed on one clock by a reference event.
+- Busy time comes from CUDA events around forward + sample, placed on one clock by a reference event. Events bracket
+  what was launched, not what ran: every KERNEL_SAMPLE_EVERY steps one step runs alone under torch's profiler, and the
+  share of its event time that kernels ran goes to the busy tracker (`BusyTracker.record_kernel_share`), so a
+  launch-bound step reads as the idle device it is.
 - Decode-only steps replay a CUDA graph captured at start-up (`overlap.engine.model.graphs`): one launch per step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult, placeholder_source
-from overlap.engine.execution.busy import BusyTracker
+from overlap.engine.execution.busy import BusyTracker, kernel_union_s
 from overlap.engine.types import NONFINITE_TOKEN, ModelInput, ScheduledSeq
+
+KERNEL_SAMPLE_EVERY = 1000  # steps between profiled steps
+KERNEL_SAMPLE_FIRST = 20  # the first profiled step: past the warm-up
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -46,6 +54,7 @@ class _CudaStep:
     end: object = None
     done: object = None
     error: BaseException | None = None
+    profiler: object = None  # torch.profiler.profile around this step while a sampled step runs
 
 
 class CudaExecutor(Executor):
@@ -83,9 +92,17 @@ class CudaExecutor(Executor):
         assert not self.is_full, f"submit with {self.num_in_flight} of {self.num_buffers} buffers in flight"
         step = _CudaStep(self._next_step_id, model_input)
         self._next_step_id += 1
+        profiled = step.step_id % KERNEL_SAMPLE_EVERY == KERNEL_SAMPLE_FIRST
+        if profiled:
+            self._start_profile(step)
         try:
             self._launch(step)
+            if profiled:
+                self._finish_profile(step)
         except Exception as exc:  # bad input or a launch failure: handed back with the step, in order
+            if step.profiler is not None:
+                step.profiler.__exit__(None, None, None)
+                step.profiler = None
             step.error = exc
             self.forget(seq.request_id for seq in model_input.seqs)
             if step.slot is not None:
@@ -154,6 +171,38 @@ class CudaExecutor(Executor):
                 self._pinned[step.slot][: len(sample_rows)].copy_(readback, non_blocking=True)
             readback.record_stream(self._d2h)
             step.done.record(self._d2h)
+
+    def _start_profile(self, step: _CudaStep) -> None:
+        """Profile this step alone: it starts once the steps in flight are done and ends before the next one is
+        launched (a bubble of about one step per KERNEL_SAMPLE_EVERY)."""
+        torch = self._torch
+        for earlier in self._in_flight:
+            if earlier.done is not None:
+                earlier.done.synchronize()
+        try:
+            step.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            step.profiler.__enter__()
+        except Exception as exc:  # no CUPTI, another profiler running: the event figures stand alone
+            log.warning("kernel-time sampling is off: %s", exc)
+            step.profiler = None
+
+    def _finish_profile(self, step: _CudaStep) -> None:
+        """The step's kernel time (the union of its kernels' intervals; copies are outside the event bracket) over
+        its event-bracketed time."""
+        profiler, step.profiler = step.profiler, None
+        if profiler is None or step.done is None:
+            return
+        try:
+            step.done.synchronize()
+            profiler.__exit__(None, None, None)
+            device = self._torch.autograd.DeviceType.CUDA
+            intervals = [(e.time_range.start, e.time_range.end) for e in profiler.events()
+                         if e.device_type == device and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
+            event_s = step.start.elapsed_time(step.end) / 1000
+            if intervals and event_s > 0:
+                self.busy.record_kernel_share(kernel_union_s(intervals) / 1e6 / event_s)
+        except Exception as exc:
+            log.warning("kernel-time sampling failed: %s", exc)
 
     def _row_for(self, request_id: str) -> int:
         row = self._rows.get(request_id)

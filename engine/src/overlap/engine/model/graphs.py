@@ -68,14 +68,14 @@ class DecodeGraphs:
         self.spare_block = spare_block
         self.block_size = block_size
         self._buffers: dict[int, torch.Tensor] = {}
-        self._logits: dict[int, torch.Tensor] = {}
         self._replays: dict[int, Callable[[], None]] = {}
         self.replayed = 0  # steps served by a graph (stats and tests)
+        # One logits buffer, each bucket writing its first rows (graphs replay one at a time, in stream order).
+        self._logits = torch.empty(buckets[-1], vocab_size, dtype=dtype, device=device)
         for bucket in reversed(buckets):  # largest first: the smaller ones reuse its pool memory
             buffer = torch.tensor(self.pack([], bucket), dtype=torch.long).to(device)
-            logits = torch.empty(bucket, vocab_size, dtype=dtype, device=device)
-            inputs = make_inputs(buffer, bucket)
-            self._buffers[bucket], self._logits[bucket] = buffer, logits
+            inputs, logits = make_inputs(buffer, bucket), self._logits[:bucket]
+            self._buffers[bucket] = buffer
             self._replays[bucket] = capture(lambda inputs=inputs, logits=logits: logits.copy_(forward(inputs)))
 
     @property
@@ -109,7 +109,7 @@ class DecodeGraphs:
         self._buffers[bucket].copy_(staged)  # on the current stream: after the previous replay of this bucket
         self._replays[bucket]()
         self.replayed += 1
-        return self._logits[bucket][:num_seqs]
+        return self._logits[:num_seqs]
 
 
 def buffer_views(buffer: torch.Tensor, bucket: int, width: int) -> tuple[torch.Tensor, ...]:

@@ -353,6 +353,29 @@ def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: t
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
 
 
+def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
+    """Random weights of the spec's shape, made on the device (no checkpoint, no host copy): for benchmarks of model
+    shapes nobody needs the outputs of. Normal(0, 0.02) matrices and unit norms, as transformers initialises."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    layers = [
+        LayerWeights(input_norm=ones(h), qkv=normal(q_out + 2 * kv_out, h), qkv_bias=None, o=normal(h, q_out),
+                     post_norm=ones(h), gate_up=normal(2 * i, h), down=normal(h, i),
+                     q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None)
+        for _ in range(spec.num_layers)
+    ]  # fmt: skip
+    embed = normal(spec.vocab_size, h)
+    return ModelWeights(embed, layers, ones(h), embed if spec.tie_word_embeddings else normal(spec.vocab_size, h))
+
+
 def _refuse_quantized(tensors: dict[str, torch.Tensor], model_dir: Path) -> None:
     quantized = next((n for n in tensors if n.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES), None)
     if quantized is not None:

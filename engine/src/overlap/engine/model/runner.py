@@ -54,6 +54,7 @@ from overlap.engine.model.loader import (
     read_spec,
     rope_tables,
 )
+from overlap.engine.model.loader import random_weights as make_random_weights
 from overlap.engine.model.staging import to_device
 from overlap.engine.types import NONFINITE_TOKEN, ModelInput, SamplingParams, TokenLogprob
 
@@ -148,9 +149,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path | str, *, cpu_paths: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, model_dir: Path | str, *, cpu_paths: bool = True, random_weights: bool = False
+    ) -> None:
         """`cpu_paths=False` runs on CPU the device-generic paths CUDA takes (F.linear, per-sequence SDPA, no native
-        kernel, no half-batch threads), so tests cover that branch on a machine without a GPU."""
+        kernel, no half-batch threads), so tests cover that branch on a machine without a GPU. `random_weights`
+        makes the weights on the device from config.json's shape instead of reading a checkpoint (benchmarks)."""
         self.config = config
         self.model_dir = Path(model_dir)
         if config.num_threads:
@@ -179,7 +183,10 @@ class ModelRunner:
         self._windows = sorted({w for w in spec.layer_windows if w is not None})
 
         with torch.inference_mode():
-            self.weights = load_weights(spec, self.model_dir, self.dtype, self.device)
+            if random_weights:
+                self.weights = make_random_weights(spec, self.dtype, self.device, config.seed)
+            else:
+                self.weights = load_weights(spec, self.model_dir, self.dtype, self.device)
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
             if cos.shape[1] < spec.head_dim:  # partial rotary: the passed-through dims get angle 0
                 order, (cos, sin) = _partial_rotary_order(spec.head_dim, cos.shape[1]), _pad_rotary(cos, sin, spec)
