@@ -1,31 +1,51 @@
-"""GPU check for overlapped execution (run by bench/gpu/check.sh): the overlap benchmark on a real NVIDIA GPU.
+"""The GPU check (bench/gpu/check.sh): what the CUDA path does on a real NVIDIA GPU, in one run of under 8 minutes.
 
-For the tiny default model and a randomly initialised Llama of about 1B parameters (bf16), it runs the closed-loop
-decode workload of `overlap bench overlap` with the real model runner on CUDA, for 1 and 2 buffers, and prints one
-table: the device busy share measured with CUDA events (overlap.engine.execution.cuda), host time per step, throughput.
-Budget: under 8 minutes on one GPU. Without CUDA it stops at once with a clear message (exit code 2).
+It runs with the torch, Triton and transformers the GPU machine already has (nothing installed; check.sh puts the
+components' sources on PYTHONPATH) and appends one JSON line per case to --out as it goes, so a run cut short still
+leaves its data. Cases, most valuable first:
+
+1. env: the GPU, torch, Triton, transformers.
+2. bandwidth: device-to-device copy bandwidth (read + write bytes per second), the roofline's denominator.
+3. correctness: the tiny model through the engine (chunked prefill, prefix-cache hits, fragmented block tables after
+   a first wave frees its blocks) against transformers on the same GPU, teacher-forced: fp32 must pick
+   transformers' top token at every position (greedy exact), bf16 reports its agreement; with 1 and 2 buffers and
+   CUDA graphs on and off; plus the host syncs `torch.cuda.set_sync_debug_mode` saw in the step loop.
+4. decode: random-weight Llama shapes of ~1B and ~8B in bf16 (weights made on the device), tok/s and step time at
+   batch 1, 16, 64, 128, 256 against the step's streaming floor: (weights + the K/V it reads) / the copy bandwidth.
+   Batch 1 also without CUDA graphs.
+5. prefill: prompt tok/s for the same shapes.
+6. busy: device busy share at batch 64 with 1 and 2 buffers, by CUDA events (what the engine reports) and by kernel
+   time (torch's profiler over the same steps), which exposes a launch-bound step.
+
+`--dry-run-cpu` runs every case on the CPU with small shapes (Triton's interpreter for the attention kernel), so
+the script itself is tested where there is no GPU. Without CUDA (and without --dry-run-cpu) it exits 2 and says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+import warnings
 from pathlib import Path
 
-# About 1.1B parameters: the TinyLlama-1.1B shape.
-LLAMA_1B = {
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 22,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "vocab_size": 32000,
-    "max_position_embeddings": 2048,
-}
+# Shapes of the models people serve, with random weights (vocabulary and context as theirs).
+SHAPES = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),  # Llama 3.2 1B
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),  # Llama 3.1 8B
+}  # fmt: skip
+DRY_RUN_SHAPES = {
+    "llama-dry-a": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024),
+    "llama-dry-b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
+}  # fmt: skip
+CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy")
 
 
 def _progress(message: str) -> None:
@@ -42,138 +62,360 @@ def require_cuda() -> str:
         print(
             f"overlap gpu check: no CUDA device: torch {torch.__version__} sees no NVIDIA GPU "
             "(torch.cuda.is_available() is False). Run bench/gpu/check.sh on a machine with an NVIDIA GPU and a "
-            "CUDA build of torch.",
+            "CUDA build of torch, or add --dry-run-cpu to check the script on this CPU.",
             file=sys.stderr,
         )
         raise SystemExit(2)
     return torch.cuda.get_device_name(0)
 
 
-# A tiny stand-in for the dry run on CPU (same code path, seconds instead of minutes).
-LLAMA_DRY_RUN = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 1024,
-}
+class Check:
+    """What every case shares: the device, the sizes for this run, and the output file."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.dry = args.dry_run_cpu
+        self.device = torch.device("cpu" if self.dry else "cuda")
+        self.shapes = DRY_RUN_SHAPES if self.dry else SHAPES
+        self.batches = (1, 4, 8) if self.dry else (1, 16, 64, 128, 256)
+        self.busy_batch = 8 if self.dry else 64
+        self.steps = 3 if self.dry else args.steps
+        self.prompt_len = 16 if self.dry else 128
+        self.bandwidth = None  # bytes per second, from the bandwidth case
+        self.out = Path(args.out)
+        self.rows: list[dict] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="overlap-gpu-check-"))
+
+    def emit(self, case: str, **row) -> dict:
+        row = {"case": case, **row}
+        self.rows.append(row)
+        with self.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+    def sync(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def model_dir(self, name: str) -> Path:
+        """A folder with only config.json: the runner makes the weights on the device (random_weights)."""
+        from transformers import LlamaConfig
+
+        folder = self.tmp / name
+        if not folder.exists():
+            shape = self.shapes[name]
+            LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(folder)
+        return folder
+
+    def engine_config(self, interpret: bool = True, **changes):
+        """A config for this device. In a dry run the attention is Triton's interpreter where `interpret` (runners
+        on the device paths), else torch ops (an Engine's runner takes the CPU paths)."""
+        from overlap.engine.config import EngineConfig
+
+        attention = "auto"
+        if self.dry:
+            attention = "triton" if interpret and os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+        return EngineConfig(device=self.device.type, attention_backend=attention, **changes)
 
 
-def build_random_llama(target: Path, shape: dict = LLAMA_1B, device: str = "cuda") -> Path:
-    """A randomly initialised Llama (default ~1.1B) in bf16, saved as a Hugging Face folder (safetensors)."""
+# ---- the cases ------------------------------------------------------------------------------------------------------
+def case_env(check: Check) -> None:
+    import platform
+
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    num_params = sum(p.numel() for p in model.parameters())
-    _progress(f"random Llama: {num_params / 1e9:.2f}B parameters, saving to {target}")
-    model.save_pretrained(target, safe_serialization=True)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return target
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    gpu = torch.cuda.get_device_name(0) if check.device.type == "cuda" else "CPU (dry run)"
+    capability = list(torch.cuda.get_device_capability(0)) if check.device.type == "cuda" else None
+    check.emit("env", gpu=gpu, capability=capability, torch=torch.__version__, cuda=torch.version.cuda,
+               triton=triton_version, transformers=transformers.__version__,
+               python=platform.python_version())  # fmt: skip
 
 
-def measure_model(name: str, model_dir: Path, dtype: str, args: argparse.Namespace) -> list[dict]:
-    from overlap.bench.overlap_load import measure_overlap
-    from overlap.engine.config import EngineConfig
+def case_bandwidth(check: Check) -> None:
+    """Device-to-device copies of a large buffer: bytes read + written per second (best of the rounds)."""
+    import torch
+
+    size = (64 << 20) if check.dry else (4 << 30)
+    src = torch.empty(size, dtype=torch.uint8, device=check.device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3 if check.dry else 10):
+        check.sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        check.sync()
+        best = min(best, time.perf_counter() - start)
+    check.bandwidth = 2 * size / best
+    check.emit("bandwidth", bytes=size, seconds=best, bytes_per_s=check.bandwidth)
+
+
+def case_correctness(check: Check) -> None:
+    """The tiny model through the engine vs transformers, teacher-forced, for each pipeline setting."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from overlap.engine.core import Engine
+    from overlap.engine.model.builder import ensure_default_model
+    from overlap.engine.types import SamplingParams
+
+    model_dir = ensure_default_model()
+    rng = random.Random(0)
+    firsts = [[rng.randrange(3, 2000) for _ in range(rng.randrange(20, 150))] for _ in range(8)]
+    # wave 2 shares the first waves' prompts' first 64 tokens (prefix-cache hits) and lands in freed, scattered blocks
+    seconds = [p[:64] + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 60))] for p in firsts]
+    settings = [("float32", b, g) for b in (1, 2) for g in (False, True)] + [("bfloat16", 2, True)]
+    if check.dry:
+        settings = [("float32", 1, False), ("float32", 2, False), ("bfloat16", 2, False)]
+    references = {}
+    for dtype, num_buffers, graphs in settings:
+        started = time.perf_counter()
+        config = check.engine_config(False, model=str(model_dir), dtype=dtype, num_buffers=num_buffers,
+                                     cuda_graphs=graphs, max_num_batched_tokens=64, num_kv_blocks=256,
+                                     max_seq_len=512)  # fmt: skip
+        engine = Engine(config)
+        sampling = SamplingParams(max_tokens=8 if check.dry else 32, temperature=0, ignore_eos=True)
+        outputs, syncs = {}, []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if check.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for wave, prompts in enumerate((firsts, seconds)):
+                    for i, prompt in enumerate(prompts):
+                        engine.add_request(f"w{wave}-{i}", prompt, sampling)
+                    while engine.has_unfinished():
+                        for out in engine.step():
+                            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+            finally:
+                if check.device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs = sorted({str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()})
+        stats = engine.stats()
+        graph_steps = engine.runner.graph_steps
+        engine.close()
+        if dtype not in references:
+            references[dtype] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            references[dtype] = references[dtype].to(check.device).eval()
+        hf = references[dtype]
+        agree = total = 0
+        with torch.inference_mode():
+            for wave, prompts in enumerate((firsts, seconds)):
+                for i, prompt in enumerate(prompts):
+                    out = outputs[f"w{wave}-{i}"]
+                    ids = torch.tensor([prompt + out], device=check.device)
+                    top = hf(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+                    agree += sum(a == b for a, b in zip(top, out, strict=True))
+                    total += len(out)
+        row = check.emit("correctness", dtype=dtype, num_buffers=num_buffers, cuda_graphs=graphs,
+                         tokens=total, top1_agreement=agree / total, exact=agree == total,
+                         prefix_cache_hits=stats.get("prefix_cache_hits_total"), graph_steps=graph_steps,
+                         host_syncs_in_step_loop=syncs, seconds=time.perf_counter() - started)  # fmt: skip
+        _progress(f"correctness {dtype} buffers={num_buffers} graphs={graphs}: {row['top1_agreement']:.4f}")
+
+
+def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bool = True):
+    """A bf16 runner with random weights and a pool for `batch` sequences of `tokens_per_seq` tokens."""
     from overlap.engine.model.runner import ModelRunner
 
-    prompt_len, max_tokens = 16, 128
-    max_seq_len = 256  # prompt + output fit; the pool must hold one full-length sequence
-    blocks = -(-(prompt_len + max_tokens) // 16) * args.batch + max_seq_len // 16
-    config = EngineConfig(
-        device=args.device,
-        dtype=dtype,
-        num_kv_blocks=blocks,
-        max_num_seqs=args.batch,
-        block_size=16,
-        max_seq_len=max_seq_len,
-    )
-    runner = ModelRunner(config, model_dir)
-    rows = []
+    blocks = batch * -(-tokens_per_seq // 16) + 64
+    config = check.engine_config(dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch, max_seq_len=2048,
+                                 cuda_graphs=graphs)  # fmt: skip
+    started = time.perf_counter()
+    runner = ModelRunner(config, check.model_dir(name), random_weights=True, cpu_paths=not check.dry)
+    return runner, time.perf_counter() - started
+
+
+def _floor_bytes(runner, batch: int, context: float) -> float:
+    """What a decode step must read: every weight but the embedding table (only its batch rows) and the K/V."""
+    from overlap.engine.model.loader import kv_bytes_per_token
+
+    w = runner.weights
+    tensors = [w.norm, w.lm_head, *(t for lw in w.layers for t in vars_of(lw))]
+    weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    return weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
+
+
+def vars_of(layer) -> list:
+    import torch
+
+    return [getattr(layer, f) for f in layer.__dataclass_fields__ if isinstance(getattr(layer, f), torch.Tensor)]
+
+
+def case_decode(check: Check) -> None:
+    from overlap.bench.overlap_load import measure_overlap
+
+    warmup = 5
+    max_tokens = 2 * (warmup + check.steps) + 2  # no request finishes while measured: every step a pure decode
+    for name in check.shapes:
+        runner, load_s = _runner(check, name, check.prompt_len + max_tokens, max(check.batches))
+        _progress(f"decode {name}: runner ready in {load_s:.1f} s ({runner.kernels})")
+        runs = [(b, True) for b in check.batches] + [(1, False)]
+        for batch, graphs in runs:
+            if not graphs:
+                runner.close()
+                runner, _ = _runner(check, name, check.prompt_len + max_tokens, max(check.batches), graphs=False)
+            graph_steps = runner.graph_steps
+            result = measure_overlap(runner, 2, batch=batch, steps=check.steps, host_ms=0.0, warmup_steps=warmup,
+                                     prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
+            step_s = batch / result.tokens_per_s if result.tokens_per_s else float("inf")
+            context = check.prompt_len + warmup + check.steps / 2
+            floor_s = _floor_bytes(runner, batch, context) / check.bandwidth if check.bandwidth else None
+            check.emit("decode", model=name, dtype="bfloat16", batch=batch, cuda_graphs=graphs,
+                       graph_steps=runner.graph_steps - graph_steps,
+                       tokens_per_s=result.tokens_per_s, step_ms=1000 * step_s,
+                       device_ms_per_step=result.device_ms_per_step, host_ms_per_step=result.host_ms_per_step,
+                       floor_ms=None if floor_s is None else 1000 * floor_s,
+                       step_over_floor=None if floor_s is None else step_s / floor_s,
+                       mean_context=context, kernels=runner.kernels, runner_start_s=load_s)  # fmt: skip
+            _progress(f"decode {name} batch {batch} graphs={graphs}: {result.tokens_per_s:.0f} tok/s")
+        runner.close()
+
+
+def case_prefill(check: Check) -> None:
+    from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+
+    num, length = (2, 64) if check.dry else (4, 2048)
+    for name in check.shapes:
+        runner, _ = _runner(check, name, length, num)
+        blocks = -(-length // 16)
+        seqs = [ScheduledSeq(f"p{i}", [5 + (i + j) % 300 for j in range(length)], 0,
+                             list(range(i * blocks, (i + 1) * blocks)), True, SamplingParams(temperature=0))
+                for i in range(num)]  # fmt: skip
+        best = float("inf")
+        for _ in range(2 if check.dry else 4):  # the first compiles and warms up
+            check.sync()
+            start = time.perf_counter()
+            runner.execute(ModelInput(seqs))
+            check.sync()
+            best = min(best, time.perf_counter() - start)
+        check.emit("prefill", model=name, dtype="bfloat16", prompts=num, prompt_len=length, seconds=best,
+                   tokens_per_s=num * length / best)  # fmt: skip
+        _progress(f"prefill {name}: {num * length / best:.0f} tok/s")
+        runner.close()
+
+
+def case_busy(check: Check) -> None:
+    """Busy share at one batch, 1 vs 2 buffers: CUDA events (the engine's figure) and kernel time (the profiler)."""
+    import torch
+
+    from overlap.bench.overlap_load import DecodeLoad
+    from overlap.engine.execution import make_executor
+    from overlap.engine.execution.busy import BusyTracker, kernel_union_s
+
+    batch, warmup = check.busy_batch, 5
+    max_tokens = 2 * (warmup + check.steps) + 2
+    name = list(check.shapes)[-1]
+    runner, _ = _runner(check, name, check.prompt_len + max_tokens, batch)
     for num_buffers in (1, 2):
-        _progress(f"{name}: num_buffers={num_buffers}, {args.steps} steps")
-        result = measure_overlap(
-            runner,
-            num_buffers,
-            batch=args.batch,
-            steps=args.steps,
-            host_ms=args.host_ms,
-            warmup_steps=10,
-            prompt_len=prompt_len,
-            max_tokens=max_tokens,
-        )
-        rows.append({"model": name, "dtype": dtype, **asdict(result)})
-    del runner
-    return rows
+        executor = make_executor(runner, num_buffers)
+        load = DecodeLoad(executor, batch=batch, num_requests=batch, prompt_len=check.prompt_len,
+                          max_tokens=max_tokens)  # fmt: skip
+        load.run(max_steps=warmup)
+        executor.busy = BusyTracker(window_s=float("inf"))
+        activities = [torch.profiler.ProfilerActivity.CUDA if check.device.type == "cuda"
+                      else torch.profiler.ProfilerActivity.CPU]  # fmt: skip
+        check.sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            load.run(max_steps=warmup + check.steps)
+            check.sync()
+            wall = time.perf_counter() - start
+        executor.close()
+        snap = executor.busy.snapshot()
+        kernel_share = None
+        if check.device.type == "cuda":
+            device = torch.autograd.DeviceType.CUDA
+            intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                         if e.device_type == device and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
+            kernel_share = kernel_union_s(intervals) / 1e6 / wall
+        check.emit("busy", model=name, batch=batch, num_buffers=num_buffers, steps=check.steps,
+                   event_busy_share=snap.busy_ratio, kernel_busy_share=kernel_share, wall_s=wall)  # fmt: skip
+        _progress(f"busy {name} buffers={num_buffers}: events {snap.busy_ratio:.3f}, kernels {kernel_share}")
+    runner.close()
 
 
-def format_table(rows: list[dict], gpu: str, args: argparse.Namespace) -> str:
-    head = f"Overlap GPU check on {gpu}: batch {args.batch}, extra host time {args.host_ms:g} ms/step"
-    columns = ("model", "dtype", "buffers", "device busy %", "host ms/step", "device ms/step", "tokens/s", "vs 1")
-    base = {r["model"]: r["tokens_per_s"] for r in rows if r["num_buffers"] == 1}
-    lines = [
-        [
-            r["model"],
-            r["dtype"],
-            str(r["num_buffers"]),
-            f"{100 * (1 - r['idle_share']):.1f}",
-            f"{r['host_ms_per_step']:.2f}",
-            f"{r['device_ms_per_step']:.2f}",
-            f"{r['tokens_per_s']:.0f}",
-            f"{r['tokens_per_s'] / base[r['model']]:.2f}x" if base.get(r["model"]) else "-",
+# ---- report ---------------------------------------------------------------------------------------------------------
+def format_table(rows: list[dict]) -> str:
+    """The decode rows as the README's table, then the other cases one line each."""
+    env = next((r for r in rows if r["case"] == "env"), {})
+    lines = [f"Overlap GPU check on {env.get('gpu', '?')}: torch {env.get('torch')}, Triton {env.get('triton')}"]
+    decode = [r for r in rows if r["case"] == "decode"]
+    if decode:
+        lines += [
+            "",
+            "| model | batch | CUDA graphs | tok/s | step ms | floor ms | step / floor |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for r in rows
-    ]
-    widths = [max(len(c), *(len(line[i]) for line in lines)) for i, c in enumerate(columns)]
-    out = [
-        head,
-        "  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-    ]
-    out += ["  ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)) for line in lines]
-    out.append(
-        "device busy % = busy time of forward+sample (from CUDA events; the forward's own time in a CPU dry run) / "
-        "elapsed device time"
-    )
-    return "\n".join(out)
+        for r in decode:
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f}"
+            ratio = "-" if r["step_over_floor"] is None else f"{r['step_over_floor']:.2f}"
+            lines.append(f"| {r['model']} | {r['batch']} | {'on' if r['graph_steps'] else 'off'} | "
+                         f"{r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | {floor} | {ratio} |")  # fmt: skip
+    for r in rows:
+        if r["case"] == "correctness":
+            lines.append(f"correctness {r['dtype']} buffers={r['num_buffers']} graphs={r['cuda_graphs']}: "
+                         f"top-1 agreement {r['top1_agreement']:.4f} over {r['tokens']} tokens, host syncs "
+                         f"{len(r['host_syncs_in_step_loop'])}")  # fmt: skip
+        elif r["case"] == "prefill":
+            lines.append(f"prefill {r['model']}: {r['tokens_per_s']:.0f} tok/s ({r['prompts']} x {r['prompt_len']})")
+        elif r["case"] == "busy":
+            kernels = "-" if r["kernel_busy_share"] is None else f"{r['kernel_busy_share']:.3f}"
+            lines.append(f"busy {r['model']} batch {r['batch']} buffers={r['num_buffers']}: "
+                         f"events {r['event_busy_share']:.3f}, kernels {kernels}")  # fmt: skip
+        elif r["case"] == "bandwidth":
+            lines.append(f"device-to-device copy: {r['bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+        elif r["case"] == "error":
+            lines.append(f"{r['failed']} FAILED: {r['error']}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench/gpu/check.sh", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="measured steps per row (default 200)")
-    parser.add_argument("--batch", type=int, default=64, help="sequences per step (default 64)")
-    parser.add_argument("--host-ms", type=float, default=0.0, help="extra synthetic host time per step (default 0)")
-    parser.add_argument("--skip-1b", action="store_true", help="only the tiny model")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument(
-        "--dry-run-cpu",
-        action="store_true",
-        help="check this script on CPU: the threaded executor instead of the CUDA one, a small random Llama",
+        "--out", default="gpu-check.jsonl", help="append one JSON line per case (default ./gpu-check.jsonl)"
     )
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, in this order: {','.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=40, help="measured decode steps per row (default 40)")
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help="every case on this CPU, small shapes (Triton's interpreter where installed)")  # fmt: skip
     args = parser.parse_args(argv)
-    args.device = "cpu" if args.dry_run_cpu else "cuda"
-    gpu = "CPU (dry run)" if args.dry_run_cpu else require_cuda()
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown cases {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.dry_run_cpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    else:
+        require_cuda()
+    check = Check(args)
     started = time.perf_counter()
-    from overlap.engine.model.builder import ensure_default_model
+    for case in CASES:
+        if case not in cases:
+            continue
+        _progress(f"case {case}")
+        try:
+            globals()[f"case_{case}"](check)
+        except Exception as exc:  # the next case still runs; the line says what broke
+            import traceback
 
-    rows = measure_model("tiny (27M)", ensure_default_model(), "float32", args)
-    if not args.skip_1b:
-        name, shape = ("random Llama (dry run)", LLAMA_DRY_RUN) if args.dry_run_cpu else ("random Llama 1.1B", LLAMA_1B)
-        with tempfile.TemporaryDirectory(prefix="overlap-llama-") as tmp:
-            model_dir = build_random_llama(Path(tmp), shape, args.device)
-            rows += measure_model(name, model_dir, "bfloat16", args)
-    print(format_table(rows, gpu, args))
-    print(f"({time.perf_counter() - started:.0f} s)")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2) + "\n")
-    return 0
+            traceback.print_exc()
+            check.emit("error", failed=case, error=f"{type(exc).__name__}: {exc}")
+    print(format_table(check.rows))
+    print(f"({time.perf_counter() - started:.0f} s; rows appended to {check.out})")
+    return 1 if any(r["case"] == "error" for r in check.rows) else 0
 
 
 if __name__ == "__main__":
