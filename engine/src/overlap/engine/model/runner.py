@@ -12,8 +12,9 @@ layer's pool is a flat run of slots, block b holding slots b*bs .. b*bs + bs - 1
 Attention reads K/V *in place*. On CPU (fp32 or bf16) the step's decodes (one query token each) go to a small C kernel
 (`paged_attention.c`, built on first use by `native.py`) that walks each sequence's block table and streams its K and
 V rows once: one call per layer instead of ~5 torch ops per sequence and layer, and at batch 64 about 27% faster than
-one batched SDPA over a contiguous cache (`overlap bench engine`). Prompt chunks, CUDA, and CPUs without a C
-compiler use torch ops: a sequence whose block table is a run of consecutive block ids (what the block manager hands
+one batched SDPA over a contiguous cache (`overlap bench engine`). On CUDA every sequence of the step, prompt chunks
+included, goes to one Triton kernel per layer (`triton_attention.py`), and decode-only steps replay a CUDA graph
+(`graphs.py`). Prompt chunks on CPU, and CPUs without a C compiler, use torch ops: a sequence whose block table is a run of consecutive block ids (what the block manager hands
 out where it can) is read as the slice k_pool[layer][first*bs : first*bs + L]; only a fragmented table is gathered
 (index_select of its slots, the index computed once per step and shared by all layers).
 Prompts are packed without padding: the step's tokens form one [num_tokens, hidden] matrix for the projections
