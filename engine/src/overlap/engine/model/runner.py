@@ -14,9 +14,10 @@ Attention reads K/V *in place*. On CPU (fp32 or bf16) the step's decodes (one qu
 V rows once: one call per layer instead of ~5 torch ops per sequence and layer, and at batch 64 about 27% faster than
 one batched SDPA over a contiguous cache (`overlap bench engine`). On CUDA every sequence of the step, prompt chunks
 included, goes to one Triton kernel per layer (`triton_attention.py`), and decode-only steps replay a CUDA graph
-(`graphs.py`). Prompt chunks on CPU, and CPUs without a C compiler, use torch ops: a sequence whose block table is a run of consecutive block ids (what the block manager hands
-out where it can) is read as the slice k_pool[layer][first*bs : first*bs + L]; only a fragmented table is gathered
-(index_select of its slots, the index computed once per step and shared by all layers).
+(`graphs.py`). Prompt chunks on CPU, and CPUs without a C compiler, use torch ops: a sequence whose block table is a
+run of consecutive block ids (what the block manager hands out where it can) is read as the slice
+k_pool[layer][first*bs : first*bs + L]; only a fragmented table is gathered (index_select of its slots, the index
+computed once per step and shared by all layers).
 Prompts are packed without padding: the step's tokens form one [num_tokens, hidden] matrix for the projections
 and MLPs; only attention is per sequence. A prompt row that is not sampled matters to later tokens only through
 the K/V it leaves in each layer, so the last layer, past its K/V writes, runs only the sampled rows: its output
