@@ -534,6 +534,16 @@ async def _steady_load(address: tuple[str, int], rate: float, duration_s: float)
         return await asyncio.gather(*tasks)
 
 
+def _steady_load_in_background(address: tuple[str, int], rate: float, duration_s: float):
+    """`_steady_load` on its own thread, started now: (the thread, the list its results land in once it ends)."""
+    results: list = []
+    thread = threading.Thread(
+        target=lambda: results.extend(asyncio.run(_steady_load(address, rate, duration_s))), daemon=True
+    )
+    thread.start()
+    return thread, results
+
+
 def _security_of(podman: Podman, container_id: str) -> dict:
     """What the container's main process really runs as, read inside it."""
     status = podman("exec", container_id, "cat", "/proc/1/status")
@@ -562,12 +572,7 @@ def test_an_engine_container_killed_under_load_is_restarted_and_nothing_goes_una
                  "two ready pods", interval=1)  # fmt: skip
         pods = [p for p in agent.pods.values() if p.deployment == RESTART and not p.gone]
         security = {f"{p.name}/{c.name}": _security_of(agent.podman, c.id) for p in pods for c in p.containers}
-        results: list = []
-        address = agent.service_address(RESTART)
-        load = threading.Thread(
-            target=lambda: results.extend(asyncio.run(_steady_load(address, rate=10, duration_s=40))), daemon=True
-        )
-        load.start()
+        load, results = _steady_load_in_background(agent.service_address(RESTART), 10, 40)
         time.sleep(8)
         victim = pods[0]
         engine_container = next(c for c in victim.containers if c.name == "engine")
@@ -632,12 +637,7 @@ def test_a_rolling_restart_of_every_replica_under_load_fails_no_request(world, r
         wait_for(lambda: (cluster.service(ROLLING).get("status") or {}).get("readyReplicas") == 2, 180,
                  "two ready pods", interval=1)  # fmt: skip
         old = {p.name for p in pods()}
-        results: list = []
-        address = agent.service_address(ROLLING)
-        load = threading.Thread(
-            target=lambda: results.extend(asyncio.run(_steady_load(address, rate=10, duration_s=70))), daemon=True
-        )
-        load.start()
+        load, results = _steady_load_in_background(agent.service_address(ROLLING), 10, 70)
         time.sleep(5)
         cluster.kubectl("rollout", "restart", f"deployment/{ROLLING}")
         restarted = time.monotonic()

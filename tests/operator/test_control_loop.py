@@ -369,3 +369,65 @@ def test_without_prometheus_the_loop_holds_and_says_why(cluster, tmp_path, relia
         "Operator", "Prometheus unreachable", load="a builtin-autoscaled InferenceService",
         outcome=f"replicas held; Scaling condition Unknown/NoSignals: {condition['message']!r}",
     )  # fmt: skip
+
+
+@pytest.mark.long
+@pytest.mark.reliability
+def test_prometheus_going_away_while_the_loop_runs_holds_everything_until_it_is_back(
+    cluster, served, tmp_path, reliability
+):
+    """Prometheus stops answering after the loop has read it: an idle service that a whole quiet window would
+    scale in keeps its replicas and its engine config while the condition says why; once signals read again (a
+    new Prometheus, the spec pointed at it), the window passes and it scales in."""
+    name = "held"
+    labels = {"namespace": NAMESPACE, "service": name}
+    (tmp_path / "prom-1").mkdir(), (tmp_path / "prom-2").mkdir()
+    first = Prometheus.of_targets(tmp_path / "prom-1", {f"127.0.0.1:{served.port}": labels})
+    spec = {
+        "model": {"servedName": "tiny", "path": "/models/tiny"},
+        "replicas": 2,
+        "engine": {"maxNumSeqs": 2},
+        "autoscaling": {"mode": "builtin", "minReplicas": 1, "maxReplicas": 3, "intervalSeconds": 5,
+                        "scaleDownWindowSeconds": 15, "scaleDownCooldownSeconds": 0},
+        "prometheus": {"url": first.url},
+    }  # fmt: skip
+    manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}}
+    second = None
+    folder = tmp_path / "operator"
+    folder.mkdir()
+    try:
+        with running_operator(cluster, folder, "--namespace", NAMESPACE, "--standalone", "--signal-window-s", "5"):
+            cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
+            wait_for(lambda: cluster.apps.read_namespaced_deployment(name, NAMESPACE), 20, "the Deployment")
+            cluster.play_deployment_controller(name)
+            engine_json = lambda: cluster.core.read_namespaced_config_map(f"{name}-engine", NAMESPACE).data  # noqa: E731
+            before = wait_for(engine_json, 20, "the engine ConfigMap")
+            wait_for(lambda: (cluster.service(name).get("status") or {}).get("signals", {}).get("readyReplicas") == 2,
+                     30, "a first reading from Prometheus")  # fmt: skip
+            first.stop()  # before a whole quiet window could pass
+            gone = time.monotonic()
+            held = wait_for(lambda: (c := _scaling_condition(cluster, name)) and c["reason"] == "NoSignals" and c,
+                            30, "the NoSignals condition")  # fmt: skip
+            time.sleep(max(0.0, 30 - (time.monotonic() - gone)))  # twice the window, six ticks, with nothing read
+            assert cluster.service(name)["spec"]["replicas"] == 2
+            assert engine_json() == before
+            assert _scaling_condition(cluster, name)["reason"] == "NoSignals"
+            assert f"cannot query Prometheus at {first.url}" in held["message"]
+            second = Prometheus.of_targets(tmp_path / "prom-2", {f"127.0.0.1:{served.port}": labels})
+            back = time.monotonic()
+            patch = {"spec": {"prometheus": {"url": second.url}}}
+            cluster.custom.patch_namespaced_custom_object("overlap.dev", "v1alpha1", NAMESPACE, "inferenceservices",
+                                                          name, patch)  # fmt: skip
+            wait_for(lambda: cluster.service(name)["spec"]["replicas"] == 1, 60, "the scale-in once signals are back")
+            resumed_s = time.monotonic() - back
+            cluster.kubectl("delete", "oisvc", name, "-n", NAMESPACE)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    reliability.row(
+        "Operator", "Prometheus stopped while the loop runs (after its first reading)",
+        load="an idle builtin-autoscaled InferenceService at 2 replicas (scale-in after a 15 s quiet window)",
+        outcome=f"for 30 s: replicas and engine config held, Scaling Unknown/NoSignals ({held['message']!r}); with "
+        f"a new Prometheus it scaled in to 1, {resumed_s:.0f} s later",
+    )  # fmt: skip

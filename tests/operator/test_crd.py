@@ -426,3 +426,19 @@ def test_dns_1035_names_are_admitted(name) -> None:
     obj["metadata"]["name"] = name
     admission.admit(obj, SCHEMA, strict=True)
     specs.check_name(name)
+
+
+@pytest.mark.reliability
+def test_model_paths_that_leave_their_volume_are_refused_twice(reliability) -> None:
+    """Each way out of the weights' volume, refused by the CRD's rules (what the API server admits) and by the
+    operator (a CRD installed without them), with the same words."""
+    for case in BAD_MODELS:
+        model, message = case.values
+        assert message in refusal(with_spec(model={"servedName": "llm", **model}))
+        with pytest.raises(specs.SpecError, match=message.replace(".", r"\.")):
+            specs.check_spec(specs.with_defaults(with_spec(model={"servedName": "llm", **model})["spec"]))
+    reliability.row(
+        "Security", "model paths that try to leave their volume: " + ", ".join(c.id for c in BAD_MODELS),
+        load="one InferenceService each", outcome="each refused by the CRD's CEL rules and by the operator, with the "
+        "same message (e.g. " + repr(BAD_MODELS[0].values[1]) + ")",
+    )  # fmt: skip
