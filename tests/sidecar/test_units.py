@@ -142,6 +142,18 @@ def test_retry_after_is_when_the_requests_in_flight_are_expected_to_finish():
     assert adm.expected_wait_s(2, now=13.9) == pytest.approx(0.1)
 
 
+def test_a_request_without_a_pace_yet_goes_at_the_recent_pace():
+    adm = Admission(max_queued_requests=8, max_queued_tokens=1000, max_inflight=1)
+    adm.admit("done", 4, max_tokens=50)
+    adm.progress("done", 1, now=0.0)
+    adm.progress("done", 41, now=2.0)  # 20 tokens a second
+    adm.finished("done")
+    adm.admit("fresh", 4, max_tokens=30)  # not started: 30 tokens at the recent pace
+    assert adm.expected_wait_s(1, now=5.0) == pytest.approx(1.5)
+    adm.progress("fresh", 1, now=5.0)  # one token: still no pace of its own
+    assert adm.expected_wait_s(1, now=5.5) == pytest.approx(29 * 0.05 - 0.5)
+
+
 def test_tokenizer_shipped_in_hello_when_the_model_folder_is_not_mounted(tiny_model_dir, text):
     from overlap.engine.serving.server import read_tokenizer_files
     from overlap.sidecar.app import _tokenizer_source

@@ -2,10 +2,11 @@
 
 A request is *queued* from admission until its first output arrives, and *in flight* until it finishes. Past the
 high watermark on queued requests, on their prompt tokens, or on in-flight requests, a new request is refused
-with a `Retry-After`: when the requests in flight are expected to have freed enough room. Each started request's
-finish is expected after its remaining tokens at its own pace so far, counting no further than the longest output
-of the recent finished requests (most stop at an EOS well before their `max_tokens`); before any request has
-started, from how fast requests finished lately.
+with a `Retry-After`: when the requests in flight are expected to have freed enough room. Each request's finish is
+expected after its remaining tokens at its own pace so far (one that has not produced two tokens yet: at the
+recent finished requests' pace), counting no further than the longest output of the recent finished requests (most
+stop at an EOS well before their `max_tokens`); before any pace is known, from how fast requests finished lately.
+Whole seconds, rounded: 0 when room is expected within half a second (RFC 9110 allows it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import heapq
 import time
 from collections import deque
 from dataclasses import dataclass
+from statistics import median
 
 _RATE_WINDOW_S = 10.0  # drain rate = requests finished over the last window
 _MAX_RETRY_AFTER_S = 60
@@ -47,6 +49,7 @@ class Admission:
         self.num_queued_tokens = 0
         self._finish_times: deque[float] = deque()
         self._recent_lengths: deque[int] = deque(maxlen=_RECENT_LENGTHS)
+        self._recent_paces: deque[float] = deque(maxlen=_RECENT_LENGTHS)  # seconds per token of finished requests
 
     @property
     def num_queued(self) -> int:
@@ -100,6 +103,8 @@ class Admission:
             self._finish_times.append(time.monotonic())
             if progress.num_output:
                 self._recent_lengths.append(progress.num_output)
+            if progress.num_output >= 2:
+                self._recent_paces.append(_pace(progress))
 
     def drain_rate(self) -> float:
         """Requests finished per second over the recent window (0 when nothing finished lately)."""
@@ -114,21 +119,28 @@ class Admission:
         """Seconds until `excess` requests in flight are expected to have finished; None if nothing tells."""
         now = time.monotonic() if now is None else now
         longest = max(self._recent_lengths, default=None)
+        recent_pace = median(self._recent_paces) if self._recent_paces else None
         remaining = []
         for p in self._inflight.values():
-            if p.first_token_at is None or p.num_output < 2:
-                continue  # no pace yet
-            pace = (p.last_token_at - p.first_token_at) / (p.num_output - 1)
+            pace = _pace(p) if p.num_output >= 2 else recent_pace
+            if pace is None:
+                continue  # nothing tells how fast it goes
             expected = p.max_tokens if longest is None else min(p.max_tokens, longest)
-            remaining.append(max(max(expected - p.num_output, 1) * pace - (now - p.last_token_at), 0.0))
+            since = now - p.last_token_at if p.first_token_at is not None else 0.0
+            remaining.append(max(max(expected - p.num_output, 1) * pace - since, 0.0))
         if len(remaining) >= excess:
             return heapq.nsmallest(excess, remaining)[-1]
         rate = self.drain_rate()
         return excess / rate if rate > 0 else None
 
     def _retry(self, excess: int) -> int:
-        """Retry-After: whole seconds (RFC 9110), the expected wait rounded, at least 1."""
+        """Retry-After: whole seconds (RFC 9110), the expected wait rounded (0: within half a second)."""
         wait = self.expected_wait_s(excess)
         if wait is None:
             return 1  # nothing measured yet: ask again soon
-        return max(1, min(_MAX_RETRY_AFTER_S, round(wait)))
+        return min(_MAX_RETRY_AFTER_S, round(wait))
+
+
+def _pace(progress: _Progress) -> float:
+    """Seconds per output token since its first (needs two tokens)."""
+    return (progress.last_token_at - progress.first_token_at) / (progress.num_output - 1)
