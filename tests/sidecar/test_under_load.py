@@ -234,6 +234,9 @@ async def _load_then(stack: Stack, max_tokens: int, fault=None) -> tuple[list[di
         return await asyncio.gather(*tasks), faulted_at
 
 
+SIGTERM_TOKENS = 40
+
+
 @pytest.mark.reliability
 def test_sigterm_to_the_sidecar_under_load_finishes_every_request_in_flight(stack, reliability):
     refused: list[int] = []
@@ -243,17 +246,18 @@ def test_sigterm_to_the_sidecar_under_load_finishes_every_request_in_flight(stac
         wait_until(lambda: http("GET", f"{stack.base_url}/readyz")[0] == 503, 5, "readiness off while draining")
         refused.append(http("POST", f"{stack.base_url}/v1/completions", {"model": stack.model, "prompt": "x"})[0])
 
-    results, signalled_at = asyncio.run(_load_then(stack, 100, sigterm))
+    # 40 tokens at the module's 200 ms step: 8 s of work left, well inside the 20 s grace period
+    results, signalled_at = asyncio.run(_load_then(stack, SIGTERM_TOKENS, sigterm))
     assert stack.sidecar.popen.wait(30) == 0
     exited_s = time.monotonic() - signalled_at
-    finished = [r for r in results if r["status"] == 200 and r["tokens"] == 100 and not r["error"]]
+    finished = [r for r in results if r["status"] == 200 and r["tokens"] == SIGTERM_TOKENS and not r["error"]]
     assert len(finished) == LOAD, [r for r in results if r not in finished][:3]
     assert refused == [503]  # a new request while draining is refused, never half-served
     stack.start_sidecar()
     wait_until(lambda: is_ready(stack.base_url), 60, "the sidecar back", stack.sidecar)
     reliability.row(
         "Sidecar", "SIGTERM to the sidecar during load",
-        load=f"{LOAD} requests of 100 tokens (half streamed) in the running batch",
+        load=f"{LOAD} requests of {SIGTERM_TOKENS} tokens (half streamed) in the running batch",
         outcome=f"readiness off at once, a new request 503 draining; all {LOAD} finished with every token, then it "
         f"exited 0 ({exited_s:.1f} s after the signal; grace period 20 s)",
         accepted=LOAD, answered=len(finished),
