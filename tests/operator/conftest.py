@@ -34,10 +34,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         api_thread.close()
 
 
+API_TIMEOUT_S = 5
+
+
 @pytest.fixture(scope="module")
 def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    """`overlap operator --namespace overlap-test --standalone` running against the emulated API."""
+    """`overlap operator --namespace overlap-test --standalone` running against the emulated API, giving up on a
+    request after API_TIMEOUT_S (the emulator answers in milliseconds; a test holds one request longer)."""
     with running_operator(
-        cluster, tmp_path_factory.mktemp("operator"), "--namespace", NAMESPACE, "--standalone"
+        cluster,
+        tmp_path_factory.mktemp("operator"),
+        "--namespace",
+        NAMESPACE,
+        "--standalone",
+        "--api-timeout-s",
+        str(API_TIMEOUT_S),
     ) as proc:
         yield proc

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from overlap.operator import children
+from tests.operator.conftest import API_TIMEOUT_S
 from tests.support.cluster import (
     NAMESPACE,
     OPERATOR_TOKEN,
@@ -204,16 +205,31 @@ def test_events_record_what_the_operator_did(cluster, applied) -> None:
     assert any(m.startswith("Deployment") and "created" in m for m in messages), messages
 
 
-def test_transient_api_errors_are_retried(cluster, operator_process, applied, reliability) -> None:
-    cluster.api.fail_next("PATCH", "deployments", status=503, times=2)
-    manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: retried", 1)
-    cluster.apply("-f", "-", stdin=manifest)
-    wait_for(lambda: cluster.get("deployment", "retried"), timeout=15, what="the Deployment after two 503s")
-    assert "503" in operator_process.log() and "retrying" in operator_process.log()
-    cluster.kubectl("delete", "oisvc", "retried")
+TRANSIENT = {  # what the API server does to the Deployment write, what the operator's log says of it
+    "409": ("a 409 Conflict", "409"),
+    "500": ("a 500 Internal Server Error", "500"),
+    "503": ("two 503s", "503"),
+    "timeout": (f"a request held past the operator's {API_TIMEOUT_S} s API timeout", "timed out"),
+}
+
+
+@pytest.mark.parametrize("fault", list(TRANSIENT))
+def test_transient_api_errors_are_retried(cluster, operator_process, applied, reliability, fault) -> None:
+    if fault == "timeout":
+        cluster.api.hang_next("PATCH", "deployments", seconds=API_TIMEOUT_S + 3)
+    else:
+        cluster.api.fail_next("PATCH", "deployments", status=int(fault), times=2 if fault == "503" else 1)
+    name = f"retried-{fault}"
+    cluster.apply("-f", "-", stdin=EXAMPLE.read_text().replace(f"name: {NAME}", f"name: {name}", 1))
+    wait_for(lambda: cluster.get("deployment", name), timeout=30, what=f"the Deployment after {TRANSIENT[fault][0]}")
+    retried = [line for line in operator_process.log().splitlines() if name in line and "retrying" in line]
+    assert retried and TRANSIENT[fault][1] in retried[0], retried
+    wait_for(lambda: cluster.service(name)["status"].get("observedGeneration") == 1, timeout=30, what="its status")
+    cluster.kubectl("delete", "oisvc", name)
     reliability.row(
-        "Operator", "two 503s from the API server on the Deployment write", load="one new InferenceService",
-        outcome="retried with back-off (the log says so); the Deployment created",
+        "Operator", f"{TRANSIENT[fault][0]} from the API server on the Deployment write",
+        load="one new InferenceService", outcome="retried with back-off (the log says so); the Deployment created "
+        "and the status written",
     )  # fmt: skip
 
 

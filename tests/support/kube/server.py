@@ -111,6 +111,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.watchers: set[asyncio.Queue] = set()
         self.compacted_rv = 0  # watches resuming from before this get 410 Expired (etcd compacted the history)
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
+        self.hangs: list[list] = []  # [method, plural, seconds]: the next such request is held that long
         self.request_log: list[rendering.Request] = []  # every request answered, in order (for the tests' checks)
         # Applies that created their object (RBAC authorizes them as create too), by id(): the request stays here,
         # so its id is never reused.
@@ -146,6 +147,12 @@ class ApiServer(kmock.KubernetesEmulator):
         self.compacted_rv = self.last_rv + 1
         self.events.clear()
 
+    def hang_next(self, method: str, plural: str, seconds: float) -> None:
+        """Hold the next request of `method` on `plural` for `seconds`, then serve it (a client that timed out
+        meanwhile retries a write that happened: the retry must be idempotent)."""
+        with self.failures_lock:
+            self.hangs.append([method.upper(), plural, seconds])
+
     def fail_next(self, method: str, plural: str, status: int, times: int = 1) -> None:
         """Answer the next `times` requests of `method` on `plural` with `status` (to test retries)."""
         with self.failures_lock:
@@ -163,10 +170,22 @@ class ApiServer(kmock.KubernetesEmulator):
         injected = self._injected(raw_request)
         if injected is not None:
             return injected
+        hang = self._hang_for(raw_request)
+        if hang:
+            await asyncio.sleep(hang)
         response = await super().__call__(raw_request)
         if raw_request.method == "POST" and response.status == 200 and not response.prepared:
             response.setapi_status(201)
         return response
+
+    def _hang_for(self, raw_request: aiohttp.web.BaseRequest) -> float:
+        with self.failures_lock:
+            for hang in self.hangs:
+                method, plural, seconds = hang
+                if raw_request.method == method and f"/{plural}" in raw_request.path:
+                    self.hangs.remove(hang)
+                    return seconds
+        return 0.0
 
     def _injected(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.Response | None:
         with self.failures_lock:

@@ -41,6 +41,12 @@ def register(subparsers) -> None:
         help="rate window of the latency signals; the tuner also waits this long after a move (default 60; "
         "env OVERLAP_SIGNAL_WINDOW_S)",
     )
+    parser.add_argument(
+        "--api-timeout-s",
+        type=float,
+        metavar="S",
+        help="give up on an API request after this long and retry it (default 30; env OVERLAP_API_TIMEOUT_S)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     parser.set_defaults(func=_run_operator)
 
@@ -49,10 +55,15 @@ def _run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     import overlap.operator.handlers  # noqa: F401  (registers the handlers)
+    from overlap.operator import kube
     from overlap.operator.control import loop  # registers the control loop's timer
 
     if args.prometheus_url:
         os.environ[loop.PROMETHEUS_URL_ENV] = args.prometheus_url
+    if args.api_timeout_s is not None:
+        if args.api_timeout_s <= 0:
+            raise SystemExit(f"overlap operator: --api-timeout-s must be > 0, got {args.api_timeout_s:g}")
+        os.environ[kube.API_TIMEOUT_ENV] = str(args.api_timeout_s)
     if args.signal_window_s is not None:
         if args.signal_window_s < 1:
             raise SystemExit(f"overlap operator: --signal-window-s must be >= 1, got {args.signal_window_s:g}")

@@ -44,6 +44,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
+    # kopf's own requests (finalizers, progress annotations, events) give up like the operator's (--api-timeout-s)
+    settings.networking.request_timeout = kube.api_timeout_s()
+    settings.networking.connect_timeout = kube.request_timeout()[0]
     # The API server filters the children's watches by our label: the operator lists and watches only what it
     # owns, not every ConfigMap, Service, Deployment, PDB and Pod in the cluster.
     owned = ",".join(f"{key}={value}" for key, value in sorted(OWNED.items()))

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +23,22 @@ from overlap.operator import children, status
 
 RETRY_DELAY_S = 2.0
 MAX_RETRY_DELAY_S = 60.0
+# Every API request gives up after this long (a hung API server or a dropped connection would otherwise hold a
+# handler forever) and is retried like any transient failure; `overlap operator --api-timeout-s` sets it.
+API_TIMEOUT_ENV = "OVERLAP_API_TIMEOUT_S"
+DEFAULT_API_TIMEOUT_S = 30.0
+
+
+def api_timeout_s() -> float:
+    return float(os.environ.get(API_TIMEOUT_ENV) or DEFAULT_API_TIMEOUT_S)
+
+
+def request_timeout() -> tuple[float, float]:
+    """The kubernetes client's `_request_timeout`: (connect, read) seconds."""
+    total = api_timeout_s()
+    return min(5.0, total), total
+
+
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -87,24 +104,48 @@ def _calls(kind: str) -> tuple[Callable, Callable, Callable, Callable]:
         api = api_class()
         # Raw JSON (camelCase, as the server sends it), not the typed models: that is what drift checks compare.
         return (
-            lambda name, ns: json.loads(getattr(api, f"read_{suffix}")(name, ns, _preload_content=False).data),
-            lambda ns, body: getattr(api, f"create_{suffix}")(ns, body),
-            lambda name, ns, body, content_type, **options: json.loads(
-                getattr(api, f"patch_{suffix}")(
-                    name, ns, body, _content_type=content_type, _preload_content=False, **options
+            lambda name, ns: json.loads(
+                getattr(api, f"read_{suffix}")(
+                    name, ns, _preload_content=False, _request_timeout=request_timeout()
                 ).data
             ),
-            lambda name, ns: getattr(api, f"delete_{suffix}")(name, ns),
+            lambda ns, body: getattr(api, f"create_{suffix}")(ns, body, _request_timeout=request_timeout()),
+            lambda name, ns, body, content_type, **options: json.loads(
+                getattr(api, f"patch_{suffix}")(
+                    name,
+                    ns,
+                    body,
+                    _content_type=content_type,
+                    _preload_content=False,
+                    _request_timeout=request_timeout(),
+                    **options,
+                ).data
+            ),
+            lambda name, ns: getattr(api, f"delete_{suffix}")(name, ns, _request_timeout=request_timeout()),
         )
     group, version, plural = _CUSTOM[kind]
     api = kubernetes.client.CustomObjectsApi()
     return (
-        lambda name, ns: api.get_namespaced_custom_object(group, version, ns, plural, name),
-        lambda ns, body: api.create_namespaced_custom_object(group, version, ns, plural, body),
-        lambda name, ns, body, content_type, **options: api.patch_namespaced_custom_object(
-            group, version, ns, plural, name, body, _content_type=content_type, **options
+        lambda name, ns: api.get_namespaced_custom_object(
+            group, version, ns, plural, name, _request_timeout=request_timeout()
         ),
-        lambda name, ns: api.delete_namespaced_custom_object(group, version, ns, plural, name),
+        lambda ns, body: api.create_namespaced_custom_object(
+            group, version, ns, plural, body, _request_timeout=request_timeout()
+        ),
+        lambda name, ns, body, content_type, **options: api.patch_namespaced_custom_object(
+            group,
+            version,
+            ns,
+            plural,
+            name,
+            body,
+            _content_type=content_type,
+            _request_timeout=request_timeout(),
+            **options,
+        ),
+        lambda name, ns: api.delete_namespaced_custom_object(
+            group, version, ns, plural, name, _request_timeout=request_timeout()
+        ),
     )
 
 
@@ -181,7 +222,9 @@ def read_service(name: str, namespace: str) -> dict[str, Any] | None:
     api = kubernetes.client.CustomObjectsApi()
     with api_errors(f"reading InferenceService {namespace}/{name}"):
         try:
-            return api.get_namespaced_custom_object(children.GROUP, children.VERSION, namespace, children.PLURAL, name)
+            return api.get_namespaced_custom_object(
+                children.GROUP, children.VERSION, namespace, children.PLURAL, name, _request_timeout=request_timeout()
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -192,14 +235,20 @@ def list_services(namespace: str) -> list[dict[str, Any]]:
     """Every InferenceService in the namespace, as JSON."""
     api = kubernetes.client.CustomObjectsApi()
     with api_errors(f"listing InferenceServices in {namespace}"):
-        found = api.list_namespaced_custom_object(children.GROUP, children.VERSION, namespace, children.PLURAL)
+        found = api.list_namespaced_custom_object(
+            children.GROUP, children.VERSION, namespace, children.PLURAL, _request_timeout=request_timeout()
+        )
     return found.get("items") or []
 
 
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     api = kubernetes.client.CoreV1Api()
     with api_errors(f"listing pods {selector} in {namespace}"):
-        pods = json.loads(api.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False).data)
+        pods = json.loads(
+            api.list_namespaced_pod(
+                namespace, label_selector=selector, _preload_content=False, _request_timeout=request_timeout()
+            ).data
+        )
     return pods.get("items") or []
 
 
@@ -229,7 +278,7 @@ def patch_status(name: str, namespace: str, compute: Callable[[dict[str, Any]], 
     for attempt in range(5):
         with api_errors(f"reading InferenceService {namespace}/{name}"):
             try:
-                current = api.get_namespaced_custom_object(*args)
+                current = api.get_namespaced_custom_object(*args, _request_timeout=request_timeout())
             except ApiException as exc:
                 if exc.status == 404:
                     return  # deleted meanwhile: nothing to report on
@@ -239,7 +288,9 @@ def patch_status(name: str, namespace: str, compute: Callable[[dict[str, Any]], 
             return
         body = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "status": status}
         try:
-            api.patch_namespaced_custom_object_status(*args, body, _content_type=MERGE_PATCH)
+            api.patch_namespaced_custom_object_status(
+                *args, body, _content_type=MERGE_PATCH, _request_timeout=request_timeout()
+            )
             return
         except ApiException as exc:
             if exc.status != 409 or attempt == 4:

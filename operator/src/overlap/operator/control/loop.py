@@ -216,6 +216,7 @@ def _scale(name: str, namespace: str, replicas: int) -> None:
             name,
             {"spec": {"replicas": replicas}},
             _content_type=kube.MERGE_PATCH,
+            _request_timeout=kube.request_timeout(),
         )
 
 
