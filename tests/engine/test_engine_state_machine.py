@@ -21,6 +21,9 @@ from overlap.engine.types import FinishReason, SamplingParams
 from tests.support.engine import create_engine, reference_tokens
 
 NUM_BLOCKS = 12  # of 4 slots: decode growth often forces preemptions
+# What the runs exercised, summed over them: the scenario must have hit the prefix cache and preempted, not only
+# been able to.
+COVERED = {"runs": 0, "prefix_cache_hits": 0, "preemptions": 0}
 SHARED = [9, 8, 7, 6, 5, 4, 3, 2]  # a common prefix: prefix-cache hits
 AGING_S = 1.0
 STEP_S = 0.1  # the test's clock advances this much per engine step: requests that wait many steps age
@@ -190,6 +193,9 @@ class EngineMachine(RuleBasedStateMachine):
                 assert reason in (FinishReason.LENGTH, FinishReason.STOP) and tokens == expected, rid
         assert engine.block_manager.num_free_blocks == NUM_BLOCKS, "KV blocks leaked"
         engine.block_manager.check_invariants([])
+        COVERED["runs"] += 1
+        COVERED["prefix_cache_hits"] += engine.stats()["prefix_cache_hits_total"]
+        COVERED["preemptions"] += engine.stats()["num_preemptions_total"]
         engine.executor.close()
 
 
@@ -200,12 +206,16 @@ EngineMachine.TestCase.settings = settings(
 
 @pytest.mark.reliability
 def test_engine_state_machine(reliability) -> None:
+    before = dict(COVERED)
     EngineMachine.TestCase("runTest").runTest()
+    covered = {key: COVERED[key] - before[key] for key in COVERED}
+    assert covered["prefix_cache_hits"] > 0 and covered["preemptions"] > 0, covered
     reliability.row(
         "Engine", "any interleaving of add (3 priorities), fork (n > 1), abort, preempt, reconfigure (aging period "
         "too), failing steps and time passing",
         load="120 hypothesis runs of up to 40 rules, 1-3 steps in flight, 12 KV blocks, the engine on the test's clock",
         outcome="after every rule nothing runs twice, block invariants hold; each step admits only the queue's head "
         "(levels, then FIFO) and no request waits above its aging bound; at the end each request ended once, tokens "
-        "equal to the reference (a prefix if aborted or failed), every block back",
+        f"equal to the reference (a prefix if aborted or failed), every block back; {covered['prefix_cache_hits']} "
+        f"prefix-cache hits and {covered['preemptions']} preemptions over its {covered['runs']} runs",
     )  # fmt: skip
