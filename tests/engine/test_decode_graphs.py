@@ -103,3 +103,33 @@ def test_graph_steps_sample_what_eager_steps_sample(runners):
     eager, graphed = runners
     for step in _steps(5, seed=9):
         assert graphed.execute(step) == eager.execute(step)
+
+
+def test_the_engine_on_the_gpu_path_with_graphs_serves_what_transformers_generates(model_dir):
+    """The whole engine (scheduler, chunked prefill, prefix-cache hits, two steps in flight with placeholders) on the
+    paths CUDA takes, decode steps through the graphs' host side: every request's greedy tokens are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from overlap.engine.core import Engine
+    from tests.support.engine import add_and_run, tokens_of
+
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=NUM_BLOCKS, max_seq_len=256, attention_backend="triton",
+                          max_num_batched_tokens=32, num_buffers=2)  # fmt: skip
+    runner = ModelRunner(config, model_dir, cpu_paths=False)
+    runner.enable_decode_graphs(eager_capture, limit=8)
+    engine = Engine(config, runner=runner)
+    rng = random.Random(3)
+    shared = [rng.randrange(3, VOCAB) for _ in range(20)]  # a whole block and more: the second wave hits it
+    waves = [[shared + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(3)]
+             for _ in range(2)]  # fmt: skip
+    sampling = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for wave, prompts in enumerate(waves):
+        outputs = add_and_run(engine, {f"w{wave}-{i}": (p, sampling) for i, p in enumerate(prompts)})
+        for i, prompt in enumerate(prompts):
+            with torch.inference_mode():
+                out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+            assert tokens_of(outputs[f"w{wave}-{i}"]) == out[0, len(prompt) :].tolist(), (wave, i)
+    assert runner.graph_steps > 0 and engine.stats()["prefix_cache_hits_total"] > 0
+    engine.close()
