@@ -313,7 +313,8 @@ def case_busy(check: Check) -> None:
 
     from overlap.bench.overlap_load import DecodeLoad
     from overlap.engine.execution import make_executor
-    from overlap.engine.execution.busy import BusyTracker, kernel_union_s
+    from overlap.engine.execution.busy import BusyTracker
+    from overlap.engine.execution.cuda import kernel_time_s
 
     batch, warmup = check.busy_batch, 5
     max_tokens = 2 * (warmup + check.steps) + 2
@@ -337,10 +338,7 @@ def case_busy(check: Check) -> None:
         snap = executor.busy.snapshot()
         kernel_share = None
         if check.device.type == "cuda":
-            device = torch.autograd.DeviceType.CUDA
-            intervals = [(e.time_range.start, e.time_range.end) for e in prof.events()
-                         if e.device_type == device and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
-            kernel_share = kernel_union_s(intervals) / 1e6 / wall
+            kernel_share = kernel_time_s(prof) / wall
         check.emit("busy", model=name, batch=batch, num_buffers=num_buffers, steps=check.steps,
                    event_busy_share=snap.busy_ratio, kernel_busy_share=kernel_share, wall_s=wall)  # fmt: skip
         _progress(f"busy {name} buffers={num_buffers}: events {snap.busy_ratio:.3f}, kernels {kernel_share}")

@@ -195,12 +195,10 @@ class CudaExecutor(Executor):
         try:
             step.done.synchronize()
             profiler.__exit__(None, None, None)
-            device = self._torch.autograd.DeviceType.CUDA
-            intervals = [(e.time_range.start, e.time_range.end) for e in profiler.events()
-                         if e.device_type == device and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
+            kernel_s = kernel_time_s(profiler)
             event_s = step.start.elapsed_time(step.end) / 1000
-            if intervals and event_s > 0:
-                self.busy.record_kernel_share(kernel_union_s(intervals) / 1e6 / event_s)
+            if kernel_s > 0 and event_s > 0:
+                self.busy.record_kernel_share(kernel_s / event_s)
         except Exception as exc:
             log.warning("kernel-time sampling failed: %s", exc)
 
@@ -252,3 +250,14 @@ class CudaExecutor(Executor):
 
     def close(self) -> list[StepResult]:
         return self.drain()
+
+
+def kernel_time_s(profiler) -> float:
+    """Seconds the GPU ran kernels in a finished torch profile: the union of their intervals (kernels of several
+    streams counted once), copies and memsets left out."""
+    import torch
+
+    device = torch.autograd.DeviceType.CUDA
+    intervals = [(e.time_range.start, e.time_range.end) for e in profiler.events()
+                 if e.device_type == device and not e.name.startswith(("Memcpy", "Memset"))]  # fmt: skip
+    return kernel_union_s(intervals) / 1e6
