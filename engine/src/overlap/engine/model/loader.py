@@ -355,7 +355,8 @@ def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: t
 
 def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
     """Random weights of the spec's shape, made on the device (no checkpoint, no host copy): for benchmarks of model
-    shapes nobody needs the outputs of. Normal(0, 0.02) matrices and unit norms, as transformers initialises."""
+    shapes nobody needs the outputs of. Normal(0, 0.02) matrices and unit norms, as transformers initialises; no
+    biases, whatever config.json says (the bias add is noise next to the matmuls a benchmark measures)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d

@@ -36,6 +36,8 @@ sample) except RoPE, which stays the real cat + addcmul form: torch has no compl
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +62,7 @@ from overlap.engine.model.loader import random_weights as make_random_weights
 from overlap.engine.model.staging import to_device
 from overlap.engine.types import NONFINITE_TOKEN, ModelInput, SamplingParams, TokenLogprob
 
+log = logging.getLogger(__name__)
 # A step's decode attention is shared with the helper thread only from this many decodes on: below it the hand-off
 # costs more than the second thread saves.
 MIN_DECODES_TO_SHARE = 8
@@ -977,16 +980,12 @@ def _prepack_for_onednn(weights: ModelWeights) -> ModelWeights:
 def _pick_attention(requested: str, device: torch.device, cpu_paths: bool) -> str:
     """The attention backend: `auto` is Triton on CUDA (torch ops if Triton is missing), the native kernel on the
     CPU fast paths, torch ops on the CPU's device-generic paths. Triton on a CPU runs only in its interpreter."""
-    import os
-
     if requested == "auto":
         if device.type == "cuda":
             try:
                 import triton  # noqa: F401
             except ImportError:
-                import logging
-
-                logging.getLogger(__name__).warning("Triton is not installed: attention runs as torch ops per sequence")
+                log.warning("Triton is not installed: attention runs as torch ops per sequence")
                 return "torch"
             return "triton"
         return "native" if cpu_paths else "torch"

@@ -158,10 +158,9 @@ def apply_logits_controls(
         if banned:
             row.index_fill_(0, to_device(device, banned)[0], float("-inf"))
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            # counted with index_add_, not bincount: on CUDA bincount reads the max back to size its output
             counts = torch.zeros(vocab, dtype=row.dtype, device=device)
-            if (
-                history is not None and history.numel()
-            ):  # not bincount: on CUDA it reads the max back to size its output
+            if history is not None and history.numel():
                 counts.index_add_(0, history, torch.ones(history.shape, dtype=row.dtype, device=device))
             if p.repetition_penalty != 1.0:
                 seen = counts > 0
