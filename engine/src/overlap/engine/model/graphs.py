@@ -78,10 +78,6 @@ class DecodeGraphs:
             self._buffers[bucket] = buffer
             self._replays[bucket] = capture(lambda inputs=inputs, logits=logits: logits.copy_(forward(inputs)))
 
-    @property
-    def max_batch(self) -> int:
-        return self.buckets[-1]
-
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket that holds `num_seqs` decodes; None past the largest (the step runs eagerly)."""
         for bucket in self.buckets:
