@@ -240,18 +240,17 @@ def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bo
 
 def _floor_bytes(runner, batch: int, context: float) -> float:
     """What a decode step must read: every weight but the embedding table (only its batch rows) and the K/V."""
+    import dataclasses
+
+    import torch
+
     from overlap.engine.model.loader import kv_bytes_per_token
 
     w = runner.weights
-    tensors = [w.norm, w.lm_head, *(t for lw in w.layers for t in vars_of(lw))]
-    weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+    layer_tensors = [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
+    tensors = [t for t in (w.norm, w.lm_head, *layer_tensors) if torch.is_tensor(t)]
+    weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())  # tied: once
     return weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
-
-
-def vars_of(layer) -> list:
-    import torch
-
-    return [getattr(layer, f) for f in layer.__dataclass_fields__ if isinstance(getattr(layer, f), torch.Tensor)]
 
 
 def case_decode(check: Check) -> None:
