@@ -1,11 +1,12 @@
-"""The runner's one native kernel: paged decode attention on CPU, fp32 or bf16 (`paged_attention.c`), built on first
-use.
+"""The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`) and a layer's small
+ops, RMSNorm and RoPE with the K/V write (`layer_ops.c`), built into one library on first use.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
-cached under `$OVERLAP_CACHE_DIR/native/` keyed by the source, the flags and the CPU model (the build uses
--march=native), and loaded with ctypes, which releases the GIL for the call. Without a C compiler, or with
-`OVERLAP_NATIVE=0`, `decode_attention_kernel()` returns None and the runner uses its torch ops instead (same
-results, slower: see docs/engine.md), after one logged warning saying why.
+cached under `$OVERLAP_CACHE_DIR/native/` keyed by the sources, the flags and the CPU model (the build uses
+-march=native, so the compiler picks the instructions this CPU has: AVX2, AVX-512, AVX512-BF16), and loaded with
+ctypes, which releases the GIL for the call. Without a C compiler, or with `OVERLAP_NATIVE=0`,
+`decode_attention_kernel()` and `layer_ops()` return None and the runner uses its torch ops instead (same results,
+slower: see docs/engine.md), after one logged warning saying why.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from overlap.engine.model.builder import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "bf16.h")]
 # -fopenmp-simd honours the `omp simd` pragmas without linking an OpenMP runtime (torch brings its own).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -125,27 +126,97 @@ class DecodePlan:
                 break
 
 
+class LayerOps:
+    """`layer_ops.c` loaded: RMSNorm, and RoPE with the K/V write, over a step's rows in one call each."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rms_norm = library.overlap_rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i32, _i32, _f32, _i32]
+        self._rope = library.overlap_rope_store_kv
+        self._rope.restype = None
+        self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """torch's rms_norm over the last dim of x [rows, hidden] (rows may be strided), one rounding: a new tensor."""
+        rows, hidden = x.shape
+        _check(x.dtype in DecodeAttentionKernel.DTYPES and weight.dtype == x.dtype, "rms_norm: fp32 or bf16 throughout")
+        _check(x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (hidden,), "rms_norm: layouts")
+        out = torch.empty(rows, hidden, dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), hidden, rows, hidden, eps,
+                       x.dtype == torch.bfloat16)  # fmt: skip
+        return out
+
+    def rope_store_kv(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        slots: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        heads: int,
+    ) -> None:
+        """RoPE on the q and k heads of qkv [tokens, (heads + 2 kv_heads) * head_dim] in place, then each token's K
+        and V heads into its slot of the pools [slots, kv_heads, head_dim]. cos/sin_signed [positions, head_dim]
+        (sin's first half negated: rotate-half form); positions and slots int64 [tokens]."""
+        tokens = qkv.shape[0]
+        kv_heads, head_dim = k_pool.shape[1], k_pool.shape[2]
+        dtype = qkv.dtype
+        same_dtype = all(t.dtype == dtype for t in (cos, sin_signed, k_pool, v_pool))
+        _check(dtype in DecodeAttentionKernel.DTYPES and same_dtype, "rope: fp32 or bf16 throughout")
+        _check(positions.dtype == slots.dtype == torch.int64 and positions.shape == slots.shape == (tokens,),
+               "rope: positions and slots int64, one per token")  # fmt: skip
+        _check(qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * head_dim, "rope: qkv rows")
+        _check(all(t.is_contiguous() for t in (cos, sin_signed, k_pool, v_pool, positions, slots))
+               and cos.shape[1] == head_dim == sin_signed.shape[1], "rope: tables and pools contiguous")  # fmt: skip
+        self._rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+                   slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tokens, heads, kv_heads, head_dim,
+                   dtype == torch.bfloat16)  # fmt: skip
+
+
+def _check(ok: bool, what: str) -> None:
+    # The C code trusts its layouts; a mismatch would read or write the wrong memory, so check them (cheap).
+    if not ok:
+        raise ValueError(f"native layer ops: {what}")
+
+
 @functools.cache
-def decode_attention_kernel() -> DecodeAttentionKernel | None:
-    """The kernel, built and cached on first use; None (and one warning) when it cannot be had."""
+def _library() -> ctypes.CDLL | None:
+    """The native library, built and cached on first use; None (and one warning) when it cannot be had."""
     if os.environ.get("OVERLAP_NATIVE", "1") == "0":
-        log.info("native decode attention off (OVERLAP_NATIVE=0): using torch ops")
+        log.info("native kernels off (OVERLAP_NATIVE=0): using torch ops")
         return None
     try:
-        return DecodeAttentionKernel(ctypes.CDLL(str(_build())))
+        return ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
-        log.warning("native decode attention unavailable (%s); using torch ops, slower at decode", detail)
+        log.warning("native kernels unavailable (%s); using torch ops, slower", detail)
         return None
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttentionKernel | None:
+    """The decode-attention kernel, or None without the native library."""
+    library = _library()
+    return None if library is None else DecodeAttentionKernel(library)
+
+
+@functools.cache
+def layer_ops() -> LayerOps | None:
+    """RMSNorm and RoPE with the K/V write, or None without the native library."""
+    library = _library()
+    return None if library is None else LayerOps(library)
 
 
 def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
-    target = cache_root() / "native" / f"paged_attention-{platform.machine()}-{key}.so"
+    sources = b"".join(path.read_bytes() for path in _SOURCES)
+    key = hashlib.sha256(sources + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
+    target = cache_root() / "native" / f"overlap_kernels-{platform.machine()}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -153,7 +224,8 @@ def _build() -> Path:
     # half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+        compiled = [str(path) for path in _SOURCES if path.suffix == ".c"]
+        subprocess.run([compiler, *_FLAGS, *compiled, "-o", str(built)], check=True, capture_output=True, text=True)
         os.replace(built, target)
     return target
 

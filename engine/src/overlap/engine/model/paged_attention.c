@@ -1,5 +1,7 @@
 /* Decode attention over the paged KV pool, one query token per sequence, fp32 or bf16 (q, pools and out all of one
- * dtype; bf16 values are widened to fp32 as they are loaded and every sum is fp32, as in oneDNN's bf16 kernels).
+ * dtype; every sum is fp32, as in oneDNN's bf16 kernels). In bf16 the softmax is computed in fp32 and its weights
+ * are rounded to bf16 before they multiply V, as transformers casts its fp32 softmax to the value dtype; the output
+ * is rounded once at the end.
  *
  * Built on first use by engine/src/overlap/engine/model/native.py (cc -O3 -march=native) and called through ctypes, which releases the GIL,
  * so the runner's two Python threads can each run a share of the sequences. One call covers a layer's decodes, where
@@ -23,27 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* bf16 is the top half of an fp32: widening is a shift, which the compiler vectorises. */
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* Element i of a q, K or V array: `bf16` is a constant at every call site, so each variant compiles to plain loads. */
-static inline __attribute__((always_inline)) float load(const void *base, int64_t i, const int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
+#include "bf16.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -55,6 +37,14 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
     return _mm512_loadu_ps((const float *)base + i);
+}
+
+/* Each lane rounded to the nearest bf16 (ties to even) and widened back; for finite values (softmax weights). */
+static inline __attribute__((always_inline)) __m512 round16_bf16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
 /* Lane i of the result is the sum of v[i]'s 16 lanes: a transposing tree of adds, about 2 instructions per vector
@@ -72,6 +62,17 @@ static inline __attribute__((always_inline)) __m512 sum16(__m512 v[16]) {
                              _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Prefetch share `share` of `shares` of the next block's `bytes` at `base` into L1: the passes spread it over the
+ * current block's heads, so its lines arrive while this block computes. Only a block of at most 16 KiB: two of
+ * them fit in L1 beside the scratch (a bf16 block of 16 rows x 8 heads x 64; measured in docs/engine.md, an fp32
+ * block of twice that ran slower with the prefetch). */
+static inline __attribute__((always_inline)) void prefetch_share(const void *base, int64_t bytes, int32_t share,
+                                                                 int32_t shares) {
+    if (bytes > 16384) return;
+    const int64_t lines = (bytes + 63) / 64, from = lines * share / shares, to = lines * (share + 1) / shares;
+    for (int64_t i = from; i < to; i++) _mm_prefetch((const char *)base + 64 * i, _MM_HINT_T0);
 }
 
 /* exp(x) for x <= 0 (softmax after the max is subtracted): x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial
@@ -96,22 +97,39 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
  * K and V rows block by block, in position order, and go head by head within a block (its rows stay in L1): the QK
  * pass reduces 16 positions' dot products at once, and the V pass loads and stores a head's fp32 output once per
  * block rather than once per position. With AVX512-BF16 the bf16 QK products are `vdpbf16ps` (pairs of bf16
- * multiplied and summed into fp32, no widening). `inv_sums` is scratch for one float per head. */
+ * multiplied and summed into fp32, no widening), and so are the V pass's (below). `inv_sums` is scratch for one float
+ * per head, `weights` for the bf16 attention weights (num_heads rows of round_up(max_len, 16)). */
 static inline __attribute__((always_inline)) void attend_one_avx512(
     const void *q_row, const void *k_pool, const void *v_pool, const int32_t *table, int32_t len, float *o,
-    float *scores, int32_t max_len, float *inv_sums, int32_t num_heads, int32_t num_kv_heads, const int32_t head_dim,
-    int32_t block_size, float scale, const int bf16) {
+    float *scores, int32_t max_len, float *inv_sums, uint16_t *weights, int32_t num_heads, int32_t num_kv_heads,
+    const int32_t head_dim, int32_t block_size, float scale, const int bf16) {
     enum { MAX_VECS = 8 }; /* head_dim <= 128 */
     const int32_t group = num_heads / num_kv_heads, vecs = head_dim / 16;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
+    const int64_t weights_stride = ((int64_t)max_len + 15) / 16 * 16;
+#if defined(__AVX512BF16__)
+    /* The V pass multiplies bf16 pairs: the weights of positions (p, p + 1) against their two V rows interleaved. A
+     * pair never straddles two blocks when the block size is even (it always is in the runner; odd sizes widen). */
+    const int pairs = bf16 && block_size % 2 == 0;
+#else
+    const int pairs = 0;
+#endif
 
     /* scores[h * max_len + p] = scale * q_h . k_p */
+    const size_t elem = bf16 ? 2 : 4;
     for (int32_t p0 = 0; p0 < len; p0 += block_size) {
         const int64_t k_block = (int64_t)table[p0 / block_size] * block_size * slot_stride;
         const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+        /* what the next block reads: the next K block, or after the last one V's first */
+        const int32_t next_p0 = p0 + block_size < len ? p0 + block_size : 0;
+        const void *next = (const char *)(next_p0 ? k_pool : v_pool) +
+                           (int64_t)table[next_p0 / block_size] * block_size * slot_stride * elem;
+        const int64_t next_bytes = (len - next_p0 < block_size ? len - next_p0 : block_size) * slot_stride * elem;
+        const int32_t shares = (rows + 15) / 16 * num_heads;
         for (int32_t r0 = 0; r0 < rows; r0 += 16) {
             const int32_t n = rows - r0 < 16 ? rows - r0 : 16;
             for (int32_t h = 0; h < num_heads; h++) {
+                prefetch_share(next, next_bytes, r0 / 16 * num_heads + h, shares);
                 const int64_t q_head = (int64_t)h * head_dim, k_head = k_block + (int64_t)(h / group) * head_dim;
                 __m512 acc[16];
 #if defined(__AVX512BF16__)
@@ -157,9 +175,13 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
         __m512 sum = _mm512_setzero_ps();
         for (int32_t p = 0; p < len; p += 16) {
             const __mmask16 m = len - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - p)) - 1u);
-            const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), top_all)));
+            __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), top_all)));
             sum = _mm512_add_ps(sum, e);
+            if (bf16) e = round16_bf16(e);
             _mm512_mask_storeu_ps(row + p, m, e);
+#if defined(__AVX512BF16__)
+            if (pairs) _mm256_storeu_si256((__m256i *)(weights + h * weights_stride + p), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
         }
         inv_sums[h] = 1.0f / _mm512_reduce_add_ps(sum);
     }
@@ -169,12 +191,41 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
     for (int32_t p0 = 0; p0 < len; p0 += block_size) {
         const int64_t v_block = (int64_t)table[p0 / block_size] * block_size * slot_stride;
         const int32_t rows = len - p0 < block_size ? len - p0 : block_size;
+        const int32_t next_p0 = p0 + block_size;
+        const void *next = (const char *)v_pool +
+                           (next_p0 < len ? (int64_t)table[next_p0 / block_size] * block_size * slot_stride * elem : 0);
+        const int64_t next_bytes = next_p0 >= len ? 0
+                                   : (len - next_p0 < block_size ? len - next_p0 : block_size) * slot_stride * elem;
         for (int32_t h = 0; h < num_heads; h++) {
+            prefetch_share(next, next_bytes, h, num_heads);
             const int64_t v_head = v_block + (int64_t)(h / group) * head_dim;
             const float *w = scores + (int64_t)h * max_len + p0;
             float *o_head = o + (int64_t)h * head_dim;
             __m512 out[MAX_VECS];
             for (int j = 0; j < vecs; j++) out[j] = _mm512_loadu_ps(o_head + 16 * j);
+#if defined(__AVX512BF16__)
+            if (pairs) {
+                /* unpacklo/hi of rows r and r + 1 pair up their elements within each 128-bit lane, so out[2j] holds
+                 * dims 32j + 8l + 0..3 and out[2j + 1] dims 32j + 8l + 4..7 in lane l: put back in order at the end */
+                const uint16_t *w_pairs = weights + h * weights_stride + p0;
+                for (int32_t r = 0; r < rows; r += 2) {
+                    uint32_t w2;
+                    memcpy(&w2, w_pairs + r, sizeof w2);
+                    const __m512bh w_r = (__m512bh)_mm512_set1_epi32((int32_t)w2);
+                    const uint16_t *a = (const uint16_t *)v_pool + v_head + (int64_t)r * slot_stride;
+                    for (int j = 0; j < vecs / 2; j++) {
+                        const __m512i x = _mm512_loadu_si512(a + 32 * j);
+                        /* an odd last row pairs with zeros: the slot past it may hold anything, even a NaN */
+                        const __m512i y = r + 1 < rows ? _mm512_loadu_si512(a + slot_stride + 32 * j)
+                                                       : _mm512_setzero_si512();
+                        out[2 * j] = _mm512_dpbf16_ps(out[2 * j], w_r, (__m512bh)_mm512_unpacklo_epi16(x, y));
+                        out[2 * j + 1] = _mm512_dpbf16_ps(out[2 * j + 1], w_r, (__m512bh)_mm512_unpackhi_epi16(x, y));
+                    }
+                }
+                for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o_head + 16 * j, out[j]);
+                continue;
+            }
+#endif
             for (int32_t r = 0; r < rows; r++) {
                 const __m512 w_r = _mm512_set1_ps(w[r]);
                 const int64_t v = v_head + (int64_t)r * slot_stride;
@@ -183,9 +234,19 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o_head + 16 * j, out[j]);
         }
     }
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int32_t h = 0; h < num_heads; h++) {
         const __m512 inv = _mm512_set1_ps(inv_sums[h]);
         float *o_head = o + (int64_t)h * head_dim;
+        if (pairs) {
+            for (int j = 0; j < vecs / 2; j++) {
+                const __m512 x = _mm512_loadu_ps(o_head + 32 * j), y = _mm512_loadu_ps(o_head + 32 * j + 16);
+                _mm512_storeu_ps(o_head + 32 * j, _mm512_mul_ps(_mm512_permutex2var_ps(x, first, y), inv));
+                _mm512_storeu_ps(o_head + 32 * j + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, second, y), inv));
+            }
+            continue;
+        }
         for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o_head + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(o_head + 16 * j), inv));
     }
 }
@@ -233,7 +294,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q_row, 
             sum += row[p];
         }
         const float inv_sum = 1.0f / sum;
-        for (int32_t p = 0; p < len; p++) row[p] *= inv_sum;
+        for (int32_t p = 0; p < len; p++) row[p] = (bf16 ? bf16_to_f32(f32_to_bf16(row[p])) : row[p]) * inv_sum;
     }
 
     /* o_h = sum_p w_hp v_p, streaming V rows in position order like K: every head's accumulator lives in `o`
@@ -267,12 +328,14 @@ static inline __attribute__((always_inline)) int decode_attention(
     for (int32_t s = seq_begin; s < seq_end; s++)
         if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
     /* scratch: one row of attention weights per query head, the scaled query, and (bf16) the fp32 output */
-    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + 2 * width + num_heads));
+    const size_t weights_floats = (size_t)num_heads * ((max_len + 15) / 16 * 16) / 2;
+    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + 2 * width + num_heads + weights_floats));
     if (scores == NULL) return -1;
     float *q_scaled = scores + (size_t)num_heads * max_len;
     float *o_f32 = q_scaled + width;
 #if defined(__AVX512F__)
     float *inv_sums = o_f32 + width;
+    uint16_t *weights = (uint16_t *)(inv_sums + num_heads);
 #endif
 
     for (int32_t s = seq_begin; s < seq_end; s++) {
@@ -283,11 +346,11 @@ static inline __attribute__((always_inline)) int decode_attention(
         const int32_t len = ctx_lens[s];
 #if defined(__AVX512F__)
         if (head_dim == 64) {
-            attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, num_heads,
-                              num_kv_heads, 64, block_size, scale, bf16);
+            attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, weights,
+                              num_heads, num_kv_heads, 64, block_size, scale, bf16);
         } else if (head_dim == 128) {
-            attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, num_heads,
-                              num_kv_heads, 128, block_size, scale, bf16);
+            attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, weights,
+                              num_heads, num_kv_heads, 128, block_size, scale, bf16);
         } else
 #endif
         if (head_dim == 64)

@@ -25,12 +25,13 @@ projection and MLP are ~12% of a prompt token's projection FLOPs in the tiny mod
 
 CPU fast path (fp32, measured on a 2-core AMD EPYC; batch-64 decode step at context 160 61 -> 21 ms, 2048-token
 prefill step 510 -> 230 ms against the first per-sequence-matmul runner): projections through oneDNN with weights
-prepacked once (torch's fp32 matmul goes to MKL, AVX2-only on AMD), SiLU fused into the gate matmul, RoPE as one
-complex multiply on pair-interleaved q/k rows, the native decode-attention kernel, and with 2+ threads each step's
-batch cut into two halves that run whole forwards on two Python threads with one intra-op thread each. What is left
-is memory traffic: at context 160 a batch-64 decode step reads ~250 MB of fp32 K/V. bf16 takes the same path
-(weights prepacked, SiLU fused, the native kernel reading bf16 K/V and summing in fp32, logits widened to fp32 to
-sample) except RoPE, which stays the real cat + addcmul form: torch has no complex bf16.
+prepacked once (torch's fp32 matmul goes to MKL, AVX2-only on AMD), SiLU fused into the gate matmul, the native
+decode-attention kernel, RMSNorm and RoPE with the K/V write as one native call each (`layer_ops.c`: torch took ~8
+kernels per RMSNorm and 5 for RoPE and the two pool writes), and with 2+ threads each step's batch cut into two
+halves that run whole forwards on two Python threads with one intra-op thread each. What is left is the projections'
+arithmetic and memory traffic: at context 160 a batch-64 decode step reads ~250 MB of fp32 K/V. bf16 takes the same
+path (oneDNN's bf16 kernels, a bf16 KV pool, the native kernels summing in fp32 and rounding once, logits widened to
+fp32 to sample).
 """
 
 from __future__ import annotations
@@ -218,15 +219,13 @@ class ModelRunner:
         if self.attention_backend == "native" and self.dtype in native.DecodeAttentionKernel.DTYPES:
             self._decode_kernel = native.decode_attention_kernel()
         self._linear = _pick_linear(self.device, self.dtype) if self._cpu_paths else F.linear
-        self._rope_freqs = None  # complex RoPE table when q/k rows are stored pair-interleaved (see _interleave_qk)
         if self._linear is not F.linear:
             with torch.inference_mode():
-                half = spec.head_dim // 2
-                same_halves = torch.equal(cos[:, :half], cos[:, half:]) and torch.equal(sin[:, :half], sin[:, half:])
-                if same_halves and self.dtype == torch.float32:  # complex RoPE: torch has no complex bf16
-                    self.weights = _permute_qk_dims(self.weights, spec, _interleaved_order(spec.head_dim))
-                    self._rope_freqs = torch.complex(cos[:, :half].float(), sin[:, :half].float()).to(self.device)
                 self.weights = _prepack_for_onednn(self.weights)
+        # RMSNorm, and RoPE with the K/V write, as one native call each (CPU fast paths); None: torch ops.
+        self._layer_ops = None
+        if self._cpu_paths and self.dtype in native.DecodeAttentionKernel.DTYPES:
+            self._layer_ops = native.layer_ops()
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
         self._histories: dict[str, list[torch.Tensor]] = {}  # request id -> its sampled tokens (penalties)
         self._grammars = GrammarSet(self.model_dir, spec.vocab_size, self.eos_token_ids)  # structured outputs
@@ -279,7 +278,9 @@ class ModelRunner:
         if self.device.type != "cpu":
             return f"{self.device.type} {dtype}: torch linear; {attention}"
         linear = "oneDNN linear, weights prepacked" if self._linear is not F.linear else "torch linear"
-        return f"CPU {native.cpu_isa()} {dtype}: {linear}; {attention}; torch {torch.backends.cpu.get_cpu_capability()}"
+        norms = "native RMSNorm and RoPE" if self._layer_ops is not None else "torch RMSNorm and RoPE"
+        isa = f"torch {torch.backends.cpu.get_cpu_capability()}"
+        return f"CPU {native.cpu_isa()} {dtype}: {linear}; {attention}; {norms}; {isa}"
 
     # Names the engine and executor read.
     @property
@@ -588,42 +589,41 @@ class ModelRunner:
         num_tokens = inputs.input_ids.shape[0]
         q_size, kv_size, inter = self._q_size, self._kv_size, spec.intermediate_size
         heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        freqs = None
-        if self._rope_freqs is not None:
-            freqs = self._rope_freqs.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D/2] complex
-        else:
+        ops = self._layer_ops
+        if ops is None:
             cos = self.rope_cos.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin_signed.index_select(0, inputs.positions).unsqueeze(1)
+
+        def norm(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return F.rms_norm(t, hidden, weight, eps) if ops is None else ops.rms_norm(t, weight, eps)
+
         x = w.embed.index_select(0, inputs.input_ids)
         last = len(w.layers) - 1
         for layer, lw in enumerate(w.layers):
-            h = F.rms_norm(x, hidden, lw.input_norm, eps)
+            h = norm(x, lw.input_norm)
             qkv = linear(h, lw.qkv, lw.qkv_bias)
-            qk = qkv[:, : q_size + kv_size]
-            if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-                qk = torch.cat(
-                    [
-                        F.rms_norm(qk[:, :q_size].view(num_tokens, heads, head_dim), (head_dim,), lw.q_norm, eps),
-                        F.rms_norm(qk[:, q_size:].view(num_tokens, kv_heads, head_dim), (head_dim,), lw.k_norm, eps),
-                    ],
-                    dim=1,
-                ).view(num_tokens, -1)
-            # RoPE on q and k in one go: x * cos + rotate_half(x) * sin, rotate_half as the two halves swapped
-            # with the sign folded into sin (three elementwise kernels, not ten). The swap is a cat of the two
-            # halves, not flip(): CPU flip is a slow generic kernel (1024 tokens x 16 heads, one thread: the RoPE took
-            # 2.0 ms with flip, 0.5 ms with cat; same values).
-            if freqs is not None:  # pair-interleaved q/k: RoPE is one complex multiply
-                pairs = torch.view_as_complex(qk.view(num_tokens, heads + kv_heads, -1, 2))
-                qk = torch.view_as_real(pairs * freqs).view(num_tokens, heads + kv_heads, head_dim)
+            if lw.q_norm is not None:  # Qwen3: RMSNorm over each head's q and k, before RoPE (in place in qkv)
+                q_heads = qkv[:, :q_size].view(num_tokens, heads, head_dim)
+                k_heads = qkv[:, q_size : q_size + kv_size].view(num_tokens, kv_heads, head_dim)
+                q_heads.copy_(F.rms_norm(q_heads, (head_dim,), lw.q_norm, eps))
+                k_heads.copy_(F.rms_norm(k_heads, (head_dim,), lw.k_norm, eps))
+            k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
+            if ops is not None:
+                ops.rope_store_kv(qkv, inputs.positions, self.rope_cos, self.rope_sin_signed, inputs.slots, k_pool,
+                                  v_pool, heads)  # fmt: skip
+                q = qkv[:, :q_size].view(num_tokens, heads, head_dim)
             else:
-                qk = qk.view(num_tokens, heads + kv_heads, 2, head_dim // 2)
+                # RoPE on q and k in one go: x * cos + rotate_half(x) * sin, rotate_half as the two halves swapped
+                # with the sign folded into sin (three elementwise kernels, not ten). The swap is a cat of the two
+                # halves, not flip(): CPU flip is a slow generic kernel (1024 tokens x 16 heads, one thread: the RoPE
+                # took 2.0 ms with flip, 0.5 ms with cat; same values).
+                qk = qkv[:, : q_size + kv_size].view(num_tokens, heads + kv_heads, 2, head_dim // 2)
                 swapped = torch.cat([qk[:, :, 1:], qk[:, :, :1]], dim=2).view(num_tokens, -1, head_dim)
                 qk = torch.addcmul(qk.view(num_tokens, -1, head_dim) * cos, swapped, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-            v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
-            k_pool, v_pool = self.k_pool[layer], self.v_pool[layer]
-            k_pool.index_copy_(0, inputs.slots, k)
-            v_pool.index_copy_(0, inputs.slots, v)
+                q, k = qk[:, :heads], qk[:, heads:]
+                v = qkv[:, q_size + kv_size :].view(num_tokens, kv_heads, head_dim)
+                k_pool.index_copy_(0, inputs.slots, k)
+                v_pool.index_copy_(0, inputs.slots, v)
             window = self.layer_windows[layer]
             plan = inputs.window_plans.get(window) if window is not None else None
             decode_plan, seqs, last_plan = plan or (inputs.decode_plan, inputs.seqs, inputs.last_layer)
@@ -637,7 +637,7 @@ class ModelRunner:
             else:
                 attn = self._attention(q, k_pool, v_pool, decode_plan, seqs, window)
             x = linear(attn, lw.o, lw.o_bias).add_(x)  # the residual added in place into the projection's fresh output
-            h = F.rms_norm(x, hidden, lw.post_norm, eps)
+            h = norm(x, lw.post_norm)
             if lw.gate_up is None:  # oneDNN: SiLU as the gate matmul's post-op, no separate pass
                 act = linear(h, lw.gate, lw.gate_bias, post_op="swish").mul_(linear(h, lw.up, lw.up_bias))
             else:
@@ -646,10 +646,10 @@ class ModelRunner:
             x = linear(act, lw.down, lw.down_bias).add_(x)
         if inputs.last_layer is None:  # every row went through; else x holds the sampled rows already
             if inputs.prompt_rows is not None:
-                prompt_x = F.rms_norm(x.index_select(0, inputs.prompt_rows), hidden, w.norm, eps)
+                prompt_x = norm(x.index_select(0, inputs.prompt_rows), w.norm)
                 inputs.prompt_logits = linear(prompt_x, w.lm_head)
             x = x.index_select(0, inputs.sample_rows)
-        return linear(F.rms_norm(x, hidden, w.norm, eps), w.lm_head)
+        return linear(norm(x, w.norm), w.lm_head)
 
     def _attention(
         self,
@@ -901,14 +901,6 @@ def _pick_linear(device: torch.device, dtype: torch.dtype):
         return onednn(x, weight, bias, post_op, [], "")
 
     return linear
-
-
-def _interleaved_order(head_dim: int) -> torch.Tensor:
-    """Each head's dims from (x_0..x_{D/2-1}, y_0..y_{D/2-1}) to (x_0, y_0, x_1, y_1, ...), so that rotate_half-style
-    RoPE becomes one complex multiply on (x_j, y_j) pairs (the CPU RoPE took three elementwise passes plus a copy,
-    ~9% of a prefill step)."""
-    half = head_dim // 2
-    return torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).flatten()
 
 
 def _partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -1,0 +1,90 @@
+/* A decoder layer's small ops on CPU, fp32 or bf16, each one call over all of a step's rows: RMSNorm, and RoPE
+ * together with the K/V write into the paged pool. torch runs these as several kernels each (RMSNorm ~8: pow, mean,
+ * add, rsqrt, mul, mul and, in bf16, the conversions to fp32 and back; RoPE a cat, a mul and an addcmul, then one
+ * index_copy_ per pool), and at decode batch sizes their fixed costs exceed the work. Sums and products are fp32;
+ * each output is rounded once.
+ *
+ * Built with paged_attention.c into one library by native.py (cc -O3 -march=native; the loops are written for the
+ * compiler to vectorise) and called through ctypes, which releases the GIL.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+static inline __attribute__((always_inline)) void rms_norm(const void *x, int64_t x_stride, const void *weight,
+                                                           void *out, int64_t out_stride, int32_t rows,
+                                                           int32_t hidden, float eps, const int bf16) {
+    for (int32_t r = 0; r < rows; r++) {
+        const int64_t in_row = (int64_t)r * x_stride, out_row = (int64_t)r * out_stride;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int32_t i = 0; i < hidden; i++) {
+            const float v = load(x, in_row + i, bf16);
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+        for (int32_t i = 0; i < hidden; i++)
+            store(out, out_row + i, load(x, in_row + i, bf16) * inv * load(weight, i, bf16), bf16);
+    }
+}
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight for rows 0 .. rows - 1 (torch's rms_norm); strides count
+ * elements. */
+void overlap_rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int64_t out_stride,
+                      int32_t rows, int32_t hidden, float eps, int32_t bf16) {
+    if (bf16)
+        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 1);
+    else
+        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 0);
+}
+
+static inline __attribute__((always_inline)) void rope_store_kv(
+    void *qkv, int64_t row_stride, const int64_t *positions, const void *cos, const void *sin_signed,
+    const int64_t *slots, void *k_pool, void *v_pool, int32_t tokens, int32_t heads, int32_t kv_heads,
+    int32_t head_dim, const int bf16) {
+    const int32_t half = head_dim / 2;
+    const int64_t slot_width = (int64_t)kv_heads * head_dim;
+    float x[head_dim];
+    for (int32_t t = 0; t < tokens; t++) {
+        const int64_t row = (int64_t)t * row_stride, table = positions[t] * head_dim;
+        const int64_t slot = slots[t] * slot_width;
+        for (int32_t h = 0; h < heads + kv_heads; h++) {
+            const int64_t at = row + (int64_t)h * head_dim;
+#pragma omp simd
+            for (int32_t d = 0; d < head_dim; d++) x[d] = load(qkv, at + d, bf16);
+            /* x cos + rotate_half(x) sin: rotate_half swaps the halves, its sign is folded into sin_signed */
+#pragma omp simd
+            for (int32_t d = 0; d < half; d++)
+                x[d] = x[d] * load(cos, table + d, bf16) + load(qkv, at + half + d, bf16) * load(sin_signed, table + d, bf16);
+#pragma omp simd
+            for (int32_t d = half; d < head_dim; d++)
+                x[d] = x[d] * load(cos, table + d, bf16) + load(qkv, at + d - half, bf16) * load(sin_signed, table + d, bf16);
+            const int64_t k_at = slot + (int64_t)(h - heads) * head_dim;
+#pragma omp simd
+            for (int32_t d = 0; d < head_dim; d++) {
+                store(qkv, at + d, x[d], bf16);
+                if (h >= heads) store(k_pool, k_at + d, x[d], bf16);
+            }
+        }
+        const int64_t v_at = row + (int64_t)(heads + kv_heads) * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < slot_width; i++) store(v_pool, slot + i, load(qkv, v_at + i, bf16), bf16);
+    }
+}
+
+/* For each token t of a step: RoPE on its q and k heads in place in its qkv row (rotate-half form: x cos +
+ * rotate_half(x) sin, the tables [positions, head_dim] with sin's first half negated), then its rotated K heads and
+ * its V heads into slot slots[t] of the pools ([slots, kv_heads, head_dim]). A row holds heads q heads, kv_heads k
+ * heads, kv_heads v heads, head_dim each; rows are row_stride elements apart. */
+void overlap_rope_store_kv(void *qkv, int64_t row_stride, const int64_t *positions, const void *cos,
+                           const void *sin_signed, const int64_t *slots, void *k_pool, void *v_pool, int32_t tokens,
+                           int32_t heads, int32_t kv_heads, int32_t head_dim, int32_t bf16) {
+    if (bf16)
+        rope_store_kv(qkv, row_stride, positions, cos, sin_signed, slots, k_pool, v_pool, tokens, heads, kv_heads,
+                      head_dim, 1);
+    else
+        rope_store_kv(qkv, row_stride, positions, cos, sin_signed, slots, k_pool, v_pool, tokens, heads, kv_heads,
+                      head_dim, 0);
+}
