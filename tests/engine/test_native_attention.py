@@ -92,7 +92,7 @@ def test_kernel_refuses_mixed_dtypes():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_logits_same_with_native_kernels_and_torch_ops(tiny_model_dir: Path, dtype: str):
     runner = ModelRunner(EngineConfig(num_kv_blocks=128, max_seq_len=512, dtype=dtype), tiny_model_dir)
-    assert runner._decode_kernel is not None and runner._layer_ops is not None
+    assert runner._decode_kernel is not None and runner._cpu_ops is not None
     rng = random.Random(5)
     ids = list(range(runner.num_kv_blocks))
     rng.shuffle(ids)  # fragmented block tables
@@ -108,7 +108,7 @@ def test_runner_logits_same_with_native_kernels_and_torch_ops(tiny_model_dir: Pa
     with_kernel = runner.compute_logits(batch)
     inputs = runner.prepare(batch)
     assert any(half.decode_plan is not None for half in inputs.halves or (inputs,))
-    runner._decode_kernel = runner._layer_ops = None
+    runner._decode_kernel = runner._cpu_ops = None
     try:
         assert runner.prepare(batch).decode_plan is None
         without = runner.compute_logits(batch)
@@ -151,8 +151,8 @@ def test_the_runner_names_its_kernels(tiny_model_dir: Path):
         assert described.startswith(f"CPU {native.cpu_isa()} bfloat16:"), described
         expected = "native decode attention" if kernel is not None else "torch decode attention"
         assert expected in described
-        assert ("native RMSNorm and RoPE" in described) == (kernel is not None)
-        runner._decode_kernel = runner._layer_ops = None
+        assert ("native RMSNorm, RoPE, argmax" in described) == (kernel is not None)
+        runner._decode_kernel = runner._cpu_ops = None
         assert "torch decode attention" in runner.kernels and "native RMSNorm" not in runner.kernels
     finally:
         runner.close()

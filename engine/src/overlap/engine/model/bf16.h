@@ -1,4 +1,4 @@
-/* bf16 <-> fp32 for the native kernels (paged_attention.c, layer_ops.c); a bf16 is held as its uint16_t bits. */
+/* bf16 <-> fp32 for the native kernels (paged_attention.c, cpu_ops.c); a bf16 is held as its uint16_t bits. */
 #ifndef OVERLAP_BF16_H
 #define OVERLAP_BF16_H
 

@@ -1,11 +1,12 @@
 """The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`) and a layer's small
-ops, RMSNorm and RoPE with the K/V write (`layer_ops.c`), built into one library on first use.
+ops, RMSNorm and RoPE with the K/V write, and the sampler's greedy argmax (`cpu_ops.c`), built into one library on
+first use.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
 cached under `$OVERLAP_CACHE_DIR/native/` keyed by the sources, the flags and the CPU model (the build uses
 -march=native, so the compiler picks the instructions this CPU has: AVX2, AVX-512, AVX512-BF16), and loaded with
 ctypes, which releases the GIL for the call. Without a C compiler, or with `OVERLAP_NATIVE=0`,
-`decode_attention_kernel()` and `layer_ops()` return None and the runner uses its torch ops instead (same results,
+`decode_attention_kernel()` and `cpu_ops()` return None and the runner uses its torch ops instead (same results,
 slower: see docs/engine.md), after one logged warning saying why.
 """
 
@@ -29,7 +30,7 @@ from overlap.engine.model.builder import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "layer_ops.c", "bf16.h")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cpu_ops.c", "bf16.h")]
 # -fopenmp-simd honours the `omp simd` pragmas without linking an OpenMP runtime (torch brings its own).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -126,8 +127,8 @@ class DecodePlan:
                 break
 
 
-class LayerOps:
-    """`layer_ops.c` loaded: RMSNorm, and RoPE with the K/V write, over a step's rows in one call each."""
+class CpuOps:
+    """`cpu_ops.c` loaded: RMSNorm, RoPE with the K/V write, and greedy argmax, over a step's rows in one call each."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rms_norm = library.overlap_rms_norm
@@ -136,6 +137,16 @@ class LayerOps:
         self._rope = library.overlap_rope_store_kv
         self._rope.restype = None
         self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
+        self._argmax = library.overlap_argmax_rows
+        self._argmax.restype = None
+        self._argmax.argtypes = [_ptr, _i64, _i32, _i32, _ptr]
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(x, dim=-1) of fp32 x [rows, cols] (rows may be strided): int64 [rows]."""
+        _check(x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0, "argmax: layout")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """torch's rms_norm over the last dim of x [rows, hidden] (rows may be strided), one rounding: a new tensor."""
@@ -179,7 +190,7 @@ class LayerOps:
 def _check(ok: bool, what: str) -> None:
     # The C code trusts its layouts; a mismatch would read or write the wrong memory, so check them (cheap).
     if not ok:
-        raise ValueError(f"native layer ops: {what}")
+        raise ValueError(f"native CPU ops: {what}")
 
 
 @functools.cache
@@ -204,10 +215,10 @@ def decode_attention_kernel() -> DecodeAttentionKernel | None:
 
 
 @functools.cache
-def layer_ops() -> LayerOps | None:
-    """RMSNorm and RoPE with the K/V write, or None without the native library."""
+def cpu_ops() -> CpuOps | None:
+    """RMSNorm, RoPE with the K/V write, and argmax, or None without the native library."""
     library = _library()
-    return None if library is None else LayerOps(library)
+    return None if library is None else CpuOps(library)
 
 
 def _build() -> Path:

@@ -26,7 +26,7 @@ projection and MLP are ~12% of a prompt token's projection FLOPs in the tiny mod
 CPU fast path (fp32, measured on a 2-core AMD EPYC; batch-64 decode step at context 160 61 -> 21 ms, 2048-token
 prefill step 510 -> 230 ms against the first per-sequence-matmul runner): projections through oneDNN with weights
 prepacked once (torch's fp32 matmul goes to MKL, AVX2-only on AMD), SiLU fused into the gate matmul, the native
-decode-attention kernel, RMSNorm and RoPE with the K/V write as one native call each (`layer_ops.c`: torch took ~8
+decode-attention kernel, RMSNorm and RoPE with the K/V write as one native call each (`cpu_ops.c`: torch took ~8
 kernels per RMSNorm and 5 for RoPE and the two pool writes), and with 2+ threads each step's batch cut into two
 halves that run whole forwards on two Python threads with one intra-op thread each. What is left is the projections'
 arithmetic and memory traffic: at context 160 a batch-64 decode step reads ~250 MB of fp32 K/V. bf16 takes the same
@@ -222,10 +222,10 @@ class ModelRunner:
         if self._linear is not F.linear:
             with torch.inference_mode():
                 self.weights = _prepack_for_onednn(self.weights)
-        # RMSNorm, and RoPE with the K/V write, as one native call each (CPU fast paths); None: torch ops.
-        self._layer_ops = None
+        # RMSNorm, RoPE with the K/V write, and greedy argmax as one native call each (CPU fast paths); None: torch.
+        self._cpu_ops = None
         if self._cpu_paths and self.dtype in native.DecodeAttentionKernel.DTYPES:
-            self._layer_ops = native.layer_ops()
+            self._cpu_ops = native.cpu_ops()
         self.last_forward_s: float | None = None  # wall time of the last forward + sampling (device busy time)
         self._histories: dict[str, list[torch.Tensor]] = {}  # request id -> its sampled tokens (penalties)
         self._grammars = GrammarSet(self.model_dir, spec.vocab_size, self.eos_token_ids)  # structured outputs
@@ -278,7 +278,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             return f"{self.device.type} {dtype}: torch linear; {attention}"
         linear = "oneDNN linear, weights prepacked" if self._linear is not F.linear else "torch linear"
-        norms = "native RMSNorm and RoPE" if self._layer_ops is not None else "torch RMSNorm and RoPE"
+        norms = "native RMSNorm, RoPE, argmax" if self._cpu_ops is not None else "torch RMSNorm, RoPE, argmax"
         isa = f"torch {torch.backends.cpu.get_cpu_capability()}"
         return f"CPU {native.cpu_isa()} {dtype}: {linear}; {attention}; {norms}; {isa}"
 
@@ -589,7 +589,7 @@ class ModelRunner:
         num_tokens = inputs.input_ids.shape[0]
         q_size, kv_size, inter = self._q_size, self._kv_size, spec.intermediate_size
         heads, kv_heads, head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        ops = self._layer_ops
+        ops = self._cpu_ops
         if ops is None:
             cos = self.rope_cos.index_select(0, inputs.positions).unsqueeze(1)  # [T, 1, D]
             sin = self.rope_sin_signed.index_select(0, inputs.positions).unsqueeze(1)
@@ -807,7 +807,8 @@ class ModelRunner:
             grammar_rows = [(row, rid, n) for row, (rid, n, p) in enumerate(rows) if p.grammar is not None]
             if grammar_rows:  # structured outputs: what the grammar does not allow next gets -inf
                 self._grammars.mask(logits, grammar_rows)
-        return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator)
+        argmax = None if self._cpu_ops is None else self._cpu_ops.argmax
+        return sampler.sample(logits, inputs.sampling, inputs.num_generated, self.generator, argmax)
 
     def record_sampled(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Keep the tokens of requests whose controls need their history, on the device (no host sync). Indexed by

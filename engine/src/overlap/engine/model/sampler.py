@@ -25,16 +25,18 @@ def sample(
     params: list[SamplingParams],
     num_generated: list[int],
     generator: torch.Generator,
+    argmax=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] (any float dtype) -> token ids [S] (int64, on logits' device) and whether each row's logits
     were finite. Sampled in fp32: widening bf16 is exact (the same argmax), and torch's CPU argmax over bf16 is
     several times slower than over fp32. A row's argmax lands on a NaN or +inf if it holds one (and anywhere in a
     row of -inf), so the logit there tells a broken row for the price of one gather instead of another pass.
+    `argmax` replaces torch.argmax(logits, -1) (the runner passes the native one on CPU).
 
     No host sync: every decision (which rows, how many candidates, whether to sort) is made on the host from `params`,
     and the rows' numbers (index, temperature, top-p, top-k, uniform draw) reach the device in one staged copy."""
     logits = logits.float()
-    out = logits.argmax(dim=-1)
+    out = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     finite = torch.isfinite(logits.gather(1, out.unsqueeze(1)).squeeze(1))
     if all(p.is_greedy for p in params):
         return out, finite

@@ -1,5 +1,6 @@
-"""The native layer ops (`layer_ops.c`) give what torch's ops give: RMSNorm, and RoPE with the K/V write into the
-paged pool, in fp32 and bf16, on strided rows; layouts the C code would misread are refused."""
+"""The native CPU ops (`cpu_ops.c`) give what torch's ops give: RMSNorm, and RoPE with the K/V write into the paged
+pool, in fp32 and bf16, on strided rows; greedy argmax with torch's ties and NaNs; layouts the C code would misread
+are refused."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from overlap.engine.model import native
 
-ops = native.layer_ops()
+ops = native.cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C compiler: the runner uses torch ops")
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 # fp32: the same sums in another order; bf16: the kernels round once where torch rounds after each op, so a value
@@ -59,12 +60,27 @@ def test_rope_rotates_q_and_k_in_place_and_writes_k_v_to_their_slots(dtype, head
     assert torch.isnan(k_pool[untouched]).all() and torch.isnan(v_pool[untouched]).all()
 
 
+def test_argmax_is_torchs_with_ties_nans_and_infinities():
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(9, 5000, generator=gen)
+    x = wide[:, :4099]  # strided rows, a length that is no multiple of a vector
+    x[1, 7] = x[1, 4000] = x[1].max() + 1  # a tie: the first one
+    x[2, 50] = x[2, 9] = float("nan")  # NaN is the largest: the first NaN
+    x[3] = float("-inf")  # all -inf: 0
+    x[4, 4098] = float("inf")  # the last column
+    x[5, 0] = float("nan")
+    torch.testing.assert_close(ops.argmax(x), x.argmax(-1), rtol=0, atol=0)
+    assert ops.argmax(x[:0]).shape == (0,)
+
+
 def test_layouts_the_kernels_would_misread_are_refused():
     x, weight = torch.zeros(4, 64), torch.ones(64)
     with pytest.raises(ValueError, match="fp32 or bf16"):
         ops.rms_norm(x, weight.bfloat16(), 1e-5)
     with pytest.raises(ValueError, match="layouts"):
         ops.rms_norm(torch.zeros(64, 4).t(), weight, 1e-5)
+    with pytest.raises(ValueError, match="argmax"):
+        ops.argmax(torch.zeros(4, 8, dtype=torch.bfloat16))
     qkv, table = torch.zeros(2, 3 * 64), torch.zeros(8, 64)
     pool = torch.zeros(4, 1, 64)
     index = torch.zeros(2, dtype=torch.long)

@@ -1,7 +1,8 @@
-/* A decoder layer's small ops on CPU, fp32 or bf16, each one call over all of a step's rows: RMSNorm, and RoPE
- * together with the K/V write into the paged pool. torch runs these as several kernels each (RMSNorm ~8: pow, mean,
- * add, rsqrt, mul, mul and, in bf16, the conversions to fp32 and back; RoPE a cat, a mul and an addcmul, then one
- * index_copy_ per pool), and at decode batch sizes their fixed costs exceed the work. Sums and products are fp32;
+/* Small ops on CPU, fp32 or bf16, each one call over all of a step's rows: a decoder layer's RMSNorm, and RoPE
+ * together with the K/V write into the paged pool; the sampler's greedy argmax. torch runs the first two as several
+ * kernels each (RMSNorm ~8: pow, mean, add, rsqrt, mul, mul and, in bf16, the conversions to fp32 and back; RoPE a
+ * cat, a mul and an addcmul, then one index_copy_ per pool), and at decode batch sizes their fixed costs exceed the
+ * work; its CPU argmax does not vectorise (a [64, 8192] argmax takes ten times an amax). Sums and products are fp32;
  * each output is rounded once.
  *
  * Built with paged_attention.c into one library by native.py (cc -O3 -march=native; the loops are written for the
@@ -87,4 +88,25 @@ void overlap_rope_store_kv(void *qkv, int64_t row_stride, const int64_t *positio
     else
         rope_store_kv(qkv, row_stride, positions, cos, sin_signed, slots, k_pool, v_pool, tokens, heads, kv_heads,
                       head_dim, 0);
+}
+
+/* out[r] = the index of row r's largest value, the first one on ties, as torch.argmax: a NaN counts as the largest
+ * (the first NaN's index), and a row of -inf gives 0. Rows of `cols` fp32 values, rows_stride apart. */
+void overlap_argmax_rows(const float *x, int64_t row_stride, int32_t rows, int32_t cols, int64_t *out) {
+    for (int32_t r = 0; r < rows; r++) {
+        const float *row = x + (int64_t)r * row_stride;
+        float top = -INFINITY;
+        int32_t nans = 0;
+#pragma omp simd reduction(max : top) reduction(+ : nans)
+        for (int32_t i = 0; i < cols; i++) {
+            top = row[i] > top ? row[i] : top;
+            nans += row[i] != row[i];
+        }
+        int32_t i = 0;
+        if (nans)
+            while (row[i] == row[i]) i++;
+        else
+            while (i < cols - 1 && row[i] != top) i++;
+        out[r] = i;
+    }
 }
