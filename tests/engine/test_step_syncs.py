@@ -47,6 +47,11 @@ def runner(request):
         pytest.importorskip("triton")
     config = EngineConfig(num_kv_blocks=64, max_seq_len=256, attention_backend=request.param)
     runner = ModelRunner(config, ensure_default_model(), cpu_paths=False)  # the paths CUDA takes
+    # The steps' decodes attend to positions no prefill wrote: zeros there, not whatever the allocator left (a NaN
+    # in it made the interpreter's matmul warn).
+    with torch.inference_mode():
+        runner.k_pool.zero_()
+        runner.v_pool.zero_()
     yield runner
     runner.close()
 
