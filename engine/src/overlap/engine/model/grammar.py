@@ -34,7 +34,7 @@ class GrammarSet:
         if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
             # transformers is imported here, before the thread: while the thread was still importing it, another
             # thread's `from transformers import AutoModelForCausalLM` found no such name (the tests and the GPU
-            # check import it right after building an engine); about 0.4 s of start-up.
+            # check import it right after building an engine); about 0.3 s of start-up.
             import transformers  # noqa: F401
 
             threading.Thread(target=self._warm_up, name="overlap-grammar-warmup", daemon=True).start()
