@@ -14,7 +14,7 @@ import statistics
 import time
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
-from tests.support.engine import ConstantRunner
+from tests.support.engine import ConstantRunner, execute_now
 
 
 def measure(batch: int) -> dict:
@@ -34,7 +34,8 @@ def measure(batch: int) -> dict:
         seqs = batch_handle.model_input.seqs
         if len(seqs) == batch and all(len(s.token_ids) == 1 for s in seqs):
             full_decode.append(batch_handle.schedule_cpu_s)
-        outputs += engine.postprocess(batch_handle, None if batch_handle.is_empty else engine.execute(batch_handle))
+        result = None if batch_handle.is_empty else execute_now(engine, batch_handle)
+        outputs += engine.postprocess(batch_handle, result)
         num_steps += 1
     step_cpu = time.thread_time() - step_cpu
     us = 1e6

@@ -24,7 +24,7 @@ def sim(step_ms=0.5, vocab_size=8192, num_kv_blocks=512, eos=None, asynchronous=
         vocab_size=vocab_size,
         block_size=4,
         num_kv_blocks=num_kv_blocks,
-        eos_token_id=eos,
+        eos_token_ids=() if eos is None else (eos,),
         asynchronous=asynchronous,
     )
 
@@ -225,7 +225,7 @@ def test_measured_idle_share_matches_the_cost_model(num_buffers, host_ms, asynch
     errors = []
     for _ in range(3):
         runner = SimRunner(
-            CostModel(0.020, 0.0), block_size=16, num_kv_blocks=16 * 10, eos_token_id=None, asynchronous=asynchronous
+            CostModel(0.020, 0.0), block_size=16, num_kv_blocks=16 * 10, eos_token_ids=(), asynchronous=asynchronous
         )
         result = measure_overlap(runner, num_buffers, batch=16, steps=30, host_ms=host_ms, max_tokens=64)
         assert result.device_ms_per_step == pytest.approx(20.0, abs=0.3)  # busy time is the cost model's

@@ -102,12 +102,13 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int, chunk: int) -
                 seqs.append(ScheduledSeq(f"r{i}", p[done[i] : done[i] + m], done[i], tables[i],
                                          done[i] + m == len(p), GREEDY))  # fmt: skip
                 done[i] += m
-        for seq, token in zip([s for s in seqs if s.do_sample], runner.execute(ModelInput(seqs)), strict=True):
+        sampled = runner.execute(ModelInput(seqs)).token_ids
+        for seq, token in zip([s for s in seqs if s.do_sample], sampled, strict=True):
             outs[int(seq.request_id[1:])].append(token)
     for step in range(1, n):
         seqs = [ScheduledSeq(f"r{i}", [o[-1]], len(p) + step - 1, tables[i], True, GREEDY, step)
                 for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
-        for o, token in zip(outs, runner.execute(ModelInput(seqs)), strict=True):
+        for o, token in zip(outs, runner.execute(ModelInput(seqs)).token_ids, strict=True):
             o.append(token)
     return outs
 
@@ -171,14 +172,14 @@ def test_sliding_window_serves_a_prompt_far_past_it_and_matches(built):
     """Mistral with window 32: a 200-token prompt is served (the window no longer caps the context)."""
     folder, hf = built("mistral-sliding-window")
     runner = _runner(folder, "cpu")
-    assert runner.max_model_len == 512 and set(runner.layer_windows) == {32}
+    assert runner.max_model_len == 512 and set(runner.spec.layer_windows) == {32}
     prompt = [random.Random(5).randrange(3, VOCAB) for _ in range(200)]
     assert _greedy(runner, [prompt], 8, chunk=64)[0] == _hf_greedy(hf, prompt, 8)
 
 
 def test_qwen2_sliding_layers_follow_layer_types(built):
     folder, _ = built("qwen2-sliding-layers")
-    assert _runner(folder, "cpu").layer_windows == [None, 32]  # max_window_layers=1: layer 0 attends fully
+    assert _runner(folder, "cpu").spec.layer_windows == [None, 32]  # max_window_layers=1: layer 0 attends fully
 
 
 def test_dynamic_and_longrope_serve_up_to_their_original_context(built):

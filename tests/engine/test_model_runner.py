@@ -80,7 +80,7 @@ def _greedy_loop(runner, prompts, max_new_tokens, *, fragmented=False, chunk=Non
                 last = done[i] + n == len(p)
                 seqs.append(ScheduledSeq(f"r{i}", p[done[i] : done[i] + n], done[i], tables[i], last, sampling, 0))
                 done[i] += n
-        sampled = runner.execute(ModelInput(seqs))
+        sampled = runner.execute(ModelInput(seqs)).token_ids
         for seq, token in zip([s for s in seqs if s.do_sample], sampled, strict=True):
             outputs[int(seq.request_id[1:])].append(token)
     for step in range(1, max_new_tokens):
@@ -88,7 +88,7 @@ def _greedy_loop(runner, prompts, max_new_tokens, *, fragmented=False, chunk=Non
             ScheduledSeq(f"r{i}", [out[-1]], len(p) + step - 1, tables[i], True, sampling, step)
             for i, (p, out) in enumerate(zip(prompts, outputs, strict=True))
         ]
-        for out, token in zip(outputs, runner.execute(ModelInput(seqs)), strict=True):
+        for out, token in zip(outputs, runner.execute(ModelInput(seqs)).token_ids, strict=True):
             out.append(token)
     return outputs
 
@@ -253,14 +253,14 @@ def test_kv_pool_is_sized_once_from_config(runner, tiny_model_dir):
     assert runner.k_pool.shape == (6, 128 * 16, 8, 64)
     default = ModelRunner(EngineConfig(max_num_seqs=4, max_seq_len=256), tiny_model_dir)
     assert default.num_kv_blocks == 4 * 256 // 16  # CPU default: max_num_seqs full-length sequences
-    assert default.eos_token_id == 2
+    assert default.eos_token_ids == (2,)
     assert default.max_model_len == 256
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------
 def _sample_once(runner, sampling: SamplingParams, num_generated: int = 0, prompt=(1, 40, 50, 60)) -> int:
     seq = ScheduledSeq("s", list(prompt), 0, [10], True, sampling, num_generated)
-    return runner.execute(ModelInput([seq]))[0]
+    return runner.execute(ModelInput([seq])).token_ids[0]
 
 
 def _positions_batch(sampling: SamplingParams, num: int, prompt=(1, 40, 50, 60)) -> ModelInput:
@@ -269,11 +269,11 @@ def _positions_batch(sampling: SamplingParams, num: int, prompt=(1, 40, 50, 60))
 
 
 def test_seeded_sampling_is_reproducible(runner):
-    first = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=42), 12))
-    again = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=42), 12))
+    first = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=42), 12)).token_ids
+    again = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=42), 12)).token_ids
     assert first == again
     assert len(set(first)) > 1  # a hot temperature draws different tokens at different positions
-    other = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=43), 12))
+    other = runner.execute(_positions_batch(SamplingParams(temperature=5.0, seed=43), 12)).token_ids
     assert other != first
 
 
@@ -308,15 +308,15 @@ def test_mixed_batch_samples_each_row_by_its_own_params(runner):
     prompt = [1, 40, 50, 60]
     params = [GREEDY, SamplingParams(temperature=50.0, seed=7), SamplingParams(temperature=50.0, top_k=3, seed=7)]
     seqs = [ScheduledSeq(f"s{i}", prompt, 0, [20 + i], True, p) for i, p in enumerate(params)]
-    tokens = runner.execute(ModelInput(seqs))
-    alone = [runner.execute(ModelInput([seq]))[0] for seq in seqs]
+    tokens = runner.execute(ModelInput(seqs)).token_ids
+    alone = [runner.execute(ModelInput([seq])).token_ids[0] for seq in seqs]
     assert tokens == alone  # same seed, same position: the same token alone or batched
     assert tokens[0] == int(runner.compute_logits(ModelInput(seqs[:1]))[0].argmax())
 
 
 def test_step_without_sampling_returns_no_tokens(runner):
     seq = ScheduledSeq("a", [1, 2, 3], 0, [30], False, GREEDY)
-    assert runner.execute(ModelInput([seq])) == []
+    assert runner.execute(ModelInput([seq])).token_ids == []
 
 
 def test_last_layer_runs_only_the_sampled_rows(runner, hf_model, monkeypatch):
@@ -328,9 +328,11 @@ def test_last_layer_runs_only_the_sampled_rows(runner, hf_model, monkeypatch):
         ScheduledSeq("b", chunk, 0, [50], False, GREEDY),
     ]
     rows: list[int] = []
-    monkeypatch.setattr(runner, "_split_point", lambda batch: None)  # one forward, so one sequence of calls
-    linear = runner._linear
-    monkeypatch.setattr(runner, "_linear", lambda x, *args, **kw: rows.append(x.shape[0]) or linear(x, *args, **kw))
+    monkeypatch.setattr(runner.packer, "split_batches", False)  # one forward, so one sequence of calls
+    backend = runner.linear
+    for name in ("linear", "linear_silu"):
+        original = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda x, *args, fn=original: rows.append(x.shape[0]) or fn(x, *args))
     logits = runner.compute_logits(ModelInput(seqs))
     total = len(prompt) + len(chunk)
     last_full = max(i for i, n in enumerate(rows) if n == total)  # the last layer's qkv projection

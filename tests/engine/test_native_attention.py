@@ -91,29 +91,32 @@ def test_kernel_refuses_mixed_dtypes():
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_logits_same_with_native_kernels_and_torch_ops(tiny_model_dir: Path, dtype: str):
-    runner = ModelRunner(EngineConfig(num_kv_blocks=128, max_seq_len=512, dtype=dtype), tiny_model_dir)
-    assert runner._decode_kernel is not None and runner._cpu_ops is not None
+    config = EngineConfig(num_kv_blocks=128, max_seq_len=512, dtype=dtype)
+    runner = ModelRunner(config, tiny_model_dir)
+    torch_ops = ModelRunner(config, tiny_model_dir, native_ops=False)
+    assert runner.attention.decode_kernel is not None and runner.ops is not None
+    assert torch_ops.attention.decode_kernel is None and torch_ops.ops is None
     rng = random.Random(5)
     ids = list(range(runner.num_kv_blocks))
     rng.shuffle(ids)  # fragmented block tables
     tables = [ids[i * 4 : (i + 1) * 4] for i in range(10)]
     greedy = SamplingParams(temperature=0, max_tokens=4)
     prompts = [[rng.randrange(3, 8000) for _ in range(rng.randint(10, 50))] for _ in range(10)]
-    runner.execute(
-        ModelInput([ScheduledSeq(f"r{i}", p[:-1], 0, tables[i], False, greedy) for i, p in enumerate(prompts)])
-    )
+    fill = ModelInput([ScheduledSeq(f"r{i}", p[:-1], 0, tables[i], False, greedy) for i, p in enumerate(prompts)])
+    runner.execute(fill)
+    torch_ops.execute(fill)
     fresh = ScheduledSeq("fresh", prompts[0][:20], 0, tables[0], True, greedy)
     decodes = [ScheduledSeq(f"d{i}", p[-1:], len(p) - 1, tables[i], True, greedy, 1) for i, p in enumerate(prompts)]
     batch = ModelInput([fresh, *decodes[1:]])
     with_kernel = runner.compute_logits(batch)
     inputs = runner.prepare(batch)
-    assert any(half.decode_plan is not None for half in inputs.halves or (inputs,))
-    runner._decode_kernel = runner._cpu_ops = None
+    assert any(half.plan.kernel_plan is not None for half in inputs.halves or (inputs,))
     try:
-        assert runner.prepare(batch).decode_plan is None
-        without = runner.compute_logits(batch)
+        assert torch_ops.prepare(batch).plan.kernel_plan is None
+        without = torch_ops.compute_logits(batch)
     finally:
         runner.close()
+        torch_ops.close()
     if dtype == "float32":
         torch.testing.assert_close(with_kernel, without, atol=1e-4, rtol=1e-4)
     else:  # the torch ops round after every op, the kernels once: close, not equal
@@ -145,14 +148,16 @@ def test_kernel_refuses_layouts_it_would_misread():
 
 
 def test_the_runner_names_its_kernels(tiny_model_dir: Path):
-    runner = ModelRunner(EngineConfig(num_kv_blocks=32, max_seq_len=256, dtype="bfloat16"), tiny_model_dir)
+    config = EngineConfig(num_kv_blocks=32, max_seq_len=256, dtype="bfloat16")
+    runner = ModelRunner(config, tiny_model_dir)
+    torch_ops = ModelRunner(config, tiny_model_dir, native_ops=False)
     try:
         described = runner.kernels
         assert described.startswith(f"CPU {native.cpu_isa()} bfloat16:"), described
         expected = "native decode attention" if kernel is not None else "torch decode attention"
         assert expected in described
         assert ("native RMSNorm, RoPE, argmax" in described) == (kernel is not None)
-        runner._decode_kernel = runner._cpu_ops = None
-        assert "torch decode attention" in runner.kernels and "native RMSNorm" not in runner.kernels
+        assert "torch decode attention" in torch_ops.kernels and "native RMSNorm" not in torch_ops.kernels
     finally:
         runner.close()
+        torch_ops.close()

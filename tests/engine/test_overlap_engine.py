@@ -26,7 +26,7 @@ def sim_engine(
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         max_model_len=512,
-        eos_token_id=EOS,
+        eos_token_ids=(EOS,),
         asynchronous=asynchronous,
     )
     config.setdefault("max_seq_len", 512)
@@ -89,7 +89,7 @@ def test_sim_outputs_identical_for_1_2_3_buffers_with_eos_one_step_late(chunked,
             assert outputs[rid][-1].finished and sum(o.finished for o in outputs[rid]) == 1
             assert outputs[rid][-1].num_output_tokens == len(got)
         results[num_buffers] = {rid: tokens_of(o) for rid, o in outputs.items()}
-        num_sampled = sum(len(t) for t in sampled)
+        num_sampled = sum(len(t.token_ids) for t in sampled)
         num_delivered = sum(len(t) for t in results[num_buffers].values())
         if num_buffers == 1:
             assert num_sampled == num_delivered

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from overlap.engine.config import EngineConfig
+from overlap.engine.model.layers.linear import OneDnnBackend, pick_linear_backend
 from overlap.engine.model.runner import ModelRunner
+from overlap.engine.model.step_inputs import split_point
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -36,7 +38,7 @@ def _decode(i: int, pos: int, table: list[int]) -> ScheduledSeq:
 
 def test_split_point_balances_work_and_skips_small_or_lopsided_batches():
     table = list(range(4))
-    split = ModelRunner._split_point
+    split = split_point
     assert split(ModelInput([_decode(0, 40, table)])) is None  # one sequence
     assert split(ModelInput([_decode(i, 10, table) for i in range(2)])) is None  # too little work
     assert split(ModelInput([_decode(i, 40, table) for i in range(64)])) == 32
@@ -102,42 +104,45 @@ def test_lopsided_batch_uses_the_attention_helper_and_matches_one_thread(runner)
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_cpu_linear_is_onednn_and_matches_f_linear(dtype, tolerance):
-    from overlap.engine.model.runner import _pick_linear
-
     cpu = torch.device("cpu")
-    assert _pick_linear(cpu, torch.float16) is torch.nn.functional.linear
-    linear = _pick_linear(cpu, dtype)
+    assert not isinstance(pick_linear_backend(cpu, torch.float16), OneDnnBackend)
+    backend = pick_linear_backend(cpu, dtype)
     # oneDNN has bf16 kernels only where the CPU has bf16 instructions (AVX512-BF16, AMX); an AVX2 CPU keeps F.linear
     has_kernels = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if torch.backends.mkldnn.is_available():
-        assert (linear is not torch.nn.functional.linear) == has_kernels
+        assert isinstance(backend, OneDnnBackend) == has_kernels
     gen = torch.Generator().manual_seed(1)
     x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((33, 300), (70, 300), (70,)))
     close = {"atol": tolerance, "rtol": tolerance}
     with torch.inference_mode():
         expected = torch.nn.functional.linear(x, w, b)
-        torch.testing.assert_close(linear(x, w, b).float(), expected.float(), **close)
-        if linear is not torch.nn.functional.linear:  # the SiLU post-op is oneDNN's
-            swish = linear(x, w, b, post_op="swish")
+        for weight in (w, backend.pack(w)):  # plain and (oneDNN) prepacked weights compute the same
+            torch.testing.assert_close(backend.linear(x, weight, b).float(), expected.float(), **close)
+            swish = backend.linear_silu(x, weight, b)
             torch.testing.assert_close(swish.float(), torch.nn.functional.silu(expected.float()), **close)
-        plain = linear(x[:, :200], w[:, :200]).float()
+        plain = backend.linear(x[:, :200], w[:, :200]).float()
         torch.testing.assert_close(plain, (x[:, :200] @ w[:, :200].t()).float(), **close)
+
+
+def _packed_weights(runner: ModelRunner) -> list[torch.Tensor]:
+    layer = runner.model.layers[0]
+    return [layer.qkv.weight, layer.o.weight, layer.mlp.gate.weight, layer.mlp.up.weight, layer.mlp.down.weight,
+            runner.model.lm_head.weight]  # fmt: skip
 
 
 def test_bf16_cpu_runner_prepacks_its_projection_weights(tiny_model_dir):
     runner = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, dtype="bfloat16"), tiny_model_dir)
     try:
-        if runner._linear is torch.nn.functional.linear:
-            pytest.skip("this torch build has no oneDNN linear")
-        assert runner.weights.layers[0].qkv.layout == torch._mkldnn and runner.weights.layers[0].gate_up is None
+        if not isinstance(runner.linear, OneDnnBackend):
+            pytest.skip("no oneDNN bf16 linear on this CPU / torch build")
+        assert runner.model.layers[0].mlp.gate_up is None  # split into gate (SiLU fused) and up
+        assert all(weight.layout == torch._mkldnn for weight in _packed_weights(runner))
     finally:
         runner.close()
 
 
 def test_fp32_cpu_runner_prepacks_its_projection_weights(runner):
-    if runner._linear is torch.nn.functional.linear:
+    if not isinstance(runner.linear, OneDnnBackend):
         pytest.skip("this torch build has no oneDNN linear")
-    layer = runner.weights.layers[0]
-    assert layer.gate_up is None  # split into gate (SiLU fused) and up
-    for weight in (layer.qkv, layer.o, layer.gate, layer.up, layer.down, runner.weights.lm_head):
-        assert weight.layout == torch._mkldnn
+    assert runner.model.layers[0].mlp.gate_up is None  # split into gate (SiLU fused) and up
+    assert all(weight.layout == torch._mkldnn for weight in _packed_weights(runner))

@@ -50,9 +50,9 @@ def test_cost_model_bad_profile_is_a_clear_error(tmp_path):
 
 def test_busy_interval_is_the_cost_models_time():
     runner = SimRunner(CostModel(0.010, 0.0001), block_size=4, num_kv_blocks=16)
-    tokens = runner.execute(ModelInput([seq("a", range(3, 23), 0, range(5))]))  # 20 tokens
-    assert len(tokens) == 1
-    start, end = runner.last_busy_interval
+    output = runner.execute(ModelInput([seq("a", range(3, 23), 0, range(5))]))  # 20 tokens
+    assert len(output.token_ids) == 1
+    start, end = output.busy
     assert end - start == pytest.approx(0.010 + 20 * 0.0001, abs=2e-4)  # the interval is the cost model's, exactly
     assert runner.num_steps == 1 and runner.busy_s_total == pytest.approx(end - start)
 
@@ -77,14 +77,14 @@ def test_tokens_follow_the_history_through_the_paged_pool():
     expected = runner.reference_tokens(prompt, 6)
     blocks = [9, 3, 17, 4]
     # chunked prefill (4 + 3 tokens), then decodes feeding back each sampled token
-    assert runner.execute(ModelInput([seq("a", prompt[:4], 0, blocks, do_sample=False)])) == []
-    out = runner.execute(ModelInput([seq("a", prompt[4:], 4, blocks)]))
+    assert runner.execute(ModelInput([seq("a", prompt[:4], 0, blocks, do_sample=False)])).token_ids == []
+    out = runner.execute(ModelInput([seq("a", prompt[4:], 4, blocks)])).token_ids
     for _ in range(5):
         pos = len(prompt) + len(out) - 1
-        out += runner.execute(ModelInput([seq("a", [out[-1]], pos, blocks)]))
+        out += runner.execute(ModelInput([seq("a", [out[-1]], pos, blocks)])).token_ids
     assert out == expected
     # another sequence in the same batch as a decode of the first keeps its own history
-    more = runner.execute(ModelInput([seq("b", [5, 6, 7, 9], 0, [20]), seq("a", [out[-1]], 12, blocks)]))
+    more = runner.execute(ModelInput([seq("b", [5, 6, 7, 9], 0, [20]), seq("a", [out[-1]], 12, blocks)])).token_ids
     assert more == runner.reference_tokens([5, 6, 7, 9], 1) + runner.reference_tokens(prompt, 7)[6:]
 
 
@@ -92,9 +92,9 @@ def test_reused_block_changes_the_tokens():
     """A block overwritten by another request (freed too early) must show up as different tokens."""
     runner = SimRunner(CostModel(0.0, 0.0), vocab_size=1000, block_size=4, num_kv_blocks=8)
     prompt = [3, 4, 5, 6, 7, 8]
-    first = runner.execute(ModelInput([seq("a", prompt, 0, [0, 1])]))
+    first = runner.execute(ModelInput([seq("a", prompt, 0, [0, 1])])).token_ids
     runner.execute(ModelInput([seq("b", [9, 9, 9, 9, 9, 9], 0, [2, 1])]))  # overwrites block 1's slots
-    wrong = runner.execute(ModelInput([seq("a", first, len(prompt), [0, 1])]))
+    wrong = runner.execute(ModelInput([seq("a", first, len(prompt), [0, 1])])).token_ids
     assert wrong != runner.reference_tokens(prompt, 2)[1:]
 
 

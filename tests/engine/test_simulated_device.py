@@ -17,7 +17,7 @@ from overlap.engine.types import SamplingParams
 def test_serves_the_model_folders_shape_in_the_profiles_time(tiny_model_dir):
     config = EngineConfig(simulated_device={"fixed_s": 0.01, "per_token_s": 0.0}, max_seq_len=512)
     engine = Engine(config, model_dir=tiny_model_dir)
-    assert isinstance(engine.runner, SimRunner) and engine.runner.supports_launch
+    assert isinstance(engine.runner, SimRunner) and engine.runner.step_mode == "launch"
     model_config = json.loads((tiny_model_dir / "config.json").read_text())
     assert engine.vocab_size == model_config["vocab_size"]
     assert engine.eos_token_ids == {model_config["eos_token_id"]}

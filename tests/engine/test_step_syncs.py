@@ -75,8 +75,8 @@ def mixed_step(num_generated: int) -> ModelInput:
 
 def test_a_step_reads_nothing_back(runner, monkeypatch):
     spy = SyncSpy()
-    if runner._paged is not None:  # the Triton kernels' module
-        launch = runner._paged.paged_attention
+    if runner.attention.triton is not None:  # the Triton kernels' module
+        launch = runner.attention.triton.paged_attention
 
         def unwatched(*args, **kwargs):
             spy.paused = True
@@ -85,16 +85,13 @@ def test_a_step_reads_nothing_back(runner, monkeypatch):
             finally:
                 spy.paused = False
 
-        monkeypatch.setattr(runner._paged, "paged_attention", unwatched)
+        monkeypatch.setattr(runner.attention.triton, "paged_attention", unwatched)
     for step in range(3):  # the penalties' history grows from the second step on
         batch = mixed_step(step)
         with spy, torch.inference_mode():
             inputs = runner.prepare(batch)
-            logits = runner.forward(inputs)
-            tokens, _ = runner.sample(logits, inputs)
-            runner.record_sampled(inputs, tokens)
-            logprobs = runner.logprob_tensors(logits, inputs, tokens)
-        assert tokens.shape == (len(inputs.sampling),) and logprobs is not None
+            step = runner.device_step(inputs)
+        assert step.tokens.shape == (len(inputs.sampling),) and step.logprobs is not None
     assert spy.found == [], spy.where
 
 

@@ -15,17 +15,19 @@ from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving import protocol as p
 from overlap.engine.serving.server import EngineServer, load_engine_config
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import Runner, RunnerOutput, SamplingParams
 
 
-class CountingRunner:
+class CountingRunner(Runner):
     """Token n of every sequence is 100 + n; each step sleeps a little (like a device)."""
 
-    num_kv_blocks, block_size, vocab_size, eos_token_id, max_model_len = 256, 16, 1000, 2, 256
+    num_kv_blocks, block_size, vocab_size, eos_token_ids, max_model_len = 256, 16, 1000, (2,), 256
 
-    def execute(self, model_input) -> list[int]:
+    def execute(self, model_input) -> RunnerOutput:
+        start = time.perf_counter()
         time.sleep(0.002)
-        return [100 + s.num_generated for s in model_input.seqs if s.do_sample]
+        tokens = [100 + s.num_generated for s in model_input.seqs if s.do_sample]
+        return RunnerOutput(tokens, (start, time.perf_counter()))
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import Scheduler
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
+from overlap.engine.execution import StepResult
 from overlap.engine.requests.request import Request
-from overlap.engine.types import ModelInput, RequestTimes, SamplingParams
+from overlap.engine.types import ModelInput, RequestTimes, Runner, RunnerOutput, SamplingParams
 
 VOCAB = 64
 EOS = 1
@@ -41,12 +42,12 @@ def reference_tokens(prompt: list[int], sampling: SamplingParams, eos: int | Non
     return out
 
 
-class FakeRunner:
+class FakeRunner(Runner):
     def __init__(self, num_kv_blocks: int = 256, block_size: int = 4, max_model_len: int = 512) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.vocab_size = VOCAB
-        self.eos_token_id = EOS
+        self.eos_token_ids = (EOS,)
         self.max_model_len = max_model_len
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id)
         self.fail_on: set[str] = set()  # request ids whose presence makes execute() raise
@@ -57,7 +58,8 @@ class FakeRunner:
         self.keep_batches = True
         self.delay_s = 0.0  # simulated forward time (sleeps, releasing the GIL as a real forward does)
 
-    def execute(self, model_input: ModelInput) -> list[int]:
+    def execute(self, model_input: ModelInput) -> RunnerOutput:
+        start = time.perf_counter()
         if self.keep_batches:
             self.batches.append(model_input)
         if self.delay_s:
@@ -84,21 +86,22 @@ class FakeRunner:
                 sequence.append(token if stored_pos == pos else -1)  # -1: a slot overwritten by someone else
             if seq.do_sample:
                 sampled.append(next_token(tuple(sequence)))
-        return sampled
+        return RunnerOutput(sampled, (start, time.perf_counter()))
 
 
-class ConstantRunner:
+class ConstantRunner(Runner):
     """No KV bookkeeping at all: for measuring the scheduler's own CPU time."""
 
     def __init__(self, num_kv_blocks: int = 4096, block_size: int = 16, max_model_len: int = 2048) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.vocab_size = VOCAB
-        self.eos_token_id = EOS
+        self.eos_token_ids = (EOS,)
         self.max_model_len = max_model_len
 
-    def execute(self, model_input: ModelInput) -> list[int]:
-        return [7 for s in model_input.seqs if s.do_sample]
+    def execute(self, model_input: ModelInput) -> RunnerOutput:
+        now = time.perf_counter()
+        return RunnerOutput([7 for s in model_input.seqs if s.do_sample], (now, now))
 
 
 _ids = itertools.count()
@@ -146,7 +149,18 @@ def run_step(scheduler: Scheduler, runner: FakeRunner, now: float):
     batch = scheduler.schedule(now)
     if batch.is_empty:
         return batch, []
-    return batch, scheduler.postprocess(batch, runner.execute(batch.model_input), now)
+    return batch, scheduler.postprocess(batch, runner.execute(batch.model_input).token_ids, now)
+
+
+def execute_now(engine: Engine, batch) -> StepResult:
+    """Run a scheduled batch on the engine's runner in this thread, bypassing the executor (CPU-time measurements of
+    the scheduler); a failure comes back in the result, as from the executor."""
+    try:
+        output = engine.runner.execute(batch.model_input)
+    except Exception as exc:
+        return StepResult(0, batch.model_input, [], exc)
+    return StepResult(0, batch.model_input, output.token_ids, busy_s=output.busy_s, logprobs=output.logprobs,
+                      prompt_logprobs=output.prompt_logprobs)  # fmt: skip
 
 
 def create_engine(

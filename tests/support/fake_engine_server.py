@@ -15,23 +15,26 @@ import time
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
 from overlap.engine.serving.server import EngineServer
+from overlap.engine.types import Runner, RunnerOutput
 
 SCRIPT_TEXT = "héllo wörld, 日本語 and 🎉 STOP here. "
 
 
-class ScriptRunner:
+class ScriptRunner(Runner):
     """Sequence i's n-th generated token is script[n % len(script)]; each step sleeps `step_s`."""
 
     block_size = 16
     max_model_len = 2048
 
     def __init__(self, script: list[int], vocab_size: int, eos_token_id: int, step_s: float, num_kv_blocks: int):
-        self.script, self.vocab_size, self.eos_token_id, self.step_s = script, vocab_size, eos_token_id, step_s
+        self.script, self.vocab_size, self.eos_token_ids, self.step_s = script, vocab_size, (eos_token_id,), step_s
         self.num_kv_blocks = num_kv_blocks
 
-    def execute(self, model_input) -> list[int]:
+    def execute(self, model_input) -> RunnerOutput:
+        start = time.perf_counter()
         time.sleep(self.step_s)
-        return [self.script[s.num_generated % len(self.script)] for s in model_input.seqs if s.do_sample]
+        tokens = [self.script[s.num_generated % len(self.script)] for s in model_input.seqs if s.do_sample]
+        return RunnerOutput(tokens, (start, time.perf_counter()))
 
 
 def main() -> None:

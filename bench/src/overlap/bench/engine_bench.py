@@ -134,12 +134,12 @@ class EngineBench:
         fields.update(overrides)
         return EngineConfig(**fields)
 
-    def _runner(self, batch: int, runner_cls=None, **overrides):
+    def _runner(self, batch: int, **overrides):
         from pathlib import Path
 
         from overlap.engine.model.runner import ModelRunner
 
-        return (runner_cls or ModelRunner)(self._config(batch, **overrides), Path(self.model_dir))
+        return ModelRunner(self._config(batch, **overrides), Path(self.model_dir))
 
     # ---- start-up -----------------------------------------------------------------------------------------------
     def startup(self) -> dict:
@@ -223,14 +223,14 @@ class EngineBench:
             for first in range(0, len(wave), max(1, budget // self.prompt_len)):
                 group = range(first, min(len(wave), first + max(1, budget // self.prompt_len)))
                 seqs = [ScheduledSeq(f"r{i}", wave[i], 0, tables[i], True, greedy, 0) for i in group]
-                for i, token in zip(group, runner.execute(ModelInput(seqs)), strict=True):
+                for i, token in zip(group, runner.execute(ModelInput(seqs)).token_ids, strict=True):
                     last[i] = token
             for step in range(1, self.output_len):
                 seqs = [
                     ScheduledSeq(f"r{i}", [last[i]], self.prompt_len + step - 1, tables[i], True, greedy, step)
                     for i in range(len(wave))
                 ]
-                last = runner.execute(ModelInput(seqs))
+                last = runner.execute(ModelInput(seqs)).token_ids
             num_out += len(wave) * self.output_len
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         _progress(f"batch {batch}: workload ceiling {num_out / elapsed:.0f} tok/s")
@@ -258,18 +258,18 @@ class EngineBench:
                 sched_cpu[0] += time.thread_time() - c0
 
         scheduler.schedule = timed_schedule
-        runner = engine.runner
+        busy = engine.executor.busy
         greedy = SamplingParams(temperature=0, max_tokens=self.output_len, ignore_eos=True)
         for i, prompt in enumerate(self.prompts[: self.num_requests]):
             engine.add_request(f"req-{i}", prompt, greedy)
         num_out = num_steps = 0
-        forward_s = 0.0
+        busy_s0 = busy.busy_s_total
         c0, t0 = time.process_time(), time.perf_counter()
         while engine.has_unfinished():
             outputs = engine.step()
             num_steps += 1
-            forward_s += runner.last_forward_s or 0.0
             num_out += sum(len(o.new_token_ids) for o in outputs)
+        forward_s = busy.busy_s_total - busy_s0
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         engine.close()
         expected = self.num_requests * self.output_len
@@ -288,16 +288,16 @@ class EngineBench:
     # ---- paged vs contiguous ------------------------------------------------------------------------------------
     def paged_vs_contiguous(self, batch: int, repeats: int) -> dict:
         paged = self._runner(batch)
-        contiguous = self._runner(batch, _contiguous_runner_class())
-        contiguous.weights = paged.weights  # one copy of the weights: equally warm in the CPU caches for every case
+        # One copy of the weights and the pool (equally warm in the CPU caches for every case): sequence i's K/V lie
+        # in slots [i * Lmax, (i + 1) * Lmax) in both the paged runs case and the contiguous one.
+        contiguous = _contiguous_runner(paged, self.max_seq_len)
         runs_input = self._decode_inputs(paged, batch, self.prompt_len)
         scattered_input = self._decode_inputs(paged, batch, self.prompt_len, scatter=True)
-        dense_input = self._decode_inputs(contiguous, batch, self.prompt_len)
         pos = self.prompt_len + self.output_len // 2
         cases = {
             "paged_runs": (paged, runs_input(pos)),
             "paged_scattered": (paged, scattered_input(pos)),
-            "contiguous": (contiguous, dense_input(pos)),
+            "contiguous": (contiguous, runs_input(pos)),
         }
         if self.dtype != "float32":  # the same step in fp32, in the same interleaved repeats: a ratio load can't skew
             fp32 = self._runner(batch, dtype="float32")
@@ -344,36 +344,43 @@ class EngineBench:
         }
 
 
-def _contiguous_runner_class():
-    """A runner whose decode attention reads a contiguous per-sequence cache: sequence i owns slots
+def _contiguous_runner(paged, max_seq_len: int):
+    """`paged` with its decode attention reading a contiguous per-sequence cache: sequence i owns slots
     [i * Lmax, (i + 1) * Lmax) of each layer's pool, viewed as [batch, Lmax, heads, D] and read by one batched
-    scaled_dot_product_attention per layer with a length mask (the layout of a static, non-paged cache)."""
+    scaled_dot_product_attention per layer with a length mask (the layout of a static, non-paged cache). It shares
+    the paged runner's weights and pool (shallow copies)."""
+    import copy
+
     import torch
     import torch.nn.functional as F
 
-    from overlap.engine.model.runner import ModelRunner
+    from overlap.engine.model.layers.attention import PagedAttention
 
-    class ContiguousKVRunner(ModelRunner):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._decode_kernel = None  # every decode goes through _attention_torch, overridden below
+    lmax = paged.block_size * -(-max_seq_len // paged.block_size)
 
-        def prepare(self, batch):
-            self._lmax = self.block_size * len(batch.seqs[0].block_table)
-            return super().prepare(batch)
-
-        def _attention_torch(self, q, k_pool, v_pool, seqs):
+    class ContiguousAttention(PagedAttention):
+        def _torch(self, q, k_pool, v_pool, seqs):
             # seqs may be one half of the step (the runner cuts a CPU batch in two): start at its first slot.
-            num, lmax, first = len(seqs), self._lmax, seqs[0].kv_start
+            num, first = len(seqs), seqs[0].kv_start
             assert all(s.q_len == 1 and s.kv_start == first + i * lmax for i, s in enumerate(seqs)), "decode-only"
             lengths = torch.tensor([s.kv_len for s in seqs])
             mask = (torch.arange(lmax).unsqueeze(0) < lengths.unsqueeze(1)).view(num, 1, 1, lmax)
             k = k_pool[first : first + num * lmax].view(num, lmax, *k_pool.shape[1:]).transpose(1, 2)
             v = v_pool[first : first + num * lmax].view(num, lmax, *v_pool.shape[1:]).transpose(1, 2)
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=self._gqa)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=self.gqa)
             return out.reshape(num, -1)
 
-    return ContiguousKVRunner
+    spec = paged.spec
+    runner = copy.copy(paged)
+    # no decode kernel: every decode goes through _torch, overridden above
+    runner.attention = ContiguousAttention(heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                           block_size=paged.block_size, dtype=paged.dtype, decode_kernel=None,
+                                           triton=None, cpu_paths=True, helper=paged.helper)  # fmt: skip
+    runner.model = copy.copy(paged.model)
+    runner.model.attention = runner.attention
+    runner.packer = copy.copy(paged.packer)
+    runner.packer.use_decode_kernel = False
+    return runner
 
 
 def _table(results: dict) -> str:

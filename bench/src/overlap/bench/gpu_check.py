@@ -239,18 +239,10 @@ def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bo
 
 
 def _floor_bytes(runner, batch: int, context: float) -> float:
-    """What a decode step must read: every weight but the embedding table (only its batch rows) and the K/V."""
-    import dataclasses
-
-    import torch
-
+    """What a decode step must read: the weights it streams (`runner.weight_bytes`) and the K/V."""
     from overlap.engine.model.loader import kv_bytes_per_token
 
-    w = runner.weights
-    layer_tensors = [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
-    tensors = [t for t in (w.norm, w.lm_head, *layer_tensors) if torch.is_tensor(t)]
-    weight_bytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())  # tied: once
-    return weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
+    return runner.weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
 
 
 def case_decode(check: Check) -> None:

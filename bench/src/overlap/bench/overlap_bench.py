@@ -95,7 +95,7 @@ def run_simulated(args: argparse.Namespace) -> list[dict]:
         for num_buffers in (1, 2, 3):
             _progress(f"  simulated device, {label}, num_buffers={num_buffers}: {steps} steps ...")
             runner = SimRunner(
-                cost, num_kv_blocks=blocks_per_request * args.batch, eos_token_id=None, asynchronous=asynchronous
+                cost, num_kv_blocks=blocks_per_request * args.batch, eos_token_ids=(), asynchronous=asynchronous
             )
             result = measure_overlap(
                 runner,
@@ -201,7 +201,7 @@ def run_engine_simulated(args: argparse.Namespace) -> tuple[list[dict], str | No
     for num_buffers in (1, 2, 3):
         _progress(f"  engine on the simulated device, num_buffers={num_buffers}: {steps} steps ...")
         runner = SimRunner(
-            cost, num_kv_blocks=9 * args.batch * 2, max_model_len=1024, eos_token_id=None, asynchronous=True
+            cost, num_kv_blocks=9 * args.batch * 2, max_model_len=1024, eos_token_ids=(), asynchronous=True
         )
         try:
             result = measure_engine(runner, num_buffers, batch=args.batch, steps=steps)

@@ -3,7 +3,7 @@
 In-process (`--policy`, `--compare serial,fixed_window,dynamic,continuous`): one Engine per policy on the default
 model, driven from this thread: submit the requests whose arrival time has come, then `step()`. Each request's
 arrival time is its trace time, so a late submission counts as queueing. Timestamps come from the engine's
-RequestTimes; device-busy time from the runner's own forward accounting.
+RequestTimes; device-busy time from the executor's busy intervals.
 
 Against an endpoint (`--target URL`, or URLs in `--compare`): every request is an OpenAI `/v1/completions` call
 with streaming, sent at its arrival offset; timestamps are taken on the client (sent, each streamed chunk,
@@ -147,32 +147,16 @@ def make_specs(
 
 
 class _BusyMeter:
-    """Device-busy seconds as the runner measures them: its own running total when it keeps one (the simulated
-    device), else the sum of each executed step's forward time (`last_forward_s`, a new `last_busy_interval` per
-    step), else the wall time of steps that ran a batch."""
+    """Device-busy seconds since it was made, as the engine's executor records them from each step's own busy
+    interval (the forward's start and end on CPU, CUDA events, the simulated device's exact sleep)."""
 
     def __init__(self, engine) -> None:
-        self.runner = engine.runner
-        self.total0 = getattr(self.runner, "busy_s_total", None)
-        self.summed = 0.0
-        self._last_interval = getattr(self.runner, "last_busy_interval", None)
-
-    def after_step(self, step_wall_s: float) -> None:
-        if self.total0 is not None:
-            return
-        interval = getattr(self.runner, "last_busy_interval", None)
-        if interval is not None and interval is not self._last_interval:
-            self._last_interval = interval
-            forward = getattr(self.runner, "last_forward_s", None)
-            self.summed += forward if forward is not None else interval[1] - interval[0]
-        elif interval is None and step_wall_s > 0.0005:
-            self.summed += step_wall_s
+        self.tracker = engine.executor.busy
+        self.total0 = self.tracker.busy_s_total
 
     @property
     def busy_s(self) -> float:
-        if self.total0 is not None:
-            return float(self.runner.busy_s_total) - self.total0
-        return self.summed
+        return self.tracker.busy_s_total - self.total0
 
 
 def replay_in_process(
@@ -228,7 +212,6 @@ def replay_in_process(
             step_start = time.monotonic()
             outputs = engine.step()
             now = time.monotonic()
-            busy.after_step(now - step_start)
             for out in outputs:
                 _record_output(records[out.request_id], out, now - start, start, bar)
             if not outputs and now - step_start < 0.001:

@@ -18,7 +18,6 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from overlap.engine.batching.block_manager import BlockManager
@@ -28,23 +27,12 @@ from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadErr
 from overlap.engine.execution import StepResult, make_executor
 from overlap.engine.execution.adaptive_buffers import BufferAdvisor
 from overlap.engine.requests.request import Request
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, Runner, SamplingParams
 
 _WINDOW_STEPS = 128  # sliding window for the step-time, batch-size and busy-ratio averages
 
 
-@dataclass(slots=True)
-class StepOutcome:
-    """What executing one ScheduledBatch produced."""
-
-    sampled: list[int]  # one token per seq with do_sample, in order
-    forward_s: float  # device busy time of the step (the runner's own measure when it has one)
-    error: str | None = None  # set when the step failed; its requests finish with ERROR
-    logprobs: list | None = None  # TokenLogprob (or None) per sampled seq, when some request asked
-    prompt_logprobs: dict | None = None  # request id -> (first position, [TokenLogprob]) for prompt scoring
-
-
-def _load_runner(config: EngineConfig, model_dir: Path):
+def _load_runner(config: EngineConfig, model_dir: Path) -> Runner:
     if config.simulated_device is not None:
         from overlap.engine.model.sim_runner import SimRunner
 
@@ -59,14 +47,13 @@ class Engine:
         self,
         config: EngineConfig,
         *,
-        runner=None,
+        runner: Runner | None = None,
         model_dir: Path | str | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`runner` (tests, simulated devices) replaces the model runner; it needs `execute(ModelInput) ->
-        list[int]` and the attributes `num_kv_blocks`, `block_size`, `vocab_size`, `eos_token_id`, `max_model_len`
-        (and, when the model declares several EOS ids, `eos_token_ids`). `clock` is what arrivals, deadlines and
-        aging are timed by (a test's own clock replays hours of aging in a moment)."""
+        """`runner` (tests, simulated devices) replaces the model runner: any `Runner` (overlap.engine.types).
+        `clock` is what arrivals, deadlines and aging are timed by (a test's own clock replays hours of aging in a
+        moment)."""
         self.config = config
         self.clock = clock
         if runner is None:
@@ -83,16 +70,15 @@ class Engine:
             runner = _load_runner(config, model_dir)
         self.runner = runner
         if model_dir is None:  # an injected runner: it may know its folder
-            model_dir = getattr(runner, "model_dir", None) or config.model or "."
+            model_dir = runner.model_dir or config.model or "."
         self.model_dir = Path(model_dir)
         self.max_model_len = min(config.max_seq_len, int(runner.max_model_len))
         self.vocab_size = int(runner.vocab_size)
-        self.eos_token_id = runner.eos_token_id
         # Every EOS id the model declares stops a request (Llama 3 Instruct: <|end_of_text|> and <|eot_id|>).
-        default_eos = [] if runner.eos_token_id is None else [runner.eos_token_id]
-        self.eos_token_ids = frozenset(getattr(runner, "eos_token_ids", None) or default_eos)
+        self.eos_token_id = runner.eos_token_ids[0] if runner.eos_token_ids else None
+        self.eos_token_ids = frozenset(runner.eos_token_ids)
         # generation_config.json's temperature/top_p/top_k, for callers that fill in what a request leaves out
-        self.sampling_defaults = dict(getattr(runner, "sampling_defaults", None) or {})
+        self.sampling_defaults = dict(runner.sampling_defaults)
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids)
 
@@ -142,11 +128,8 @@ class Engine:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
         if sampling.grammar is not None:
-            add_grammar = getattr(self.runner, "add_grammar", None)
             try:
-                if add_grammar is None:
-                    raise InvalidRequestError("structured output needs the model runner (this runner has no grammars)")
-                add_grammar(request_id, sampling.grammar)  # here, not in a step: its compile never stalls one
+                self.runner.add_grammar(request_id, sampling.grammar)  # here, not in a step: it never stalls one
             except BaseException:
                 with self._lock:
                     self._live_ids.discard(request_id)
@@ -245,13 +228,8 @@ class Engine:
         """Postprocess the oldest step in flight; feed the measurements to the buffer advisor."""
         batch = self._in_flight.popleft()
         assert batch.model_input is result.model_input, "the executor returned steps out of order"
-        if result.error is not None:
-            outcome = StepOutcome([], result.busy_s, f"{type(result.error).__name__}: {result.error}")
-        else:
-            outcome = StepOutcome(result.token_ids, result.busy_s, logprobs=result.logprobs,
-                                  prompt_logprobs=result.prompt_logprobs)  # fmt: skip
         start = time.perf_counter()
-        outputs = self.postprocess(batch, outcome)
+        outputs = self.postprocess(batch, result)
         postprocess_s = time.perf_counter() - start
         self.executor.busy.record_host("postprocess", postprocess_s)
         # the device time the rule compares with host time: kernel time, where steps were profiled
@@ -279,46 +257,28 @@ class Engine:
         batch.schedule_wall_s = time.perf_counter() - wall0
         return batch
 
-    def execute(self, batch: ScheduledBatch) -> StepOutcome:
-        """Run the forward synchronously, bypassing the executor (CPU-time measurements of the scheduler); a failure
-        becomes an error message for the batch's requests, not an exception."""
-        t0 = time.perf_counter()
-        try:
-            sampled = self.runner.execute(batch.model_input)
-            if hasattr(sampled, "tolist"):
-                sampled = sampled.tolist()
-            num_samples = sum(1 for s in batch.model_input.seqs if s.do_sample)
-            if len(sampled) != num_samples:
-                raise RuntimeError(f"runner returned {len(sampled)} tokens for {num_samples} sampled sequences")
-        except Exception as exc:  # the engine keeps serving the other requests
-            # The step wrote only at or past each sequence's computed length: never into a block that is shared or
-            # published to the prefix cache (those lie below it), so the cache stays valid.
-            return StepOutcome([], time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
-        forward_s = getattr(self.runner, "last_forward_time_s", None)
-        logprobs = getattr(self.runner, "last_logprobs", None)
-        prompt_logprobs = getattr(self.runner, "last_prompt_logprobs", None)
-        return StepOutcome(sampled, forward_s if forward_s is not None else time.perf_counter() - t0,
-                           logprobs=logprobs, prompt_logprobs=prompt_logprobs)  # fmt: skip
-
-    def postprocess(self, batch: ScheduledBatch, outcome: StepOutcome | None) -> list[RequestOutput]:
-        """Apply a step's outcome to the requests in `batch`; also reports what finished while scheduling."""
+    def postprocess(self, batch: ScheduledBatch, result: StepResult | None) -> list[RequestOutput]:
+        """Apply a step's result to the requests in `batch`; also reports what finished while scheduling. A failed
+        step finishes its requests with ERROR (the step wrote only at or past each sequence's computed length: never
+        into a block that is shared or published to the prefix cache, so the cache stays valid)."""
         now = self.clock()
         outputs = self._outputs_for(batch.finished)
-        if outcome is None:
+        if result is None:
             return outputs
-        if outcome.error is not None:
-            outputs += self._outputs_for(self.scheduler.fail(batch, outcome.error, now))
+        if result.error is not None:
+            error = f"{type(result.error).__name__}: {result.error}"
+            outputs += self._outputs_for(self.scheduler.fail(batch, error, now))
         else:
-            for request_id, (first, entries) in (outcome.prompt_logprobs or {}).items():
+            for request_id, (first, entries) in (result.prompt_logprobs or {}).items():
                 request = self._requests.get(request_id)
                 if request is not None:  # by position: a recomputed chunk overwrites the same entries
                     if request.prompt_logprobs is None:
                         request.prompt_logprobs = [None] * request.num_prompt_tokens
                     request.prompt_logprobs[first : first + len(entries)] = entries
-            outputs += self._outputs_for(self.scheduler.postprocess(batch, outcome.sampled, now, outcome.logprobs))
+            outputs += self._outputs_for(self.scheduler.postprocess(batch, result.token_ids, now, result.logprobs))
         self._num_steps_total += 1
         wall = now - batch.scheduled_at
-        self._window.append((batch.scheduled_at, wall, outcome.forward_s, len(batch.requests), batch.schedule_cpu_s))
+        self._window.append((batch.scheduled_at, wall, result.busy_s, len(batch.requests), batch.schedule_cpu_s))
         return outputs
 
     def _process_input(self, now: float) -> list[RequestOutput]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Literal, Protocol
 
 from overlap.engine.errors import InvalidRequestError
 
@@ -186,3 +190,52 @@ class ModelInput:
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What one step of a runner produced: a token per sequence with `do_sample` (in order), when the device was busy
+    with it, and the logprobs its requests asked for."""
+
+    token_ids: list[int]
+    busy: tuple[float, float]  # (start, end) of the step's device work, in time.perf_counter() seconds
+    logprobs: list[TokenLogprob | None] | None = None  # per sampled sequence, when some request asked
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None  # request id -> (first position, ...)
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy[1] - self.busy[0]
+
+
+# How the executor drives a runner: `thread` calls `execute` (on a worker thread with 2+ buffers), `launch` calls
+# `launch` then `wait` (a device on its own clock: the simulated GPU), `cuda` uses the CUDA streams (execution.cuda).
+StepMode = Literal["thread", "launch", "cuda"]
+
+
+class Runner(Protocol):
+    """The engine's model runner contract: what the engine reads once, and one step. Runners subclass it to take the
+    defaults (no grammars, no per-request state, nothing to close)."""
+
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()  # every EOS id the model declares, the primary one first
+    sampling_defaults: Mapping[str, float] = MappingProxyType({})  # generation_config.json's, for requests
+    model_dir: Path | None = None
+    kernels: str = "n/a"  # what runs the step's work, for start-up logs and benchmarks
+    step_mode: StepMode = "thread"
+
+    def execute(self, batch: ModelInput) -> RunnerOutput:
+        """Run one step."""
+        ...
+
+    def add_grammar(self, request_id: str, grammar: str) -> None:
+        """Compile a request's structured-output grammar before it is scheduled (InvalidRequestError if bad)."""
+        raise InvalidRequestError("structured output needs the model runner (this runner has no grammars)")
+
+    def forget_request(self, request_id: str) -> None:
+        """A finished request's per-request state goes (called once no step in flight holds it)."""
+
+    def close(self) -> None:
+        """Release threads and device memory the runner holds."""

@@ -1,4 +1,4 @@
-"""Execution (DESIGN.md, layer 3): the N-buffered pipeline of model steps and what measures it.
+"""Execution (docs/design.md, layer 3): the N-buffered pipeline of model steps and what measures it.
 
 `base.Executor` runs steps synchronously or on a worker thread (CPU runners); `launch.AsyncExecutor` drives a
 runner that launches steps itself (the simulated device); `cuda.CudaExecutor` uses CUDA streams and events.
@@ -12,20 +12,18 @@ import os
 from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult
 from overlap.engine.execution.busy import BusyTracker
 from overlap.engine.execution.launch import AsyncExecutor
+from overlap.engine.types import Runner
 
 __all__ = ["MAX_BUFFERS", "AsyncExecutor", "Executor", "StepResult", "make_executor"]
 
 
-def make_executor(runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:
-    """The CUDA pipeline for a runner on a CUDA device (`OVERLAP_CUDA_PIPELINE=0` opts out), the launch/wait one for
-    a runner that launches asynchronously (the simulated GPU), else the threaded one."""
-    if (
-        getattr(getattr(runner, "device", None), "type", None) == "cuda"
-        and os.environ.get("OVERLAP_CUDA_PIPELINE", "1") != "0"
-    ):
+def make_executor(runner: Runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:
+    """By the runner's `step_mode`: the CUDA pipeline for a runner on a CUDA device (`OVERLAP_CUDA_PIPELINE=0` opts
+    out), the launch/wait one for a runner that launches asynchronously (the simulated GPU), else the threaded one."""
+    if runner.step_mode == "cuda" and os.environ.get("OVERLAP_CUDA_PIPELINE", "1") != "0":
         from overlap.engine.execution.cuda import CudaExecutor
 
         return CudaExecutor(runner, num_buffers, busy)
-    if getattr(runner, "supports_launch", False):
+    if runner.step_mode == "launch":
         return AsyncExecutor(runner, num_buffers, busy)
     return Executor(runner, num_buffers, busy)

@@ -31,12 +31,13 @@ from typing import TypeVar
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution.busy import BusyTracker
-from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, ModelInput
+from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, ModelInput, Runner, RunnerOutput, TokenLogprob
 
 __all__ = [
     "MAX_BUFFERS",
     "PLACEHOLDER_TOKEN",
     "Executor",
+    "InFlightStep",
     "StepResult",
     "placeholder_source",
 ]
@@ -54,15 +55,24 @@ DISCARDED_TOKEN = 0
 
 @dataclass(slots=True)
 class StepResult:
-    """One finished step: what was submitted and the tokens it sampled (one per `do_sample` seq, in order)."""
+    """One finished step: what was submitted and what it produced (the engine postprocesses it as it is)."""
 
     step_id: int
     model_input: ModelInput
-    token_ids: list[int]
-    error: BaseException | None = None
+    token_ids: list[int]  # one per `do_sample` seq, in order; empty when the step failed
+    error: BaseException | None = None  # the step failed: its requests finish with ERROR
     busy_s: float = 0.0  # the step's device busy time
-    logprobs: list | None = None  # TokenLogprob (or None) per sampled seq, when some request asked
+    logprobs: list[TokenLogprob | None] | None = None  # per sampled seq, when some request asked
     prompt_logprobs: dict | None = None  # request id -> (first position, [TokenLogprob]) for prompt scoring
+
+    @classmethod
+    def of(cls, step: InFlightStep, output: RunnerOutput) -> StepResult:
+        return cls(step.step_id, step.model_input, output.token_ids, busy_s=output.busy_s, logprobs=output.logprobs,
+                   prompt_logprobs=output.prompt_logprobs)  # fmt: skip
+
+    @classmethod
+    def failed(cls, step: InFlightStep, error: BaseException) -> StepResult:
+        return cls(step.step_id, step.model_input, [], error)
 
     def sampled(self) -> list[tuple[str, int]]:
         """(request_id, token) for every sequence that sampled in this step."""
@@ -71,10 +81,14 @@ class StepResult:
 
 
 @dataclass(slots=True)
-class _InFlight:
+class InFlightStep:
+    """A submitted step not yet collected, in every executor: `pending` is what it waits on (a Future of the worker
+    thread, a launch handle of the runner, the CUDA step's events and buffers)."""
+
     step_id: int
     model_input: ModelInput
-    future: Future
+    pending: object = None
+    error: BaseException | None = None  # it failed before it reached the device
 
 
 def placeholder_source(seq, latest: Mapping[str, T]) -> T | None:
@@ -98,14 +112,14 @@ def check_num_buffers(num_buffers: int) -> int:
 
 
 class Executor:
-    """Runs model steps on `runner` (anything with `execute(ModelInput) -> list[int]`), up to `num_buffers` at
-    once. Not thread-safe: one engine thread drives it; the worker thread is its own."""
+    """Runs model steps on `runner` (its `execute`), up to `num_buffers` at once. Not thread-safe: one engine thread
+    drives it; the worker thread is its own."""
 
-    def __init__(self, runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> None:
+    def __init__(self, runner: Runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> None:
         self.runner = runner
         self.busy = busy if busy is not None else BusyTracker()
         self._num_buffers = check_num_buffers(num_buffers)
-        self._in_flight: deque[_InFlight] = deque()
+        self._in_flight: deque[InFlightStep] = deque()
         self._worker: ThreadPoolExecutor | None = None
         self._next_step_id = 0
         # request_id -> the token its latest executed step sampled. Written by whichever thread runs forwards
@@ -153,25 +167,23 @@ class Executor:
                     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-device")
             future = self._worker.submit(self._run, model_input)
-        self._in_flight.append(_InFlight(step_id, model_input, future))
+        self._in_flight.append(InFlightStep(step_id, model_input, future))
         return step_id
 
     def oldest_done(self) -> bool:
-        return bool(self._in_flight) and self._in_flight[0].future.done()
+        return bool(self._in_flight) and self._in_flight[0].pending.done()
 
     def collect(self, block: bool = True) -> StepResult | None:
         """The oldest in-flight step's result (None if none is in flight, or if `block` is False and it has not
         finished). A failed forward comes back as `StepResult.error`, never raised."""
-        if not self._in_flight or (not block and not self._in_flight[0].future.done()):
+        if not self._in_flight or (not block and not self._in_flight[0].pending.done()):
             return None
         step = self._in_flight.popleft()
-        exc = step.future.exception()  # waits
+        exc = step.pending.exception()  # waits
         self._forget_released()
         if exc is not None:
-            return StepResult(step.step_id, step.model_input, [], exc)
-        token_ids, busy_s, (logprobs, prompt_logprobs) = step.future.result()
-        return StepResult(step.step_id, step.model_input, token_ids, busy_s=busy_s, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs)  # fmt: skip
+            return StepResult.failed(step, exc)
+        return StepResult.of(step, step.pending.result())
 
     def step(self, schedule: Callable[[], ModelInput | None]) -> StepResult | None:
         """One engine step: schedule and submit steps while a buffer is free (`schedule` returns None when there is
@@ -209,13 +221,7 @@ class Executor:
 
     def _drop_device_token(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)
-        self._forget_in_runner(request_id)
-
-    def _forget_in_runner(self, request_id: str) -> None:
-        """The runner's own per-request state (the penalties' token history), for runners that keep any."""
-        forget = getattr(self.runner, "forget_request", None)
-        if forget is not None:
-            forget(request_id)
+        self.runner.forget_request(request_id)
 
     def _forget_released(self) -> None:
         """After a collect: forget the deferred requests that no in-flight step holds any more."""
@@ -234,29 +240,22 @@ class Executor:
         return results
 
     # -- the "device" side -----------------------------------------------------------------------------------------
-    def _run(self, model_input: ModelInput) -> tuple[list[int], float, tuple]:
+    def _run(self, model_input: ModelInput) -> RunnerOutput:
         batch = self._fill_placeholders(model_input)
-        start = time.perf_counter()
         try:
-            token_ids = self.runner.execute(batch)
-            # Read on the thread that ran the forward, before another step can replace it.
-            logprobs = getattr(self.runner, "last_logprobs", None), getattr(self.runner, "last_prompt_logprobs", None)
-            if hasattr(token_ids, "tolist"):  # a runner may hand back a tensor
-                token_ids = token_ids.tolist()
+            output = self.runner.execute(batch)
         except BaseException:
             # Tokens these sequences sampled earlier must never feed a later placeholder as if they were new.
             self._discard_tokens(seq.request_id for seq in batch.seqs)
             raise
-        end = time.perf_counter()
-        interval = getattr(self.runner, "last_busy_interval", None) or (start, end)
-        self.busy.record_interval(*interval)
+        self.busy.record_interval(*output.busy)
         sampled = [seq.request_id for seq in batch.seqs if seq.do_sample]
-        if len(sampled) != len(token_ids):
+        if len(sampled) != len(output.token_ids):
             self._discard_tokens(seq.request_id for seq in batch.seqs)
-            raise RuntimeError(f"runner returned {len(token_ids)} tokens for {len(sampled)} sampling sequences")
-        for request_id, token in zip(sampled, token_ids, strict=True):
+            raise RuntimeError(f"runner returned {len(output.token_ids)} tokens for {len(sampled)} sampling sequences")
+        for request_id, token in zip(sampled, output.token_ids, strict=True):
             self._last_token[request_id] = DISCARDED_TOKEN if token == NONFINITE_TOKEN else token
-        return token_ids, interval[1] - interval[0], logprobs
+        return output
 
     def _discard_tokens(self, request_ids) -> None:
         """These requests' step failed: postprocessing finishes them with ERROR, but a later step for them may be in

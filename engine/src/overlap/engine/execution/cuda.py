@@ -33,9 +33,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult, placeholder_source
+from overlap.engine.execution.base import MAX_BUFFERS, Executor, InFlightStep, StepResult, placeholder_source
 from overlap.engine.execution.busy import BusyTracker, kernel_union_s
-from overlap.engine.types import NONFINITE_TOKEN, ModelInput, ScheduledSeq
+from overlap.engine.types import ModelInput, RunnerOutput, ScheduledSeq
 
 KERNEL_SAMPLE_EVERY = 1000  # steps between profiled steps
 KERNEL_SAMPLE_FIRST = KERNEL_SAMPLE_EVERY - 1  # the first profiled step: short benchmark runs never pay for one
@@ -43,27 +43,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class _CudaStep:
-    step_id: int
-    model_input: ModelInput
-    slot: int | None = None
+class _OnDevice:
+    """An in-flight step's CUDA side (`InFlightStep.pending`)."""
+
+    slot: int | None = None  # its pinned readback buffer
     num_sampled: int = 0
-    logprobs: object = None  # the runner's device-side logprob tensors, for requests that asked
-    inputs: object = None  # the step's inputs when they hold prompt logits to read back
+    device_step: object = None  # the runner's DeviceStep: tokens, logprob tensors, inputs
     start: object = None  # torch.cuda.Event
     end: object = None
     done: object = None
-    error: BaseException | None = None
     profiler: object = None  # torch.profiler.profile around this step while a sampled step runs
 
 
 class CudaExecutor(Executor):
-    """`Executor`'s interface for a `ModelRunner` on a CUDA device (needs its prepare / forward / sample)."""
+    """`Executor`'s interface for a `ModelRunner` on a CUDA device (its prepare / device_step / read_back)."""
 
     def __init__(self, runner, num_buffers: int = 2, busy: BusyTracker | None = None, max_seqs: int | None = None):
         import torch
 
-        if getattr(getattr(runner, "device", None), "type", None) != "cuda" or not torch.cuda.is_available():
+        if runner.step_mode != "cuda" or not torch.cuda.is_available():
             raise ConfigError("CudaExecutor needs a model runner on a CUDA device")
         super().__init__(runner, num_buffers, busy)
         self._torch = torch
@@ -90,7 +88,7 @@ class CudaExecutor(Executor):
     # -- the pipeline --------------------------------------------------------------------------------------------
     def submit(self, model_input: ModelInput) -> int:
         assert not self.is_full, f"submit with {self.num_in_flight} of {self.num_buffers} buffers in flight"
-        step = _CudaStep(self._next_step_id, model_input)
+        step = InFlightStep(self._next_step_id, model_input, _OnDevice())
         self._next_step_id += 1
         profiled = step.step_id % KERNEL_SAMPLE_EVERY == KERNEL_SAMPLE_FIRST
         if profiled:
@@ -100,20 +98,21 @@ class CudaExecutor(Executor):
             if profiled:
                 self._finish_profile(step)
         except Exception as exc:  # bad input or a launch failure: handed back with the step, in order
-            if step.profiler is not None:
-                step.profiler.__exit__(None, None, None)
-                step.profiler = None
+            work = step.pending
+            if work.profiler is not None:
+                work.profiler.__exit__(None, None, None)
+                work.profiler = None
             step.error = exc
             self.forget(seq.request_id for seq in model_input.seqs)
-            if step.slot is not None:
-                self._free_slots.append(step.slot)
-                step.slot = None
+            if work.slot is not None:
+                self._free_slots.append(work.slot)
+                work.slot = None
         self._in_flight.append(step)
         return step.step_id
 
-    def _launch(self, step: _CudaStep) -> None:
+    def _launch(self, step: InFlightStep) -> None:
         torch = self._torch
-        runner = self.runner
+        runner, work = self.runner, step.pending
         seqs = step.model_input.seqs
         # Host side: placeholder positions in the packed token matrix and token-table rows.
         gather_pos, gather_rows, sample_rows = [], [], []
@@ -133,8 +132,8 @@ class CudaExecutor(Executor):
             offset += len(seq.token_ids)
         if len(sample_rows) > self._max_seqs:
             raise ValueError(f"{len(sample_rows)} sampled sequences exceed the readback buffer ({self._max_seqs})")
-        step.slot = self._free_slots.popleft()
-        step.num_sampled = len(sample_rows)
+        work.slot = self._free_slots.popleft()
+        work.num_sampled = len(sample_rows)
 
         with torch.cuda.stream(self._h2d):
             inputs = runner.prepare(ModelInput(host_seqs))
@@ -145,58 +144,55 @@ class CudaExecutor(Executor):
         for tensor in [*inputs.device_tensors(), gather_pos_t, gather_rows_t, sample_rows_t]:
             tensor.record_stream(self._compute)
 
-        step.start = torch.cuda.Event(enable_timing=True)
-        step.end = torch.cuda.Event(enable_timing=True)
-        step.done = torch.cuda.Event()
+        work.start = torch.cuda.Event(enable_timing=True)
+        work.end = torch.cuda.Event(enable_timing=True)
+        work.done = torch.cuda.Event()
         self._compute.wait_event(staged)
         with torch.cuda.stream(self._compute), torch.inference_mode():
-            step.start.record(self._compute)
+            work.start.record(self._compute)
             if gather_pos:
                 inputs.input_ids.index_copy_(0, gather_pos_t, self._token_table.index_select(0, gather_rows_t))
-            logits = runner.forward(inputs)
-            tokens, finite = runner.sample(logits, inputs)
-            tokens = tokens.to(torch.long)
-            runner.record_sampled(inputs, tokens)
-            step.logprobs = runner.logprob_tensors(logits, inputs, tokens)  # None unless a request asks
-            step.inputs = inputs if inputs.prompt_spans else None  # its prompt logits, read back after the step
+            work.device_step = runner.device_step(inputs)
             if sample_rows:
-                self._token_table.index_copy_(0, sample_rows_t, tokens)
-            # The token table keeps the sampled index (a later step may embed it); the host also learns which rows
-            # had non-finite logits.
-            readback = torch.where(finite, tokens, NONFINITE_TOKEN)
-            step.end.record(self._compute)
-        self._d2h.wait_event(step.end)
+                # The token table keeps the sampled index (a later step may embed it); the host reads back the
+                # tokens with the rows whose logits were not finite marked.
+                self._token_table.index_copy_(0, sample_rows_t, work.device_step.tokens)
+            work.end.record(self._compute)
+        readback = work.device_step.readback
+        self._d2h.wait_event(work.end)
         with torch.cuda.stream(self._d2h):
             if sample_rows:
-                self._pinned[step.slot][: len(sample_rows)].copy_(readback, non_blocking=True)
+                self._pinned[work.slot][: len(sample_rows)].copy_(readback, non_blocking=True)
             readback.record_stream(self._d2h)
-            step.done.record(self._d2h)
+            work.done.record(self._d2h)
 
-    def _start_profile(self, step: _CudaStep) -> None:
+    def _start_profile(self, step: InFlightStep) -> None:
         """Profile this step alone: it starts once the steps in flight are done and ends before the next one is
         launched (a bubble of about one step per KERNEL_SAMPLE_EVERY)."""
         torch = self._torch
         for earlier in self._in_flight:
-            if earlier.done is not None:
-                earlier.done.synchronize()
+            if earlier.pending.done is not None:
+                earlier.pending.done.synchronize()
+        work = step.pending
         try:
-            step.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-            step.profiler.__enter__()
+            work.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            work.profiler.__enter__()
         except Exception as exc:  # no CUPTI, another profiler running: the event figures stand alone
             log.warning("kernel-time sampling is off: %s", exc)
-            step.profiler = None
+            work.profiler = None
 
-    def _finish_profile(self, step: _CudaStep) -> None:
+    def _finish_profile(self, step: InFlightStep) -> None:
         """The step's kernel time (the union of its kernels' intervals; copies are outside the event bracket) over
         its event-bracketed time."""
-        profiler, step.profiler = step.profiler, None
-        if profiler is None or step.done is None:
+        work = step.pending
+        profiler, work.profiler = work.profiler, None
+        if profiler is None or work.done is None:
             return
         try:
-            step.done.synchronize()
+            work.done.synchronize()
             profiler.__exit__(None, None, None)
             kernel_s = kernel_time_s(profiler)
-            event_s = step.start.elapsed_time(step.end) / 1000
+            event_s = work.start.elapsed_time(work.end) / 1000
             if kernel_s > 0 and event_s > 0:
                 self.busy.record_kernel_share(kernel_s / event_s)
         except Exception as exc:
@@ -214,7 +210,7 @@ class CudaExecutor(Executor):
         if not self._in_flight:
             return False
         step = self._in_flight[0]
-        return step.error is not None or step.done.query()
+        return step.error is not None or step.pending.done.query()
 
     def collect(self, block: bool = True) -> StepResult | None:
         if not self._in_flight or (not block and not self.oldest_done()):
@@ -222,31 +218,31 @@ class CudaExecutor(Executor):
         step = self._in_flight.popleft()
         if step.error is not None:
             self._forget_released()
-            return StepResult(step.step_id, step.model_input, [], step.error)
+            return StepResult.failed(step, step.error)
+        work = step.pending
         start = time.perf_counter()
         try:
-            step.done.synchronize()  # this step's readback only, never the whole device
-            tokens = self._pinned[step.slot][: step.num_sampled].tolist()
-            logprobs = self.runner.logprob_lists(step.logprobs, step.num_sampled)  # after the step: no extra sync
-            prompt_logprobs = None if step.inputs is None else self.runner.prompt_logprob_lists(step.inputs)
-            begin_s = self._ref.elapsed_time(step.start) / 1000
-            end_s = self._ref.elapsed_time(step.end) / 1000
+            work.done.synchronize()  # this step's readback only, never the whole device
+            tokens = self._pinned[work.slot][: work.num_sampled].tolist()
+            logprobs, prompt_logprobs = self.runner.read_back(work.device_step)  # after the step: no extra sync
+            begin_s = self._ref.elapsed_time(work.start) / 1000
+            end_s = self._ref.elapsed_time(work.end) / 1000
         except Exception as exc:  # an asynchronous CUDA error surfaces here
             self.forget(seq.request_id for seq in step.model_input.seqs)
-            return StepResult(step.step_id, step.model_input, [], exc)
+            return StepResult.failed(step, exc)
         finally:
-            self._free_slots.append(step.slot)
+            self._free_slots.append(work.slot)
             self._forget_released()  # after the step's own token-table writes are done
-        self.busy.record_interval(self._ref_host + begin_s, self._ref_host + end_s)
+        busy = (self._ref_host + begin_s, self._ref_host + end_s)
+        self.busy.record_interval(*busy)
         self.busy.record_host("readback", time.perf_counter() - start)
-        return StepResult(step.step_id, step.model_input, tokens, busy_s=end_s - begin_s, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs)  # fmt: skip
+        return StepResult.of(step, RunnerOutput(tokens, busy, logprobs, prompt_logprobs))
 
     def _drop_device_token(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)
         if row is not None:
             self._free_rows.append(row)
-        self._forget_in_runner(request_id)
+        self.runner.forget_request(request_id)
 
     def close(self) -> list[StepResult]:
         return self.drain()

@@ -3,32 +3,23 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
-from overlap.engine.execution.base import Executor, StepResult
+from overlap.engine.execution.base import Executor, InFlightStep, StepResult
 from overlap.engine.types import ModelInput
 
 
-@dataclass(slots=True)
-class _Launched:
-    step_id: int
-    model_input: ModelInput
-    handle: object = None
-    error: BaseException | None = None
-
-
 class AsyncExecutor(Executor):
-    """The pipeline for a runner that launches asynchronously (`launch(ModelInput) -> handle`, `wait(handle) ->
-    tokens`, `forget(request_id)`, as the simulated device offers): the engine thread launches each step, the
-    device runs them back to back, `collect` waits for the oldest. Placeholders are filled on the device side by
-    the runner. The same structure as the CUDA path, without CUDA."""
+    """The pipeline for a runner with `step_mode = "launch"`: `launch(ModelInput) -> handle` (with the `start` and
+    `end` of its device time) and `wait(handle) -> RunnerOutput`, as the simulated device offers. The engine thread
+    launches each step, the device runs them back to back, `collect` waits for the oldest. Placeholders are filled on
+    the device side by the runner. The same structure as the CUDA path, without CUDA."""
 
     def submit(self, model_input: ModelInput) -> int:
         assert not self.is_full, f"submit with {self.num_in_flight} of {self._num_buffers} buffers in flight"
-        step = _Launched(self._next_step_id, model_input)
+        step = InFlightStep(self._next_step_id, model_input)
         self._next_step_id += 1
         try:
-            step.handle = self.runner.launch(model_input)
+            step.pending = self.runner.launch(model_input)
         except Exception as exc:
             step.error = exc
         self._in_flight.append(step)
@@ -36,7 +27,7 @@ class AsyncExecutor(Executor):
 
     def oldest_done(self) -> bool:
         return bool(self._in_flight) and (
-            self._in_flight[0].error is not None or self._in_flight[0].handle.end <= time.perf_counter()
+            self._in_flight[0].error is not None or self._in_flight[0].pending.end <= time.perf_counter()
         )
 
     def collect(self, block: bool = True) -> StepResult | None:
@@ -45,15 +36,15 @@ class AsyncExecutor(Executor):
         step = self._in_flight.popleft()
         try:
             if step.error is not None:
-                return StepResult(step.step_id, step.model_input, [], step.error)
+                return StepResult.failed(step, step.error)
             try:
-                token_ids = self.runner.wait(step.handle)  # the device-side work (placeholders) happens here
+                output = self.runner.wait(step.pending)  # the device-side work (placeholders) happens here
             except Exception as exc:
-                return StepResult(step.step_id, step.model_input, [], exc)
+                return StepResult.failed(step, exc)
         finally:
             self._forget_released()  # only now has this step used its requests' device-side tokens
-        self.busy.record_interval(step.handle.start, step.handle.end)
-        return StepResult(step.step_id, step.model_input, token_ids, busy_s=step.handle.end - step.handle.start)
+        self.busy.record_interval(*output.busy)
+        return StepResult.of(step, output)
 
     def _drop_device_token(self, request_id: str) -> None:
-        self.runner.forget(request_id)
+        self.runner.forget_request(request_id)

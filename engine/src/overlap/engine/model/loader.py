@@ -85,17 +85,13 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]; None once the runner split it into gate and up
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [D], Qwen3
     k_norm: torch.Tensor | None = None
-    gate: torch.Tensor | None = None  # the runner's oneDNN path: gate (SiLU fused into its matmul) and up apart
-    up: torch.Tensor | None = None
-    gate_bias: torch.Tensor | None = None
-    up_bias: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

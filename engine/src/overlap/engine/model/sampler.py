@@ -177,3 +177,21 @@ def apply_logits_controls(
             if p.presence_penalty:
                 row.sub_((counts > 0).to(row.dtype) * p.presence_penalty)
     return logits
+
+
+def prompt_logprob_lists(logits: torch.Tensor, targets: list[int], spans: list[tuple[str, int, int, int]]) -> dict:
+    """Prompt logprobs on the host: request id -> (first scored position, [TokenLogprob, ...]), from the logits of
+    the rows that score the next prompt token (`targets`), grouped per request by `spans` (request id, first
+    position, count, top-k)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device).view(-1, 1)).squeeze(1).tolist()
+    k = max(span[3] for span in spans)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    values, ids = top_values.tolist(), top_ids.tolist()
+    result, at = {}, 0
+    for request_id, first, count, span_k in spans:
+        rows = range(at, at + count)
+        result[request_id] = (first, [TokenLogprob(chosen[r], list(zip(ids[r][:span_k], values[r][:span_k],
+                                                                       strict=True))) for r in rows])  # fmt: skip
+        at += count
+    return result

@@ -1,7 +1,7 @@
 """A simulated device: a model runner whose forward takes the time a cost model gives.
 
-It keeps the real runner's contract (`execute(ModelInput) -> list[int]`, `block_size`, `num_kv_blocks`,
-`vocab_size`, `eos_token_id`, `max_model_len`) so the engine's pipeline can be measured and tested on any machine:
+It keeps the real runner's contract (the `Runner` protocol of `overlap.engine.types`) so the engine's pipeline can be
+measured and tested on any machine:
 
 - Time: a step with N tokens takes `fixed_s + per_token_s * N` (`CostModel`, from flags or a measured profile).
   The runner waits for it without holding the GIL, as a CUDA stream or a torch forward lets the host run on.
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput
+from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput, Runner, RunnerOutput
 
 _MASK = (1 << 64) - 1
 _SEED = 0x243F6A8885A308D3  # the hash before position 0
@@ -116,7 +116,7 @@ class CostModel:
         Path(path).write_text(json.dumps(asdict(self)) + "\n")
 
 
-class SimRunner:
+class SimRunner(Runner):
     """A runner with the real contract whose forward sleeps for the cost model's time."""
 
     def __init__(
@@ -127,7 +127,7 @@ class SimRunner:
         block_size: int = 16,
         num_kv_blocks: int = 4096,
         max_model_len: int = 2048,
-        eos_token_id: int | None = 2,
+        eos_token_ids: tuple[int, ...] = (2,),
         max_intervals: int = 1 << 16,
         asynchronous: bool = False,
     ) -> None:
@@ -138,17 +138,15 @@ class SimRunner:
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
         # asynchronous: behave like a GPU stream (launch / wait, see `launch`); the executor then launches from the
         # engine thread and needs no worker thread (make_executor picks AsyncExecutor).
-        self.supports_launch = asynchronous
+        self.step_mode = "launch" if asynchronous else "thread"
         self._device_free_at = 0.0
         self._device_last_token: dict[str, int] = {}  # request -> its latest sampled token, "in device memory"
         # Each KV slot holds (position, hash of tokens 0..position); None = never written.
         self._kv: list[tuple[int, int] | None] = [None] * (num_kv_blocks * block_size)
         self.busy_intervals: deque[tuple[float, float]] = deque(maxlen=max_intervals)
-        self.last_busy_interval: tuple[float, float] | None = None
-        self.last_forward_s = 0.0
         self.num_steps = 0
         self.busy_s_total = 0.0
 
@@ -175,16 +173,15 @@ class SimRunner:
             config,
             cost,
             vocab_size=spec.vocab_size,
-            eos_token_id=spec.eos_token_ids[0] if spec.eos_token_ids else None,
+            eos_token_ids=tuple(spec.eos_token_ids),
             asynchronous=True,  # a device that runs on its own clock, like a GPU
         )
         runner.max_model_len = min(config.max_seq_len, spec.rope_context_cap or spec.max_position_embeddings)
-        runner.eos_token_ids = spec.eos_token_ids
         runner.sampling_defaults = spec.sampling_defaults
         runner.model_dir = Path(model_dir)
         return runner
 
-    def execute(self, batch: ModelInput) -> list[int]:
+    def execute(self, batch: ModelInput) -> RunnerOutput:
         start = time.perf_counter()
         deadline = start + self.cost.step_s(batch.num_tokens)
         sampled = [self._run_seq(seq) for seq in batch.seqs]
@@ -192,12 +189,10 @@ class SimRunner:
         # later, because the host thread held the GIL, is the host's lateness, not device time.
         end = max(deadline, time.perf_counter())
         _wait_until(end)
-        self.last_busy_interval = (start, end)
         self.busy_intervals.append((start, end))
-        self.last_forward_s = end - start
         self.busy_s_total += end - start
         self.num_steps += 1
-        return [token for token in sampled if token is not None]
+        return RunnerOutput([token for token in sampled if token is not None], (start, end))
 
     # -- the asynchronous device: a stream of steps in virtual time -------------------------------------------------
     def launch(self, batch: ModelInput) -> SimLaunch:
@@ -211,13 +206,11 @@ class SimRunner:
         self.num_steps += 1
         return SimLaunch(batch, start, end)
 
-    def wait(self, launched: SimLaunch) -> list[int]:
+    def wait(self, launched: SimLaunch) -> RunnerOutput:
         """Wait (without the GIL) until the step is done and return its tokens. Steps must be waited for in launch
         order; a decode with `PLACEHOLDER_TOKEN` gets the token its sequence sampled last, as a device-side gather
         would."""
         _wait_until(launched.end)
-        self.last_busy_interval = (launched.start, launched.end)
-        self.last_forward_s = launched.end - launched.start
         sampled = []
         try:
             for seq in launched.batch.seqs:
@@ -234,9 +227,9 @@ class SimRunner:
                 self._device_last_token.pop(seq.request_id, None)
             raise
         self._device_last_token.update(sampled)
-        return [token for _, token in sampled]
+        return RunnerOutput([token for _, token in sampled], (launched.start, launched.end))
 
-    def forget(self, request_id: str) -> None:
+    def forget_request(self, request_id: str) -> None:
         self._device_last_token.pop(request_id, None)
 
     def _run_seq(self, seq) -> int | None:

@@ -133,9 +133,7 @@ class EngineServer:
         self._hello_frame = self._hello()
         self._listen()
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
-        log.info(
-            "engine listening on %s (%s)", self.socket_path, getattr(self.engine.runner, "kernels", "kernels: n/a")
-        )
+        log.info("engine listening on %s (%s)", self.socket_path, self.engine.runner.kernels)
         try:
             while not self._should_stop():
                 self._process_input(block=not self.engine.has_unfinished())

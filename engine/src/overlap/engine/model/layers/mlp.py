@@ -1,0 +1,36 @@
+"""The gated MLP of the Llama family: down(silu(gate(x)) * up(x))."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from overlap.engine.model.layers.linear import Linear, LinearBackend
+
+
+class GatedMLP:
+    """gate and up as one matmul (its output split), or, where the backend fuses SiLU into a matmul (oneDNN), as two:
+    SiLU rides on the gate's matmul, no separate pass over its output."""
+
+    __slots__ = ("down", "gate", "gate_up", "inter", "up")
+
+    def __init__(self, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
+                 down_bias: torch.Tensor | None, backend: LinearBackend) -> None:  # fmt: skip
+        self.inter = gate_up.shape[0] // 2
+        self.gate = self.up = self.gate_up = None
+        if backend.fuses_silu:
+            halves = [None, None] if gate_up_bias is None else gate_up_bias.split(self.inter)
+            self.gate = Linear(gate_up[: self.inter], halves[0], backend)
+            self.up = Linear(gate_up[self.inter :], halves[1], backend)
+        else:
+            self.gate_up = Linear(gate_up, gate_up_bias, backend)
+        self.down = Linear(down, down_bias, backend)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None:
+            gate = self.gate
+            act = gate.backend.linear_silu(x, gate.weight, gate.bias).mul_(self.up(x))
+        else:
+            gate_up = self.gate_up(x)
+            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+        return self.down(act)

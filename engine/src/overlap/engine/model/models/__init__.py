@@ -1,0 +1,24 @@
+"""The forward of each model family, built from `model.layers`; `build_model` picks it by config.json's
+architecture."""
+
+from __future__ import annotations
+
+from overlap.engine.model.models.llama import LlamaModel, ModelParts
+from overlap.engine.model.models.qwen3 import Qwen3Model
+
+# Llama, Mistral, Qwen2 and Phi-3 are one decoder (RMSNorm, GQA attention with RoPE, SwiGLU); what tells them apart
+# (biases, sliding windows, fused checkpoints, partial rotary) is settled by the loader. Qwen3 adds q/k norms.
+MODEL_CLASSES: dict[str, type[LlamaModel]] = {
+    "LlamaForCausalLM": LlamaModel,
+    "MistralForCausalLM": LlamaModel,
+    "Qwen2ForCausalLM": LlamaModel,
+    "Phi3ForCausalLM": LlamaModel,
+    "Qwen3ForCausalLM": Qwen3Model,
+}
+
+
+def build_model(parts: ModelParts) -> LlamaModel:
+    return MODEL_CLASSES[parts.spec.architecture](parts)
+
+
+__all__ = ["MODEL_CLASSES", "LlamaModel", "ModelParts", "build_model"]

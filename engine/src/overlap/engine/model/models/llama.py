@@ -1,0 +1,93 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Phi-3): pre-norm layers of GQA attention with RoPE over the paged
+KV pool and a SwiGLU MLP, then the final norm and the LM head.
+
+A prompt row that is not sampled matters to later tokens only through the K/V it leaves in each layer, so the last
+layer, past its K/V writes, runs only the sampled rows (its output projection and MLP are ~12% of a prompt token's
+projection FLOPs in the tiny model's 6 layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from overlap.engine.model.layers.attention import PagedAttention
+from overlap.engine.model.layers.linear import Linear, LinearBackend
+from overlap.engine.model.layers.mlp import GatedMLP
+from overlap.engine.model.layers.norm import RMSNorm
+from overlap.engine.model.layers.rotary import Rotary, StepRotary
+from overlap.engine.model.loader import LayerWeights, ModelSpec, ModelWeights
+from overlap.engine.model.native import CpuOps
+from overlap.engine.model.step_inputs import StepInputs
+
+
+@dataclass(slots=True)
+class ModelParts:
+    """What a model is built from: its shape and weights, the kernels picked for this machine, the KV pool."""
+
+    spec: ModelSpec
+    weights: ModelWeights
+    linear: LinearBackend
+    ops: CpuOps | None  # the native RMSNorm / RoPE kernels (CPU), or None for torch ops
+    attention: PagedAttention
+    rotary: Rotary
+    k_pool: torch.Tensor  # [layers, slots, kv_heads, head_dim]
+    v_pool: torch.Tensor
+
+
+class LlamaDecoderLayer:
+    def __init__(self, index: int, lw: LayerWeights, parts: ModelParts) -> None:
+        spec, linear, ops = parts.spec, parts.linear, parts.ops
+        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.window = spec.layer_windows[index]
+        self.input_norm = RMSNorm(lw.input_norm, spec.rms_norm_eps, ops)
+        self.qkv = Linear(lw.qkv, lw.qkv_bias, linear)
+        self.o = Linear(lw.o, lw.o_bias, linear)
+        self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops)
+        self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear)
+        self.k_pool, self.v_pool = parts.k_pool[index], parts.v_pool[index]
+
+    def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, (heads + 2 kv_heads) * head_dim]: q, k and v of every row, before RoPE."""
+        return self.qkv(h)
+
+
+class LlamaModel:
+    layer_class = LlamaDecoderLayer
+
+    def __init__(self, parts: ModelParts) -> None:
+        self.spec = parts.spec
+        self.attention = parts.attention
+        self.rotary = parts.rotary
+        w = parts.weights
+        self.layers = [self.layer_class(i, lw, parts) for i, lw in enumerate(w.layers)]
+        self.embed = w.embed
+        self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops)
+        self.lm_head = Linear(w.lm_head, None, parts.linear)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [num sampled seqs, vocab] (model dtype); writes the step's K/V into the pool."""
+        rotary: StepRotary = self.rotary.at(inputs.positions)
+        x = self.embed.index_select(0, inputs.input_ids)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            plan = inputs.plan_for(layer.window)
+            qkv = layer.project_qkv(layer.input_norm(x))
+            q = self.rotary.apply_and_store(qkv, rotary, inputs.slots, layer.k_pool, layer.v_pool, layer.heads)
+            if index == last and plan.last_layer is not None:
+                # Past its K/V, the last layer only feeds the logits: skip the rows nobody samples (every token of a
+                # prompt chunk but the last one, and all of a non-final chunk).
+                if inputs.sample_rows.numel() == 0:
+                    return x.new_empty(0, self.spec.vocab_size)
+                q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
+                attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window)
+            else:
+                attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window)
+            x = layer.o(attn).add_(x)  # the residual added in place into the projection's fresh output
+            x = layer.mlp(layer.post_norm(x)).add_(x)
+        if inputs.plan.last_layer is None:  # every row went through; else x holds the sampled rows already
+            if inputs.prompt_rows is not None:
+                inputs.prompt_logits = self.lm_head(self.norm(x.index_select(0, inputs.prompt_rows)))
+            x = x.index_select(0, inputs.sample_rows)
+        return self.lm_head(self.norm(x))

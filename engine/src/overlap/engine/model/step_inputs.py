@@ -1,0 +1,228 @@
+"""A step's inputs: the scheduled sequences flattened into packed token / position / slot tensors and the attention
+plans, on the runner's device.
+
+Prompts are packed without padding: the step's tokens form one [num_tokens, hidden] matrix for the projections and
+MLPs; only attention is per sequence. On CPU with 2+ threads a batch may be cut into two halves of about equal work
+that run whole forwards on two Python threads (`split_point`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from overlap.engine.model import graphs, native
+from overlap.engine.model.attention_plan import AttentionPlan, SeqGeometry, cpu_plan, triton_plan
+from overlap.engine.model.staging import to_device
+from overlap.engine.types import ModelInput, SamplingParams
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] where each token's K/V go
+    sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
+    sampling: list[SamplingParams]
+    num_generated: list[int]
+    request_ids: list[str]  # of the sampled rows, for the per-request token history of penalties
+    prompts: list[list[int] | None]  # of the sampled rows: the whole prompt where a repetition penalty needs it
+    # Full-attention layers' plan (the Triton plan serves every layer); sliding-window layers', by window, when some
+    # sequence reaches past it.
+    plan: AttentionPlan = field(default_factory=lambda: AttentionPlan(None, [], None))
+    window_plans: dict[int, AttentionPlan] = field(default_factory=dict)
+    # CPU with 2+ threads: the batch cut in two halves (consecutive sequences), each run through the whole model by
+    # its own Python thread with one intra-op thread; the fields above then describe the first half only.
+    halves: tuple[StepInputs, StepInputs] | None = None
+    # Prompt logprobs: the rows whose logits score the next prompt token, those tokens, and per request
+    # (request id, first scored position, count, top-k); the forward leaves the rows' logits in prompt_logits.
+    prompt_rows: torch.Tensor | None = None
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+    prompt_logits: torch.Tensor | None = None
+    # A decode step served by a captured graph: (its packed inputs on the device, the bucket, how many sequences).
+    # input_ids, positions and slots are then views of that buffer.
+    graph: tuple[torch.Tensor, int, int] | None = None
+
+    def plan_for(self, window: int | None) -> AttentionPlan:
+        """The plan of a layer with this sliding window (None: full attention)."""
+        return self.plan if window is None else self.window_plans.get(window, self.plan)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors a step reads on the device (for a stream hand-off: `record_stream`)."""
+        tensors = [self.input_ids, self.positions, self.slots, self.sample_rows]
+        kernel_plans = [self.plan.kernel_plan] + ([self.plan.last_layer[0]] if self.plan.last_layer else [])
+        for plan in kernel_plans:
+            if plan is not None and not isinstance(plan, native.DecodePlan):  # a Triton PagedPlan
+                tensors += [plan.tables, plan.q_starts, plan.q_lens, plan.kv_lens, plan.prog_seq, plan.prog_q]
+        for seq in self.plan.seqs:
+            tensors += [t for t in (seq.kv_index, seq.mask) if t is not None]
+        if self.graph is not None:
+            tensors.append(self.graph[0])
+        return tensors
+
+
+def decode_graph_inputs(buffer: torch.Tensor, bucket: int, width: int, triton, device: torch.device) -> StepInputs:
+    """A captured graph's StepInputs: views of the bucket's static buffer (`graphs.buffer_views`)."""
+    ids, positions, slots, kv_lens, tables = graphs.buffer_views(buffer, bucket, width)
+    rows = torch.arange(bucket, device=device)
+    plan = triton.PagedPlan(tables, rows, torch.ones_like(rows), kv_lens, rows, torch.zeros_like(rows), 1)
+    return StepInputs(ids, positions, slots, rows, [], [], [], [], plan=AttentionPlan(plan, [], None))
+
+
+class InputPacker:
+    """Turns a `ModelInput` into `StepInputs` for one runner (its pool, block size, kernels and graphs)."""
+
+    def __init__(self, *, block_size: int, num_kv_blocks: int, max_model_len: int, device: torch.device,
+                 windows: list[int], use_decode_kernel: bool, triton, group: int,
+                 split_batches: bool) -> None:  # fmt: skip
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.max_model_len = max_model_len
+        self.device = device
+        self.windows = windows  # the distinct sliding windows of the model's layers
+        self.use_decode_kernel = use_decode_kernel
+        self.triton = triton
+        self.group = group  # query heads per KV head
+        self.split_batches = split_batches
+        self.graphs: graphs.DecodeGraphs | None = None
+
+    def pack(self, batch: ModelInput) -> StepInputs:
+        scores_prompt = any(s.sampling.prompt_logprobs is not None for s in batch.seqs)
+        halves = self.split_batches and torch.get_num_threads() >= 2 and not scores_prompt
+        cut = split_point(batch) if halves else None
+        if cut is None:
+            return self._pack(batch)
+        first = self._pack(ModelInput(batch.seqs[:cut]))
+        second = self._pack(ModelInput(batch.seqs[cut:]))
+        return StepInputs(
+            input_ids=first.input_ids,
+            positions=first.positions,
+            slots=first.slots,
+            sample_rows=first.sample_rows,
+            sampling=first.sampling + second.sampling,
+            num_generated=first.num_generated + second.num_generated,
+            request_ids=first.request_ids + second.request_ids,
+            prompts=first.prompts + second.prompts,
+            plan=first.plan,
+            halves=(first, second),
+        )
+
+    def _pack(self, batch: ModelInput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        geometry: list[SeqGeometry] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []
+        for seq in batch.seqs:
+            n = len(seq.token_ids)
+            start = seq.start_pos
+            end = start + n
+            if n == 0:
+                raise ValueError(f"request {seq.request_id}: scheduled with no tokens")
+            if end > self.max_model_len:
+                raise ValueError(f"request {seq.request_id}: position {end - 1} is past max_model_len")
+            num_blocks = -(-end // bs)
+            table = seq.block_table[:num_blocks]
+            if len(table) < num_blocks:
+                raise ValueError(f"request {seq.request_id}: block table covers {len(table) * bs} < {end} positions")
+            first = table[0]
+            if first < 0 or max(table) >= self.num_kv_blocks:
+                raise ValueError(
+                    f"request {seq.request_id}: block table {table} outside the pool of {self.num_kv_blocks}"
+                )
+            q_start = len(ids)
+            ids.extend(seq.token_ids)
+            positions.extend(range(start, end))
+            if seq.do_sample:
+                sample_rows.append(q_start + n - 1)
+            if seq.sampling.prompt_logprobs is not None and seq.prompt_token_ids is not None:
+                # positions start .. last - 1 of this chunk predict prompt tokens start + 1 .. last
+                prompt = seq.prompt_token_ids
+                last = min(end, len(prompt) - 1)
+                if last > start:
+                    prompt_rows.extend(range(q_start, q_start + last - start))
+                    prompt_targets.extend(prompt[start + 1 : last + 1])
+                    prompt_spans.append((seq.request_id, start + 1, last - start, seq.sampling.prompt_logprobs))
+            g = SeqGeometry(q_start, n, start, end, table, seq.do_sample)
+            if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
+                g.kv_start = first * bs
+                slots.extend(range(g.kv_start + start, g.kv_start + end))
+            elif n == 1:  # a decode: its one slot; the whole index only if a torch path reads it
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
+                slots.extend(g.slots[start:])
+            geometry.append(g)
+        sampled = dict(
+            sampling=[s.sampling for s in batch.seqs if s.do_sample],
+            num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
+            request_ids=[s.request_id for s in batch.seqs if s.do_sample],
+            prompts=[s.prompt_token_ids for s in batch.seqs if s.do_sample],
+        )
+        bucket = self._graph_bucket(geometry, prompt_rows)
+        if bucket is not None:
+            decodes = [(ids[g.q_start], positions[g.q_start], slots[g.q_start], g.table) for g in geometry]
+            (staged,) = to_device(self.device, self.graphs.pack(decodes, bucket))
+            input_ids, positions_t, slots_t, _, _ = graphs.buffer_views(staged, bucket, self.graphs.width)
+            # sample_rows: unused, the graph samples its own first rows
+            return StepInputs(input_ids, positions_t, slots_t, staged[:0], **sampled,
+                              graph=(staged, bucket, len(geometry)))  # fmt: skip
+        # Scoring prompt rows needs every row through the last layer: no skipping of unsampled rows then.
+        num_kept = len(ids) if prompt_rows else None
+        window_plans = {}
+        if self.triton is not None:
+            plan = triton_plan(geometry, len(ids), num_kept, triton=self.triton, group=self.group, device=self.device)
+        else:
+            options = dict(block_size=bs, use_kernel=self.use_decode_kernel, device=self.device)
+            plan = cpu_plan(geometry, None, len(ids), num_kept, **options)
+            # A sliding layer needs its own plan only when some sequence reaches past its window; below, it is causal.
+            window_plans = {w: cpu_plan(geometry, w, len(ids), num_kept, **options)
+                            for w in self.windows if any(g.end > w for g in geometry)}  # fmt: skip
+        device = self.device
+        input_ids, positions_t, slots_t, sample_rows_t = to_device(device, ids, positions, slots, sample_rows)
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions_t,
+            slots=slots_t,
+            sample_rows=sample_rows_t,
+            **sampled,
+            plan=plan,
+            window_plans=window_plans,
+            prompt_rows=torch.tensor(prompt_rows, device=device, dtype=torch.long) if prompt_rows else None,
+            prompt_targets=prompt_targets,
+            prompt_spans=prompt_spans,
+        )
+
+    def _graph_bucket(self, geometry: list[SeqGeometry], prompt_rows: list[int]) -> int | None:
+        """The captured bucket for a step of decodes that all sample (None: run it eagerly)."""
+        if self.graphs is None or prompt_rows or not all(g.n == 1 and g.do_sample for g in geometry):
+            return None
+        return self.graphs.bucket_for(len(geometry))
+
+
+def split_point(batch: ModelInput) -> int | None:
+    """Where to cut the batch in two halves of about equal work, or None to run it whole (too small or too lopsided,
+    e.g. one long prompt). A token's projections and MLP cost about as much as attending over 150 cached positions at
+    decode (tiny Llama, fp32, one thread)."""
+    seqs = batch.seqs
+    if len(seqs) < 2:
+        return None
+    costs = [len(s.token_ids) * 150 + len(s.token_ids) * (s.start_pos + len(s.token_ids)) for s in seqs]
+    total = sum(costs)
+    if total < 150 * 8:  # a few tokens: the thread hand-off costs more than it saves
+        return None
+    acc, cut = 0, 0
+    while cut < len(seqs) - 1 and acc + costs[cut] <= total / 2:
+        acc += costs[cut]
+        cut += 1
+    if cut == 0 or (cut < len(seqs) - 1 and total / 2 - acc > acc + costs[cut] - total / 2):
+        acc, cut = acc + costs[cut], cut + 1
+    if max(acc, total - acc) > 0.75 * total:
+        return None
+    return cut
