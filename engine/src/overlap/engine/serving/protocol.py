@@ -12,7 +12,9 @@ sidecar.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+import typing
 from typing import Any
 
 import msgspec
@@ -32,65 +34,30 @@ class _Message(msgspec.Struct, array_like=True, tag=True, omit_defaults=True):
 # ---- sidecar -> engine -------------------------------------------------------------------------------------------
 
 
-class WireSampling(msgspec.Struct, array_like=True, omit_defaults=True):
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = []
-    logprobs: int | None = None
-    logit_bias: list[tuple[int, float]] = []
-    min_tokens: int = 0
-    bad_words_ids: list[list[int]] = []
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    grammar: str | None = None
-    prompt_logprobs: int | None = None
+def _wire_struct(cls: type, name: str) -> type[msgspec.Struct]:
+    """A msgspec Struct with the fields, types and defaults of the dataclass `cls`, encoded by name (a map with the
+    non-default fields only), converted to and from `cls` by name: the wire type is generated, never written twice.
+    It holds the values unchecked: `to_params` builds the dataclass, whose own checks raise InvalidRequestError, so
+    the engine can refuse that one request by id instead of failing the whole frame."""
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, hints[f.name], f.default) for f in dataclasses.fields(cls)]
 
-    @classmethod
-    def from_params(cls, p: SamplingParams) -> WireSampling:
-        return cls(
-            p.max_tokens,
-            p.temperature,
-            p.top_p,
-            p.top_k,
-            p.seed,
-            p.ignore_eos,
-            list(p.stop_token_ids),
-            p.logprobs,
-            list(p.logit_bias),
-            p.min_tokens,
-            [list(w) for w in p.bad_words_ids],
-            p.presence_penalty,
-            p.frequency_penalty,
-            p.repetition_penalty,
-            p.grammar,
-            p.prompt_logprobs,
-        )
+    def from_params(wire_cls, params):
+        return wire_cls(**{f: getattr(params, f) for f in wire_cls.__struct_fields__})
 
-    def to_params(self) -> SamplingParams:
-        """Validated SamplingParams; raises InvalidRequestError on bad values."""
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=tuple(self.stop_token_ids),
-            logprobs=self.logprobs,
-            logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias),
-            min_tokens=self.min_tokens,
-            bad_words_ids=tuple(tuple(w) for w in self.bad_words_ids),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
-            grammar=self.grammar,
-            prompt_logprobs=self.prompt_logprobs,
-        )
+    def to_params(self):
+        return cls(**msgspec.structs.asdict(self))
+
+    namespace = {
+        "from_params": classmethod(from_params),
+        "to_params": to_params,
+        "__doc__": f"{cls.__name__} on the wire.",
+    }
+    return msgspec.defstruct(name, fields, omit_defaults=True, forbid_unknown_fields=True, namespace=namespace)
+
+
+# sidecar -> engine: SamplingParams as it is (`WireSampling.from_params(p)`, `wire.to_params()`)
+WireSampling = _wire_struct(SamplingParams, "WireSampling")
 
 
 class AddRequest(_Message, tag="add"):
