@@ -207,8 +207,10 @@ def test_openai_client_raises_typed_errors(client, server):
 
 
 def test_health_endpoints(server):
-    for path in ("/health", "/healthz", "/readyz"):
+    for path in ("/health", "/healthz", "/readyz", "/ping"):
         assert http("GET", server["url"] + path)[0] == 200
+    status, _, body = http("POST", server["url"] + "/ping", {})  # SageMaker probes with POST
+    assert status == 200 and body["ready"] is True
 
 
 def test_tokenize_detokenize_and_version_in_vllms_shapes(server, tiny_model_dir):
@@ -243,7 +245,7 @@ def test_openapi_describes_every_route(server):
     expected = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models"),
                 ("get", "/health"), ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"),
                 ("get", "/openapi.json"), ("post", "/tokenize"), ("post", "/detokenize"),
-                ("get", "/version")}  # fmt: skip
+                ("get", "/version"), ("get", "/ping"), ("post", "/ping")}  # fmt: skip
     documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     assert documented == expected
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]

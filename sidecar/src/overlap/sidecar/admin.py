@@ -14,8 +14,8 @@ from aiohttp import web
 from overlap.engine.config import LIVE_KNOBS
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving.client import EngineUnavailable
+from overlap.sidecar.http import json_response, read_body
 from overlap.sidecar.middlewares import error_middleware
-from overlap.sidecar.routes import json_response, read_body
 from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches, engine_unavailable
 
 log = logging.getLogger(__name__)

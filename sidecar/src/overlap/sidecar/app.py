@@ -19,12 +19,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from overlap.engine.serving import protocol as p
 from overlap.engine.serving.client import EngineClient, EngineUnavailable
-from overlap.sidecar import routes, schemas
+from overlap.sidecar import schemas
 from overlap.sidecar.admin import init_admin_app, watch_config_file
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
+from overlap.sidecar.http import json_response
 from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
 from overlap.sidecar.middlewares import api_key_auth, error_middleware
+from overlap.sidecar.openai import ROUTES
 from overlap.sidecar.state import STATE, ServerState
 from overlap.sidecar.text import TextProcessor
 
@@ -77,16 +79,16 @@ def metrics_handler(registry: CollectorRegistry):
 
 def setup_routes(app: web.Application) -> None:
     state = app[STATE]
-    for method, path, _, handler, _ in routes.ROUTES:
+    for method, path, _, handler, _ in ROUTES:
         app.router.add_route(method, path, handler)
     app.router.add_get("/metrics", metrics_handler(state.registry))
     document = schemas.openapi_document(
-        [(m, path, summary, body) for m, path, summary, _, body in routes.ROUTES]
+        [(m, path, summary, body) for m, path, summary, _, body in ROUTES]
         + [("GET", "/metrics", "Prometheus metrics", None), ("GET", "/openapi.json", "This document", None)]
     )
 
     async def openapi(request: web.Request) -> web.Response:
-        return routes.json_response(document)
+        return json_response(document)
 
     app.router.add_get("/openapi.json", openapi)
 

@@ -7,7 +7,7 @@ import logging
 
 from aiohttp import web
 
-from overlap.sidecar.routes import json_response
+from overlap.sidecar.http import json_response
 from overlap.sidecar.state import STATE, ApiError, bearer_matches
 
 log = logging.getLogger(__name__)

@@ -252,12 +252,13 @@ RESPONSES: dict[str, list[tuple[str, dict]]] = {
     "/version": [(_JSON, _object({"version": _STR}))],
     "/healthz": [(_JSON, _object({"status": _STR}))],
     "/health": [(_JSON, _READY)],
+    "/ping": [(_JSON, _READY)],
     "/readyz": [(_JSON, _READY)],
     "/metrics": [("text/plain", _STR)],
     "/openapi.json": [(_JSON, {"type": "object"})],
 }  # fmt: skip
 # Readiness answers 503 with the same body when not ready (a probe reads which part is missing).
-_NOT_READY = {"/health", "/readyz"}
+_NOT_READY = {"/health", "/ping", "/readyz"}
 
 _ERROR = _object(
     {"error": _object({"message": _STR, "type": _STR},

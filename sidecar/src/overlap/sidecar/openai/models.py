@@ -1,0 +1,18 @@
+"""GET /v1/models: the one served model."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from overlap.sidecar.http import json_response
+from overlap.sidecar.state import STATE, engine_unavailable
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.client.connected or not state.model_name:
+        # An empty list with 200 would tell a client's start-up probe that this server serves nothing.
+        raise engine_unavailable("the engine is not connected yet, so no model is served; retry shortly")
+    model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "overlap",
+             "max_model_len": state.max_model_len}  # fmt: skip
+    return json_response({"object": "list", "data": [model]})

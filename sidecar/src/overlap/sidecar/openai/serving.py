@@ -1,0 +1,62 @@
+"""Serving one OpenAI request: its sequences generated in the engine (the sequences of one prompt share its computed KV
+blocks there), then answered whole (`collect`) or streamed (`stream`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from aiohttp import web
+
+from overlap.engine.types import SamplingParams
+from overlap.sidecar import schemas
+from overlap.sidecar.generation import Generation
+from overlap.sidecar.openai import request as req
+from overlap.sidecar.openai.collect import collect
+from overlap.sidecar.openai.sequences import Reply, Sequence
+from overlap.sidecar.openai.shape import CompletionShape
+from overlap.sidecar.openai.stream import stream
+from overlap.sidecar.state import ApiError, ServerState
+from overlap.sidecar.tools import ToolSetup
+
+
+async def respond(request: web.Request, state: ServerState, body: schemas._Common, shape: CompletionShape,
+                  prompts: list[tuple[list[int], SamplingParams]], arrival: float, *, echo: bool = False,
+                  tool_setup: ToolSetup | None = None) -> web.StreamResponse:  # fmt: skip
+    """Generate every prompt's sequences and answer (streamed when the body asks). `echo`: completions start with
+    the prompt."""
+    stop = req.stop_strings(body)
+    priority = req.priority(state, request, body.priority)
+    timeout_s = req.timeout(state, request, body.timeout)
+    n, best_of = body.n, getattr(body, "best_of", None) or body.n
+    cap = state.config.max_n
+    if not 1 <= n <= cap:
+        raise ApiError(400, f"n must be in 1..{cap} (the server's --max-n)", param="n")
+    if not n <= best_of <= cap:
+        raise ApiError(400, f"best_of must be in n..{cap}, got {best_of}", param="best_of")
+    if best_of > n and body.stream:
+        raise ApiError(400, "best_of > n cannot be streamed (the best ones are known only at the end)", param="best_of")
+    reply = Reply(f"{shape.id_prefix}-{uuid.uuid4().hex}", state.model_name, shape, n, best_of,
+                  prompts[0][1].logprobs is not None, request.headers.get("x-overlap-timing") == "1",
+                  tool_setup)  # fmt: skip
+    sequences: list[Sequence] = []
+    try:
+        for p, (ids, sampling) in enumerate(prompts):
+            first_id = None
+            for j in range(best_of):
+                seq_sampling = sampling
+                if sampling.seed is not None and j:
+                    seq_sampling = dataclasses.replace(seq_sampling, seed=sampling.seed + j)  # distinct, reproducible
+                if best_of > n and sampling.logprobs is None:
+                    seq_sampling = dataclasses.replace(seq_sampling, logprobs=0)  # ranking needs each token's
+                seq_id = reply.request_id if len(prompts) == 1 and best_of == 1 else f"{reply.request_id}-{p}-{j}"
+                generation = Generation(state, seq_id, ids, seq_sampling, stop, priority=priority, timeout_s=timeout_s,
+                                        arrival=arrival, share_prompt_with=first_id)  # fmt: skip
+                first_id = first_id or seq_id
+                sequences.append(Sequence(p * best_of + j, p, generation, ids if echo else None, j == 0))
+        if body.stream:
+            return await stream(request, state, body, sequences, reply)
+        return await collect(state, sequences, reply)
+    finally:
+        for sequence in sequences:  # a refusal half-way aborts the siblings already submitted
+            sequence.generation.close()

@@ -1,0 +1,42 @@
+"""vLLM's POST /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from jinja2 import TemplateError
+
+from overlap.sidecar import schemas
+from overlap.sidecar.http import json_response, read_body
+from overlap.sidecar.openai import request as req
+from overlap.sidecar.state import STATE, ApiError
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_accepting()
+    body = await read_body(request, schemas.TokenizeRequest)
+    req.check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "give either prompt or messages", param="prompt")
+    try:
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await req.off_loop(len(body.prompt), state.text.encode, body.prompt, special)
+        else:
+            messages = schemas.chat_messages_as_dicts(body.messages)
+            ids = await req.off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages,
+                                     body.add_generation_prompt, bool(body.add_special_tokens))  # fmt: skip
+    except (ValueError, TemplateError) as exc:
+        raise ApiError(400, str(exc), param="messages") from exc
+    strs = [state.text.token_text(t) for t in ids] if body.return_token_strs else None
+    return json_response({"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    state.check_accepting()
+    body = await read_body(request, schemas.DetokenizeRequest)
+    req.check_model(state, body.model)
+    if any(not 0 <= t < state.vocab_size for t in body.tokens):
+        raise ApiError(400, f"tokens must be in 0..{state.vocab_size - 1}", param="tokens")
+    return json_response({"prompt": state.text.decode(body.tokens)})
