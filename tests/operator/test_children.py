@@ -11,8 +11,9 @@ import kubernetes_validate
 import pytest
 
 from overlap.engine.config import LIVE_KNOBS
-from overlap.operator import children, status
+from overlap.operator import children, identity, status
 from overlap.operator import spec as specs
+from overlap.operator.drift import is_subset
 
 K8S_VERSION = kubernetes_validate.latest_version()
 OWNER = {
@@ -129,7 +130,7 @@ def test_the_engines_pre_stop_returns_once_the_sidecars_alive_file_is_gone(tmp_p
 def test_service_exposes_the_public_port_only() -> None:
     service = build()["Service"]
     assert [p["port"] for p in service["spec"]["ports"]] == [8000]
-    assert service["spec"]["selector"] == children.selector_labels("llm")
+    assert service["spec"]["selector"] == identity.selector_labels("llm")
 
 
 def test_every_child_is_owned_by_the_inferenceservice() -> None:
@@ -189,14 +190,14 @@ def test_is_subset_ignores_server_defaults_but_sees_edits() -> None:
     desired = {"spec": {"replicas": 2, "template": {"containers": [{"name": "a", "image": "x"}]}}}
     container = {"name": "a", "image": "x", "imagePullPolicy": "Always"}  # the server filled in a default
     actual = {"spec": {"replicas": 2, "progressDeadlineSeconds": 600, "template": {"containers": [container]}}}
-    assert children.is_subset(desired, actual)
+    assert is_subset(desired, actual)
     actual["spec"]["template"]["containers"][0]["image"] = "y"
-    assert not children.is_subset(desired, actual)
-    assert not children.is_subset(desired, {"spec": {"template": {"containers": []}, "replicas": 2}})
+    assert not is_subset(desired, actual)
+    assert not is_subset(desired, {"spec": {"template": {"containers": []}, "replicas": 2}})
     # Quantities come back canonical: the same amount is no drift, another amount is.
-    assert children.is_subset({"cpu": "0.5", "memory": "1Gi"}, {"cpu": "500m", "memory": "1073741824"})
-    assert not children.is_subset({"cpu": "0.5"}, {"cpu": "600m"})
-    assert not children.is_subset({"image": "a:1"}, {"image": "a:2"})
+    assert is_subset({"cpu": "0.5", "memory": "1Gi"}, {"cpu": "500m", "memory": "1073741824"})
+    assert not is_subset({"cpu": "0.5"}, {"cpu": "600m"})
+    assert not is_subset({"image": "a:1"}, {"image": "a:2"})
 
 
 def test_conditions_keep_their_transition_time_while_unchanged() -> None:
@@ -322,7 +323,7 @@ def test_pod_overrides_reach_the_template_and_never_replace_the_operators_own() 
     probe = sidecar["startupProbe"]
     assert probe["httpGet"]["path"] == "/readyz" and probe["periodSeconds"] * probe["failureThreshold"] >= 900
     assert built["ServiceMonitor"]["metadata"]["labels"]["release"] == "kps"
-    assert built["ServiceMonitor"]["metadata"]["labels"]["app.kubernetes.io/managed-by"] == children.MANAGED_BY
+    assert built["ServiceMonitor"]["metadata"]["labels"]["app.kubernetes.io/managed-by"] == identity.MANAGED_BY
     assert "startupProbe" not in containers(build()["Deployment"])["sidecar"]
 
 
@@ -353,20 +354,18 @@ def test_a_service_that_scales_to_zero_gets_an_activator_and_routes_to_it_while_
     engine = built[("Deployment", "llm")]
     activator_labels = activator["spec"]["template"]["metadata"]["labels"]
     # neither Deployment's selector matches the other's pods
-    assert not children.is_subset(engine["spec"]["selector"]["matchLabels"], activator_labels)
-    assert not children.is_subset(
-        activator["spec"]["selector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"]
-    )
+    assert not is_subset(engine["spec"]["selector"]["matchLabels"], activator_labels)
+    assert not is_subset(activator["spec"]["selector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"])
     args = activator["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:3] == ["activator", "--upstream", "http://llm-pods.ml.svc:8000"]
     assert "nvidia.com/gpu" not in json.dumps(activator)  # the activator never holds a GPU
-    assert pods["spec"]["selector"] == children.selector_labels("llm")
+    assert pods["spec"]["selector"] == identity.selector_labels("llm")
     # the ServiceMonitor selects Services by the selector labels: the pods' Service must not match (double scrape)
-    assert not children.is_subset(
+    assert not is_subset(
         built[("ServiceMonitor", "llm")]["spec"]["selector"]["matchLabels"], pods["metadata"]["labels"]
     )
     public = built[("Service", "llm")]
-    assert public["spec"]["selector"] == children.activator_labels("llm")  # no replica: the activator answers
+    assert public["spec"]["selector"] == identity.activator_labels("llm")  # no replica: the activator answers
     order = [key for key in built]
     assert order.index(("Service", "llm")) < order.index(("Deployment", "llm"))  # routed away before pods go
     serving = {**OWNER, "status": {"readyReplicas": 1}}
@@ -376,8 +375,8 @@ def test_a_service_that_scales_to_zero_gets_an_activator_and_routes_to_it_while_
         for o in children.build_children(serving, spec_one, config, with_servicemonitor=False)
         if o["kind"] == "Service"
     ]
-    assert {o["metadata"]["name"]: o["spec"]["selector"] for o in routed}["llm"] == children.selector_labels("llm")
+    assert {o["metadata"]["name"]: o["spec"]["selector"] for o in routed}["llm"] == identity.selector_labels("llm")
     # a service with a floor of one replica has neither
     plain = build({"autoscaling": {"mode": "builtin", "minReplicas": 1}})
-    assert plain["Service"]["spec"]["selector"] == children.selector_labels("llm")
+    assert plain["Service"]["spec"]["selector"] == identity.selector_labels("llm")
     assert plain["Deployment"]["metadata"]["name"] == "llm"

@@ -222,6 +222,15 @@ def test_operator_defaults_match_the_crd() -> None:
     assert specs.with_defaults(VALID["spec"]) == stored["spec"]
 
 
+def test_the_control_policys_defaults_are_the_crds() -> None:
+    """A policy built with no arguments behaves as the policy of a service that sets nothing the API server would
+    default: one table (the CRD's defaults) behind both."""
+    from overlap.operator.control.policy import Policy
+
+    defaulted = admission.admit(VALID, SCHEMA, strict=True)["spec"]  # VALID sets the model only
+    assert Policy.from_spec(defaulted) == Policy()
+
+
 def test_every_cel_rule_compiles_and_has_a_message() -> None:
     rules = []
 

@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from overlap.operator import children
+from overlap.operator import identity
 from tests.operator.conftest import API_TIMEOUT_S
 from tests.support.cluster import (
     NAMESPACE,
@@ -162,7 +162,7 @@ def test_a_deleted_admin_token_secret_is_made_anew_before_a_new_pod_needs_it(clu
     secret = "overlap-admin-tokens"
     old = cluster.core.read_namespaced_secret(secret, NAMESPACE).data[NAME]
     cluster.kubectl("delete", "secret", secret)
-    labels = {**children.labels(NAME)}
+    labels = {**identity.labels(NAME)}
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-rotation", "labels": labels},
            "spec": {"containers": [{"name": "sidecar", "image": "overlap"}]}}  # fmt: skip
     cluster.core.create_namespaced_pod(NAMESPACE, pod)
@@ -373,22 +373,22 @@ def test_scaling_to_zero_adds_the_activator_routes_by_readiness_and_removes_it_a
     patch = {"spec": {"autoscaling": {"mode": "advise", "minReplicas": 0}}}
     cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(patch))
     wait_for(lambda: cluster.get("deployment", activator) and cluster.get("service", pods), 10, "the activator")
-    assert cluster.get("service", pods)["spec"]["selector"] == children.selector_labels(NAME)
+    assert cluster.get("service", pods)["spec"]["selector"] == identity.selector_labels(NAME)
 
     def routes_to(labels: dict) -> bool:
         return cluster.get("service", NAME)["spec"]["selector"] == labels
 
     cluster.play_deployment_controller(NAME, ready=0)  # no ready replica: the activator answers
-    wait_for(lambda: routes_to(children.activator_labels(NAME)), 10, "the Service to route to the activator")
+    wait_for(lambda: routes_to(identity.activator_labels(NAME)), 10, "the Service to route to the activator")
     cluster.play_deployment_controller(NAME, ready=1)  # a ready pod takes the traffic back at once
-    wait_for(lambda: routes_to(children.selector_labels(NAME)), 10, "the Service to route to the pods")
+    wait_for(lambda: routes_to(identity.selector_labels(NAME)), 10, "the Service to route to the pods")
     events = {e.reason for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.involved_object.name == NAME}
     assert "Routed" in events
     patch = {"spec": {"autoscaling": {"mode": "off", "minReplicas": 1}}}
     cluster.kubectl("patch", "inferenceservice", NAME, "--type", "merge", "-p", json.dumps(patch))
     wait_for(lambda: cluster.get("deployment", activator) is None and cluster.get("service", pods) is None, 10,
              "the activator to go")  # fmt: skip
-    assert routes_to(children.selector_labels(NAME))
+    assert routes_to(identity.selector_labels(NAME))
 
 
 def test_deleting_the_inferenceservice_removes_its_children(cluster, applied) -> None:

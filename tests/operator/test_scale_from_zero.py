@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 import yaml
 
-from overlap.operator import children
+from overlap.operator import identity
 from tests.support.cluster import NAMESPACE, running_operator, wait_for
 from tests.support.prometheus import Prometheus
 from tests.support.sidecar import Proc, Stack, free_port, http, metric_value, overlap_cmd
@@ -97,7 +97,7 @@ def test_scale_from_zero_serves_every_held_request(cluster, tmp_path, tiny_model
             # At zero the operator routes the Service to the activator it created (played here by the process).
             assert cluster.apps.read_namespaced_deployment(f"{NAME}-activator", NAMESPACE).spec.replicas == 1
             routed = cluster.core.read_namespaced_service(NAME, NAMESPACE).spec.selector
-            assert routed == children.activator_labels(NAME)
+            assert routed == identity.activator_labels(NAME)
             clients = loop.create_task(many_streams(activator_url, pod.model, CLIENTS))
             for _ in range(150):  # up to 15 s for the clients to connect on a slow, loaded machine
                 loop.run_until_complete(asyncio.sleep(0.1))
@@ -124,7 +124,7 @@ def test_scale_from_zero_serves_every_held_request(cluster, tmp_path, tiny_model
             wait_for(
                 lambda: (
                     cluster.core.read_namespaced_service(NAME, NAMESPACE).spec.selector
-                    == children.selector_labels(NAME)
+                    == identity.selector_labels(NAME)
                 ),
                 20,
                 "the Service to route to the ready pod",

@@ -16,9 +16,10 @@ from typing import Any
 
 import kopf
 
-from overlap.operator import children, kube
+from overlap.operator import kube
+from overlap.operator.identity import ADMIN_TOKENS_SECRET, OWNED, owner_reference
 
-SECRET = children.ADMIN_TOKENS_SECRET
+SECRET = ADMIN_TOKENS_SECRET
 
 
 def ensure(owner: Mapping[str, Any]) -> tuple[str, bool]:
@@ -55,7 +56,7 @@ def ensure(owner: Mapping[str, Any]) -> tuple[str, bool]:
 
 def _reference(owner: Mapping[str, Any]) -> dict[str, Any]:
     # Not the controller: the Secret has several owners, and none of them controls it.
-    return {**children.owner_reference(owner), "controller": False, "blockOwnerDeletion": False}
+    return {**owner_reference(owner), "controller": False, "blockOwnerDeletion": False}
 
 
 def _secret(namespace: str, tokens: Mapping[str, str], owners: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def _secret(namespace: str, tokens: Mapping[str, str], owners: list[Mapping[str,
         "metadata": {
             "name": SECRET,
             "namespace": namespace,
-            "labels": {"app.kubernetes.io/name": "overlap", "app.kubernetes.io/managed-by": children.MANAGED_BY},
+            "labels": {"app.kubernetes.io/name": "overlap", **OWNED},
             "ownerReferences": [_reference(o) for o in owners],
         },
         "data": {key: base64.b64encode(token.encode()).decode() for key, token in tokens.items()},

@@ -12,16 +12,21 @@ from typing import Any
 
 from overlap.engine.config import EngineConfig
 from overlap.operator import spec as specs
+from overlap.operator.identity import (
+    ADMIN_TOKENS_SECRET,
+    INSTANCE_LABEL,
+    OWNED,
+    RESTART_HASH_ANNOTATION,
+    activator_labels,
+    activator_name,
+    configmap_name,
+    labels,
+    owner_reference,
+    pods_service_name,
+    selector_labels,
+)
 
-GROUP = "overlap.dev"
-VERSION = "v1alpha1"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-MANAGED_BY = "overlap-operator"
-INSTANCE_LABEL = "overlap.dev/inferenceservice"
-RESTART_HASH_ANNOTATION = "overlap.dev/engine-restart-hash"
-
-# The pod contract shared with the sidecar and engine commands (see DESIGN.md, "The pod").
+# The pod contract shared with the sidecar and engine commands (docs/design.md, "The pod").
 SOCKET_DIR = "/run/overlap"
 SOCKET = f"{SOCKET_DIR}/engine.sock"
 SIDECAR_ALIVE = f"{SOCKET_DIR}/sidecar.alive"  # exists while the sidecar runs (its --alive-file)
@@ -29,31 +34,12 @@ CONFIG_DIR = "/etc/overlap"
 CONFIG_FILE = f"{CONFIG_DIR}/engine.json"
 ADMIN_TOKEN_DIR = "/var/run/secrets/overlap"
 ADMIN_TOKEN_FILE = f"{ADMIN_TOKEN_DIR}/admin-token"
-ADMIN_TOKENS_SECRET = "overlap-admin-tokens"  # one per namespace, a key per service (admin_tokens.py)
 API_KEY_ENV = "OVERLAP_API_KEY"
 RUN_AS_USER = 10001
 # Seconds for the Service's endpoints to drop a terminating pod before the sidecar stops taking requests.
 ENDPOINT_DRAIN_S = 5
 GRACE_MARGIN_S = 10
 STARTUP_PROBE_PERIOD_S = 10
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "overlap", INSTANCE_LABEL: name}
-
-
-def labels(name: str) -> dict[str, str]:
-    return {
-        **selector_labels(name),
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": "inference-server",
-        "app.kubernetes.io/managed-by": MANAGED_BY,
-    }
-
-
-def activator_labels(name: str) -> dict[str, str]:
-    """The activator's pods: not the engine pods' selector, so neither Deployment claims the other's pods."""
-    return {"app.kubernetes.io/name": "overlap-activator", INSTANCE_LABEL: name}
 
 
 def scales_to_zero(spec: Mapping[str, Any]) -> bool:
@@ -69,37 +55,8 @@ def at_zero(spec: Mapping[str, Any], ready: int) -> bool:
     return scales_to_zero(spec) and (spec["replicas"] == 0 or ready == 0)
 
 
-def pods_service_name(name: str) -> str:
-    return f"{name}-pods"
-
-
-def activator_name(name: str) -> str:
-    return f"{name}-activator"
-
-
-def selector_string(name: str) -> str:
-    """The pods' label selector in the string form `status.selector` (and /scale) uses."""
-    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
-
-
-def configmap_name(name: str) -> str:
-    return f"{name}-engine"
-
-
 def service_url(name: str, namespace: str, spec: Mapping[str, Any]) -> str:
     return f"http://{name}.{namespace}.svc:{spec['sidecar']['port']}"
-
-
-def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
-    meta = owner["metadata"]
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
 
 
 def _metadata(name: str, namespace: str, owner: str, **extra: Any) -> dict[str, Any]:
@@ -139,7 +96,7 @@ def build_pods_service(name: str, namespace: str, spec: Mapping[str, Any]) -> di
     """The engine pods whatever the public Service routes to: where the activator forwards. Its labels leave out
     the selector labels, so a ServiceMonitor (which selects Services by them) does not scrape the pods twice."""
     metadata = _metadata(pods_service_name(name), namespace, name)
-    metadata["labels"] = {INSTANCE_LABEL: name, "app.kubernetes.io/managed-by": MANAGED_BY}
+    metadata["labels"] = {INSTANCE_LABEL: name, **OWNED}
     return _http_service(metadata, selector_labels(name), spec["sidecar"]["port"])
 
 
@@ -459,33 +416,3 @@ def build_children(
 def adopt(child: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
     child["metadata"]["ownerReferences"] = [owner_reference(owner)]
     return child
-
-
-def is_subset(desired: Any, actual: Any) -> bool:
-    """Whether every field of `desired` has the same value in `actual` (which may hold more: server defaults).
-
-    Drift detection: a child edited by hand fails this and is put back; fields the server adds do not count.
-    """
-    if isinstance(desired, Mapping):
-        return isinstance(actual, Mapping) and all(
-            key in actual and is_subset(value, actual[key]) for key, value in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(actual, list)
-            and len(desired) == len(actual)
-            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
-        )
-    return desired == actual or _same_quantity(desired, actual)
-
-
-def _same_quantity(desired: Any, actual: Any) -> bool:
-    """ "0.5" and "500m", "1Gi" and "1073741824": the API server stores quantities in canonical form."""
-    if not (isinstance(desired, str) and isinstance(actual, str)):
-        return False
-    from kubernetes.utils.quantity import parse_quantity
-
-    try:
-        return parse_quantity(desired) == parse_quantity(actual)
-    except ValueError:
-        return False

@@ -17,10 +17,11 @@ import kopf
 from prometheus_client import Counter
 
 from overlap.operator import admin_tokens, children, kube, status
+from overlap.operator import reconcile as plans
 from overlap.operator import spec as specs
+from overlap.operator.drift import is_subset
+from overlap.operator.identity import CR, INSTANCE_LABEL, KIND, OWNED, selector_string
 
-CR = (children.GROUP, children.VERSION, children.PLURAL)
-OWNED = {"app.kubernetes.io/managed-by": children.MANAGED_BY}
 CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
 CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
 
@@ -56,73 +57,30 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched_means: str = "updated") -> None:
-    """Apply every child. A child that differed is 'updated' when the spec changed, 'restored' when a hand edit
-    or deletion is undone (the word of its Event and metric label)."""
+    """Plan what the spec asks for, then apply it; an invalid spec sets Degraded and changes nothing."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    spec = specs.with_defaults(body.get("spec") or {})
     try:
-        specs.check_name(name)
-        config = specs.check_spec(spec)
+        plan = plans.desired(body, with_servicemonitor="monitoring.coreos.com" in kube.api_groups())
     except specs.SpecError as exc:
         problem = f"invalid spec, nothing changed: {exc}"
         kube.patch_status(name, namespace, lambda current: status.degraded_status(current, problem, status.now_iso()))
         kopf.warn(dict(body), reason="InvalidSpec", message=problem)
         RECONCILES.labels("invalid_spec").inc()
         raise kopf.PermanentError(problem) from exc
-    config = specs.tuned_config(config, spec, body.get("status"))
-
-    _ensure_admin_token(body)
-    with_monitor = "monitoring.coreos.com" in kube.api_groups()
-    for child in children.build_children(body, spec, config, with_servicemonitor=with_monitor):
-        try:
-            outcome = kube.apply(child)
-        except (kopf.TemporaryError, kopf.PermanentError) as exc:
-            # The API server's own words in the status, while kopf retries (or gives up on a permanent error).
-            problem = f"{child['kind']} {child['metadata']['name']} not applied: {exc}"
-            kube.patch_status(
-                name, namespace, lambda cur, p=problem: status.degraded_status(cur, p, status.now_iso(), "ApplyFailed")
-            )
-            raise
-        outcome = patched_means if outcome == "patched" else outcome
-        if outcome != "unchanged":
-            CHILD_WRITES.labels(child["kind"], outcome).inc()
-            message = f"{child['kind']} {child['metadata']['name']} {outcome}"
-            logger.info(message)
-            kopf.info(dict(body), reason=outcome.capitalize(), message=message)
-
-    # A child the spec no longer wants goes (ServiceMonitors and the scale-to-zero activator come and go with it).
-    unwanted: list[tuple[str, str, str]] = []
-    if with_monitor and not spec["prometheus"]["serviceMonitor"]["enabled"]:
-        unwanted.append(("ServiceMonitor", name, "spec.prometheus.serviceMonitor.enabled is false"))
-    if not children.scales_to_zero(spec):
-        why = "the service no longer scales to zero"
-        unwanted += [
-            ("Deployment", children.activator_name(name), why),
-            ("Service", children.pods_service_name(name), why),
-        ]
-    for kind, child, why in unwanted:
-        if kube.delete_if_owned(kind, child, namespace, body["metadata"]["uid"]):
-            CHILD_WRITES.labels(kind, "deleted").inc()
-            message = f"{kind} {child} deleted: {why}"
-            logger.info(message)
-            kopf.info(dict(body), reason="Deleted", message=message)
-
-    deployment = kube.read("Deployment", name, namespace)
-    problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
-    kube.patch_status(
-        name,
-        namespace,
-        lambda current: status.service_status(
-            current,
-            deployment,
-            config.to_dict(),
-            selector=children.selector_string(name),
-            url=children.service_url(name, namespace, spec),
-            when=status.now_iso(),
-            problems=problems,
-        ),
-    )
+    plans.apply(plan, body, _reporter(body, logger), patched_means)
     RECONCILES.labels("applied").inc()
+
+
+def _reporter(owner: Mapping[str, Any], logger: logging.Logger) -> plans.Report:
+    """Each change `apply` made: a metric, a log line and an Event on the service."""
+
+    def report(kind: str, name: str, outcome: str, why: str | None) -> None:
+        CHILD_WRITES.labels(kind, outcome).inc()
+        message = f"{kind} {name} {outcome}" + (f": {why}" if why else "")
+        logger.info(message)
+        kopf.info(dict(owner), reason=outcome.capitalize(), message=message)
+
+    return report
 
 
 @kopf.on.resume(*CR)
@@ -136,7 +94,7 @@ def reconcile(body: kopf.Body, logger: logging.Logger, retry: int, **_: Any) -> 
 def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
     """The live InferenceService that owns `child`, or None (gone, being deleted, or not ours)."""
     meta = child["metadata"]
-    refs = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == children.KIND and r.get("controller")]
+    refs = [r for r in meta.get("ownerReferences") or [] if r.get("kind") == KIND and r.get("controller")]
     if not refs:
         return None
     owner = kube.read_service(refs[0]["name"], meta["namespace"])
@@ -152,14 +110,12 @@ def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) 
     kind, name = body["kind"], body["metadata"]["name"]
     if event.get("type") != "DELETED":
         # Cheap pre-check: most events are our own writes or the controller's status updates.
-        spec = specs.with_defaults(owner.get("spec") or {})
         try:
-            config = specs.tuned_config(specs.check_spec(spec), spec, owner.get("status"))
+            plan = plans.desired(owner, with_servicemonitor=False)
         except specs.SpecError:
             return  # reconcile reports it as Degraded
-        built = children.build_children(owner, spec, config, with_servicemonitor=False)
-        wanted = [c for c in built if c["kind"] == kind and c["metadata"]["name"] == name]
-        if all(children.is_subset(c, dict(body)) for c in wanted):
+        wanted = [c for c in plan.children if c["kind"] == kind and c["metadata"]["name"] == name]
+        if all(is_subset(c, dict(body)) for c in wanted):
             return
     logger.info(f"{kind} {name} was {'deleted' if event.get('type') == 'DELETED' else 'changed'} by hand; restoring")
     _reconcile_children(owner, logger, patched_means="restored")
@@ -181,7 +137,7 @@ def _ensure_admin_token(owner: Mapping[str, Any]) -> None:
 
 def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> None:
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    problems = status.pod_problems(kube.list_pods(namespace, children.selector_string(name)))
+    problems = status.pod_problems(kube.list_pods(namespace, selector_string(name)))
     kube.patch_status(
         name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso(), problems)
     )
@@ -218,7 +174,7 @@ def _route(owner: Mapping[str, Any], deployment: Mapping[str, Any], logger: logg
 def mirror_pods(body: kopf.Body, **_: Any) -> None:
     """A pod's trouble (ErrImagePull, CrashLoopBackOff, failing probes) reaches the Ready condition's message, even
     when the Deployment's counts do not move."""
-    name = (body["metadata"].get("labels") or {}).get(children.INSTANCE_LABEL)
+    name = (body["metadata"].get("labels") or {}).get(INSTANCE_LABEL)
     namespace = body["metadata"]["namespace"]
     owner = kube.read_service(name, namespace) if name else None
     if owner is None or owner["metadata"].get("deletionTimestamp"):

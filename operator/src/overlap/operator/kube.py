@@ -19,7 +19,9 @@ import kubernetes
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from overlap.operator import children, status
+from overlap.operator import status
+from overlap.operator.drift import is_subset
+from overlap.operator.identity import GROUP, PLURAL, VERSION
 
 RETRY_DELAY_S = 2.0
 MAX_RETRY_DELAY_S = 60.0
@@ -175,7 +177,7 @@ def apply(desired: Mapping[str, Any]) -> str:
     with api_errors(f"applying {kind} {meta['namespace']}/{meta['name']}"):
         result = patch_fn(meta["name"], meta["namespace"], dict(desired), APPLY_PATCH,
                           field_manager=FIELD_MANAGER, force=True)  # fmt: skip
-        if not children.is_subset(desired, result):
+        if not is_subset(desired, result):
             result = patch_fn(meta["name"], meta["namespace"], dict(desired), MERGE_PATCH, field_manager=FIELD_MANAGER)
     if actual is None:
         return "created"
@@ -223,7 +225,7 @@ def read_service(name: str, namespace: str) -> dict[str, Any] | None:
     with api_errors(f"reading InferenceService {namespace}/{name}"):
         try:
             return api.get_namespaced_custom_object(
-                children.GROUP, children.VERSION, namespace, children.PLURAL, name, _request_timeout=request_timeout()
+                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=request_timeout()
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -235,9 +237,7 @@ def list_services(namespace: str) -> list[dict[str, Any]]:
     """Every InferenceService in the namespace, as JSON."""
     api = kubernetes.client.CustomObjectsApi()
     with api_errors(f"listing InferenceServices in {namespace}"):
-        found = api.list_namespaced_custom_object(
-            children.GROUP, children.VERSION, namespace, children.PLURAL, _request_timeout=request_timeout()
-        )
+        found = api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, _request_timeout=request_timeout())
     return found.get("items") or []
 
 
@@ -262,6 +262,14 @@ def ready_pod_ips(namespace: str, selector: str) -> list[str]:
     return ips
 
 
+def scale(name: str, namespace: str, replicas: int) -> None:
+    """Set an InferenceService's spec.replicas (the control loop's move; the reconcile rolls it out)."""
+    api = kubernetes.client.CustomObjectsApi()
+    with api_errors(f"scaling InferenceService {namespace}/{name}"):
+        api.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}},
+                                           _content_type=MERGE_PATCH, _request_timeout=request_timeout())  # fmt: skip
+
+
 def api_groups() -> set[str]:
     with api_errors("API discovery"):
         return {group.name for group in kubernetes.client.ApisApi().get_api_versions().groups}
@@ -274,7 +282,7 @@ def patch_status(name: str, namespace: str, compute: Callable[[dict[str, Any]], 
     and then this reads again and recomputes (a few times) instead of losing the other writer's update.
     """
     api = kubernetes.client.CustomObjectsApi()
-    args = (children.GROUP, children.VERSION, namespace, children.PLURAL, name)
+    args = (GROUP, VERSION, namespace, PLURAL, name)
     for attempt in range(5):
         with api_errors(f"reading InferenceService {namespace}/{name}"):
             try:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-import kubernetes
 from prometheus_client import Counter, Gauge
 
 from overlap.engine.config import EngineConfig
@@ -47,6 +46,7 @@ from overlap.operator.control.policy import (
     Policy,
     decide,
 )
+from overlap.operator.identity import CR, selector_string
 
 # The timer's own period; each service's loop runs at its spec's interval (>= 5 s, the CRD's minimum) on top.
 TICK_S = 5.0
@@ -83,7 +83,7 @@ def _controlled(spec: Mapping[str, Any], **_: Any) -> bool:
     return full["autoscaling"]["mode"] in specs.SCALING_MODES or bool(full["tuning"]["enabled"])
 
 
-@kopf.timer(children.GROUP, children.VERSION, children.PLURAL, interval=TICK_S, initial_delay=TICK_S, when=_controlled)
+@kopf.timer(*CR, interval=TICK_S, initial_delay=TICK_S, when=_controlled)
 def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     spec = specs.with_defaults(body.get("spec") or {})
     try:
@@ -139,7 +139,7 @@ def run_tick(
         except ConfigError as exc:  # a move the engine refuses (e.g. budget below max_seq_len): hold instead
             decision = Decision(HOLD, f"retune refused by the engine config: {exc}", decision.replicas, live)
     if decision.action in (SCALE_UP, SCALE_DOWN) and not advise:
-        _scale(name, namespace, decision.replicas)
+        kube.scale(name, namespace, decision.replicas)
     state.history.record(reading, decision)
     forecast = _forecast_status(state.history, decision, reading)
     _export_forecast(namespace, name, forecast)
@@ -205,27 +205,12 @@ def signal_window_s() -> float:
     return float(os.environ.get(SIGNAL_WINDOW_ENV) or signals.DEFAULT_WINDOW_S)
 
 
-def _scale(name: str, namespace: str, replicas: int) -> None:
-    api = kubernetes.client.CustomObjectsApi()
-    with kube.api_errors(f"scaling InferenceService {namespace}/{name}"):
-        api.patch_namespaced_custom_object(
-            children.GROUP,
-            children.VERSION,
-            namespace,
-            children.PLURAL,
-            name,
-            {"spec": {"replicas": replicas}},
-            _content_type=kube.MERGE_PATCH,
-            _request_timeout=kube.request_timeout(),
-        )
-
-
 def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConfig, logger: logging.Logger) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     kube.apply(children.adopt(children.build_configmap(name, namespace, engine), body))
     knobs = specs.tunable_values(engine)
     token, _ = admin_tokens.ensure(body)
-    for pod_ip in kube.ready_pod_ips(namespace, children.selector_string(name)):
+    for pod_ip in kube.ready_pod_ips(namespace, selector_string(name)):
         url = f"http://{pod_ip}:{spec['sidecar']['adminPort']}/admin/config"
         try:
             put_admin_config(url, token, knobs)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast, quantile
-from overlap.operator.spec import ENGINE_FIELDS, SCALING_MODES, TUNABLE_KNOBS
+from overlap.operator.spec import DEFAULTS, ENGINE_FIELDS, SCALING_MODES, TUNABLE_KNOBS
 
 # Thresholds of the tuning table above (shares and ratios, 0..1).
 KV_PRESSURE = 0.90  # KV usage above this: preemptions are near
@@ -113,35 +113,41 @@ class Current:
     engine: Mapping[str, float]
 
 
+# The policies' defaults are the CRD's (spec.DEFAULTS, which tests/operator checks against crds/): a service that
+# leaves a field out and a policy built without it behave alike.
+_AUTO, _TUNING = DEFAULTS["autoscaling"], DEFAULTS["tuning"]
+_PREDICTIVE = _AUTO["predictive"]
+
+
 @dataclass(frozen=True, slots=True)
 class ScalingPolicy:
     """spec.autoscaling; mode is builtin (decide moves replicas), advise (decide computes the same moves, the loop
     only reports them), external or off (it never does)."""
 
-    mode: str = "off"
-    min_replicas: int = 1
-    max_replicas: int = 4
-    up_watermark: float = 32
-    down_watermark: float = 4
-    up_window_s: float = 30
-    down_window_s: float = 120
-    up_cooldown_s: float = 60
-    down_cooldown_s: float = 300  # after a scale-up, before any scale-in
-    interval_s: float = 15
+    mode: str = _AUTO["mode"]
+    min_replicas: int = _AUTO["minReplicas"]
+    max_replicas: int = _AUTO["maxReplicas"]
+    up_watermark: float = _AUTO["queueWatermarkPerReplica"]
+    down_watermark: float = _AUTO["scaleDownWatermark"]
+    up_window_s: float = _AUTO["scaleUpWindowSeconds"]
+    down_window_s: float = _AUTO["scaleDownWindowSeconds"]
+    up_cooldown_s: float = _AUTO["scaleUpCooldownSeconds"]
+    down_cooldown_s: float = _AUTO["scaleDownCooldownSeconds"]  # after a scale-up, before any scale-in
+    interval_s: float = _AUTO["intervalSeconds"]
     # How long the loop waits for replicas to become ready before it stops holding for them (a GPU pod Pending
     # for want of a node, a crash loop): it then scales on the ready ones, and can remove the stuck ones.
-    startup_deadline_s: float = 600
+    startup_deadline_s: float = _AUTO["startupDeadlineSeconds"]
     # SLO law (autoscaling.slo): P90 TTFT and P90 time per output token objectives; None: not scaled on.
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
     # Predictive floor (autoscaling.predictive): replicas for the forecast arrival rate at this utilisation.
-    predictive: bool = True
-    target_utilization: float = 0.9
-    cold_start_s: float = 60  # the start-up time assumed until one has been observed
-    period_s: float = 86400  # the daily profile's period
+    predictive: bool = _PREDICTIVE["enabled"]
+    target_utilization: float = _PREDICTIVE["targetUtilization"]
+    cold_start_s: float = _PREDICTIVE["coldStartSeconds"]  # the start-up time assumed until one has been observed
+    period_s: float = _PREDICTIVE["periodSeconds"]  # the daily profile's period
     # requests/s per replica measured offline, per max_num_seqs, until the loop measures its own at that limit
     capacity_hints: Mapping[int, float] = field(default_factory=dict)
-    idle_timeout_s: float = 600  # with min_replicas 0: no arrivals for this long scales to zero
+    idle_timeout_s: float = _AUTO["idleTimeoutSeconds"]  # with min_replicas 0: no arrivals for this long scales to zero
 
     @property
     def scales(self) -> bool:
@@ -153,8 +159,8 @@ class ScalingPolicy:
 class TuningPolicy:
     """spec.tuning; bounds maps a knob (snake_case) to its (min, max)."""
 
-    enabled: bool = False
-    interval_s: float = 30
+    enabled: bool = _TUNING["enabled"]
+    interval_s: float = _TUNING["intervalSeconds"]
     bounds: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     # How far back the latency signals look (the operator's PromQL rate window): after a move the tuner waits at
     # least this long, or it would judge the move on readings taken before it.

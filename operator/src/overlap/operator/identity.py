@@ -1,0 +1,66 @@
+"""Who the operator's objects are: the InferenceService's API coordinates, the labels and names of its children, and
+the owner references that tie them to it. Every module that reads or writes them takes them from here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+GROUP = "overlap.dev"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+CR = (GROUP, VERSION, PLURAL)
+MANAGED_BY = "overlap-operator"
+INSTANCE_LABEL = "overlap.dev/inferenceservice"
+RESTART_HASH_ANNOTATION = "overlap.dev/engine-restart-hash"
+ADMIN_TOKENS_SECRET = "overlap-admin-tokens"  # one per namespace, a key per service (admin_tokens.py)
+# The label every child carries: the operator's watches select by it.
+OWNED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "overlap", INSTANCE_LABEL: name}
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": "inference-server",
+        **OWNED,
+    }
+
+
+def activator_labels(name: str) -> dict[str, str]:
+    """The activator's pods: not the engine pods' selector, so neither Deployment claims the other's pods."""
+    return {"app.kubernetes.io/name": "overlap-activator", INSTANCE_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    """The pods' label selector in the string form `status.selector` (and /scale) uses."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
+
+
+def pods_service_name(name: str) -> str:
+    return f"{name}-pods"
+
+
+def activator_name(name: str) -> str:
+    return f"{name}-activator"
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    meta = owner["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
