@@ -168,3 +168,11 @@ def test_malformed_azure_row_is_refused_with_line_and_reason(tmp_path):
     )
     with pytest.raises(TraceError, match=r"azure\.csv:3: .*many"):
         traces.load_trace(path)
+
+
+def test_a_trace_file_in_the_azure_format_is_named_by_its_file(tmp_path):
+    lines = traces.AZURE_TRACE.read_text().splitlines()[:50]
+    path = tmp_path / "our-bursts.csv"
+    path.write_text("\n".join(lines) + "\n")
+    assert traces.load_trace(path).name == "our-bursts"
+    assert traces.load_trace(traces.AZURE_TRACE).name == "azure-conv"

@@ -260,7 +260,9 @@ def load_azure(path: str | Path = AZURE_TRACE) -> Trace:
         TraceRequest(arrival_s=(stamp - start).total_seconds(), prompt_tokens=context, max_tokens=generated)
         for stamp, context, generated in rows
     ]
-    return Trace(tuple(requests), "azure-conv")
+    # the shipped conversation trace keeps its report name; another file in this format is named by its file
+    name = "azure-conv" if path.resolve() == AZURE_TRACE.resolve() else path.stem
+    return Trace(tuple(requests), name)
 
 
 # ---------------------------------------------------------------------------------------------------- generators

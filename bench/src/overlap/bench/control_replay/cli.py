@@ -77,8 +77,8 @@ def add_parser(subparsers) -> None:
         "--start-replicas",
         type=int,
         help=f"the dynamic runs' first fleet (default: what serves the mean rate of the trace's first {START_WINDOWS} "
-        "signal windows at "
-        f"{START_UTILIZATION:.0%} of a replica's capacity, the fleet a controller running before the trace holds)",
+        f"signal windows at {START_UTILIZATION * 100:.0f}%% of a replica's capacity, the fleet a controller running "
+        "before the trace holds)",
     )
     parser.add_argument(
         "--ttft-slo-s", type=float, default=DEFAULT_TTFT_SLO_S, help="P90 TTFT objective of the SLO laws"
