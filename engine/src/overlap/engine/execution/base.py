@@ -1,4 +1,4 @@
-"""The execution layer: an N-buffered pipeline of model steps (DESIGN.md, layer 3).
+"""The execution layer: an N-buffered pipeline of model steps (docs/design.md, layer 3).
 
 `num_buffers` steps may be in flight at once. With 1 the executor is synchronous: `submit` runs the forward in
 the caller's thread. With 2 or more a worker thread runs forwards in submission order (torch and the simulated
