@@ -306,32 +306,8 @@ class Engine:
         outputs = []
         finished_ids = []
         for request in requests:
-            finished = request.is_finished
-            new_tokens, logprobs = request.take_new_tokens()
-            prompt_logprobs = None
-            if (
-                request.sampling.prompt_logprobs is not None
-                and not request.prompt_logprobs_emitted
-                and (new_tokens or finished)
-            ):
-                prompt_logprobs = request.prompt_logprobs or [None] * request.num_prompt_tokens
-                request.prompt_logprobs_emitted = True
-            outputs.append(
-                RequestOutput(
-                    request_id=request.request_id,
-                    new_token_ids=new_tokens,
-                    logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs,
-                    finished=finished,
-                    finish_reason=request.finish_reason,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_output_tokens=request.num_output_tokens,
-                    num_cached_tokens=request.num_cached_tokens,
-                    times=request.times if finished else None,
-                    error=request.error,
-                )
-            )
-            if finished:
+            outputs.append(request.take_output())
+            if request.is_finished:
                 finished_ids.append(request.request_id)
                 self._finished_by_reason[request.finish_reason.value] += 1
                 self._requests.pop(request.request_id, None)

@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from overlap.engine.types import FinishReason, RequestTimes, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -113,10 +113,27 @@ class Request:
         self.error = error
         self.times.finished = now
 
-    def take_new_tokens(self) -> tuple[list[int], list | None]:
-        """Output tokens not yet returned to the caller, with their logprobs when asked for (and mark them
-        returned)."""
+    def take_output(self) -> RequestOutput:
+        """What the caller has not seen yet: new output tokens (with their logprobs when asked for), the prompt's
+        logprobs once, and the finish; marks them returned."""
         start = self.num_emitted_tokens
         self.num_emitted_tokens = len(self.output_token_ids)
-        logprobs = self.output_logprobs[start:] if self.sampling.logprobs is not None else None
-        return self.output_token_ids[start:], logprobs
+        new_tokens = self.output_token_ids[start:]
+        prompt_logprobs = None
+        wants_prompt_logprobs = self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_emitted
+        if wants_prompt_logprobs and (new_tokens or self.is_finished):
+            prompt_logprobs = self.prompt_logprobs or [None] * self.num_prompt_tokens
+            self.prompt_logprobs_emitted = True
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=new_tokens,
+            logprobs=self.output_logprobs[start:] if self.sampling.logprobs is not None else None,
+            prompt_logprobs=prompt_logprobs,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            times=self.times if self.is_finished else None,
+            error=self.error,
+        )
