@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from overlap.operator import spec as specs
+from overlap.operator.control.decide import decide
 from overlap.operator.control.policy import (
     HOLD,
     RETUNE,
@@ -16,7 +17,6 @@ from overlap.operator.control.policy import (
     ScalingPolicy,
     Signals,
     TuningPolicy,
-    decide,
 )
 
 ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_buffers": 2}

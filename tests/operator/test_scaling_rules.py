@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from overlap.operator.control.decide import decide
 from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast
 from overlap.operator.control.policy import (
     HOLD,
@@ -21,7 +22,6 @@ from overlap.operator.control.policy import (
     ScalingPolicy,
     Signals,
     TuningPolicy,
-    decide,
 )
 
 ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_buffers": 2}

@@ -4,7 +4,7 @@ A fleet of replicas, each a real Engine (scheduler, request queue, KV block mana
 (`SimRunner`, asynchronous: the device runs steps on its own clock and the engine thread waits without the GIL),
 each driven by its own thread. A router in front sends every arrival to the ready replica with the fewest
 outstanding requests (join-shortest-queue). Every tick the loop reads the fleet's signals with the meaning of the
-operator's Prometheus queries, calls the operator's own `decide()` (overlap.operator.control.policy) and carries the
+operator's Prometheus queries, calls the operator's own `decide()` (overlap.operator.control.decide) and carries the
 decision out: a new replica serves only after a cold start; a removed one stops receiving, finishes what it holds,
 then goes, so nothing accepted is lost; a retune goes to every replica through `Engine.reconfigure`.
 

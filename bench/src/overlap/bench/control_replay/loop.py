@@ -168,7 +168,8 @@ class _Loop:
 
     def tick(self, now: float) -> None:
         """Read the signals, decide, carry the decision out, remember it."""
-        from overlap.operator.control.policy import RETUNE, SCALE_DOWN, SCALE_UP, Current, Decision, decide
+        from overlap.operator.control.decide import decide
+        from overlap.operator.control.policy import RETUNE, SCALE_DOWN, SCALE_UP, Current, Decision
 
         signals = self.signals(now)
         asked = [r for r in self.fleet if r.is_asked_for]

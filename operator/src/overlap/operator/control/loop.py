@@ -1,7 +1,7 @@
 """The control loop: a kopf timer per InferenceService that reads Prometheus, decides, and carries it out.
 
 Each tick (the faster of spec.autoscaling.intervalSeconds and spec.tuning.intervalSeconds, for the loops that
-are on): read the signals (overlap.operator.control.signals), `decide` (overlap.operator.control.policy), then
+are on): read the signals (overlap.operator.control.signals), `decide` (overlap.operator.control.decide), then
 
 - scale: patch spec.replicas (the operator owns it with autoscaling.mode builtin); the update handler rolls it
   into the Deployment;
@@ -35,6 +35,7 @@ from overlap.engine.errors import ConfigError
 from overlap.operator import admin_tokens, children, kube, status
 from overlap.operator import spec as specs
 from overlap.operator.control import signals
+from overlap.operator.control.decide import decide
 from overlap.operator.control.policy import (
     HOLD,
     RETUNE,
@@ -44,7 +45,6 @@ from overlap.operator.control.policy import (
     Decision,
     History,
     Policy,
-    decide,
 )
 from overlap.operator.identity import CR, selector_string
 

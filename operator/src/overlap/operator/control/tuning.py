@@ -1,0 +1,137 @@
+"""The tuning rules: which engine knob a decision moves, and how far.
+
+Engine knobs follow what the device is doing, one knob per decision so that the next tick measures its effect.
+Readings are averaged over the last tuning interval, and the table's thresholds leave a dead band between
+"mostly queueing" and "mostly execution":
+
+| reading (interval average) | what it means | move |
+|---|---|---|
+| KV cache almost full | sequences get preempted and recomputed | max_num_seqs / 2 |
+| latency over the SLO, > 60% of it queueing | too little concurrency | max_num_seqs x 2 |
+| latency over the SLO, < 30% of it queueing | steps too large | max_num_seqs / 2, then max_num_batched_tokens / 2 |
+| device often idle while requests queue | the host cannot feed the device | num_buffers + 1, then max_num_seqs x 2 |
+
+Every move stays inside `tuning.bounds`; a knob without bounds is never tuned. After any move (its own or a
+scale) the tuner waits a whole interval and at least the latency signals' window (the PromQL's one minute), so
+it judges the move on readings taken after it; it does not undo its own last move of a knob within three such
+waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from overlap.operator.control.policy import RETUNE, Current, Decision, History, Signals, TuningPolicy, seconds_since
+
+# Thresholds of the tuning table above (shares and ratios, 0..1).
+KV_PRESSURE = 0.90  # KV usage above this: preemptions are near
+QUEUEING_SHARE = 0.6  # queue time above this share of end-to-end latency: latency is mostly waiting
+EXECUTION_SHARE = 0.3  # queue time below this share: latency is mostly execution (in between: hold)
+UNDO_AFTER_INTERVALS = 3  # a knob's last move may be reversed only after this many tuning intervals
+DEVICE_IDLE = 0.70  # device busy below this while requests wait: the host is the bottleneck
+# Tune before scale: the batch is this full (running per replica / max_num_seqs) and the KV cache under this.
+BATCH_FULL = 0.9
+KV_HEADROOM = 0.7
+BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
+
+
+def _move(engine: Mapping[str, float], knob: str, policy: TuningPolicy, factor: float, step: int = 0):
+    """The engine with `knob` scaled by `factor` (or stepped by `step`) inside its bounds; None if it can't move."""
+    if knob not in policy.bounds or knob not in engine:
+        return None
+    lo, hi = policy.bounds[knob]
+    old = engine[knob]
+    new = int(min(max(old + step if step else round(old * factor), lo), hi))
+    return None if new == old else {**engine, knob: new}
+
+
+def _undoes(
+    history: History, knob: str, engine: Mapping[str, float], moved: Mapping[str, float], now: float, settle_s: float
+) -> bool:
+    """Would this reverse the knob's own last move, made less than UNDO_AFTER_INTERVALS waits ago?"""
+    when, direction = history.last_moves.get(knob, (None, 0))
+    recent = seconds_since(when, now) < UNDO_AFTER_INTERVALS * settle_s
+    return recent and (moved[knob] - engine[knob]) * direction < 0
+
+
+def tune_before_scale(
+    signals: Signals, current: Current, history: History, policy: TuningPolicy, why: str
+) -> Decision | None:
+    """A larger batch instead of a replica, while the batch is full, the KV cache has room and the knob can rise."""
+    if not policy.enabled:
+        return None
+    engine = dict(current.engine)
+    seqs, replicas = engine.get("max_num_seqs"), signals.seen_replicas()
+    kv, running = signals.kv_cache_usage, signals.running
+    if seqs is None or kv is None or running is None or replicas <= 0:
+        return None
+    if kv >= KV_HEADROOM or running / replicas < BATCH_FULL * seqs:
+        return None
+    moved = _move(engine, "max_num_seqs", policy, 2)
+    settle_s = policy.settle_s
+    if moved is None or _undoes(history, "max_num_seqs", engine, moved, signals.time, settle_s):
+        return None
+    text = f"tune before scale ({why}; batch full, KV {kv:.0%}): max_num_seqs {seqs:g} -> {moved['max_num_seqs']:g}"
+    return Decision(RETUNE, text, current.replicas, moved, {"max_num_seqs": (seqs, moved["max_num_seqs"])})
+
+
+def tune(
+    signals: Signals, current: Current, history: History, policy: TuningPolicy, load: float | None = None
+) -> Decision | None:
+    """The tuning table's move, if any. `load`: the forecast load in replicas, when the floor has one; while it is
+    above BUSY_FLEET of the fleet, no move shrinks the batch or the step budget (they cost throughput)."""
+    now = signals.time
+    settle_s = policy.settle_s
+    if seconds_since(history.last_move(), now) < settle_s:
+        return None  # the last move's effect is not in the readings yet
+    engine = dict(current.engine)
+    signals = _averaged([*history.window(now, policy.interval_s), signals])
+
+    def retune(candidates: list[tuple[str, float, int]], why: str) -> Decision | None:
+        for knob, factor, step in candidates:
+            moved = _move(engine, knob, policy, factor, step)
+            if moved is None or _undoes(history, knob, engine, moved, now, settle_s):
+                continue
+            shrinks = knob in ("max_num_seqs", "max_num_batched_tokens") and moved[knob] < engine[knob]
+            if shrinks and load is not None and load > BUSY_FLEET * current.replicas:
+                continue  # a smaller batch or step costs throughput the forecast load needs
+            changes = {knob: (engine[knob], moved[knob])}
+            text = f"{why}: {knob} {engine[knob]:g} -> {moved[knob]:g}"
+            return Decision(RETUNE, text, current.replicas, moved, changes)
+        return None
+
+    kv, busy, share = signals.kv_cache_usage, signals.device_busy, signals.queue_time_share
+    if kv is not None and kv > KV_PRESSURE:
+        return retune([("max_num_seqs", 0.5, 0)], f"KV cache {kv:.0%} full (> {KV_PRESSURE:.0%})")
+    over = _over_slo(signals, policy)
+    if over is not None:
+        if share is not None and share > QUEUEING_SHARE:
+            return retune([("max_num_seqs", 2, 0)], f"{over}, {share:.0%} of it queueing")
+        if share is not None and share < EXECUTION_SHARE:
+            candidates = [("max_num_seqs", 0.5, 0), ("max_num_batched_tokens", 0.5, 0)]
+            return retune(candidates, f"{over}, {1 - share:.0%} of it execution")
+    waiting = signals.queue_depth is not None and signals.queue_depth > 0
+    if busy is not None and busy < DEVICE_IDLE and waiting:
+        candidates = [("num_buffers", 1, 1), ("max_num_seqs", 2, 0)]
+        return retune(candidates, f"device busy {busy:.0%} (< {DEVICE_IDLE:.0%}) while requests wait")
+    return None
+
+
+def _averaged(samples: list[Signals]) -> Signals:
+    """The last sample with each signal replaced by its mean over `samples` (missing readings left out)."""
+
+    def mean(name: str) -> float | None:
+        values = [v for s in samples if (v := getattr(s, name)) is not None]
+        return sum(values) / len(values) if values else None
+
+    names = ("queue_depth", "device_busy", "queue_time_share", "p99_latency_s", "ttft_p99_s", "kv_cache_usage")
+    return replace(samples[-1], **{name: mean(name) for name in names})
+
+
+def _over_slo(signals: Signals, policy: TuningPolicy) -> str | None:
+    if policy.p99_slo_s is not None and signals.p99_latency_s is not None and signals.p99_latency_s > policy.p99_slo_s:
+        return f"P99 {signals.p99_latency_s:.2f} s > SLO {policy.p99_slo_s:g} s"
+    if policy.ttft_slo_s is not None and signals.ttft_p99_s is not None and signals.ttft_p99_s > policy.ttft_slo_s:
+        return f"TTFT P99 {signals.ttft_p99_s:.2f} s > SLO {policy.ttft_slo_s:g} s"
+    return None
