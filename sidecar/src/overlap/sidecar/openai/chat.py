@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
 from aiohttp import web
 from jinja2 import TemplateError
 
 from overlap.sidecar import schemas, tools
-from overlap.sidecar.http import read_body
 from overlap.sidecar.openai import request as req
 from overlap.sidecar.openai.serving import respond
 from overlap.sidecar.openai.shape import CHAT
-from overlap.sidecar.state import STATE, ApiError
+from overlap.sidecar.state import ApiError
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE]
-    state.check_accepting()
-    body = await read_body(request, schemas.ChatCompletionRequest)
-    req.check_model(state, body.model)
+    arrival, state, body = await req.accept(request, schemas.ChatCompletionRequest)
     try:
         tool_setup = tools.setup(body.tools, body.tool_choice, state.config.tool_call_parser, body.parallel_tool_calls)
     except ValueError as exc:

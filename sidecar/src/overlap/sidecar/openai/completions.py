@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import time
-
 from aiohttp import web
 
 from overlap.sidecar import schemas
-from overlap.sidecar.http import read_body
 from overlap.sidecar.openai import request as req
 from overlap.sidecar.openai.serving import respond
 from overlap.sidecar.openai.shape import COMPLETION
-from overlap.sidecar.state import STATE
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions (chat's is what the context leaves)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    state = request.app[STATE]
-    state.check_accepting()
-    body = await read_body(request, schemas.CompletionRequest)
-    req.check_model(state, body.model)
+    arrival, state, body = await req.accept(request, schemas.CompletionRequest)
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     prompts = []
     for prompt in req.split_prompts(body.prompt):

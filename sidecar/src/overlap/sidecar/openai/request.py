@@ -4,18 +4,31 @@ prompt's token ids, the stop strings, and the SamplingParams (shared by completi
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 
 from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
 from overlap.sidecar import schemas
-from overlap.sidecar.state import ApiError, ServerState
+from overlap.sidecar.http import read_body
+from overlap.sidecar.state import STATE, ApiError, ServerState
 
 _INLINE_TOKENIZE_CHARS = 16 * 1024
 MAX_PROMPTS = 64  # prompts in one completions request
 # Request fields that reach SamplingParams under the same name when set (their values are checked there).
 _PASSED_AS_IS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed")
+
+
+async def accept(request: web.Request, schema: type):
+    """A generation request's arrival time, the server's state (503 while draining) and its body, read against
+    `schema` and checked to name the served model."""
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    state.check_accepting()
+    body = await read_body(request, schema)
+    check_model(state, body.model)
+    return arrival, state, body
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -29,13 +42,18 @@ def check_model(state: ServerState, model: str | None) -> None:
         )
 
 
+def _body_or_header(request: web.Request, value, header: str, convert, what: str, param: str):
+    """The body's value, else the header's converted (a header that does not convert is the client's error)."""
+    if value is not None or header not in request.headers:
+        return value
+    try:
+        return convert(request.headers[header])
+    except ValueError as exc:
+        raise ApiError(400, f"the {header} header must be {what}", param=param) from exc
+
+
 def priority(state: ServerState, request: web.Request, body_priority: int | None) -> int:
-    value: object = body_priority
-    if value is None and "x-priority" in request.headers:
-        try:
-            value = int(request.headers["x-priority"])
-        except ValueError as exc:
-            raise ApiError(400, "the x-priority header must be an integer", param="priority") from exc
+    value = _body_or_header(request, body_priority, "x-priority", int, "an integer", "priority")
     if value is None:
         return min(1, state.num_priority_levels - 1)
     if not 0 <= value < state.num_priority_levels:
@@ -46,12 +64,7 @@ def priority(state: ServerState, request: web.Request, body_priority: int | None
 
 
 def timeout(state: ServerState, request: web.Request, body_timeout: float | None) -> float:
-    value = body_timeout
-    if value is None and "x-request-timeout" in request.headers:
-        try:
-            value = float(request.headers["x-request-timeout"])
-        except ValueError as exc:
-            raise ApiError(400, "the x-request-timeout header must be a number of seconds", param="timeout") from exc
+    value = _body_or_header(request, body_timeout, "x-request-timeout", float, "a number of seconds", "timeout")
     if value is None:
         return state.config.request_timeout_s
     if not value > 0:
