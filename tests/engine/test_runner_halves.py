@@ -146,3 +146,32 @@ def test_fp32_cpu_runner_prepacks_its_projection_weights(runner):
         pytest.skip("this torch build has no oneDNN linear")
     assert runner.model.layers[0].mlp.gate_up is None  # split into gate (SiLU fused) and up
     assert all(weight.layout == torch._mkldnn for weight in _packed_weights(runner))
+
+
+def test_step_plan_auto_takes_halves_for_small_weights_and_the_whole_batch_for_large(tiny_model_dir, monkeypatch):
+    from overlap.engine.model import runner as runner_module
+
+    small = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256), tiny_model_dir)
+    monkeypatch.setattr(runner_module, "HALVES_MAX_WEIGHT_BYTES", small.weight_bytes - 1)
+    large = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256), tiny_model_dir)
+    forced = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, cpu_step_plan="halves"), tiny_model_dir)
+    try:
+        assert (small.step_plan, large.step_plan, forced.step_plan) == ("halves", "whole", "halves")
+        assert "batch halves" in small.kernels and "whole batch" in large.kernels
+        torch.set_num_threads(2)
+        batch = ModelInput([_decode(i, 0, [i]) for i in range(16)])
+        halves, whole = forced.prepare(batch), large.prepare(batch)
+        assert halves.halves is not None and whole.halves is None
+        with torch.inference_mode():  # the same step, run both ways, computes the same logits
+            torch.testing.assert_close(large.forward(whole).float(), forced.forward(halves).float(), atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+    finally:
+        for r in (small, large, forced):
+            r.close()
+
+
+def test_cpu_step_plan_is_checked():
+    from overlap.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cpu_step_plan must be auto\\|halves\\|whole"):
+        EngineConfig(cpu_step_plan="thirds")

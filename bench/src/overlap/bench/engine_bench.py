@@ -1,8 +1,11 @@
 """`overlap bench engine`: the model runner's ceiling, the engine's offline throughput against it, and what the paged
-KV layout costs versus a contiguous cache. Tiny default model, fp32, 2 threads unless told otherwise.
+KV layout costs versus a contiguous cache. Tiny default model, fp32, 2 threads unless told otherwise; `--model-shape`
+measures a real family's shape with random weights (`overlap model build-shape`).
 
 Figures (all measured in this one process, so their ratios are comparable on a shared, noisy machine):
   decode ceiling     the runner alone, decode steps at batch B (context in the workload's range), tokens/s
+  step / floor       that decode step's time over its physical floor: the bytes it must read (weights once, the
+                     K/V at its context) over the memory read bandwidth measured in this process
   workload ceiling   the runner alone on the whole offline workload in static waves of B requests (prefill, then
                      decode), output tokens/s: the best an engine could do with that runner at that batch size
   engine             Engine.step() over the same workload (max_num_seqs = B), output tokens/s
@@ -24,6 +27,9 @@ import subprocess
 import sys
 import time
 
+from overlap.bench.floor import cpu_matmul_peak, cpu_read_bandwidth, decode_floor_bytes, decode_flops
+from overlap.engine.model.shapes import SHAPES
+
 FULL = dict(batch_sizes=(1, 16, 64, 128), num_requests=256, prompt_len=128, output_len=64)
 # Batch 1 runs its requests one after another, so its throughput does not depend on how many there are: 16 give the
 # same figure as 256 in 1/16 of the time (unless --num-requests is given).
@@ -42,9 +48,14 @@ def add_parser(subparsers) -> None:
         "--quick", action="store_true", help="64 requests x 64 prompt x 16 output tokens at batch 16 and 64, under 60 s"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    parser.add_argument("--model", help="model folder (default: the tiny default model)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", help="model folder (default: the tiny default model)")
+    model.add_argument("--model-shape", choices=list(SHAPES), help="a real family's shape with random weights, built "
+                       "once into the cache (overlap model build-shape)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--cpu-step-plan", default="auto", choices=("auto", "halves", "whole"),
+                        help="how a CPU step uses its threads (EngineConfig.cpu_step_plan; default auto)")  # fmt: skip
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes (default 1,16,64,128; quick: 16,64)")
     parser.add_argument("--num-requests", type=int, help="requests in the offline workload (default 256)")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens per request (default 128)")
@@ -74,18 +85,30 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(bad)}: must be >= 1")
     batch1_requests = args.num_requests if args.num_requests is not None else min(plan["num_requests"], BATCH1_REQUESTS)
     torch.set_num_threads(args.threads)
-    model_dir = args.model or str(ensure_default_model())
+    if args.model_shape:
+        from overlap.engine.model.shapes import ensure_shape_model
+
+        model_dir = str(ensure_shape_model(args.model_shape, progress=_progress))
+    else:
+        model_dir = args.model or str(ensure_default_model())
     bench = EngineBench(model_dir, args.dtype, args.threads, **plan)
+    bench.step_plan = args.cpu_step_plan
 
     started = time.perf_counter()
-    results = {"setup": {**plan, "model": model_dir, "dtype": args.dtype, "threads": args.threads}}
+    bench.bandwidth = cpu_read_bandwidth()
+    bench.peak = cpu_matmul_peak(getattr(torch, args.dtype))
+    _progress(f"memory read bandwidth {bench.bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak "
+              f"{bench.peak / 1e9:.0f} GFLOP/s ({args.threads} threads)")  # fmt: skip
+    results = {"setup": {**plan, "model": model_dir, "model_shape": args.model_shape, "dtype": args.dtype,
+                         "threads": args.threads, "read_bandwidth_gb_s": bench.bandwidth / 1e9,
+                         "matmul_peak_gflop_s": bench.peak / 1e9}}  # fmt: skip
     results["startup"] = bench.startup()
     results["setup"]["kernels"] = results["startup"].pop("kernels")
     results["rows"] = []
     for batch in plan["batch_sizes"]:
         bench.num_requests = batch1_requests if batch == 1 else plan["num_requests"]
         row = {"batch": batch, "num_requests": bench.num_requests}
-        row["decode_ceiling_tok_s"] = bench.decode_ceiling(batch)
+        row.update(bench.decode_ceiling(batch))
         row.update(bench.workload_ceiling(batch))
         row.update(bench.engine_run(batch))
         row["engine_over_ceiling"] = row["engine_tok_s"] / row["workload_ceiling_tok_s"]
@@ -114,6 +137,9 @@ class EngineBench:
         self.prompt_len = prompt_len
         self.output_len = output_len
         self.max_seq_len = prompt_len + output_len
+        self.step_plan = "auto"
+        self.bandwidth = 0.0  # bytes/s and FLOP/s the decode floors are computed with (measured by run())
+        self.peak = 0.0
         rng = random.Random(0)
         # Distinct random prompts: no prefix-cache hits flatter the engine.
         self.prompts = [[rng.randrange(3, 8000) for _ in range(prompt_len)] for _ in range(num_requests)]
@@ -130,6 +156,7 @@ class EngineBench:
             max_num_seqs=batch,
             max_num_batched_tokens=max(2048, self.prompt_len),
             num_kv_blocks=batch * blocks_per_seq + 16,
+            cpu_step_plan=self.step_plan,
         )
         fields.update(overrides)
         return EngineConfig(**fields)
@@ -192,7 +219,8 @@ class EngineBench:
 
         return step_input
 
-    def decode_ceiling(self, batch: int) -> float:
+    def decode_ceiling(self, batch: int) -> dict:
+        """Decode steps of the runner alone at batch `batch`, over the workload's contexts, against their floor."""
         runner = self._runner(batch)
         step_input = self._decode_inputs(runner, batch, self.prompt_len)
         steps = max(4, min(self.output_len, 2048 // batch))
@@ -202,8 +230,18 @@ class EngineBench:
         for pos in positions:
             runner.execute(step_input(pos))
         elapsed = time.perf_counter() - t0
-        _progress(f"batch {batch}: decode ceiling {batch * steps / elapsed:.0f} tok/s")
-        return batch * steps / elapsed
+        step_s = elapsed / steps
+        context = sum(positions) / steps
+        memory_s = decode_floor_bytes(runner, batch, context) / self.bandwidth
+        compute_s = decode_flops(runner, batch, context) / self.peak
+        floor_s = max(memory_s, compute_s)
+        bound = "memory" if memory_s >= compute_s else "compute"
+        _progress(f"batch {batch}: decode ceiling {batch / step_s:.0f} tok/s, step {1000 * step_s:.1f} ms, "
+                  f"floor {1000 * floor_s:.1f} ms ({bound}; {step_s / floor_s:.2f}x)")  # fmt: skip
+        return {"decode_ceiling_tok_s": batch / step_s, "decode_step_ms": 1000 * step_s,
+                "decode_memory_floor_ms": 1000 * memory_s, "decode_compute_floor_ms": 1000 * compute_s,
+                "decode_floor_ms": 1000 * floor_s, "decode_bound": bound,
+                "decode_step_over_floor": step_s / floor_s}  # fmt: skip
 
     def workload_ceiling(self, batch: int) -> dict:
         """The runner alone on the offline workload, in static waves: prefill a wave's prompts (packed up to the
@@ -389,6 +427,8 @@ def _table(results: dict) -> str:
         f"overlap bench engine: {setup['num_requests']} requests (reqs column) x {setup['prompt_len']} prompt x "
         f"{setup['output_len']} output tokens (EOS ignored), {setup['dtype']}, {setup['threads']} threads",
         f"kernels: {setup['kernels']}",
+        f"memory read bandwidth {setup['read_bandwidth_gb_s']:.1f} GB/s, {setup['dtype']} matmul peak "
+        f"{setup['matmul_peak_gflop_s']:.0f} GFLOP/s (the decode floor's denominators)",
         "",
         f"{'batch':>5} | {'reqs':>4} | {'decode ceiling':>14} | {'workload ceiling':>16} | {'engine':>9} | "
         f"{'engine/ceiling':>14} "
@@ -398,6 +438,12 @@ def _table(results: dict) -> str:
         f"| {'':>6}",
         "-" * 121,
     ]
+    floors = [f"{'batch':>5} | {'decode step':>11} | {'memory floor':>12} | {'compute floor':>13} | "
+              f"{'step / floor':>12} | bound", "-" * 76]  # fmt: skip
+    for r in results["rows"]:
+        floors.append(f"{r['batch']:>5} | {r['decode_step_ms']:>8.1f} ms | {r['decode_memory_floor_ms']:>9.1f} ms | "
+                      f"{r['decode_compute_floor_ms']:>10.1f} ms | {r['decode_step_over_floor']:>12.2f} | "
+                      f"{r['decode_bound']}")  # fmt: skip
     for r in results["rows"]:
         lines.append(
             f"{r['batch']:>5} | {r['num_requests']:>4} | {r['decode_ceiling_tok_s']:>14.0f} | "
@@ -406,6 +452,8 @@ def _table(results: dict) -> str:
             f"{r['engine_busy']:>5.0%} | "
             f"{r['sched_ms_per_step']:>13.3f} | {r['engine_steps']:>6}"
         )
+    lines += ["", "The decode step against its floor (the longer of bytes / read bandwidth and FLOPs / matmul peak):",
+              *floors]  # fmt: skip
     lines += [
         "",
         "KV layout, one decode step (wall: fastest of the interleaved repeats; paged cost also from median wall and",

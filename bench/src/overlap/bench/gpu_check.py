@@ -32,6 +32,8 @@ import time
 import warnings
 from pathlib import Path
 
+from overlap.bench.floor import decode_floor_bytes
+
 # Shapes of the models people serve, with random weights (vocabulary and context as theirs).
 SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -238,13 +240,6 @@ def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bo
     return runner, time.perf_counter() - started
 
 
-def _floor_bytes(runner, batch: int, context: float) -> float:
-    """What a decode step must read: the weights it streams (`runner.weight_bytes`) and the K/V."""
-    from overlap.engine.model.loader import kv_bytes_per_token
-
-    return runner.weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
-
-
 def case_decode(check: Check) -> None:
     from overlap.bench.overlap_load import measure_overlap
 
@@ -263,7 +258,7 @@ def case_decode(check: Check) -> None:
                                      prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
             step_s = batch / result.tokens_per_s if result.tokens_per_s else float("inf")
             context = check.prompt_len + warmup + check.steps / 2
-            floor_s = _floor_bytes(runner, batch, context) / check.bandwidth if check.bandwidth else None
+            floor_s = decode_floor_bytes(runner, batch, context) / check.bandwidth if check.bandwidth else None
             check.emit("decode", model=name, dtype="bfloat16", batch=batch, cuda_graphs=graphs,
                        graph_steps=runner.graph_steps - graph_steps,
                        tokens_per_s=result.tokens_per_s, step_ms=1000 * step_s,

@@ -14,6 +14,12 @@ def register(subparsers) -> None:
     build.add_argument("dir", nargs="?", help="target folder (default: the cache folder used by `overlap serve`)")
     build.add_argument("--force", action="store_true", help="rebuild even if DIR already holds the model")
     build.set_defaults(func=_build_tiny)
+    shape = model_sub.add_parser(
+        "build-shape",
+        help="build a random-weight model of a real family's shape (config, vocabulary; no download) into the cache",
+    )
+    shape.add_argument("name", help="the shape: " + ", ".join(_shape_names()))
+    shape.set_defaults(func=_build_shape)
 
     engine = subparsers.add_parser(
         "engine",
@@ -32,6 +38,21 @@ def _build_tiny(args: argparse.Namespace) -> int:
 
     path = build_tiny_model(args.dir or default_model_dir(), force=args.force)
     print(path)
+    return 0
+
+
+def _shape_names() -> list[str]:
+    from overlap.engine.model.shapes import SHAPES
+
+    return list(SHAPES)
+
+
+def _build_shape(args: argparse.Namespace) -> int:
+    import sys
+
+    from overlap.engine.model.shapes import ensure_shape_model
+
+    print(ensure_shape_model(args.name, progress=lambda line: print(line, file=sys.stderr, flush=True)))
     return 0
 
 

@@ -23,6 +23,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA graphs for decode steps (with Triton attention on CUDA); false runs every step eagerly (vLLM's enforce_eager)
     cuda_graphs: bool = True
+    # How a CPU step uses its threads: halves (the batch cut in two, each half a whole forward on its own thread:
+    # no barrier per op, but every weight read twice), whole (one forward, each op on all threads), or auto (halves
+    # only for models whose weights are small enough that reading them twice costs less than the barriers).
+    cpu_step_plan: str = "auto"
     seed: int = 0
 
     # KV pool: allocated once at start-up. On CUDA sized from kv_cache_ratio of free device memory; on CPU
@@ -73,6 +77,10 @@ class EngineConfig:
         check(
             self.attention_backend in ("auto", "triton", "native", "torch"),
             f"attention_backend must be auto|triton|native|torch, got {self.attention_backend!r}",
+        )
+        check(
+            self.cpu_step_plan in ("auto", "halves", "whole"),
+            f"cpu_step_plan must be auto|halves|whole, got {self.cpu_step_plan!r}",
         )
         check(
             self.block_size in (8, 16, 32, 64, 128),
@@ -136,6 +144,8 @@ ENGINE_FLAGS = (
     ("--seed", "seed", int, "seed of the sampling generator"),
     ("--attention-backend", "attention_backend", str,
      "auto | triton | native | torch (auto: Triton on CUDA, the native kernel on CPU)"),
+    ("--cpu-step-plan", "cpu_step_plan", str,
+     "auto | halves | whole: a CPU step as two half-batch forwards on two threads, or one forward on all threads"),
 )  # fmt: skip
 
 

@@ -139,10 +139,10 @@ def _write_model(target: Path) -> None:
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(target, safe_serialization=True)
     tokenizer.save_pretrained(target)
-    _make_tokenizer_config_portable(target / "tokenizer_config.json")
+    make_tokenizer_config_portable(target / "tokenizer_config.json")
 
 
-def _make_tokenizer_config_portable(path: Path) -> None:
+def make_tokenizer_config_portable(path: Path) -> None:
     """transformers 5 writes its own class name and key names; add the 4.x spellings so older readers (e.g. the
     vLLM peer benchmark's venv) load the same tokenizer."""
     import json

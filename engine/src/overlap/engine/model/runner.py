@@ -52,6 +52,9 @@ from overlap.engine.model.staging import to_device
 from overlap.engine.model.step_inputs import InputPacker, StepInputs, decode_graph_inputs
 from overlap.engine.types import NONFINITE_TOKEN, ModelInput, Runner, RunnerOutput, TokenLogprob
 
+# auto's bound for the batch halves: the largest weights a step may stream twice (see _step_plan).
+HALVES_MAX_WEIGHT_BYTES = 256 << 20
+
 
 @dataclass(slots=True)
 class DeviceStep:
@@ -118,17 +121,25 @@ class ModelRunner(Runner):
             parts = ModelParts(spec, weights, self.linear, self.ops, self.attention, rotary, self.k_pool, self.v_pool)
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
+        self.step_plan = self._step_plan(config.cpu_step_plan) if self.cpu_paths else "whole"
         self.packer = InputPacker(
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             device=device, windows=sorted({w for w in spec.layer_windows if w is not None}),
             use_decode_kernel=decode_kernel is not None, triton=triton, group=spec.num_heads // spec.num_kv_heads,
-            split_batches=self.cpu_paths,
+            split_batches=self.step_plan == "halves",
         )  # fmt: skip
         argmax = None if self.ops is None else self.ops.argmax
         self.sampling = SamplingState(self.model_dir, spec.vocab_size, frozenset(self.eos_token_ids), device,
                                       config.seed, argmax)  # fmt: skip
         if device.type == "cuda" and triton is not None and config.cuda_graphs:
             self.enable_decode_graphs(graphs.cuda_capture(device))
+
+    def _step_plan(self, asked: str) -> str:
+        """halves or whole (`EngineConfig.cpu_step_plan`); auto: halves only while every weight read twice costs
+        less than the per-op barriers of one forward on all threads (docs/engine.md has the measurements)."""
+        if asked != "auto":
+            return asked
+        return "halves" if self.weight_bytes <= HALVES_MAX_WEIGHT_BYTES else "whole"
 
     def enable_decode_graphs(self, capture, limit: int | None = None) -> None:
         """Capture the decode forward for every bucket up to `limit` (default: the largest max_num_seqs the pool
@@ -161,7 +172,8 @@ class ModelRunner(Runner):
             return f"{self.device.type} {dtype}: torch linear; {self.attention.name}"
         norms = "native RMSNorm, RoPE, argmax" if self.ops is not None else "torch RMSNorm, RoPE, argmax"
         isa = f"torch {torch.backends.cpu.get_cpu_capability()}"
-        return f"CPU {native.cpu_isa()} {dtype}: {self.linear.name}; {self.attention.name}; {norms}; {isa}"
+        plan = "batch halves on two threads" if self.step_plan == "halves" else "whole batch on all threads"
+        return f"CPU {native.cpu_isa()} {dtype}: {self.linear.name}; {self.attention.name}; {norms}; {plan}; {isa}"
 
     def to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """int64 tensors on the runner's device without blocking the host (`staging.to_device`)."""

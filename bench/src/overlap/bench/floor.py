@@ -1,0 +1,61 @@
+"""The physical floor of a decode step, measured in the same process as the step: the time to read the bytes it
+must read (every weight once, the embedding rows aside, and the K/V of every sequence up to its context) at the
+memory read bandwidth, or the time to do its arithmetic at the machine's matmul peak, whichever is longer. A step
+can run no faster than that; `step / floor` says how far from it a figure is, and `bound` which of the two holds."""
+
+from __future__ import annotations
+
+import time
+
+
+def decode_floor_bytes(runner, batch: int, context: float) -> float:
+    """What a decode step of `batch` sequences at `context` positions must read: the weights it streams
+    (`runner.weight_bytes`) and their K/V."""
+    from overlap.engine.model.loader import kv_bytes_per_token
+
+    return runner.weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
+
+
+def decode_flops(runner, batch: int, context: float) -> float:
+    """A decode step's arithmetic: two FLOPs per streamed weight per sequence (the projections and the LM head),
+    and four per cached position per query head dimension (q.k and p.v)."""
+    spec = runner.spec
+    params = runner.weight_bytes / runner.dtype.itemsize
+    attention = 4 * context * spec.num_heads * spec.head_dim * spec.num_layers
+    return batch * (2 * params + attention)
+
+
+def cpu_read_bandwidth(nbytes: int = 1 << 30, rounds: int = 5) -> float:
+    """Bytes per second a reduction over `nbytes` reads with torch's current threads (best of `rounds`): a sum of
+    int64s does one add per 8 bytes, so memory, not arithmetic, bounds it. Larger than the last-level cache."""
+    import torch
+
+    data = torch.ones(nbytes // 8, dtype=torch.int64)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def cpu_matmul_peak(dtype, rounds: int = 5) -> float:
+    """FLOP/s of a large matmul in `dtype` through the linear backend the runner picks on this machine (best of
+    `rounds`, torch's current threads): compute-bound (256 rows against a 2048 x 2048 weight that stays in cache)."""
+    import torch
+
+    from overlap.engine.model.layers.linear import pick_linear_backend
+
+    backend = pick_linear_backend(torch.device("cpu"), dtype)
+    rows, width = 256, 2048
+    x = torch.randn(rows, width).to(dtype)
+    weight = backend.pack(torch.randn(width, width).to(dtype))
+    best = float("inf")
+    with torch.inference_mode():
+        backend.linear(x, weight)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(4):
+                backend.linear(x, weight)
+            best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * rows * width * width / best

@@ -1,0 +1,171 @@
+"""Models of real families' shapes with random weights, for measuring speed at the sizes people serve.
+
+Each shape is the published config.json of a real checkpoint (layer counts, widths, heads, GQA, RoPE, tying, the
+vocabulary size); its weights are random (Normal(0, 0.02), unit norms, as transformers initialises) and its tokenizer
+is the tiny model's, padded with placeholder tokens up to the real vocabulary so that every id the LM head can pick
+decodes, and the embedding and the LM head cost what they cost. Nothing is downloaded. The folder is a complete
+Hugging Face checkpoint: `overlap serve`, transformers and vLLM load it alike. Built once into the cache and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from overlap.engine.errors import ConfigError
+from overlap.engine.model import builder
+
+RECIPE = "v1"  # bump when the recipe changes, so cached folders rebuild
+
+_QWEN25 = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, max_position_embeddings=32768,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=True, use_sliding_window=False,
+)  # fmt: skip
+_LLAMA32 = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, max_position_embeddings=131072,
+    rope_theta=500000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=True, attention_bias=False,
+    mlp_bias=False, rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
+                                  "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+
+# name -> the config.json fields of the real checkpoint that shape the compute (Qwen2 has q/k/v biases by design).
+SHAPES: dict[str, dict] = {
+    "qwen2.5-0.5b": {**_QWEN25, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2},
+    "qwen2.5-1.5b": {**_QWEN25, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                     "num_attention_heads": 12, "num_key_value_heads": 2},
+    "qwen2.5-3b": {**_QWEN25, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+                   "num_attention_heads": 16, "num_key_value_heads": 2},
+    "llama-3.2-1b": {**_LLAMA32, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
+    "llama-3.2-3b": {**_LLAMA32, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+                     "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128},
+}  # fmt: skip
+
+_DTYPE = "bfloat16"  # what the real checkpoints ship; the engine casts to the dtype asked for at load
+_SEED = 4321
+
+
+def shape_config(name: str) -> dict:
+    """The config.json of shape `name`, with the tiny tokenizer's special token ids."""
+    if name not in SHAPES:
+        raise ConfigError(f"unknown model shape {name!r}; choose from {', '.join(SHAPES)}")
+    return {**SHAPES[name], "torch_dtype": _DTYPE, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+            "initializer_range": 0.02}  # fmt: skip
+
+
+def shape_model_dir(name: str) -> Path:
+    """Where shape `name` is cached: `<cache_root>/shapes/<name>-<recipe>`."""
+    return builder.cache_root() / "shapes" / f"{name}-{RECIPE}"
+
+
+def num_parameters(config: dict) -> int:
+    """Parameters of a config's model (the tied LM head counted once)."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    if config["model_type"] == "qwen2":
+        per_layer += q + 2 * kv  # the q, k, v biases
+    embed = config["vocab_size"] * h
+    return layers * per_layer + embed * (1 if config["tie_word_embeddings"] else 2) + h
+
+
+def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None) -> Path:
+    """The folder of shape `name`, built on first use (minutes for the larger shapes; safe when several processes
+    ask at once: the folder is renamed into place whole)."""
+    target = shape_model_dir(name)
+    if builder.is_complete(target):
+        return target
+    config = shape_config(name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
+    try:
+        started = time.monotonic()
+        if progress:
+            size = num_parameters(config) * 2 / 1e9
+            progress(f"building {name}: {num_parameters(config) / 1e9:.2f}B parameters, {size:.1f} GB, random weights")
+        _write_weights(tmp, config)
+        _write_tokenizer(tmp, config["vocab_size"])
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not builder.is_complete(target):
+                raise
+        if progress:
+            progress(f"built {name} in {time.monotonic() - started:.0f} s: {target}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of a Llama-family checkpoint of this config."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if config["model_type"] == "qwen2":
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}  # fmt: skip
+    shapes["model.norm.weight"] = (h,)
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    return shapes
+
+
+def _write_weights(folder: Path, config: dict) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(_SEED)
+    tensors = {}
+    for name, shape in _tensor_shapes(config).items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """The tiny tokenizer with placeholder tokens `<|extra_N|>` in its vocabulary up to `vocab_size`: encoding never
+    produces them (no merges lead there), decoding any id works."""
+    tokenizer = builder.load_tokenizer()
+    tokenizer.save_pretrained(folder)
+    builder.make_tokenizer_config_portable(folder / "tokenizer_config.json")
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    vocab = data["model"]["vocab"]
+    used = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}
+    for token_id in range(vocab_size):
+        if token_id not in used:
+            vocab[f"<|extra_{token_id}|>"] = token_id
+    path.write_text(json.dumps(data, ensure_ascii=False))

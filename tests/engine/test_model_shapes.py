@@ -1,0 +1,65 @@
+"""Models of real families' shapes with random weights (`overlap model build-shape`): the tensors are the real
+checkpoints' (checked against transformers' own model of each config, on the meta device: no memory), and a built
+folder loads in transformers and in the engine with the same logits, every id of its padded vocabulary decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from overlap.engine.config import EngineConfig
+from overlap.engine.errors import ConfigError
+from overlap.engine.model import shapes
+from overlap.engine.model.runner import ModelRunner
+from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+
+
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
+def test_each_shape_has_the_tensors_transformers_builds_for_its_config(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = shapes.shape_config(name)
+    hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config["tie_word_embeddings"]:
+        expected.pop("lm_head.weight")
+    assert shapes._tensor_shapes(config) == expected
+    assert shapes.num_parameters(config) == model.num_parameters()
+
+
+def test_an_unknown_shape_is_refused_with_the_choices():
+    with pytest.raises(ConfigError, match=r"unknown model shape 'qwen9'; choose from qwen2\.5-0\.5b"):
+        shapes.shape_config("qwen9")
+
+
+def test_a_built_shape_loads_alike_in_transformers_and_the_engine(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
+    small = {**shapes.SHAPES["qwen2.5-0.5b"], "vocab_size": 9000, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    monkeypatch.setitem(shapes.SHAPES, "test-qwen2", small)
+    lines = []
+    folder = shapes.ensure_shape_model("test-qwen2", progress=lines.append)
+    assert folder == tmp_path / "shapes" / f"test-qwen2-{shapes.RECIPE}" and lines[-1].startswith("built test-qwen2")
+    assert shapes.ensure_shape_model("test-qwen2") == folder  # cached: built once
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == 9000
+    assert not [p for p in tmp_path.joinpath("shapes").iterdir() if p.name.startswith(".")]  # no leftovers
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.decode([8999]) == "<|extra_8999|>"  # a padded id decodes
+    ids = tokenizer("def f(x): return x")["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+    runner = ModelRunner(EngineConfig(model=str(folder), max_seq_len=128, num_kv_blocks=8), folder)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        logits = runner.compute_logits(ModelInput([ScheduledSeq("a", ids, 0, [0, 1], True, greedy, 0)]))[0]
+    finally:
+        runner.close()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
