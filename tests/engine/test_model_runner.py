@@ -328,7 +328,7 @@ def test_last_layer_runs_only_the_sampled_rows(runner, hf_model, monkeypatch):
         ScheduledSeq("b", chunk, 0, [50], False, GREEDY),
     ]
     rows: list[int] = []
-    monkeypatch.setattr(runner.packer, "split_batches", False)  # one forward, so one sequence of calls
+    monkeypatch.setattr(runner.packer, "halves_min_tokens", None)  # one forward, so one sequence of calls
     backend = runner.linear
     for name in ("linear", "linear_silu"):
         original = getattr(backend, name)

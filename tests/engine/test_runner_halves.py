@@ -148,25 +148,34 @@ def test_fp32_cpu_runner_prepacks_its_projection_weights(runner):
     assert all(weight.layout == torch._mkldnn for weight in _packed_weights(runner))
 
 
-def test_step_plan_auto_takes_halves_for_small_weights_and_the_whole_batch_for_large(tiny_model_dir, monkeypatch):
+def test_step_plan_auto_takes_halves_for_small_weights_and_for_large_ones_only_in_long_steps(tiny_model_dir,
+                                                                                              monkeypatch):  # fmt: skip
     from overlap.engine.model import runner as runner_module
 
-    small = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256), tiny_model_dir)
+    def make(plan: str = "auto") -> ModelRunner:
+        return ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, cpu_step_plan=plan), tiny_model_dir)
+
+    small = make()
     monkeypatch.setattr(runner_module, "HALVES_MAX_WEIGHT_BYTES", small.weight_bytes - 1)
-    large = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256), tiny_model_dir)
-    forced = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, cpu_step_plan="halves"), tiny_model_dir)
+    large, halves, whole = make(), make("halves"), make("whole")
     try:
-        assert (small.step_plan, large.step_plan, forced.step_plan) == ("halves", "whole", "halves")
-        assert "batch halves" in small.kernels and "whole batch" in large.kernels
+        plans = [r.packer.halves_min_tokens for r in (small, large, halves, whole)]
+        assert plans == [0, runner_module.HALVES_MIN_TOKENS, 0, None]
+        assert "batch halves" in small.kernels and "halves for steps of 256+ tokens" in large.kernels
         torch.set_num_threads(2)
-        batch = ModelInput([_decode(i, 0, [i]) for i in range(16)])
-        halves, whole = forced.prepare(batch), large.prepare(batch)
-        assert halves.halves is not None and whole.halves is None
+        decodes = ModelInput([_decode(i, 0, [i]) for i in range(16)])
+        prompts = ModelInput([ScheduledSeq(f"p{i}", list(range(3, 131)), 0, list(range(8 * i, 8 * i + 8)), True,
+                                           GREEDY)
+                              for i in range(2)])  # fmt: skip
+        assert [large.prepare(b).halves is not None for b in (decodes, prompts)] == [False, True]
+        assert whole.prepare(prompts).halves is None
+        split, run_whole = halves.prepare(decodes), whole.prepare(decodes)
+        assert split.halves is not None and run_whole.halves is None
         with torch.inference_mode():  # the same step, run both ways, computes the same logits
-            torch.testing.assert_close(large.forward(whole).float(), forced.forward(halves).float(), atol=1e-5,
+            torch.testing.assert_close(whole.forward(run_whole).float(), halves.forward(split).float(), atol=1e-5,
                                        rtol=1e-5)  # fmt: skip
     finally:
-        for r in (small, large, forced):
+        for r in (small, large, halves, whole):
             r.close()
 
 

@@ -52,8 +52,10 @@ from overlap.engine.model.staging import to_device
 from overlap.engine.model.step_inputs import InputPacker, StepInputs, decode_graph_inputs
 from overlap.engine.types import NONFINITE_TOKEN, ModelInput, Runner, RunnerOutput, TokenLogprob
 
-# auto's bound for the batch halves: the largest weights a step may stream twice (see _step_plan).
+# The step plan `auto` (see _halves_min_tokens): halves for any step while the weights are at most this large; above
+# it, only for steps of at least HALVES_MIN_TOKENS tokens, whose arithmetic outweighs reading every weight twice.
 HALVES_MAX_WEIGHT_BYTES = 256 << 20
+HALVES_MIN_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -121,12 +123,12 @@ class ModelRunner(Runner):
             parts = ModelParts(spec, weights, self.linear, self.ops, self.attention, rotary, self.k_pool, self.v_pool)
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
-        self.step_plan = self._step_plan(config.cpu_step_plan) if self.cpu_paths else "whole"
+        halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)
         self.packer = InputPacker(
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             device=device, windows=sorted({w for w in spec.layer_windows if w is not None}),
             use_decode_kernel=decode_kernel is not None, triton=triton, group=spec.num_heads // spec.num_kv_heads,
-            split_batches=self.step_plan == "halves",
+            halves_min_tokens=halves_min_tokens,
         )  # fmt: skip
         argmax = None if self.ops is None else self.ops.argmax
         self.sampling = SamplingState(self.model_dir, spec.vocab_size, frozenset(self.eos_token_ids), device,
@@ -134,12 +136,15 @@ class ModelRunner(Runner):
         if device.type == "cuda" and triton is not None and config.cuda_graphs:
             self.enable_decode_graphs(graphs.cuda_capture(device))
 
-    def _step_plan(self, asked: str) -> str:
-        """halves or whole (`EngineConfig.cpu_step_plan`); auto: halves only while every weight read twice costs
-        less than the per-op barriers of one forward on all threads (docs/engine.md has the measurements)."""
-        if asked != "auto":
-            return asked
-        return "halves" if self.weight_bytes <= HALVES_MAX_WEIGHT_BYTES else "whole"
+    def _halves_min_tokens(self, plan: str) -> int | None:
+        """The fewest tokens a step runs as two halves under `EngineConfig.cpu_step_plan` (None: never). Halves have
+        no barrier per op but read every weight twice: auto takes them for small weights, and for large ones only in
+        steps with enough arithmetic to hide the second read (prefill); docs/engine.md has the measurements."""
+        if not self.cpu_paths or plan == "whole":
+            return None
+        if plan == "halves" or self.weight_bytes <= HALVES_MAX_WEIGHT_BYTES:
+            return 0
+        return HALVES_MIN_TOKENS
 
     def enable_decode_graphs(self, capture, limit: int | None = None) -> None:
         """Capture the decode forward for every bucket up to `limit` (default: the largest max_num_seqs the pool
@@ -172,7 +177,9 @@ class ModelRunner(Runner):
             return f"{self.device.type} {dtype}: torch linear; {self.attention.name}"
         norms = "native RMSNorm, RoPE, argmax" if self.ops is not None else "torch RMSNorm, RoPE, argmax"
         isa = f"torch {torch.backends.cpu.get_cpu_capability()}"
-        plan = "batch halves on two threads" if self.step_plan == "halves" else "whole batch on all threads"
+        plan = {None: "whole batch on all threads", 0: "batch halves on two threads"}.get(
+            self.packer.halves_min_tokens, f"halves for steps of {self.packer.halves_min_tokens}+ tokens, else whole"
+        )
         return f"CPU {native.cpu_isa()} {dtype}: {self.linear.name}; {self.attention.name}; {norms}; {plan}; {isa}"
 
     def to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:

@@ -76,7 +76,7 @@ class InputPacker:
 
     def __init__(self, *, block_size: int, num_kv_blocks: int, max_model_len: int, device: torch.device,
                  windows: list[int], use_decode_kernel: bool, triton, group: int,
-                 split_batches: bool) -> None:  # fmt: skip
+                 halves_min_tokens: int | None) -> None:  # fmt: skip
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.max_model_len = max_model_len
@@ -85,12 +85,14 @@ class InputPacker:
         self.use_decode_kernel = use_decode_kernel
         self.triton = triton
         self.group = group  # query heads per KV head
-        self.split_batches = split_batches
+        # Steps of at least this many tokens may run as two halves (None: never; the runner's step plan).
+        self.halves_min_tokens = halves_min_tokens
         self.graphs: graphs.DecodeGraphs | None = None
 
     def pack(self, batch: ModelInput) -> StepInputs:
         scores_prompt = any(s.sampling.prompt_logprobs is not None for s in batch.seqs)
-        halves = self.split_batches and torch.get_num_threads() >= 2 and not scores_prompt
+        halves = (self.halves_min_tokens is not None and torch.get_num_threads() >= 2 and not scores_prompt
+                  and sum(len(s.token_ids) for s in batch.seqs) >= self.halves_min_tokens)  # fmt: skip
         cut = split_point(batch) if halves else None
         if cut is None:
             return self._pack(batch)
