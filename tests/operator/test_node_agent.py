@@ -34,9 +34,22 @@ def test_probe_needs_failure_threshold_failures_to_flip(tmp_path):
     probe = Probe.parse({"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
                         {"http": 1})  # fmt: skip
     assert probe.port == 1 and probe.period_s == 5
-    assert probe.check("127.0.0.1", now=0) is None  # one failure: no verdict yet
+
+    def no_exec(command, timeout):
+        raise AssertionError("an HTTP probe runs no command")
+
+    assert probe.check("127.0.0.1", now=0, run=no_exec) is None  # one failure: no verdict yet
     assert probe.next_at == 5
-    assert probe.check("127.0.0.1", now=5) is False
+    assert probe.check("127.0.0.1", now=5, run=no_exec) is False
+
+
+def test_an_exec_probe_runs_its_command_in_the_container_with_its_timeout():
+    probe = Probe.parse({"exec": {"command": ["python", "-m", "probe"]}, "timeoutSeconds": 7, "failureThreshold": 1},
+                        {})  # fmt: skip
+    runs = []
+    assert probe.check("10.0.0.9", now=0, run=lambda command, timeout: runs.append((command, timeout)) or True)
+    assert probe.check("10.0.0.9", now=10, run=lambda command, timeout: False) is False
+    assert runs == [(["python", "-m", "probe"], 7)]
 
 
 def _echo_server(reply: bytes) -> tuple[int, threading.Thread]:

@@ -151,3 +151,57 @@ def test_engine_config_files(tmp_path):
         load_engine_config(tmp_path / "list.yaml")
     with pytest.raises(ConfigError, match="cannot read"):
         load_engine_config(tmp_path / "missing.json")
+
+
+class BlockingRunner(CountingRunner):
+    """Steps like CountingRunner until `hold` is cleared: then a step waits (an engine whose loop hangs)."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.hold.set()
+
+    def execute(self, model_input) -> RunnerOutput:
+        self.hold.wait(30)
+        return super().execute(model_input)
+
+
+def _tokens(outputs) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def test_the_engine_probe_passes_on_a_live_engine_and_fails_on_a_missing_or_hung_one(tmp_short, capsys):
+    from overlap.engine.serving.probe import main, probe
+
+    path = tmp_short / "e.sock"
+    assert "no engine socket" in probe(str(path), timeout_s=1)
+    assert main(["--socket", str(path), "--timeout", "1"]) == 1
+    assert "engine probe failed: no engine socket" in capsys.readouterr().err
+    runner = BlockingRunner()
+    engine = Engine(EngineConfig(), runner=runner, model_dir=tmp_short)
+    srv = EngineServer(engine, path, grace_period_s=1)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for _ in range(100):
+            if path.exists():
+                break
+            time.sleep(0.02)
+        assert probe(str(path)) is None and main(["--socket", str(path)]) == 0
+        sock, _ = connect(path)
+        add(sock, "a", [5, 6, 7], 4)  # a client's request is not disturbed by probes
+        assert probe(str(path)) is None
+        assert _tokens(collect(sock, {"a"})["a"]) == [100, 101, 102, 103]
+        runner.hold.clear()  # the next step hangs: the loop stops answering
+        add(sock, "b", [5, 6, 7], 4)
+        time.sleep(0.2)
+        started = time.monotonic()
+        assert "did not answer within 0.5 s" in probe(str(path), timeout_s=0.5)
+        assert time.monotonic() - started < 2
+        runner.hold.set()
+        assert _tokens(collect(sock, {"b"})["b"]) == [100, 101, 102, 103]
+        sock.close()
+    finally:
+        runner.hold.set()
+        srv.request_stop()
+        srv.request_stop()
+        thread.join(5)

@@ -5,20 +5,21 @@ podman pod (one network namespace, one IP on podman's bridge) with one container
 taking the template's image, command, args, env (values, Secret and ConfigMap keys, the pod's own name and IP),
 volumes (emptyDir; ConfigMap and Secret folders kept up to date as kubelet does, through a `..data` symlink;
 hostPath), securityContext (user, group, fsGroup, read-only root, capabilities, no-new-privileges) and CPU and
-memory limits. It runs the readiness and liveness probes itself (HTTP GET on the pod IP), restarts a container
-that exits or fails liveness (with kubelet's back-off), and removes a pod as kubelet does: not ready at once, then
-every container's preStop hook, SIGTERM, and SIGKILL at the end of the grace period. It writes the Pod objects (IP,
-phase, conditions, container states such as ErrImagePull or CrashLoopBackOff) and the Deployment's status from what
-really runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its ready pods (kube-proxy), following
-its selector as it changes, and a second one on the bridge's gateway at the Service's own port, which pods reach by
-the Service's DNS name (`NAME.NAMESPACE.svc`, written into every pod's /etc/hosts: cluster DNS). Every pod with an
-IP is a target in a Prometheus file-based discovery file, labelled with its InferenceService as a pod-role scrape
-relabels it.
+memory limits. It runs the startup, readiness and liveness probes itself (HTTP GET on the pod IP, or exec in the
+container; as kubelet does, the other two wait until the startup probe has passed, and a container is not ready
+before then), restarts a container that exits or fails its startup or liveness probe (with kubelet's back-off), and
+removes a pod as kubelet does: not ready at once, then every container's preStop hook, SIGTERM, and SIGKILL at the
+end of the grace period. It writes the Pod objects (IP, phase, conditions, container states such as ErrImagePull or
+CrashLoopBackOff) and the Deployment's status from what really runs. Each Service gets a round-robin TCP proxy on
+127.0.0.1 over its ready pods (kube-proxy), following its selector as it changes, and a second one on the bridge's
+gateway at the Service's own port, which pods reach by the Service's DNS name (`NAME.NAMESPACE.svc`, written into
+every pod's /etc/hosts: cluster DNS). Every pod with an IP is a target in a Prometheus file-based discovery file,
+labelled with its InferenceService as a pod-role scrape relabels it.
 
 Limits, by design: one namespace; no ReplicaSets (pods belong to the Deployment); no image pulls (images must be in
 podman's local storage, `make images`), so a missing image is ErrImagePull at once; rollouts follow the Deployment
-strategy's maxSurge and maxUnavailable; Services share the gateway's address, so two with the same port are not
-both reachable from pods (the first one is). Everything it starts it removes by id on `stop()`, and a new agent first
+strategy's maxSurge and maxUnavailable; Services share the gateway's address, so two with the same port are not both
+reachable from pods (the first one is). Everything it starts it removes by id on `stop()`, and a new agent first
 removes the pods an earlier one left behind (found by label).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +40,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,8 +114,11 @@ class Podman:
 
 @dataclass
 class Probe:
-    path: str
-    port: int
+    """An HTTP GET probe (`path`, `port`) or an exec probe (`command`), with kubelet's period and thresholds."""
+
+    path: str | None
+    port: int | None
+    command: list[str] | None
     period_s: float
     failure_threshold: int
     initial_delay_s: float
@@ -122,12 +128,13 @@ class Probe:
 
     @classmethod
     def parse(cls, probe: dict | None, ports: dict[str, int]) -> Probe | None:
-        if not probe or "httpGet" not in probe:
+        if not probe or not ("httpGet" in probe or "exec" in probe):
             return None
-        port = probe["httpGet"]["port"]
+        port = probe["httpGet"]["port"] if "httpGet" in probe else None
         return cls(
-            path=probe["httpGet"].get("path", "/"),
-            port=ports[port] if isinstance(port, str) else int(port),
+            path=probe["httpGet"].get("path", "/") if "httpGet" in probe else None,
+            port=ports[port] if isinstance(port, str) else None if port is None else int(port),
+            command=list(probe["exec"]["command"]) if "exec" in probe else None,
             period_s=probe.get("periodSeconds", 10),
             failure_threshold=probe.get("failureThreshold", 3),
             initial_delay_s=probe.get("initialDelaySeconds", 0),
@@ -137,14 +144,18 @@ class Probe:
     def due(self, now: float) -> bool:
         return now >= self.next_at
 
-    def check(self, ip: str, now: float) -> bool | None:
-        """True/False once the failure threshold decides; None when this probe changes nothing."""
+    def check(self, ip: str, now: float, run: Callable[[list[str], float], bool]) -> bool | None:
+        """True/False once the failure threshold decides; None when this probe changes nothing. `run(command,
+        timeout)` runs an exec probe's command in the container."""
         self.next_at = now + self.period_s
-        try:
-            with urllib.request.urlopen(f"http://{ip}:{self.port}{self.path}", timeout=self.timeout_s) as reply:
-                ok = 200 <= reply.status < 400
-        except (OSError, urllib.error.URLError):
-            ok = False
+        if self.command is not None:
+            ok = run(self.command, self.timeout_s)
+        else:
+            try:
+                with urllib.request.urlopen(f"http://{ip}:{self.port}{self.path}", timeout=self.timeout_s) as reply:
+                    ok = 200 <= reply.status < 400
+            except (OSError, urllib.error.URLError):
+                ok = False
         if ok:
             self.failures = 0
             return True
@@ -164,6 +175,8 @@ class Container:
     waiting: tuple[str, str] | None = ("ContainerCreating", "")  # (reason, message) while it does not run
     last_exit: dict[str, Any] | None = None
     retry_at: float = 0.0
+    startup: Probe | None = None
+    started: bool = False  # the startup probe passed (or there is none)
     readiness: Probe | None = None
     liveness: Probe | None = None
 
@@ -577,12 +590,14 @@ class NodeAgent:
         container.running, container.waiting, container.started_at = True, None, now_iso()
         ports = {p["name"]: p["containerPort"] for p in container.spec.get("ports", []) if p.get("name")}
         started = time.monotonic()
+        container.startup = Probe.parse(container.spec.get("startupProbe"), ports)
         container.readiness = Probe.parse(container.spec.get("readinessProbe"), ports)
         container.liveness = Probe.parse(container.spec.get("livenessProbe"), ports)
-        for probe in (container.readiness, container.liveness):
+        for probe in (container.startup, container.readiness, container.liveness):
             if probe:
                 probe.next_at = started + probe.initial_delay_s
-        container.ready = container.readiness is None
+        container.started = container.startup is None
+        container.ready = container.started and container.readiness is None
         if pod.ip is None:
             infra = self.podman("pod", "inspect", "--format", "{{.InfraContainerID}}", pod.pod_id)
             pod.ip = self.podman("inspect", "--format", "{{.NetworkSettings.Networks.podman.IPAddress}}", infra)
@@ -606,16 +621,38 @@ class NodeAgent:
             if state["Status"] != "running":
                 self._exited(pod, container, state)
                 continue
+            run = functools.partial(self._exec_probe, container.id)
+            if not container.started:  # the other probes wait for the startup probe, as kubelet's do
+                verdict = container.startup.check(pod.ip, now, run) if container.startup.due(now) else None
+                if verdict is True:
+                    container.started, container.ready = True, container.readiness is None
+                    self.note(f"pod {pod.name}: container {container.name} passed its startup probe")
+                elif verdict is False:
+                    self._restart(pod, container, "startup")
+                continue
             if container.readiness and container.readiness.due(now):
-                verdict = container.readiness.check(pod.ip, now)
+                verdict = container.readiness.check(pod.ip, now, run)
                 if verdict is not None and verdict != container.ready:
                     container.ready = verdict
                     self.note(f"pod {pod.name}: container {container.name} {'ready' if verdict else 'not ready'}")
-            if container.liveness and container.liveness.due(now) and container.liveness.check(pod.ip, now) is False:
-                self.note(f"pod {pod.name}: container {container.name} failed its liveness probe; restarting it")
-                grace = pod.template["spec"].get("terminationGracePeriodSeconds", 30)
-                self.podman("stop", "--time", str(grace), container.id, check=False)
-                self._exited(pod, container, self.podman.state(container.id))
+            liveness = container.liveness
+            if liveness and liveness.due(now) and liveness.check(pod.ip, now, run) is False:
+                self._restart(pod, container, "liveness")
+
+    def _exec_probe(self, container_id: str, command: list[str], timeout_s: float) -> bool:
+        """An exec probe: the command in the container, passed when it exits 0 within its timeout."""
+        try:
+            done = subprocess.run(["podman", "exec", container_id, *command], env=self.podman.env,
+                                  capture_output=True, timeout=timeout_s + 5)  # podman's own start on top  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return False
+        return done.returncode == 0
+
+    def _restart(self, pod: Pod, container: Container, probe: str) -> None:
+        self.note(f"pod {pod.name}: container {container.name} failed its {probe} probe; restarting it")
+        grace = pod.template["spec"].get("terminationGracePeriodSeconds", 30)
+        self.podman("stop", "--time", str(grace), container.id, check=False)
+        self._exited(pod, container, self.podman.state(container.id))
 
     def _exited(self, pod: Pod, container: Container, state: dict[str, Any]) -> None:
         container.running = container.ready = False
