@@ -320,11 +320,16 @@ def test_pod_overrides_reach_the_template_and_never_replace_the_operators_own() 
     assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in engine["volumeMounts"]
     assert "/adapters" not in {m["mountPath"] for m in sidecar["volumeMounts"]}  # the engine reads adapters
     kubernetes_validate.validate(built["Deployment"], K8S_VERSION, strict=True)
-    probe = sidecar["startupProbe"]
-    assert probe["httpGet"]["path"] == "/readyz" and probe["periodSeconds"] * probe["failureThreshold"] >= 900
+    probe = engine["startupProbe"]
+    assert probe["exec"]["command"][:3] == ["python", "-m", "overlap.engine.serving.probe"]
+    assert 900 <= probe["periodSeconds"] * probe["failureThreshold"] < 910
     assert built["ServiceMonitor"]["metadata"]["labels"]["release"] == "kps"
     assert built["ServiceMonitor"]["metadata"]["labels"]["app.kubernetes.io/managed-by"] == identity.MANAGED_BY
-    assert "startupProbe" not in containers(build()["Deployment"])["sidecar"]
+    default = containers(build()["Deployment"])
+    assert "startupProbe" not in default["sidecar"] and "startupProbe" not in sidecar  # the engine holds the GPU
+    budget = default["engine"]["startupProbe"]
+    assert budget["periodSeconds"] * budget["failureThreshold"] == children.DEFAULT_STARTUP_S
+    assert default["engine"]["livenessProbe"]["exec"] == probe["exec"]
 
 
 def test_the_rollout_strategy_follows_the_spec_and_refuses_one_that_can_never_move() -> None:
@@ -380,3 +385,24 @@ def test_a_service_that_scales_to_zero_gets_an_activator_and_routes_to_it_while_
     plain = build({"autoscaling": {"mode": "builtin", "minReplicas": 1}})
     assert plain["Service"]["spec"]["selector"] == identity.selector_labels("llm")
     assert plain["Deployment"]["metadata"]["name"] == "llm"
+
+
+def test_the_pods_service_of_a_63_character_name_is_still_a_dns_label():
+    import re
+
+    from overlap.operator.identity import pods_service_name
+
+    dns_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    assert pods_service_name("llm") == "llm-pods"
+    names = ["a" * 58, "a" * 59, "a" * 62 + "b", "a" * 62 + "c"]  # the CRD allows names of up to 63 characters
+    services = [pods_service_name(n) for n in names]
+    assert services[0] == "a" * 58 + "-pods"
+    assert all(len(s) <= 63 and dns_1035.match(s) for s in services), services
+    assert len(set(services)) == len(services)  # names that differ only past the cut stay apart
+
+
+def test_a_cold_gpu_start_gets_a_progress_deadline_that_covers_it() -> None:
+    # Kubernetes' default of 600 s would call a normal cold start (an image of several GB, a model load) stuck.
+    assert build()["Deployment"]["spec"]["progressDeadlineSeconds"] == 1800
+    slow = build({"pod": {"startupSeconds": 3600}})["Deployment"]["spec"]
+    assert slow["progressDeadlineSeconds"] == 3600 + 600

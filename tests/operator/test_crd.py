@@ -66,8 +66,8 @@ INVALID = [
         id="bad-enum",
     ),
     pytest.param(
-        with_spec(engine={"dtype": "float16"}),
-        'spec.engine.dtype: Unsupported value: "float16": supported values: "auto", "bfloat16", "float32"',
+        with_spec(engine={"dtype": "float8"}),
+        'spec.engine.dtype: Unsupported value: "float8": supported values: "auto", "bfloat16", "float16", "float32"',
         id="bad-dtype",
     ),
     pytest.param(
@@ -336,6 +336,12 @@ def test_the_operator_refuses_two_gpus_with_the_crds_words() -> None:
         specs.check_spec(spec)
     assert str(caught.value) == specs.GPUS_MESSAGE
     assert " ".join(refusal(with_spec(resources={"gpus": 2})).split()).endswith(specs.GPUS_MESSAGE)
+
+
+def test_float16_the_fast_type_of_t4_and_v100_pools_is_admitted_and_reaches_the_engine() -> None:
+    service = with_spec(engine={"dtype": "float16"}, resources={"gpus": 1})
+    assert admission.admit(service, SCHEMA, strict=True)["spec"]["engine"]["dtype"] == "float16"
+    assert specs.engine_config(specs.with_defaults(service["spec"])).dtype == "float16"
 
 
 @pytest.mark.parametrize(("cpu", "threads"), [("4", 4), (8, 8), ("3500m", 3), ("500m", 1), ("0.5", 1), ("2.0", 2)])

@@ -39,7 +39,20 @@ RUN_AS_USER = 10001
 # Seconds for the Service's endpoints to drop a terminating pod before the sidecar stops taking requests.
 ENDPOINT_DRAIN_S = 5
 GRACE_MARGIN_S = 10
-STARTUP_PROBE_PERIOD_S = 10
+STARTUP_PROBE_PERIOD_S = 2  # the engine is ready within this of its model load (a failed probe is cheap)
+# The engine's model load may take this long when spec.pod.startupSeconds is unset; past it kubelet restarts the
+# engine container, so a load that hangs never holds its GPU for good.
+DEFAULT_STARTUP_S = 3600
+# The engine's own probe: asks it over its socket for stats (overlap.engine.serving.probe; only the wire protocol is
+# imported, about 0.2 s of CPU a run). The engine answers between steps, and one step of a large model on a CPU can
+# take many seconds: a liveness verdict takes three misses of ENGINE_PROBE_TIMEOUT_S each, over a minute.
+ENGINE_PROBE_TIMEOUT_S = 20
+ENGINE_PROBE = ["python", "-m", "overlap.engine.serving.probe", "--socket", SOCKET, "--timeout",
+                str(ENGINE_PROBE_TIMEOUT_S)]  # fmt: skip
+# How long a rollout may go without progress before the Deployment (and so the service) reports it stuck: a cold GPU
+# pod pulls an image of several GB and loads a model, which Kubernetes' default of 600 s does not cover. At least
+# this, and the model's startupSeconds plus ten minutes for the pull and scheduling where that is longer.
+PROGRESS_DEADLINE_S = 1800
 
 
 def scales_to_zero(spec: Mapping[str, Any]) -> bool:
@@ -344,13 +357,21 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
     if pod.get("env"):
         for container in (engine_container, sidecar_container):
             container["env"] = _merged_env(container["env"], pod["env"])
-    if pod.get("startupSeconds"):
-        # kubelet holds the liveness probe until this passes, and restarts the pod if it never does.
-        sidecar_container["startupProbe"] = {
-            "httpGet": {"path": "/readyz", "port": "http"},
-            "periodSeconds": STARTUP_PROBE_PERIOD_S,
-            "failureThreshold": -(-pod["startupSeconds"] // STARTUP_PROBE_PERIOD_S),
-        }
+    # The engine holds the GPU, so its probes are its own: kubelet restarts the engine container when its model load
+    # outlasts startupSeconds or its loop stops answering (liveness waits until the startup probe has passed).
+    startup_s = pod.get("startupSeconds") or DEFAULT_STARTUP_S
+    engine_container["startupProbe"] = {
+        "exec": {"command": ENGINE_PROBE},
+        "periodSeconds": STARTUP_PROBE_PERIOD_S,
+        "timeoutSeconds": ENGINE_PROBE_TIMEOUT_S + 5,
+        "failureThreshold": -(-startup_s // STARTUP_PROBE_PERIOD_S),
+    }
+    engine_container["livenessProbe"] = {
+        "exec": {"command": ENGINE_PROBE},
+        "periodSeconds": 10,
+        "timeoutSeconds": ENGINE_PROBE_TIMEOUT_S + 5,
+        "failureThreshold": 3,
+    }
 
     return {
         "apiVersion": "apps/v1",
@@ -359,6 +380,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
         "spec": {
             "replicas": spec["replicas"],
             "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": max(PROGRESS_DEADLINE_S, (pod.get("startupSeconds") or 0) + 600),
             "selector": {"matchLabels": selector_labels(name)},
             # By default a new pod comes up before an old one goes, one at a time (spec.rollout).
             "strategy": {

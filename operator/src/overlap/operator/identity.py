@@ -3,6 +3,7 @@ the owner references that tie them to it. Every module that reads or writes them
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,8 +43,22 @@ def selector_string(name: str) -> str:
     return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
 
 
+# A Service's name is a DNS-1035 label: at most 63 characters.
+DNS_LABEL_MAX = 63
+
+
 def pods_service_name(name: str) -> str:
-    return f"{name}-pods"
+    """The headless Service of the engine pods (scale from zero). A service name of up to 63 characters leaves no
+    room for the suffix, so a long one is cut and a hash of the whole name keeps two such names apart."""
+    return _with_suffix(name, "pods")
+
+
+def _with_suffix(name: str, suffix: str) -> str:
+    plain = f"{name}-{suffix}"
+    if len(plain) <= DNS_LABEL_MAX:
+        return plain
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: DNS_LABEL_MAX - len(suffix) - len(digest) - 2]}-{digest}-{suffix}"
 
 
 def activator_name(name: str) -> str:
