@@ -406,3 +406,24 @@ def test_a_cold_gpu_start_gets_a_progress_deadline_that_covers_it() -> None:
     assert build()["Deployment"]["spec"]["progressDeadlineSeconds"] == 1800
     slow = build({"pod": {"startupSeconds": 3600}})["Deployment"]["spec"]
     assert slow["progressDeadlineSeconds"] == 3600 + 600
+
+
+def test_the_default_pod_fits_a_4_vcpu_16_gib_gpu_node_beside_its_daemons() -> None:
+    from tests.support.node_agent import cpu_quantity, memory_bytes
+
+    pod = build()["Deployment"]["spec"]["template"]["spec"]
+    requests = [c["resources"]["requests"] for c in pod["containers"]]
+    # g4dn.xlarge, g5.xlarge and g2-standard-4 leave about 3.9 CPUs and 12-14 GiB allocatable, less their daemons
+    assert sum(cpu_quantity(r["cpu"]) for r in requests) <= 3
+    assert sum(memory_bytes(r["memory"]) for r in requests) <= 11 << 30
+
+
+def test_probe_timeouts_hold_under_load() -> None:
+    # kubelet's default timeout is 1 s: a sidecar busy streaming (1 CPU) misses it, and its liveness restart cuts
+    # every stream of the pod
+    built = build({"autoscaling": {"mode": "builtin", "minReplicas": 0}})
+    for deployment in (built["Deployment"],):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
+                if kind in container:
+                    assert container[kind].get("timeoutSeconds", 1) >= 5, (container["name"], kind)

@@ -135,7 +135,11 @@ def build_activator(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[
         ],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "readinessProbe": {"httpGet": {"path": "/activator/healthz", "port": "http"}, "periodSeconds": 5},
+        "readinessProbe": {
+            "httpGet": {"path": "/activator/healthz", "port": "http"},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+        },
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
@@ -306,11 +310,20 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
         ],
         # /readyz is 503 while the engine is away (crashed, restarting): the Service stops sending this pod new
         # requests within two periods. Two misses, so one slow answer under load does not pull a busy pod out.
-        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "http"}, "periodSeconds": 2, "failureThreshold": 2},
+        # Timeouts that hold under load: the sidecar answers probes on the event loop that streams every response,
+        # and with kubelet's default of 1 s a busy sidecar misses them (readiness drops the pod, liveness restarts it
+        # and cuts its streams).
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 2,
+            "failureThreshold": 2,
+            "timeoutSeconds": 5,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "http"},
             "initialDelaySeconds": 10,
             "periodSeconds": 10,
+            "timeoutSeconds": 10,
             "failureThreshold": 3,
         },
         "resources": {"requests": dict(sidecar_limits), "limits": dict(sidecar_limits)},

@@ -54,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     "resources": {
         "gpus": 1,
         "gpuResourceName": "nvidia.com/gpu",
-        "engine": {"cpu": "4", "memory": "16Gi"},
+        "engine": {"cpu": "2", "memory": "10Gi"},
         "sidecar": {"cpu": "1", "memory": "1Gi"},
     },
     "replicas": 1,
