@@ -427,3 +427,20 @@ def test_probe_timeouts_hold_under_load() -> None:
             for kind in ("readinessProbe", "livenessProbe", "startupProbe"):
                 if kind in container:
                     assert container[kind].get("timeoutSeconds", 1) >= 5, (container["name"], kind)
+
+
+def test_pod_env_takes_value_from_and_writes_no_empty_value_the_api_server_would_drop() -> None:
+    from overlap.operator.drift import is_subset
+
+    env = [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+           {"name": "EMPTY", "value": ""}, {"name": "PLAIN", "value": "1"}]  # fmt: skip
+    deployment = build({"pod": {"env": env}})["Deployment"]
+    engine = {item["name"]: item for item in containers(deployment)["engine"]["env"]}
+    assert engine["HF_TOKEN"] == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    assert engine["EMPTY"] == {"name": "EMPTY"} and engine["PLAIN"] == {"name": "PLAIN", "value": "1"}
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+    # what the API server returns: Go's omitempty drops an empty value; the drift check must see no change
+    returned = json.loads(json.dumps(deployment).replace('"value": ""', '"value": null'))
+    for container in returned["spec"]["template"]["spec"]["containers"]:
+        container["env"] = [{k: v for k, v in item.items() if v is not None} for item in container["env"]]
+    assert is_subset(deployment, returned)

@@ -338,6 +338,15 @@ def test_the_operator_refuses_two_gpus_with_the_crds_words() -> None:
     assert " ".join(refusal(with_spec(resources={"gpus": 2})).split()).endswith(specs.GPUS_MESSAGE)
 
 
+def test_pod_env_takes_a_value_or_a_value_from_not_both() -> None:
+    secret = {"secretKeyRef": {"name": "hf", "key": "token"}}
+    admitted = admission.admit(with_spec(pod={"env": [{"name": "HF_TOKEN", "valueFrom": secret}]}), SCHEMA, strict=True)
+    assert admitted["spec"]["pod"]["env"][0]["valueFrom"] == secret
+    assert "an env entry takes value or valueFrom, not both" in refusal(
+        with_spec(pod={"env": [{"name": "HF_TOKEN", "value": "x", "valueFrom": secret}]})
+    )
+
+
 def test_float16_the_fast_type_of_t4_and_v100_pools_is_admitted_and_reaches_the_engine() -> None:
     service = with_spec(engine={"dtype": "float16"}, resources={"gpus": 1})
     assert admission.admit(service, SCHEMA, strict=True)["spec"]["engine"]["dtype"] == "float16"

@@ -421,9 +421,16 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
 
 
 def _merged_env(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per name, the user's winning, in a stable order (ours first)."""
+    """One entry per name, the user's winning, in a stable order (ours first). An empty value is left out, as the API
+    server leaves it out of what it returns (so the drift check sees no change)."""
     by_name = {item["name"]: item for item in ours}
-    by_name.update({item["name"]: {"name": item["name"], "value": item.get("value", "")} for item in theirs})
+    for item in theirs:
+        entry = {"name": item["name"]}
+        if item.get("valueFrom"):
+            entry["valueFrom"] = item["valueFrom"]
+        elif item.get("value"):
+            entry["value"] = item["value"]
+        by_name[item["name"]] = entry
     return list(by_name.values())
 
 
