@@ -89,3 +89,35 @@ def test_the_pods_command_lines_parse_with_the_real_overlap_command(tmp_path, mo
                 children.SOCKET, spec["sidecar"]["adminPort"], "sk-key",
             )  # fmt: skip
             assert config.max_inflight == spec["sidecar"]["maxInflight"]
+
+
+def test_the_operator_waits_for_the_crd_and_exits_when_it_never_comes(tmp_path) -> None:
+    """kopf started before the CRD sits idle with its liveness probe passing: the operator waits for the CRD instead,
+    saying so, starts watching once it is applied, and exits 1 with the reason if it never is."""
+    from tests.support.cluster import (
+        CRD_FILE,
+        NAMESPACE,
+        ApiThread,
+        Cluster,
+        OperatorProcess,
+        wait_for,
+        write_kubeconfig,
+    )
+
+    api_thread = ApiThread()
+    try:
+        kubeconfig = write_kubeconfig(tmp_path / "config", api_thread.url, NAMESPACE)
+        never = OperatorProcess(kubeconfig, tmp_path / "never.log", "--namespace", NAMESPACE, "--crd-wait-s", "1")
+        assert never.proc.wait(30) == 1
+        never.stop()
+        assert "the InferenceService CRD (inferenceservices.overlap.dev) is not installed after 1 s" in never.log()
+        later = OperatorProcess(kubeconfig, tmp_path / "later.log", "--namespace", NAMESPACE, "--crd-wait-s", "60")
+        try:
+            wait_for(lambda: "is not installed; waiting for it" in later.log(), timeout=30, what="the wait")
+            Cluster(api_thread, kubeconfig).apply("-f", str(CRD_FILE))
+            wait_for(lambda: "Starting the watch" in later.log(), timeout=30, what="the watch after the CRD")
+            assert later.proc.poll() is None
+        finally:
+            later.stop()
+    finally:
+        api_thread.close()

@@ -47,6 +47,13 @@ def register(subparsers) -> None:
         metavar="S",
         help="give up on an API request after this long and retry it (default 30; env OVERLAP_API_TIMEOUT_S)",
     )
+    parser.add_argument(
+        "--crd-wait-s",
+        type=float,
+        default=300,
+        metavar="S",
+        help="how long to wait at start for the InferenceService CRD to be served before exiting 1 (default 300)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     parser.set_defaults(func=_run_operator)
 
@@ -69,6 +76,7 @@ def _run_operator(args: argparse.Namespace) -> int:
             raise SystemExit(f"overlap operator: --signal-window-s must be >= 1, got {args.signal_window_s:g}")
         os.environ[loop.SIGNAL_WINDOW_ENV] = str(args.signal_window_s)
 
+    _wait_for_the_crd(kube, args.crd_wait_s)
     if args.metrics_port:
         import prometheus_client
 
@@ -82,3 +90,29 @@ def _run_operator(args: argparse.Namespace) -> int:
         liveness_endpoint=args.liveness,
     )
     return 0
+
+
+def _wait_for_the_crd(kube, wait_s: float) -> None:
+    """Start only once the API server serves InferenceServices: kopf would otherwise sit idle, its liveness probe
+    passing, and never notice the CRD installed later. Logs why it waits; exits 1 after `wait_s` (kubelet restarts
+    the pod, and CrashLoopBackOff says something is missing)."""
+    import logging
+    import time
+
+    from overlap.operator.identity import GROUP, PLURAL
+
+    log = logging.getLogger("overlap.operator")
+    kube.configure()
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if kube.serves_inference_services():
+                return
+            why = f"the InferenceService CRD ({PLURAL}.{GROUP}) is not installed"
+        except Exception as exc:  # the API server not reachable yet: the same wait
+            why = f"the API server did not answer API discovery ({exc})"
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"overlap operator: {why} after {wait_s:g} s; install it (helm install, or kubectl apply "
+                             "-f crds/) and the operator starts")  # fmt: skip
+        log.warning("%s; waiting for it (helm install, or kubectl apply -f crds/)", why)
+        time.sleep(min(5.0, max(0.1, deadline - time.monotonic())))

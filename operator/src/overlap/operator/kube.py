@@ -270,6 +270,20 @@ def scale(name: str, namespace: str, replicas: int) -> None:
                                            _content_type=MERGE_PATCH, _request_timeout=request_timeout())  # fmt: skip
 
 
+def serves_inference_services() -> bool:
+    """Whether the API server serves the InferenceService resource (its CRD is installed and established), by API
+    discovery, which every authenticated client may read."""
+    try:
+        resources = kubernetes.client.CustomObjectsApi().get_api_resources(
+            GROUP, VERSION, _request_timeout=request_timeout()
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return any(resource.name == PLURAL for resource in resources.resources)
+
+
 def api_groups() -> set[str]:
     with api_errors("API discovery"):
         return {group.name for group in kubernetes.client.ApisApi().get_api_versions().groups}
