@@ -201,8 +201,12 @@ def test_a_child_edited_by_hand_is_put_back(cluster, applied) -> None:
 
 def test_events_record_what_the_operator_did(cluster, applied) -> None:
     events = json.loads(cluster.kubectl("get", "events", "-o", "json").stdout)["items"]
-    messages = [e["message"] for e in events if e["involvedObject"].get("name") == NAME]
+    ours = [e for e in events if e["involvedObject"].get("name") == NAME]
+    messages = [e["message"] for e in ours]
     assert any(m.startswith("Deployment") and "created" in m for m in messages), messages
+    # only what the operator posts itself, each once: no log line posted as an Event (reason "Logging")
+    assert not [e for e in ours if e["reason"] == "Logging"], messages
+    assert len(messages) == len(set(messages)), messages
 
 
 TRANSIENT = {  # what the API server does to the Deployment write, what the operator's log says of it

@@ -41,6 +41,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = "overlap.dev/finalizer"
     settings.posting.reporting_component = "overlap-operator"
     settings.posting.level = logging.INFO
+    # Events are what the operator posts itself (kopf.info / kopf.warn: a child written, a decision); its log lines
+    # are not, or a stopped Prometheus posts a Warning every tick and each child write is posted twice. kopf posts
+    # log lines only when asked since 1.41 (the minimum in pyproject.toml); said here so that it stays so.
+    settings.posting.loggers = False
     # The CRDs are installed before the operator (the chart does it): no need to watch for new ones.
     settings.scanning.disabled = True
     settings.watching.server_timeout = 300
