@@ -48,6 +48,12 @@ def register(subparsers) -> None:
         help="give up on an API request after this long and retry it (default 30; env OVERLAP_API_TIMEOUT_S)",
     )
     parser.add_argument(
+        "--model-image",
+        metavar="IMAGE",
+        help="engine and sidecar image of services that name none (default: this operator's version; env "
+        "OVERLAP_MODEL_IMAGE)",
+    )
+    parser.add_argument(
         "--crd-wait-s",
         type=float,
         default=300,
@@ -67,6 +73,10 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     if args.prometheus_url:
         os.environ[loop.PROMETHEUS_URL_ENV] = args.prometheus_url
+    if args.model_image:
+        from overlap.operator import spec
+
+        os.environ[spec.MODEL_IMAGE_ENV] = args.model_image
     if args.api_timeout_s is not None:
         if args.api_timeout_s <= 0:
             raise SystemExit(f"overlap operator: --api-timeout-s must be > 0, got {args.api_timeout_s:g}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -46,11 +47,7 @@ SCALING_MODES = ("builtin", "advise")
 # server without structural defaulting still works); tests/operator check this table against crds/.
 DEFAULTS: dict[str, Any] = {
     "model": {"source": "image", "mountPath": "/models"},
-    "images": {
-        "engine": "ghcr.io/overlap-dev/overlap:0.1.0",
-        "sidecar": "ghcr.io/overlap-dev/overlap:0.1.0",
-        "pullPolicy": "IfNotPresent",
-    },
+    "images": {"pullPolicy": "IfNotPresent"},
     "resources": {
         "gpus": 1,
         "gpuResourceName": "nvidia.com/gpu",
@@ -103,6 +100,18 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+MODEL_IMAGE_ENV = "OVERLAP_MODEL_IMAGE"
+MODEL_IMAGE_REPOSITORY = "ghcr.io/overlap-dev/overlap"
+
+
+def model_image() -> str:
+    """The engine and sidecar image of a service that names none: `overlap operator --model-image` (the chart sets
+    it from its release), else the engine image of this operator's own version."""
+    from importlib.metadata import version
+
+    return os.environ.get(MODEL_IMAGE_ENV) or f"{MODEL_IMAGE_REPOSITORY}:{version('overlap-operator')}"
+
+
 def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of `spec` with the CRD's defaults filled in where a field is absent (nested)."""
 
@@ -116,6 +125,10 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
         return result
 
     merged = merge(DEFAULTS, spec)
+    # The images are the operator's, not the CRD's: a default the API server stored in each object at create time
+    # would pin every service to the version it was created under, and an operator upgrade would move none.
+    image = model_image()
+    merged["images"] = {"engine": image, "sidecar": image, **merged["images"]}
     api_key = merged["sidecar"].get("apiKeySecret")
     if api_key is not None:
         merged["sidecar"]["apiKeySecret"] = {"key": "api-key", **api_key}
