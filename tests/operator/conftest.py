@@ -35,12 +35,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 API_TIMEOUT_S = 5
+RESYNC_S = 3  # the operator puts every service's children right this often (60 s by default)
 
 
 @pytest.fixture(scope="module")
 def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     """`overlap operator --namespace overlap-test --standalone` running against the emulated API, giving up on a
-    request after API_TIMEOUT_S (the emulator answers in milliseconds; a test holds one request longer)."""
+    request after API_TIMEOUT_S (the emulator answers in milliseconds; a test holds one request longer) and
+    resyncing every RESYNC_S."""
     with running_operator(
         cluster,
         tmp_path_factory.mktemp("operator"),
@@ -49,5 +51,7 @@ def operator_process(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory)
         "--standalone",
         "--api-timeout-s",
         str(API_TIMEOUT_S),
+        "--resync-s",
+        str(RESYNC_S),
     ) as proc:
         yield proc

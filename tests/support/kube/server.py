@@ -112,6 +112,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.compacted_rv = 0  # watches resuming from before this get 410 Expired (etcd compacted the history)
         self.failures: list[list] = []  # [method, plural, status, times] injected by tests
         self.hangs: list[list] = []  # [method, plural, seconds]: the next such request is held that long
+        self.lost: list[list] = []  # [event type, plural]: the next such watch event never reaches a watcher
         self.request_log: list[rendering.Request] = []  # every request answered, in order (for the tests' checks)
         # Applies that created their object (RBAC authorizes them as create too), by id(): the request stays here,
         # so its id is never reused.
@@ -152,6 +153,13 @@ class ApiServer(kmock.KubernetesEmulator):
         meanwhile retries a write that happened: the retry must be idempotent)."""
         with self.failures_lock:
             self.hangs.append([method.upper(), plural, seconds])
+
+    def lose_next_event(self, event_type: str, plural: str) -> None:
+        """The next `event_type` (ADDED, MODIFIED, DELETED) watch event on `plural` reaches no watcher, now or on a
+        resumed watch: what a watcher sees of a change made while its watch was down and the history since compacted
+        (a list shows the state after it, and no event says what happened)."""
+        with self.failures_lock:
+            self.lost.append([event_type, plural])
 
     def fail_next(self, method: str, plural: str, status: int, times: int = 1) -> None:
         """Answer the next `times` requests of `method` on `plural` with `status` (to test retries)."""
@@ -265,6 +273,11 @@ class ApiServer(kmock.KubernetesEmulator):
         return aiohttp.web.json_response(result, status=201 if created else 200)
 
     async def _publish(self, resource, kind: str, obj: dict) -> None:
+        with self.failures_lock:
+            lost = next((x for x in self.lost if x == [kind, resource.plural]), None)
+            if lost is not None:
+                self.lost.remove(lost)
+                return
         event = {"type": kind, "object": copy.deepcopy(obj)}
         self.events.append((int(obj["metadata"]["resourceVersion"]), resource, event))
         if kind == "ADDED":

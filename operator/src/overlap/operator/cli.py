@@ -48,6 +48,13 @@ def register(subparsers) -> None:
         help="give up on an API request after this long and retry it (default 30; env OVERLAP_API_TIMEOUT_S)",
     )
     parser.add_argument(
+        "--resync-s",
+        type=float,
+        metavar="S",
+        help="put every service's children right this often, whatever the events said (default 60; env "
+        "OVERLAP_RESYNC_S)",
+    )
+    parser.add_argument(
         "--model-image",
         metavar="IMAGE",
         help="engine and sidecar image of services that name none (default: this operator's version; env "
@@ -67,12 +74,17 @@ def register(subparsers) -> None:
 def _run_operator(args: argparse.Namespace) -> int:
     import kopf
 
-    import overlap.operator.handlers  # noqa: F401  (registers the handlers)
-    from overlap.operator import kube
+    from overlap.operator import handlers, kube  # importing handlers registers them
     from overlap.operator.control import loop  # registers the control loop's timer
 
     if args.prometheus_url:
         os.environ[loop.PROMETHEUS_URL_ENV] = args.prometheus_url
+    if args.namespace:
+        os.environ[handlers.WATCH_NAMESPACES_ENV] = ",".join(args.namespace)
+    if args.resync_s is not None:
+        if args.resync_s < 1:
+            raise SystemExit(f"overlap operator: --resync-s must be >= 1, got {args.resync_s:g}")
+        os.environ[handlers.RESYNC_ENV] = str(args.resync_s)
     if args.model_image:
         from overlap.operator import spec
 

@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -58,6 +60,15 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     for resource in [*CHILD_RESOURCES, ("", "v1", "pods")]:
         settings.watching.label_selectors[resource] = owned
     kube.configure()
+
+
+RESYNC_ENV = "OVERLAP_RESYNC_S"
+WATCH_NAMESPACES_ENV = "OVERLAP_WATCH_NAMESPACES"  # set by `overlap operator --namespace` (comma-separated; unset: all)
+
+
+def resync_s() -> float:
+    """How often every service's children are put right (env OVERLAP_RESYNC_S, default 60 s)."""
+    return float(os.environ.get(RESYNC_ENV) or 60)
 
 
 def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched_means: str = "updated") -> None:
@@ -131,6 +142,52 @@ def restore_child(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger,
 
 for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=OWNED, id=f"restore-{_plural}")(restore_child)
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """Every service's children put right every `resync_s()`, whatever its autoscaling mode. The event handlers
+    above restore a child when its change is seen, but kopf does not retry them, and an event lost in a watch gap
+    (the history compacted while the watch was down) is never seen. A task of the operator's, not a kopf timer: a
+    timer would put kopf's finalizer on every service."""
+    memo.resync_task = asyncio.create_task(_resync_forever(logger))  # inherits kopf's context (its event posting)
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task = getattr(memo, "resync_task", None)
+    if task is not None:
+        task.cancel()
+
+
+async def _resync_forever(logger: logging.Logger) -> None:
+    while True:
+        await asyncio.sleep(resync_s())
+        try:
+            await asyncio.to_thread(resync_all, logger)
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:  # the list failed: the next round tries again
+            logger.warning(f"resync: {exc}")
+
+
+def resync_all(logger: logging.Logger) -> int:
+    """One round: each watched service's plan applied (only what differs is written); returns how many were put
+    right. A service whose writes fail (RBAC, a conflict) is logged and does not hold up the others."""
+    namespaces = [n for n in os.environ.get(WATCH_NAMESPACES_ENV, "").split(",") if n]
+    services = [s for n in namespaces for s in kube.list_services(n)] if namespaces else kube.list_all_services()
+    monitors = "monitoring.coreos.com" in kube.api_groups()
+    done = 0
+    for body in services:
+        meta = body["metadata"]
+        if meta.get("deletionTimestamp"):
+            continue
+        try:
+            plans.apply(plans.desired(body, with_servicemonitor=monitors), body, _reporter(body, logger), "restored")
+            done += 1
+        except specs.SpecError:
+            pass  # reconcile set Degraded when the spec was written
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:
+            logger.warning(f"resync of {meta['namespace']}/{meta['name']}: {exc}")
+    return done
 
 
 def _ensure_admin_token(owner: Mapping[str, Any]) -> None:

@@ -241,6 +241,14 @@ def list_services(namespace: str) -> list[dict[str, Any]]:
     return found.get("items") or []
 
 
+def list_all_services() -> list[dict[str, Any]]:
+    """Every InferenceService in the cluster, as JSON."""
+    api = kubernetes.client.CustomObjectsApi()
+    with api_errors("listing InferenceServices"):
+        found = api.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=request_timeout())
+    return found.get("items") or []
+
+
 def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     api = kubernetes.client.CoreV1Api()
     with api_errors(f"listing pods {selector} in {namespace}"):
