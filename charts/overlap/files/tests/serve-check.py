@@ -1,12 +1,14 @@
 """`helm test`: create a small CPU InferenceService (the tiny model baked into the engine image), wait until it is
-Ready, ask it for a completion through its Service, and delete it. Runs in the operator image (python and the
-kubernetes client); in the cluster it uses its pod's ServiceAccount, elsewhere KUBECONFIG.
+Ready, ask it for a completion through its Service, and delete it, also when stopped (Helm deletes the test pod past
+its timeout: SIGTERM) or when an earlier run left it behind. Runs in the operator image (python and the kubernetes
+client); in the cluster it uses its pod's ServiceAccount, elsewhere KUBECONFIG.
 
-    python serve-check.py NAMESPACE [--timeout-s 600] [--base-url URL]
+    python serve-check.py NAMESPACE [--timeout-s 240] [--base-url URL]
 """
 
 import argparse
 import json
+import signal
 import sys
 import time
 import urllib.request
@@ -20,7 +22,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("namespace")
     parser.add_argument("--name", default="overlap-helm-test")
-    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--timeout-s", type=float, default=240)
     parser.add_argument("--base-url", help="where the Service answers (default: its cluster DNS name)")
     args = parser.parse_args()
     try:
@@ -39,6 +41,8 @@ def main() -> int:
             "sidecar": {"gracePeriodSeconds": 5},
         },
     }
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` deletes the service
+    _delete(api, args.namespace, args.name)  # what a killed earlier run left
     api.create_namespaced_custom_object(GROUP, VERSION, args.namespace, PLURAL, body)
     try:
         deadline, message = time.monotonic() + args.timeout_s, "no status yet"
@@ -64,7 +68,25 @@ def main() -> int:
         print(f"{args.name}: Ready ({message}); a completion of {tokens} tokens through {base}")
         return 0 if tokens == 4 else 1
     finally:
-        api.delete_namespaced_custom_object(GROUP, VERSION, args.namespace, PLURAL, args.name)
+        _delete(api, args.namespace, args.name)
+
+
+def _delete(api, namespace: str, name: str) -> None:
+    """Delete the test service and wait until it is gone (a new one of the same name cannot be made before)."""
+    try:
+        api.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except kubernetes.client.ApiException as exc:
+        if exc.status != 404:
+            raise
+        return
+    for _ in range(30):
+        try:
+            api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except kubernetes.client.ApiException as exc:
+            if exc.status == 404:
+                return
+            raise
+        time.sleep(1)
 
 
 if __name__ == "__main__":
