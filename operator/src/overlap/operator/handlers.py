@@ -23,6 +23,7 @@ from overlap.operator import reconcile as plans
 from overlap.operator import spec as specs
 from overlap.operator.drift import is_subset
 from overlap.operator.identity import CR, INSTANCE_LABEL, KIND, OWNED, selector_string
+from overlap.operator.locks import service_lock
 
 CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
 CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
@@ -73,6 +74,11 @@ def resync_s() -> float:
 
 def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched_means: str = "updated") -> None:
     """Plan what the spec asks for, then apply it; an invalid spec sets Degraded and changes nothing."""
+    with service_lock(body["metadata"]["uid"]):
+        _plan_and_apply(body, logger, patched_means)
+
+
+def _plan_and_apply(body: Mapping[str, Any], logger: logging.Logger, patched_means: str) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
         plan = plans.desired(body, with_servicemonitor="monitoring.coreos.com" in kube.api_groups())
@@ -176,12 +182,15 @@ def resync_all(logger: logging.Logger) -> int:
     services = [s for n in namespaces for s in kube.list_services(n)] if namespaces else kube.list_all_services()
     monitors = "monitoring.coreos.com" in kube.api_groups()
     done = 0
-    for body in services:
-        meta = body["metadata"]
-        if meta.get("deletionTimestamp"):
-            continue
+    for listed in services:
+        meta = listed["metadata"]
         try:
-            plans.apply(plans.desired(body, with_servicemonitor=monitors), body, _reporter(body, logger), "restored")
+            with service_lock(meta["uid"]):
+                body = kube.read_service(meta["name"], meta["namespace"])  # as it is now, not as listed
+                if body is None or body["metadata"].get("deletionTimestamp"):
+                    continue
+                plan = plans.desired(body, with_servicemonitor=monitors)
+                plans.apply(plan, body, _reporter(body, logger), "restored")
             done += 1
         except specs.SpecError:
             pass  # reconcile set Degraded when the spec was written

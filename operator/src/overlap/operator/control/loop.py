@@ -47,6 +47,7 @@ from overlap.operator.control.policy import (
     Policy,
 )
 from overlap.operator.identity import CR, selector_string
+from overlap.operator.locks import service_lock
 
 # The timer's own period; each service's loop runs at its spec's interval (>= 5 s, the CRD's minimum) on top.
 TICK_S = 5.0
@@ -96,7 +97,8 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
     if now - state.last_tick < policy.interval_s() - TICK_S / 2:
         return  # not due (or both loops off: the interval is infinite)
     state.last_tick = now
-    run_tick(body, spec, config, policy, state, now, logger)
+    with service_lock(body["metadata"]["uid"]):  # no reconcile or resync writes an older plan meanwhile
+        run_tick(body, spec, config, policy, state, now, logger)
 
 
 def run_tick(
