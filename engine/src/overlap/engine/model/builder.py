@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 MODEL_NAME = "tiny-llama-v1"  # bump when the recipe changes, so caches rebuild
@@ -50,7 +51,12 @@ def ensure_default_model() -> Path:
 
 
 def build_tiny_model(model_dir: str | Path, force: bool = False) -> Path:
-    """Build the tiny model into `model_dir` (skipped when it is already there, unless `force`).
+    """Build the tiny model into `model_dir` (skipped when it is already there, unless `force`)."""
+    return build_model_folder(model_dir, _write_model, "the tiny model", force)
+
+
+def build_model_folder(model_dir: str | Path, write: Callable[[Path], None], what: str, force: bool = False) -> Path:
+    """`write(folder)` a model into `model_dir`, skipped when a complete one is there (unless `force`).
 
     The model is written into a temporary sibling folder and renamed into place, so a reader never sees a half-built
     folder and two concurrent builders cannot interleave: the loser of the rename discards its copy.
@@ -61,7 +67,7 @@ def build_tiny_model(model_dir: str | Path, force: bool = False) -> Path:
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.building-", dir=model_dir.parent))
     try:
-        _write_model(tmp)
+        write(tmp)
         # mkdtemp makes the folder private; a model is read by whichever uid runs the engine (10001 in a pod).
         tmp.chmod(0o755)
         for file in tmp.iterdir():
@@ -71,7 +77,7 @@ def build_tiny_model(model_dir: str | Path, force: bool = False) -> Path:
             os.rename(model_dir, trash / "model")
             shutil.rmtree(trash, ignore_errors=True)
         elif model_dir.exists() and not is_complete(model_dir) and any(model_dir.iterdir()):
-            raise FileExistsError(f"{model_dir} exists and holds something else than the tiny model; use --force")
+            raise FileExistsError(f"{model_dir} exists and holds something else than {what}; use --force")
         try:
             os.rename(tmp, model_dir)  # atomic; also replaces an empty folder
         except OSError:

@@ -10,9 +10,7 @@ Hugging Face checkpoint: `overlap serve`, transformers and vLLM load it alike. B
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -66,47 +64,30 @@ def shape_model_dir(name: str) -> Path:
 
 def num_parameters(config: dict) -> int:
     """Parameters of a config's model (the tied LM head counted once)."""
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
-    if config["model_type"] == "qwen2":
-        per_layer += q + 2 * kv  # the q, k, v biases
-    embed = config["vocab_size"] * h
-    return layers * per_layer + embed * (1 if config["tie_word_embeddings"] else 2) + h
+    return sum(math.prod(shape) for shape in _tensor_shapes(config).values())
 
 
 def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None) -> Path:
     """The folder of shape `name`, built on first use (minutes for the larger shapes; safe when several processes
-    ask at once: the folder is renamed into place whole)."""
+    ask at once: `builder.build_model_folder` renames it into place whole)."""
     target = shape_model_dir(name)
     if builder.is_complete(target):
         return target
     config = shape_config(name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=target.parent))
-    try:
-        started = time.monotonic()
-        if progress:
-            size = num_parameters(config) * 2 / 1e9
-            progress(f"building {name}: {num_parameters(config) / 1e9:.2f}B parameters, {size:.1f} GB, random weights")
-        _write_weights(tmp, config)
-        _write_tokenizer(tmp, config["vocab_size"])
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not builder.is_complete(target):
-                raise
-        if progress:
-            progress(f"built {name} in {time.monotonic() - started:.0f} s: {target}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    started = time.monotonic()
+    if progress:
+        params = num_parameters(config)
+        progress(f"building {name}: {params / 1e9:.2f}B parameters, {params * 2 / 1e9:.1f} GB, random weights")
+
+    def write(folder: Path) -> None:
+        _write_weights(folder, config)
+        _write_tokenizer(folder, config["vocab_size"])
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}) + "\n")
+
+    builder.build_model_folder(target, write, f"the {name} shape")
+    if progress:
+        progress(f"built {name} in {time.monotonic() - started:.0f} s: {target}")
     return target
 
 
