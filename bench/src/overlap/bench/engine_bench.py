@@ -4,8 +4,9 @@ measures a real family's shape with random weights (`overlap model build-shape`)
 
 Figures (all measured in this one process, so their ratios are comparable on a shared, noisy machine):
   decode ceiling     the runner alone, decode steps at batch B (context in the workload's range), tokens/s
-  step / floor       that decode step's time over its physical floor: the bytes it must read (weights once, the
-                     K/V at its context) over the memory read bandwidth measured in this process
+  step / floor       that decode step's time over its physical floor, the longer of the bytes it must read
+                     (weights once, the K/V at its context) over the memory read bandwidth and its FLOPs over the
+                     matmul peak, both measured in this process (bench/floor.py)
   workload ceiling   the runner alone on the whole offline workload in static waves of B requests (prefill, then
                      decode), output tokens/s: the best an engine could do with that runner at that batch size
   engine             Engine.step() over the same workload (max_num_seqs = B), output tokens/s
@@ -28,7 +29,8 @@ import sys
 import time
 
 from overlap.bench.floor import cpu_matmul_peak, cpu_read_bandwidth, decode_floor_bytes, decode_flops
-from overlap.engine.model.shapes import SHAPES
+from overlap.bench.model_args import add_model_arguments, model_folder
+from overlap.engine.config import CPU_STEP_PLANS
 
 FULL = dict(batch_sizes=(1, 16, 64, 128), num_requests=256, prompt_len=128, output_len=64)
 # Batch 1 runs its requests one after another, so its throughput does not depend on how many there are: 16 give the
@@ -48,13 +50,10 @@ def add_parser(subparsers) -> None:
         "--quick", action="store_true", help="64 requests x 64 prompt x 16 output tokens at batch 16 and 64, under 60 s"
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", help="model folder (default: the tiny default model)")
-    model.add_argument("--model-shape", choices=list(SHAPES), help="a real family's shape with random weights, built "
-                       "once into the cache (overlap model build-shape)")  # fmt: skip
+    add_model_arguments(parser)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--cpu-step-plan", default="auto", choices=("auto", "halves", "whole"),
+    parser.add_argument("--cpu-step-plan", default="auto", choices=CPU_STEP_PLANS,
                         help="how a CPU step uses its threads (EngineConfig.cpu_step_plan; default auto)")  # fmt: skip
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes (default 1,16,64,128; quick: 16,64)")
     parser.add_argument("--num-requests", type=int, help="requests in the offline workload (default 256)")
@@ -85,14 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(bad)}: must be >= 1")
     batch1_requests = args.num_requests if args.num_requests is not None else min(plan["num_requests"], BATCH1_REQUESTS)
     torch.set_num_threads(args.threads)
-    if args.model_shape:
-        from overlap.engine.model.shapes import ensure_shape_model
-
-        model_dir = str(ensure_shape_model(args.model_shape, progress=_progress))
-    else:
-        model_dir = args.model or str(ensure_default_model())
-    bench = EngineBench(model_dir, args.dtype, args.threads, **plan)
-    bench.step_plan = args.cpu_step_plan
+    model_dir = model_folder(args, _progress) or str(ensure_default_model())
+    bench = EngineBench(model_dir, args.dtype, args.threads, **plan, step_plan=args.cpu_step_plan)
 
     started = time.perf_counter()
     bench.bandwidth = cpu_read_bandwidth()
@@ -129,7 +122,8 @@ def _progress(message: str) -> None:
 
 
 class EngineBench:
-    def __init__(self, model_dir, dtype, threads, batch_sizes, num_requests, prompt_len, output_len) -> None:
+    def __init__(self, model_dir, dtype, threads, batch_sizes, num_requests, prompt_len, output_len,
+                 step_plan: str = "auto") -> None:  # fmt: skip
         self.model_dir = model_dir
         self.dtype = dtype
         self.threads = threads
@@ -137,7 +131,7 @@ class EngineBench:
         self.prompt_len = prompt_len
         self.output_len = output_len
         self.max_seq_len = prompt_len + output_len
-        self.step_plan = "auto"
+        self.step_plan = step_plan  # EngineConfig.cpu_step_plan
         self.bandwidth = 0.0  # bytes/s and FLOP/s the decode floors are computed with (measured by run())
         self.peak = 0.0
         rng = random.Random(0)

