@@ -7,6 +7,7 @@ clear message instead of rolling out a pod that cannot start. Pure functions, no
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -107,9 +108,16 @@ MODEL_IMAGE_REPOSITORY = "ghcr.io/overlap-dev/overlap"
 def model_image() -> str:
     """The engine and sidecar image of a service that names none: `overlap operator --model-image` (the chart sets
     it from its release), else the engine image of this operator's own version."""
+    return os.environ.get(MODEL_IMAGE_ENV) or _own_model_image()
+
+
+@functools.cache
+def _own_model_image() -> str:
+    """Looked up once: with_defaults runs at every reconcile and control tick, and the lookup scans the installed
+    distributions."""
     from importlib.metadata import version
 
-    return os.environ.get(MODEL_IMAGE_ENV) or f"{MODEL_IMAGE_REPOSITORY}:{version('overlap-operator')}"
+    return f"{MODEL_IMAGE_REPOSITORY}:{version('overlap-operator')}"
 
 
 def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
