@@ -107,6 +107,14 @@ class Podman:
                               text=True, env=self.env, timeout=120)  # fmt: skip
         return done.stdout
 
+    def succeeds(self, *args: str, timeout: float = 120) -> bool:
+        """Whether `podman ARGS` exits 0 within `timeout` seconds (a question, not a step that must work)."""
+        try:
+            done = subprocess.run(["podman", *args], capture_output=True, env=self.env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return done.returncode == 0
+
     def state(self, container_id: str) -> dict[str, Any]:
         out = self("inspect", "--format", "{{json .State}}", container_id, check=False)
         return json.loads(out) if out else {"Status": "missing", "ExitCode": -1}
@@ -604,8 +612,7 @@ class NodeAgent:
             self.note(f"pod {pod.name}: IP {pod.ip}")
 
     def _image_exists(self, image: str) -> bool:
-        done = subprocess.run(["podman", "image", "exists", image], env=self.podman.env, capture_output=True)
-        return done.returncode == 0
+        return self.podman.succeeds("image", "exists", image)
 
     def _tend_containers(self, pod: Pod) -> None:
         """Start what should run, notice exits, run the probes, restart on failure (restartPolicy Always)."""
@@ -640,13 +647,9 @@ class NodeAgent:
                 self._restart(pod, container, "liveness")
 
     def _exec_probe(self, container_id: str, command: list[str], timeout_s: float) -> bool:
-        """An exec probe: the command in the container, passed when it exits 0 within its timeout."""
-        try:
-            done = subprocess.run(["podman", "exec", container_id, *command], env=self.podman.env,
-                                  capture_output=True, timeout=timeout_s + 5)  # podman's own start on top  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return False
-        return done.returncode == 0
+        """An exec probe: the command in the container, passed when it exits 0 within its timeout (plus podman's own
+        start)."""
+        return self.podman.succeeds("exec", container_id, *command, timeout=timeout_s + 5)
 
     def _restart(self, pod: Pod, container: Container, probe: str) -> None:
         self.note(f"pod {pod.name}: container {container.name} failed its {probe} probe; restarting it")
