@@ -9,6 +9,7 @@ the sidecar tests' scripted runner (tests/support/fake_engine_server.py: no torc
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import subprocess
@@ -161,6 +162,18 @@ def _live_config(served: Stack, token: str) -> dict:
     return body["config"]
 
 
+@contextlib.contextmanager
+def _service_applied(cluster, manifest: str) -> Iterator[None]:
+    """The service applied, and deleted on the way out even when the test failed: the next test reuses the name,
+    and a status left behind (a lastDecision) would fail it for the wrong reason. Inside `running_operator`: the
+    delete waits for kopf to remove its finalizer."""
+    cluster.apply("-f", "-", stdin=manifest)
+    try:
+        yield
+    finally:
+        cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE, "--ignore-not-found")
+
+
 def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometheus, served, tmp_path):
     spec_extra = {
         # Window 0 and a 5 s tick: the test sees a decision within seconds; the windows are tested in test_controller.
@@ -177,18 +190,20 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
     }  # fmt: skip
     folder = tmp_path / "operator"
     folder.mkdir()
-    with running_operator(
-        cluster,
-        folder,
-        "--namespace",
-        NAMESPACE,
-        "--standalone",
-        "--prometheus-url",
-        prometheus.url,
-        "--signal-window-s",
-        "5",
-    ) as operator:
-        cluster.apply("-f", "-", stdin=_service(spec_extra, served.admin_port))
+    with (
+        running_operator(
+            cluster,
+            folder,
+            "--namespace",
+            NAMESPACE,
+            "--standalone",
+            "--prometheus-url",
+            prometheus.url,
+            "--signal-window-s",
+            "5",
+        ) as operator,
+        _service_applied(cluster, _service(spec_extra, served.admin_port)),
+    ):
         # Play the kubelet: the pod mounts its key of the namespace's token Secret, which the sidecar follows.
         tokens = wait_for(lambda: cluster.core.read_namespaced_secret("overlap-admin-tokens", NAMESPACE), 20, "tokens")
         token = base64.b64decode(tokens.data[NAME]).decode()
@@ -271,7 +286,6 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
             cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE).data["engine.json"]
         )
         assert engine_json["max_num_seqs"] == 4
-        cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE)  # waits for kopf to remove its finalizer
 
 
 def test_advise_mode_reports_the_scale_up_and_applies_nothing(cluster, prometheus, served, tmp_path):
@@ -284,8 +298,7 @@ def test_advise_mode_reports_the_scale_up_and_applies_nothing(cluster, prometheu
     with running_operator(
         cluster, tmp_path, "--namespace", NAMESPACE, "--standalone", "--prometheus-url", prometheus.url,
         "--signal-window-s", "5",
-    ):  # fmt: skip
-        cluster.apply("-f", "-", stdin=_service(spec_extra, served.admin_port))
+    ), _service_applied(cluster, _service(spec_extra, served.admin_port)):  # fmt: skip
         # Play the kubelet: the pod mounts the ConfigMap's engine.json (maxNumSeqs 2), which the sidecar watches.
         configmap = wait_for(lambda: cluster.core.read_namespaced_config_map(f"{NAME}-engine", NAMESPACE), 20, "CM")
         # (An earlier test's retune reached this sidecar through its admin port: a file edit resets the knob.)
@@ -320,7 +333,6 @@ def test_advise_mode_reports_the_scale_up_and_applies_nothing(cluster, prometheu
         assert "Advised" in {e.reason for e in events if e.involved_object.name == NAME}
         assert advised["status"]["forecast"]["horizonSeconds"] > 0
         assert signals_seen["scrapedReplicas"] == 1 and signals_seen["finishRate"] > 0
-        cluster.kubectl("delete", "inferenceservice", NAME, "-n", NAMESPACE)
 
 
 def _scaling_condition(cluster, name: str) -> dict | None:

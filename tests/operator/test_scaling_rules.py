@@ -178,17 +178,33 @@ TUNING = TuningPolicy(enabled=True, interval_s=30, signal_window_s=30, bounds={"
 
 def test_a_full_batch_with_kv_headroom_is_raised_before_a_replica_is_added():
     policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
-    busy = {"queue_depth": 100, "running": 128, "kv_cache_usage": 0.3}  # 50 waiting per replica, batches full
+    busy = {"queue_depth": 100, "batch_size": 64, "kv_cache_usage": 0.3}  # 50 waiting per replica, batches full
     decisions = run([busy] * 3, policy, replicas=2)
     assert decisions[-1].action == RETUNE
     assert decisions[-1].engine["max_num_seqs"] == 128 and "tune before scale" in decisions[-1].reason
     assert decisions[-1].replicas == 2
 
 
+def test_a_finish_between_steps_does_not_turn_the_raise_into_a_replica():
+    # The running count read just after sequences finished (before the next step admits the waiting ones) is low;
+    # the batch was full all along, and the mean batch of the recent steps says so.
+    policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
+    dipped = {"queue_depth": 100, "running": 30, "batch_size": 63, "kv_cache_usage": 0.3}
+    decisions = run([dipped] * 3, policy, replicas=2)
+    assert decisions[-1].action == RETUNE and decisions[-1].engine["max_num_seqs"] == 128
+
+
+def test_a_batch_not_full_while_requests_wait_adds_the_replica():
+    # Something else holds the batch back (the step's token budget): a larger max_num_seqs would not help.
+    policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
+    half = {"queue_depth": 100, "batch_size": 30, "kv_cache_usage": 0.3}
+    assert run([half] * 3, policy, replicas=2)[-1].action == SCALE_UP
+
+
 def test_after_the_raise_a_still_breached_slo_adds_the_replica():
     policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
-    busy = {"queue_depth": 100, "running": 128, "kv_cache_usage": 0.3}
-    full_kv = {"queue_depth": 100, "running": 256, "kv_cache_usage": 0.8}  # after the raise: KV has no headroom
+    busy = {"queue_depth": 100, "batch_size": 64, "kv_cache_usage": 0.3}
+    full_kv = {"queue_depth": 100, "batch_size": 128, "kv_cache_usage": 0.8}  # after the raise: KV has no headroom
     decisions = run([busy, busy, busy, full_kv, full_kv, full_kv], policy, replicas=2)
     actions = [d.action for d in decisions]
     assert actions[2] == RETUNE and SCALE_UP in actions[3:]
@@ -198,7 +214,7 @@ def test_after_the_raise_a_still_breached_slo_adds_the_replica():
 
 def test_no_headroom_scales_at_once():
     policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
-    busy = {"queue_depth": 100, "running": 128, "kv_cache_usage": 0.85}  # KV nearly full: the batch cannot grow
+    busy = {"queue_depth": 100, "batch_size": 64, "kv_cache_usage": 0.85}  # KV nearly full: the batch cannot grow
     assert run([busy] * 3, policy, replicas=2)[-1].action == SCALE_UP
 
 

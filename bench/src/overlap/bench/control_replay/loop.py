@@ -162,6 +162,7 @@ class _Loop:
             arrival_rate=len(self.arrivals) / span if self.run.ticks else None,
             finish_rate=len(window) / span if self.run.ticks else None,
             running=float(sum(s["num_running"] for s in stats)) if ready else None,
+            batch_size=float(np.mean([s["avg_batch_size"] for s in stats])) if stats else None,
             ttft_p90_s=float(np.percentile([w[3] for w in window], 90)) if window else None,
             itl_p90_s=float(np.percentile(tpots, 90)) if tpots else None,
         )

@@ -33,6 +33,7 @@ class Signals:
     arrival_rate: float | None = None  # requests/s arriving at the sidecars
     finish_rate: float | None = None  # requests/s finished (stop or length)
     running: float | None = None  # sequences in the running batches, summed over the pods
+    batch_size: float | None = None  # mean sequences per engine step over its recent steps, averaged over the pods
     ttft_p90_s: float | None = None
     itl_p90_s: float | None = None  # inter-token latency P90: the time per output token users see
     scraped_replicas: int | None = None  # pods whose last scrape succeeded (None: not asked, take the ready ones)

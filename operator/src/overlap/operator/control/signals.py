@@ -39,6 +39,9 @@ DEFAULT_QUERIES: dict[str, str] = {
     "arrivalRate": "sum(rate(overlap_requests_received_total{$selector}[$window]))",
     "finishRate": 'sum(rate(overlap_requests_finished_total{$selector,reason=~"stop|length"}[$window]))',
     "running": "sum(vllm:num_requests_running{$selector})",
+    # the mean sequences per engine step over each engine's recent steps (steadier than `running`, which dips for
+    # a step whenever a sequence finishes), averaged over the pods
+    "batchSize": "avg(overlap_batch_size_avg{$selector})",
     "ttftP90": (
         "histogram_quantile(0.9, sum by (le) (rate(overlap_time_to_first_token_seconds_bucket{$selector}[$window])))"
     ),
@@ -61,6 +64,7 @@ SIGNAL_FIELDS = {
     "arrivalRate": "arrival_rate",
     "finishRate": "finish_rate",
     "running": "running",
+    "batchSize": "batch_size",
     "ttftP90": "ttft_p90_s",
     "itlP90": "itl_p90_s",
     "scrapedReplicas": "scraped_replicas",
@@ -140,6 +144,7 @@ def to_status(signals: Signals) -> dict[str, float]:
         "kvCacheUsage": signals.kv_cache_usage,
         "arrivalRate": signals.arrival_rate,
         "finishRate": signals.finish_rate,
+        "batchSize": signals.batch_size,
         "ttftP90Seconds": signals.ttft_p90_s,
         "itlP90Seconds": signals.itl_p90_s,
         "scrapedReplicas": signals.scraped_replicas,

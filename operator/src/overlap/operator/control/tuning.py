@@ -30,7 +30,7 @@ QUEUEING_SHARE = 0.6  # queue time above this share of end-to-end latency: laten
 EXECUTION_SHARE = 0.3  # queue time below this share: latency is mostly execution (in between: hold)
 UNDO_AFTER_INTERVALS = 3  # a knob's last move may be reversed only after this many tuning intervals
 DEVICE_IDLE = 0.70  # device busy below this while requests wait: the host is the bottleneck
-# Tune before scale: the batch is this full (running per replica / max_num_seqs) and the KV cache under this.
+# Tune before scale: the batch is this full (mean sequences per step / max_num_seqs) and the KV cache under this.
 BATCH_FULL = 0.9
 KV_HEADROOM = 0.7
 BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
@@ -62,11 +62,12 @@ def tune_before_scale(
     if not policy.enabled:
         return None
     engine = dict(current.engine)
-    seqs, replicas = engine.get("max_num_seqs"), signals.seen_replicas()
-    kv, running = signals.kv_cache_usage, signals.running
-    if seqs is None or kv is None or running is None or replicas <= 0:
+    # The batch's fullness from the mean batch of recent steps: the running count dips for a step whenever a
+    # sequence finishes, and one such reading would add a replica where a larger batch was the answer.
+    seqs, kv, batch = engine.get("max_num_seqs"), signals.kv_cache_usage, signals.batch_size
+    if seqs is None or kv is None or batch is None:
         return None
-    if kv >= KV_HEADROOM or running / replicas < BATCH_FULL * seqs:
+    if kv >= KV_HEADROOM or batch < BATCH_FULL * seqs:
         return None
     moved = _move(engine, "max_num_seqs", policy, 2)
     settle_s = policy.settle_s
