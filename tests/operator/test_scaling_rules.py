@@ -194,10 +194,16 @@ def test_a_finish_between_steps_does_not_turn_the_raise_into_a_replica():
     assert decisions[-1].action == RETUNE and decisions[-1].engine["max_num_seqs"] == 128
 
 
+def test_a_batch_that_has_just_filled_is_raised_before_the_mean_batch_shows_it():
+    policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
+    filled = {"queue_depth": 100, "running": 128, "batch_size": 40, "kv_cache_usage": 0.3}
+    assert run([filled] * 3, policy, replicas=2)[-1].action == RETUNE
+
+
 def test_a_batch_not_full_while_requests_wait_adds_the_replica():
     # Something else holds the batch back (the step's token budget): a larger max_num_seqs would not help.
     policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
-    half = {"queue_depth": 100, "batch_size": 30, "kv_cache_usage": 0.3}
+    half = {"queue_depth": 100, "running": 60, "batch_size": 30, "kv_cache_usage": 0.3}
     assert run([half] * 3, policy, replicas=2)[-1].action == SCALE_UP
 
 

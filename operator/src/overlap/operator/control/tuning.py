@@ -30,7 +30,7 @@ QUEUEING_SHARE = 0.6  # queue time above this share of end-to-end latency: laten
 EXECUTION_SHARE = 0.3  # queue time below this share: latency is mostly execution (in between: hold)
 UNDO_AFTER_INTERVALS = 3  # a knob's last move may be reversed only after this many tuning intervals
 DEVICE_IDLE = 0.70  # device busy below this while requests wait: the host is the bottleneck
-# Tune before scale: the batch is this full (mean sequences per step / max_num_seqs) and the KV cache under this.
+# Tune before scale: the batch is this full (sequences per replica / max_num_seqs) and the KV cache under this.
 BATCH_FULL = 0.9
 KV_HEADROOM = 0.7
 BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
@@ -62,9 +62,14 @@ def tune_before_scale(
     if not policy.enabled:
         return None
     engine = dict(current.engine)
-    # The batch's fullness from the mean batch of recent steps: the running count dips for a step whenever a
-    # sequence finishes, and one such reading would add a replica where a larger batch was the answer.
-    seqs, kv, batch = engine.get("max_num_seqs"), signals.kv_cache_usage, signals.batch_size
+    # Full when either reading says so: the running count dips for a step whenever a sequence finishes (one such
+    # reading would add a replica where a larger batch was the answer), and the mean batch of the engines' recent
+    # steps lags a batch that has just filled.
+    seqs, kv, replicas = engine.get("max_num_seqs"), signals.kv_cache_usage, signals.seen_replicas()
+    readings = [signals.batch_size]
+    if signals.running is not None and replicas > 0:
+        readings.append(signals.running / replicas)
+    batch = max((r for r in readings if r is not None), default=None)
     if seqs is None or kv is None or batch is None:
         return None
     if kv >= KV_HEADROOM or batch < BATCH_FULL * seqs:
