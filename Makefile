@@ -54,10 +54,11 @@ $(TOOLS)/bin/kubectl $(TOOLS)/bin/helm:
 prometheus:  ## make sure prometheus and promtool are installed (Debian package)
 	@bash scripts/ensure-prometheus.sh
 
-lint: venv  ## ruff + the import contracts (engine layers, independence, no cycles)
+lint: venv  ## ruff, the import contracts (engine layers, independence, no cycles), actionlint on the workflows
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/actionlint .github/workflows/*.yml
 
 test: venv model tools prometheus  ## lint, then the whole test suite
 	$(MAKE) lint
