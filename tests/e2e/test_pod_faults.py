@@ -175,6 +175,46 @@ def test_the_cpu_example_serves_as_written(node):
         cluster.kubectl("delete", "inferenceservice", "tiny-cpu")
 
 
+# Each example but the CPU one (served above) on this node, which has no GPU, no claim and no Prometheus: the
+# condition of the service's status that must name what is missing, and the words it must use.
+LACKING = {
+    "inferenceservice.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
+    "inferenceservice-hpa.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
+    "inferenceservice-pvc-autoscaling.yaml": ("Ready", 'persistentvolumeclaim "model-weights" not found'),
+    "inferenceservice-scale-to-zero.yaml": (
+        "Scaling",
+        "cannot query Prometheus at http://prometheus-operated.monitoring:9090",
+    ),
+}
+
+
+def test_every_example_is_applied_by_a_test():
+    examples = {path.name for path in (REPO / "examples").glob("*.yaml")}
+    assert examples == {*LACKING, "inferenceservice-cpu.yaml"}
+
+
+@pytest.mark.parametrize("example", sorted(LACKING))
+def test_an_example_applied_as_written_names_what_the_node_lacks(node, example):
+    """The example unchanged: its service is not Ready (the GPU it asks for, the claim, Prometheus are not here),
+    and its status names the missing piece as the scheduler, kubelet or the control loop put it."""
+    cluster, _ = node
+    path = REPO / "examples" / example
+    name = next(d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "InferenceService")["metadata"]["name"]
+    kind, words = LACKING[example]
+    cluster.apply("-f", str(path))
+    try:
+
+        def condition():
+            conditions = (cluster.service(name).get("status") or {}).get("conditions") or []
+            return next((c for c in conditions if c["type"] == kind and words in c.get("message", "")), None)
+
+        named = wait_for(condition, 90, f"{name}'s {kind} condition to say {words!r}", interval=1)
+        ready = next(c for c in cluster.service(name)["status"]["conditions"] if c["type"] == "Ready")
+        assert ready["status"] == "False", (named, ready)
+    finally:
+        cluster.kubectl("delete", "-f", str(path), "--wait=true")
+
+
 def test_the_charts_helm_test_passes_against_a_running_operator(node):
     """The script `helm test` runs (charts/overlap/files/tests/serve-check.py), here with the cluster's kubeconfig
     and the Service's proxy in place of cluster DNS: a small service becomes Ready, serves, and is deleted."""

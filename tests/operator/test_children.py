@@ -262,6 +262,14 @@ def test_pod_problems_in_kubelets_words_reach_the_ready_condition() -> None:
     )
 
 
+def test_a_pod_no_node_takes_reaches_the_ready_condition_in_the_schedulers_words() -> None:
+    # What kube-scheduler writes on a pod it cannot place: phase Pending, no containers, PodScheduled False.
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are available: 3 No ..."
+    scheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": why}
+    pending = {"metadata": {"name": "p"}, "status": {"phase": "Pending", "conditions": [scheduled]}}
+    assert status.pod_problems([pending]) == [f"pod p: Unschedulable: {why}"]
+
+
 def test_deployment_failures_set_degraded_and_clear_it_but_leave_a_spec_problem_alone() -> None:
     stalled = {"metadata": {"generation": 2}, "status": {"observedGeneration": 2, "replicas": 1, "conditions": [
         {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.reliability
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 NAME = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
+SERVED = yaml.safe_load(EXAMPLE.read_text())["spec"]["model"]["servedName"]
 CHILDREN = [("deployment", NAME), ("service", NAME), ("configmap", f"{NAME}-engine"), ("pdb", NAME)]
 
 
@@ -108,7 +109,7 @@ def test_kubectl_get_shows_the_printer_columns(cluster, applied) -> None:
     out = cluster.kubectl("get", "oisvc").stdout.splitlines()
     header, row = out[0].split(), out[1].split()
     assert header == ["NAME", "READY", "REPLICAS", "AVAILABLE", "MODEL", "URL", "AGE"]
-    assert row[:6] == [NAME, "True", "1", "1", NAME, f"http://{NAME}.{NAMESPACE}.svc:8000"]
+    assert row[:6] == [NAME, "True", "1", "1", SERVED, f"http://{NAME}.{NAMESPACE}.svc:8000"]
 
 
 def test_kubectl_scale_changes_the_deployment(cluster, applied) -> None:
@@ -139,12 +140,12 @@ def test_live_knob_edit_changes_the_configmap_not_the_pod_template(cluster, appl
 def test_restart_knob_edit_rolls_the_pods(cluster, applied) -> None:
     annotation = "overlap.dev/engine-restart-hash"
     before = cluster.get("deployment", NAME)["spec"]["template"]["metadata"]["annotations"][annotation]
-    cluster.kubectl("patch", "oisvc", NAME, "--type=merge", "-p", '{"spec":{"engine":{"maxSeqLen":2048}}}')
+    cluster.kubectl("patch", "oisvc", NAME, "--type=merge", "-p", '{"spec":{"engine":{"maxSeqLen":1024}}}')
     wait_for(
         lambda: cluster.get("deployment", NAME)["spec"]["template"]["metadata"]["annotations"][annotation] != before,
         what="a new pod template hash",
     )
-    assert configmap_engine(cluster)["max_seq_len"] == 2048
+    assert configmap_engine(cluster)["max_seq_len"] == 1024
 
 
 def test_a_child_deleted_by_hand_is_put_back(cluster, applied) -> None:

@@ -6,10 +6,12 @@ import json
 import time
 
 import pytest
+import yaml
 
 from tests.support.cluster import NAMESPACE, REPO, running_operator, wait_for
 
 EXAMPLE = (REPO / "examples" / "inferenceservice.yaml").read_text()
+NAME = yaml.safe_load(EXAMPLE)["metadata"]["name"]
 
 
 def test_all_namespaces_serves_every_namespace(cluster, tmp_path_factory) -> None:
@@ -17,16 +19,14 @@ def test_all_namespaces_serves_every_namespace(cluster, tmp_path_factory) -> Non
         for namespace in ("team-a", "team-b"):
             cluster.apply("-n", namespace, "-f", "-", stdin=EXAMPLE)
         for namespace in ("team-a", "team-b"):
-            wait_for(
-                lambda ns=namespace: cluster.get("deployment", "llama-small", ns), what=f"a Deployment in {namespace}"
-            )
+            wait_for(lambda ns=namespace: cluster.get("deployment", NAME, ns), what=f"a Deployment in {namespace}")
 
 
 def test_one_namespace_ignores_the_others(cluster, tmp_path_factory) -> None:
     folder = tmp_path_factory.mktemp("namespaced")
     with running_operator(cluster, folder, "--namespace", NAMESPACE) as proc:
-        cluster.apply("-n", "team-c", "-f", "-", stdin=EXAMPLE.replace("llama-small", "ignored"))
-        cluster.apply("-f", "-", stdin=EXAMPLE.replace("llama-small", "served"))
+        cluster.apply("-n", "team-c", "-f", "-", stdin=EXAMPLE.replace(f"name: {NAME}", "name: ignored"))
+        cluster.apply("-f", "-", stdin=EXAMPLE.replace(f"name: {NAME}", "name: served"))
         wait_for(lambda: cluster.get("deployment", "served"), what="the Deployment in the watched namespace")
         time.sleep(0.5)
         assert cluster.get("deployment", "ignored", "team-c") is None
@@ -35,7 +35,7 @@ def test_one_namespace_ignores_the_others(cluster, tmp_path_factory) -> None:
 
 def test_a_restarted_operator_catches_up(cluster, tmp_path_factory) -> None:
     """Changes made while the operator was down are applied when it comes back (kopf resume/update)."""
-    manifest = EXAMPLE.replace("llama-small", "resumed")
+    manifest = EXAMPLE.replace(f"name: {NAME}", "name: resumed")
     with running_operator(cluster, tmp_path_factory.mktemp("first"), "--namespace", NAMESPACE):
         cluster.apply("-f", "-", stdin=manifest)
         wait_for(lambda: cluster.get("deployment", "resumed"), what="the Deployment")
@@ -54,7 +54,7 @@ def test_a_restarted_operator_catches_up(cluster, tmp_path_factory) -> None:
 def test_an_operator_killed_mid_reconcile_converges_when_restarted(cluster, tmp_path_factory, reliability) -> None:
     """SIGKILL while the first reconcile is half done (its ConfigMap and Services written, the Deployment refused
     for now): the next operator finishes it with one of each child and a status that names the generation."""
-    manifest = EXAMPLE.replace("llama-small", "killed")
+    manifest = EXAMPLE.replace(f"name: {NAME}", "name: killed")
     cluster.api.fail_next("PATCH", "deployments", status=503, times=3)  # holds the reconcile at the Deployment
     with running_operator(cluster, tmp_path_factory.mktemp("killed"), "--namespace", NAMESPACE) as proc:
         cluster.apply("-f", "-", stdin=manifest)

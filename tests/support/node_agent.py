@@ -16,6 +16,11 @@ gateway at the Service's own port, which pods reach by the Service's DNS name (`
 every pod's /etc/hosts: cluster DNS). Every pod with an IP is a target in a Prometheus file-based discovery file,
 labelled with its InferenceService as a pod-role scrape relabels it.
 
+It also plays kube-scheduler for its one node: a pod that asks for more GPUs than the node has (none: podman runs
+no GPU), whose nodeSelector the node's labels do not match, or whose PersistentVolumeClaim does not exist or is not
+bound stays Pending with PodScheduled False (Unschedulable, in the scheduler's words), and is retried at every pass as
+the scheduler would. CPU and memory are not counted: the host is smaller than the nodes the examples are sized for.
+
 Limits, by design: one namespace; no ReplicaSets (pods belong to the Deployment); no image pulls (images must be in
 podman's local storage, `make images`), so a missing image is ErrImagePull at once; rollouts follow the Deployment
 strategy's maxSurge and maxUnavailable; Services share the gateway's address, so two with the same port are not both
@@ -63,6 +68,11 @@ runtime = "runc"
 """
 BACKOFF_S = (0, 10, 20, 40, 80, 160, 300)  # kubelet's restart back-off, by restarts so far
 INSTANCE_LABEL = "overlap.dev/inferenceservice"  # a pod's service, as the Prometheus relabelling would name it
+GPU = "nvidia.com/gpu"
+# kube-scheduler's FitError, for one node: what filtered it out, then what its preemption found.
+UNSCHEDULABLE = (
+    "0/1 nodes are available: {}. preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling."
+)
 
 
 def now_iso() -> str:
@@ -207,6 +217,7 @@ class Pod:
     volumes: dict[str, tuple[Path, bool]] = field(default_factory=dict)  # name -> (host path, read-only)
     volume_versions: dict[str, str] = field(default_factory=dict)
     problem: tuple[str, str] | None = None  # a pod-level failure, e.g. a volume that cannot be set up
+    unschedulable: str | None = None  # why the scheduler has not placed it (None: placed on this node)
     terminating: bool = False
     gone: bool = False
     written: str = ""  # the last status written, to skip unchanged writes
@@ -240,8 +251,11 @@ class NodeAgent:
         *,
         sd_file: Path | None = None,
         proxy_ports: dict[str, int] | None = None,
+        gpus: int = 0,
+        node_labels: dict[str, str] | None = None,
     ) -> None:
-        """`proxy_ports` pins a Service's proxy to a port known in advance (otherwise a free one is taken)."""
+        """`proxy_ports` pins a Service's proxy to a port known in advance (otherwise a free one is taken); `gpus`
+        and `node_labels` are what the node offers the scheduler (its `nvidia.com/gpu` and its labels)."""
         import kubernetes
 
         self.namespace = namespace
@@ -252,6 +266,8 @@ class NodeAgent:
         self.podman = Podman(self.workdir)
         self.sd_file = sd_file
         self.proxy_ports = dict(proxy_ports or {})
+        self.gpus = gpus
+        self.node_labels = {"kubernetes.io/hostname": NODE_NAME, "kubernetes.io/os": "linux", **(node_labels or {})}
         self.pods: dict[str, Pod] = {}
         self.proxies: dict[str, ServiceProxy] = {}  # on 127.0.0.1, for the test
         self.pod_proxies: dict[str, ServiceProxy] = {}  # on the bridge's gateway, for pods (cluster DNS)
@@ -331,6 +347,8 @@ class NodeAgent:
                 self._terminate(pod)  # its Deployment went, or its Pod object (the garbage collector, kubectl)
         configmaps = {c["metadata"]["name"]: c for c in self._list(self.core.list_namespaced_config_map)}
         for pod in list(self.pods.values()):
+            if pod.unschedulable and not pod.terminating:
+                self._schedule(pod)
             if not pod.terminating:
                 self._refresh_volumes(pod, configmaps)
                 self._tend_containers(pod)
@@ -438,9 +456,52 @@ class NodeAgent:
                     }
                 ],
             },
-            "spec": {**template["spec"], "nodeName": NODE_NAME},
+            "spec": dict(template["spec"]),
         }
         self.core.create_namespaced_pod(self.namespace, body, _preload_content=False)
+        self._schedule(pod)
+
+    # ---- kube-scheduler's part -----------------------------------------------------------------------------------
+    def _schedule(self, pod: Pod) -> None:
+        """Bind the pod to this node and set it up, or leave it Pending with the scheduler's reason."""
+        why = self._unfit(pod.template["spec"])
+        if why is not None:
+            if why != pod.unschedulable:
+                self.note(f"pod {pod.name}: unschedulable: {why}")
+            pod.unschedulable = why
+            return
+        pod.unschedulable = None
+        # (kube-scheduler binds through the pods/binding subresource; the emulator takes the field as a patch)
+        self.core.patch_namespaced_pod(pod.name, self.namespace, {"spec": {"nodeName": NODE_NAME}},
+                                       _preload_content=False)  # fmt: skip
+        self._set_up_pod(pod)
+
+    def _unfit(self, spec: dict[str, Any]) -> str | None:
+        """Why this node cannot take a pod of `spec`, in kube-scheduler's words; None when it fits. Claims are
+        checked first, as the scheduler's PreFilter does; then the node's GPUs and labels."""
+        for volume in spec.get("volumes", []):
+            claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
+            if claim is None:
+                continue
+            try:
+                found = self.core.read_namespaced_persistent_volume_claim(claim, self.namespace)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                return UNSCHEDULABLE.format(f'persistentvolumeclaim "{claim}" not found')
+            if (found.status.phase if found.status else None) != "Bound":
+                return UNSCHEDULABLE.format("pod has unbound immediate PersistentVolumeClaims")
+        reasons = []
+        asked = sum(int(((c.get("resources") or {}).get("limits") or {}).get(GPU, 0)) for c in spec["containers"])
+        if asked > self.gpus:
+            reasons.append(f"1 Insufficient {GPU}")
+        if any(self.node_labels.get(key) != value for key, value in (spec.get("nodeSelector") or {}).items()):
+            reasons.append("1 node(s) didn't match Pod's node affinity/selector")
+        return UNSCHEDULABLE.format(", ".join(sorted(reasons))) if reasons else None
+
+    def _set_up_pod(self, pod: Pod) -> None:
+        """Volumes and the podman pod (one network namespace) of a pod placed here."""
+        name = pod.name
         try:
             self._set_up_volumes(pod)
             # Cluster DNS: every Service's name resolves to the gateway, where its pod-facing proxy listens.
@@ -488,7 +549,7 @@ class NodeAgent:
 
     def _refresh_volumes(self, pod: Pod, configmaps: dict[str, dict]) -> None:
         """ConfigMap and Secret volumes, written as kubelet's atomic writer does and rewritten when they change."""
-        if pod.problem:
+        if pod.problem or pod.unschedulable:
             return
         for volume in pod.template["spec"].get("volumes", []):
             if "configMap" in volume:
@@ -557,10 +618,12 @@ class NodeAgent:
                 continue
             ref = item.get("valueFrom") or {}
             if "secretKeyRef" in ref:
-                data = self._secret(ref["secretKeyRef"]["name"]) or {}
-                key = ref["secretKeyRef"]["key"]
+                secret, key = ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"]
+                data = self._secret(secret)
+                if data is None:
+                    raise LookupError(f'secret "{secret}" not found')
                 if key not in data:
-                    raise LookupError(f'secret "{ref["secretKeyRef"]["name"]}" has no key "{key}"')
+                    raise LookupError(f"couldn't find key {key} in Secret {self.namespace}/{secret}")
                 env[item["name"]] = data[key]
             elif "fieldRef" in ref:
                 path = ref["fieldRef"]["fieldPath"]
@@ -715,6 +778,11 @@ class NodeAgent:
         pod.gone = True
 
     def _write_pod(self, pod: Pod) -> None:
+        if pod.unschedulable:
+            scheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                         "message": pod.unschedulable}  # fmt: skip
+            self._patch_pod_status(pod, {"phase": "Pending", "conditions": [scheduled]})
+            return
         statuses = []
         for c in pod.containers:
             if c.running:
@@ -747,6 +815,10 @@ class NodeAgent:
             status |= {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]}
         if pod.problem:
             status |= {"reason": pod.problem[0], "message": pod.problem[1]}
+        self._patch_pod_status(pod, status)
+
+    def _patch_pod_status(self, pod: Pod, status: dict[str, Any]) -> None:
+        """Write the Pod's status when it changed."""
         text = json.dumps(status, sort_keys=True)
         if text != pod.written:
             try:

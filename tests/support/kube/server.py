@@ -64,6 +64,7 @@ BUILTINS = [
     ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, ("status",), ("pdb",)),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False, ("status",), ()),
     ("", "v1", "pods", "Pod", True, ("status",), ("po",)),
+    ("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, ("status",), ("pvc",)),
     ("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ("status",), ("hpa",)),
     ("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False, (), ()),
     ("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False, (), ()),

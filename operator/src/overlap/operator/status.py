@@ -49,8 +49,9 @@ def pod_is_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
-    """Why pods are not ready, in kubelet's words: a container waiting (ErrImagePull, CrashLoopBackOff, ...) or
-    restarted, a failed pod, or a readiness probe that keeps failing."""
+    """Why pods are not ready, in the scheduler's or kubelet's words: no node for it (a GPU, a claim, a label
+    missing), a container waiting (ErrImagePull, CrashLoopBackOff, ...) or restarted, a failed pod, or a readiness
+    probe that keeps failing."""
     problems = []
     for pod in pods:
         name, pod_status = pod["metadata"]["name"], pod.get("status") or {}
@@ -58,7 +59,11 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
             continue
         if pod_is_ready(pod):
             continue
-        ready = next((c for c in pod_status.get("conditions") or [] if c.get("type") == "Ready"), {})
+        conditions = {c.get("type"): c for c in pod_status.get("conditions") or []}
+        ready, scheduled = conditions.get("Ready", {}), conditions.get("PodScheduled", {})
+        if scheduled.get("status") == "False":  # no node takes it: the scheduler says what is missing
+            problems.append(f"pod {name}: {scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}")
+            continue
         found = []
         for container in pod_status.get("containerStatuses") or []:
             waiting = (container.get("state") or {}).get("waiting") or {}
