@@ -116,6 +116,7 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("", "secrets"): {"create"},
         ("", "secrets", "overlap-admin-tokens"): {"get", "patch"},
         ("", "pods"): {"list", "watch"},
+        ("", "pods/log"): {"get"},
         ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch"},
         ("monitoring.coreos.com", "servicemonitors"): {"get", "create", "patch", "delete"},
         ("", "events"): {"create"},

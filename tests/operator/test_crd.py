@@ -95,7 +95,27 @@ INVALID = [
         "spec.model.path: Invalid value: \"models/llm\": spec.model.path in body should match '^/'",
         id="relative-model-path",
     ),
-    pytest.param(with_spec(model={"servedName": "llm"}), "spec.model.path: Required value", id="missing-required"),
+    pytest.param(
+        with_spec(model={"servedName": "llm"}),
+        'spec.model: Invalid value: "object": set exactly one of model.path and model.uri',
+        id="neither-path-nor-uri",
+    ),
+    pytest.param(
+        with_spec(model={"servedName": "llm", "path": "/models/x", "uri": "hf://acme/x"}),
+        'spec.model: Invalid value: "object": set exactly one of model.path and model.uri',
+        id="path-and-uri",
+    ),
+    pytest.param(
+        with_spec(model={"servedName": "llm", "uri": "ftp://acme/x"}),
+        'spec.model.uri: Invalid value: "ftp://acme/x": spec.model.uri in body should match '
+        "'^(hf|s3|gs|https?|pvc)://[^\\s]+$'",
+        id="uri-scheme",
+    ),
+    pytest.param(
+        with_spec(model={"servedName": "llm", "uri": "hf://acme/x", "cache": {"hostPath": "/c", "claimName": "c"}}),
+        'spec.model.cache: Invalid value: "object": model.cache takes a claimName or a hostPath, not both',
+        id="cache-hostpath-and-claim",
+    ),
     pytest.param(
         with_spec(replicas="two"),
         'spec.replicas: Invalid value: "string": spec.replicas in body must be of type integer: "string"',

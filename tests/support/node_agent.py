@@ -197,6 +197,8 @@ class Container:
     started: bool = False  # the startup probe passed (or there is none)
     readiness: Probe | None = None
     liveness: Probe | None = None
+    completed: bool = False  # an init container that exited 0
+    message_file: Path | None = None  # its terminationMessagePath on the host
 
     @property
     def name(self) -> str:
@@ -214,6 +216,7 @@ class Pod:
     pod_id: str | None = None
     ip: str | None = None
     containers: list[Container] = field(default_factory=list)
+    init_containers: list[Container] = field(default_factory=list)
     volumes: dict[str, tuple[Path, bool]] = field(default_factory=dict)  # name -> (host path, read-only)
     volume_versions: dict[str, str] = field(default_factory=dict)
     problem: tuple[str, str] | None = None  # a pod-level failure, e.g. a volume that cannot be set up
@@ -307,6 +310,15 @@ class NodeAgent:
         mine = f"label={AGENT_LABEL}={self.namespace}"
         for pod_id in self.podman("pod", "ps", "--quiet", "--filter", mine, check=False).split():
             self.podman("pod", "rm", "--force", "--time", "0", pod_id, check=False)
+
+    def container_log(self, pod_name: str, container: str | None) -> str:
+        """A container's log, as kubelet serves `pods/log` (the first container when none is named)."""
+        pod = self.pods.get(pod_name)
+        if pod is None:
+            return ""
+        every = [*pod.init_containers, *pod.containers]
+        chosen = next((c for c in every if c.name == container), None) if container else pod.containers[0]
+        return self.podman.logs(chosen.id) if chosen is not None and chosen.id else ""
 
     def note(self, message: str) -> None:
         log.info(message)
@@ -434,6 +446,7 @@ class NodeAgent:
         name = f"{deployment}-{template_hash[:6]}-{secrets.token_hex(3)}"
         pod = Pod(name, deployment, template_hash, template, self.workdir / "pods" / name)
         pod.containers = [Container(spec) for spec in template["spec"]["containers"]]
+        pod.init_containers = [Container(spec) for spec in template["spec"].get("initContainers", [])]
         self.pods[name] = pod
         self.note(f"pod {name}: created for Deployment {deployment}")
         body = {
@@ -602,6 +615,10 @@ class NodeAgent:
             args += ["--memory", str(memory_bytes(limits["memory"]))]
         for name, value in self._env(pod, spec).items():
             args += ["--env", f"{name}={value}"]
+        container.message_file = pod.dir / f"termination-{container.name}"
+        container.message_file.write_text("")
+        container.message_file.chmod(0o666)  # whoever the container runs as writes it, as on a node
+        args += ["--volume", f"{container.message_file}:{spec.get('terminationMessagePath', '/dev/termination-log')}"]
         for mount in spec.get("volumeMounts", []):
             host, read_only = pod.volumes[mount["name"]]
             read_only = read_only or mount.get("readOnly", False)
@@ -612,6 +629,12 @@ class NodeAgent:
 
     def _env(self, pod: Pod, spec: dict[str, Any]) -> dict[str, str]:
         env: dict[str, str] = {}
+        for source in spec.get("envFrom", []):
+            if "secretRef" in source:
+                data = self._secret(source["secretRef"]["name"])
+                if data is None:
+                    raise LookupError(f'secret "{source["secretRef"]["name"]}" not found')
+                env.update(data)
         for item in spec.get("env", []):
             if "value" in item:
                 env[item["name"]] = item["value"]
@@ -679,7 +702,7 @@ class NodeAgent:
 
     def _tend_containers(self, pod: Pod) -> None:
         """Start what should run, notice exits, run the probes, restart on failure (restartPolicy Always)."""
-        if pod.problem or pod.pod_id is None or not self._volumes_ready(pod):
+        if pod.problem or pod.pod_id is None or not self._volumes_ready(pod) or not self._initialized(pod):
             return
         now = time.monotonic()
         for container in pod.containers:
@@ -709,6 +732,39 @@ class NodeAgent:
             if liveness and liveness.due(now) and liveness.check(pod.ip, now, run) is False:
                 self._restart(pod, container, "liveness")
 
+    def _initialized(self, pod: Pod) -> bool:
+        """Init containers in order, each to a successful exit (restarted with back-off when it fails), before any
+        app container starts: kubelet's rule."""
+        now = time.monotonic()
+        for container in pod.init_containers:
+            if container.completed:
+                continue
+            if not container.running:
+                if now >= container.retry_at:
+                    self._start(pod, container)
+                return False
+            state = self.podman.state(container.id)
+            if state["Status"] == "running":
+                return False
+            if state.get("ExitCode") == 0:
+                container.running, container.completed = False, True
+                container.last_exit = {"exitCode": 0, "reason": "Completed", "startedAt": container.started_at,
+                                       "finishedAt": now_iso(), **self._termination_message(container)}  # fmt: skip
+                self.note(f"pod {pod.name}: init container {container.name} completed")
+                continue
+            self._exited(pod, container, state)
+            return False
+        return True
+
+    def _termination_message(self, container: Container) -> dict[str, str]:
+        """What the container wrote to its terminationMessagePath, else (FallbackToLogsOnError, after a failure)
+        its log's tail, as kubelet reports it."""
+        text = container.message_file.read_text()[:4096] if container.message_file else ""
+        failed = self.podman.state(container.id).get("ExitCode") if container.id else 0
+        if not text and failed and container.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            text = "\n".join(self.podman.logs(container.id).splitlines()[-80:])[-2048:]
+        return {"message": text} if text else {}
+
     def _exec_probe(self, container_id: str, command: list[str], timeout_s: float) -> bool:
         """An exec probe: the command in the container, passed when it exits 0 within its timeout (plus podman's own
         start)."""
@@ -724,7 +780,8 @@ class NodeAgent:
         container.running = container.ready = False
         container.last_exit = {"exitCode": state.get("ExitCode", -1), "reason": "OOMKilled" if state.get("OOMKilled")
                                else "Error" if state.get("ExitCode") else "Completed",
-                               "startedAt": container.started_at, "finishedAt": now_iso()}  # fmt: skip
+                               "startedAt": container.started_at, "finishedAt": now_iso(),
+                               **self._termination_message(container)}  # fmt: skip
         container.restarts += 1
         delay = BACKOFF_S[min(container.restarts - 1, len(BACKOFF_S) - 1)]
         container.retry_at = time.monotonic() + delay
@@ -745,7 +802,7 @@ class NodeAgent:
         started = time.monotonic()
         grace = pod.template["spec"].get("terminationGracePeriodSeconds", 30)
         deadline = started + grace
-        running = [c for c in pod.containers if c.id and c.running]
+        running = [c for c in [*pod.init_containers, *pod.containers] if c.id and c.running]
 
         def stop(container: Container) -> int:
             hook = (container.spec.get("lifecycle") or {}).get("preStop") or {}
@@ -783,21 +840,28 @@ class NodeAgent:
                          "message": pod.unschedulable}  # fmt: skip
             self._patch_pod_status(pod, {"phase": "Pending", "conditions": [scheduled]})
             return
-        statuses = []
-        for c in pod.containers:
+        initialized = all(c.completed for c in pod.init_containers)
+
+        def status_of(c: Container, init: bool) -> dict[str, Any]:
             if c.running:
                 state = {"running": {"startedAt": c.started_at}}
-            elif c.waiting:
+            elif init and c.completed:
+                state = {"terminated": c.last_exit}
+            elif c.waiting and (init or initialized or c.waiting[0] != "ContainerCreating"):
                 state = {"waiting": {"reason": c.waiting[0], "message": c.waiting[1]}}
             else:
-                state = {"waiting": {"reason": "ContainerCreating"}}
-            entry = {"name": c.name, "image": c.spec["image"], "imageID": c.image_id, "ready": c.ready,
+                state = {"waiting": {"reason": "ContainerCreating" if initialized else "PodInitializing"}}
+            ready = c.completed if init else c.ready
+            entry = {"name": c.name, "image": c.spec["image"], "imageID": c.image_id, "ready": ready,
                      "started": c.running, "restartCount": c.restarts, "state": state}  # fmt: skip
             if c.id:
                 entry["containerID"] = f"podman://{c.id}"
-            if c.last_exit:
+            if c.last_exit and not (init and c.completed):
                 entry["lastState"] = {"terminated": c.last_exit}
-            statuses.append(entry)
+            return entry
+
+        statuses = [status_of(c, False) for c in pod.containers]
+        init_statuses = [status_of(c, True) for c in pod.init_containers]
         ready = pod.ready
         all_running = bool(pod.containers) and all(c.running for c in pod.containers)
         unready = [c.name for c in pod.containers if not c.ready]
@@ -805,12 +869,14 @@ class NodeAgent:
                                 "message": f"containers with unready status: [{' '.join(unready)}]"}  # fmt: skip
         conditions = [
             {"type": "PodScheduled", "status": "True"},
-            {"type": "Initialized", "status": "True"},
+            {"type": "Initialized", "status": str(initialized)},
             {"type": "ContainersReady", "status": str(ready), **why},
             {"type": "Ready", "status": str(ready), **why},
         ]
         status = {"phase": "Running" if all_running or pod.terminating else "Pending", "hostIP": "127.0.0.1",
                   "conditions": conditions, "containerStatuses": statuses}  # fmt: skip
+        if init_statuses:
+            status["initContainerStatuses"] = init_statuses
         if pod.ip:
             status |= {"podIP": pod.ip, "podIPs": [{"ip": pod.ip}]}
         if pod.problem:

@@ -76,6 +76,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
+# A fetching pod's last log line (its progress) for the ModelReady condition.
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch]

@@ -34,6 +34,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp.web
@@ -63,7 +64,7 @@ BUILTINS = [
     ("apps", "v1", "deployments", "Deployment", True, ("status", "scale"), ("deploy",)),
     ("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, ("status",), ("pdb",)),
     ("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False, ("status",), ()),
-    ("", "v1", "pods", "Pod", True, ("status",), ("po",)),
+    ("", "v1", "pods", "Pod", True, ("status", "log"), ("po",)),
     ("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim", True, ("status",), ("pvc",)),
     ("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", True, ("status",), ("hpa",)),
     ("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False, (), ()),
@@ -105,6 +106,7 @@ class ApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.crds: dict[Any, dict] = {}  # resource -> the CRD version's schema/printer columns/scale paths
         self.infos: dict[Any, tuple[str, bool, tuple]] = {}  # resource -> (kind, namespaced, subresources)
+        self.pod_logs: Callable[[str, str | None], str] | None = None  # (pod, container) -> its log: a kubelet
         self.rv = itertools.count(1000)
         self.last_rv = 1000
         self.events: list[tuple[int, Any, dict]] = []  # (resourceVersion, resource, watch event): replayable
@@ -615,9 +617,20 @@ class ApiServer(kmock.KubernetesEmulator):
             raise api_status(404, "NotFound", f'{request.resource.plural} "{request.name}" not found')
         if request.subresource == "scale":
             return self._scale_of(request.resource, items[0])
+        if request.subresource == "log":
+            return self._pod_log(items[0], request)
         if self._wants_table(request):
             return self._table(request.resource, items)
         return items[0]
+
+    def _pod_log(self, pod: dict, request: rendering.Request) -> bytes:
+        """kube-apiserver asks the pod's kubelet; here the node agent that runs it (`pod_logs`), if a test has one."""
+        if self.pod_logs is None:
+            raise api_status(400, "BadRequest", f'pod "{pod["metadata"]["name"]}": no node serves its log here')
+        text = self.pod_logs(pod["metadata"]["name"], request.params.get("container"))
+        if request.params.get("tailLines"):
+            text = "".join(line + "\n" for line in text.splitlines()[-int(request.params["tailLines"]) :])
+        return text.encode()
 
     def _serve_watch(self, request: rendering.Request) -> rendering.Response:  # type: ignore[override]
         return rendering.Response(headers={"Content-Type": "application/json"}, payload=watch_events(self, request))

@@ -20,6 +20,24 @@ def register(subparsers) -> None:
     )
     shape.add_argument("name", help="the shape: " + ", ".join(_shape_names()))
     shape.set_defaults(func=_build_shape)
+    fetch = model_sub.add_parser(
+        "fetch",
+        help="fetch a model (hf://, s3://, gs://, https:// archive) into the cache once, checked; print its folder",
+        description="Fetch a model into the cache: parallel downloads that resume after a drop or a stall, every "
+        "file checked against the source's hash, moved into place only when whole. A second fetch of the same "
+        "version finds it there; two at once take turns. Credentials as the source's library reads them "
+        "(HF_TOKEN, HF_ENDPOINT; AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).",
+    )
+    fetch.add_argument("uri", help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+                       "https://HOST/PATH.tar[.gz][#sha256=HEX]")  # fmt: skip
+    fetch.add_argument("--cache-dir", help="the cache folder (default: OVERLAP_MODEL_CACHE, else models/ in the cache)")
+    fetch.add_argument("--link", help="make LINK a symlink to the model's folder (what the engine's --model reads)")
+    fetch.add_argument("--stall-s", type=float, default=30.0, help="a read that waits this long is a stall: retried")
+    fetch.add_argument("--max-cache-gb", type=float, help="evict least recently used models above this size")
+    fetch.add_argument(
+        "--termination-log", default="/dev/termination-log", help="a failure's reason, for the pod status"
+    )
+    fetch.set_defaults(func=_fetch)
 
     engine = subparsers.add_parser(
         "engine",
@@ -53,6 +71,30 @@ def _build_shape(args: argparse.Namespace) -> int:
     from overlap.engine.model.shapes import ensure_shape_model
 
     print(ensure_shape_model(args.name, progress=lambda line: print(line, file=sys.stderr, flush=True)))
+    return 0
+
+
+def _fetch(args: argparse.Namespace) -> int:
+    import os
+    import sys
+    from pathlib import Path
+
+    from overlap.engine.delivery.fetch import fetch
+    from overlap.engine.delivery.sources import FetchError
+    from overlap.engine.model.builder import cache_root
+
+    cache_dir = args.cache_dir or os.environ.get("OVERLAP_MODEL_CACHE") or cache_root() / "models"
+    max_bytes = int(args.max_cache_gb * 1e9) if args.max_cache_gb else None
+    try:
+        path, _ = fetch(args.uri, cache_dir, link=args.link, stall_s=args.stall_s, max_cache_bytes=max_bytes,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+    except FetchError as exc:
+        print(f"overlap model fetch: error: {exc}", file=sys.stderr)
+        log = Path(args.termination_log)
+        if log.exists():
+            log.write_text(str(exc)[:4000])  # kubelet's limit is 4096 bytes
+        return 1
+    print(path)
     return 0
 
 

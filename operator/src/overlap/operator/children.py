@@ -25,6 +25,7 @@ from overlap.operator.identity import (
     pods_service_name,
     selector_labels,
 )
+from overlap.operator.model_volumes import model_parts
 
 # The pod contract shared with the sidecar and engine commands (docs/design.md, "The pod").
 SOCKET_DIR = "/run/overlap"
@@ -237,18 +238,6 @@ def _sidecar_args(spec: Mapping[str, Any]) -> list[str]:
     return args
 
 
-def _model_volume(spec: Mapping[str, Any]) -> tuple[list[dict], list[dict]]:
-    """(volumes, engine mounts) for the model weights; none when they are baked into the image."""
-    model = spec["model"]
-    if model["source"] == "pvc":
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": model["claimName"], "readOnly": True}}
-    elif model["source"] == "hostPath":
-        volume = {"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}}
-    else:
-        return [], []
-    return [volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}]
-
-
 def _wait_while_exists(path: str, timeout_s: int) -> list[str]:
     """A preStop command (POSIX sh, in the engine image) that returns once `path` is gone, or after `timeout_s`."""
     polls = 10 * int(timeout_s)
@@ -263,7 +252,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
     if resources["gpus"] > 0:
         engine_limits[resources["gpuResourceName"]] = str(resources["gpus"])
     sidecar_limits = {"cpu": str(resources["sidecar"]["cpu"]), "memory": str(resources["sidecar"]["memory"])}
-    model_volumes, model_mounts = _model_volume(spec)
+    model = model_parts(spec, _container_security())
     images = spec["images"]
 
     engine_container = {
@@ -285,7 +274,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "dshm", "mountPath": "/dev/shm"},
-            *model_mounts,
+            *model.engine_mounts,
         ],
         # The engine outlives the sidecar's drain (in-flight requests still need it), and no longer: its preStop
         # waits for the sidecar's alive file to go, at most the endpoint drain plus the sidecar's grace period.
@@ -353,9 +342,11 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
             },
             {"name": "tmp", "emptyDir": {}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
-            *model_volumes,
+            *model.volumes,
         ],
     }
+    if model.init_containers:
+        pod_spec["initContainers"] = model.init_containers
     for key in ("nodeSelector", "tolerations", "affinity"):
         if resources.get(key):
             pod_spec[key] = resources[key]
@@ -368,7 +359,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
     pod_spec["volumes"] += pod.get("volumes") or []
     engine_container["volumeMounts"] += pod.get("volumeMounts") or []
     if pod.get("env"):
-        for container in (engine_container, sidecar_container):
+        for container in (engine_container, sidecar_container, *model.init_containers):
             container["env"] = _merged_env(container["env"], pod["env"])
     # The engine holds the GPU, so its probes are its own: kubelet restarts the engine container when its model load
     # outlasts startupSeconds or its loop stops answering (liveness waits until the startup probe has passed).

@@ -24,6 +24,7 @@ from overlap.operator import spec as specs
 from overlap.operator.drift import is_subset
 from overlap.operator.identity import CR, INSTANCE_LABEL, KIND, OWNED, selector_string
 from overlap.operator.locks import service_lock
+from overlap.operator.model_volumes import FETCH_CONTAINER
 
 CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
 CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
@@ -176,8 +177,9 @@ async def _resync_forever(logger: logging.Logger) -> None:
 
 
 def resync_all(logger: logging.Logger) -> int:
-    """One round: each watched service's plan applied (only what differs is written); returns how many were put
-    right. A service whose writes fail (RBAC, a conflict) is logged and does not hold up the others."""
+    """One round: each watched service's plan applied (only what differs is written), and the status of one whose
+    model is fetched brought up to date (its progress); returns how many were put right. A service whose writes
+    fail (RBAC, a conflict) is logged and does not hold up the others."""
     namespaces = [n for n in os.environ.get(WATCH_NAMESPACES_ENV, "").split(",") if n]
     services = [s for n in namespaces for s in kube.list_services(n)] if namespaces else kube.list_all_services()
     monitors = "monitoring.coreos.com" in kube.api_groups()
@@ -191,6 +193,9 @@ def resync_all(logger: logging.Logger) -> int:
                     continue
                 plan = plans.desired(body, with_servicemonitor=monitors)
                 plans.apply(plan, body, _reporter(body, logger), "restored")
+                uri = specs.model_uri(body["spec"].get("model") or {})
+                if uri is not None and uri.fetched:  # a long fetch moves no pod event: its progress is read here
+                    _mirror(body, kube.read("Deployment", meta["name"], meta["namespace"]))
             done += 1
         except specs.SpecError:
             pass  # reconcile set Degraded when the spec was written
@@ -207,10 +212,29 @@ def _ensure_admin_token(owner: Mapping[str, Any]) -> None:
 
 def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> None:
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
-    problems = status.pod_problems(kube.list_pods(namespace, selector_string(name)))
+    pods = kube.list_pods(namespace, selector_string(name))
+    problems = status.pod_problems(pods)
+    when, model = status.now_iso(), None
+    uri = specs.model_uri((owner.get("spec") or {}).get("model") or {})
+    if uri is not None and uri.fetched:
+        generation = (owner.get("status") or {}).get("observedGeneration")
+        model = status.model_condition(pods, FETCH_CONTAINER, uri.text, when, generation, _fetch_progress(pods))
     kube.patch_status(
-        name, namespace, lambda current: status.rollout_status(current, deployment, status.now_iso(), problems)
+        name, namespace, lambda current: status.rollout_status(current, deployment, when, problems, model)
     )
+
+
+def _fetch_progress(pods: list[dict[str, Any]]) -> dict[str, str]:
+    """The last progress line of each pod's running fetch (its log's tail, as `kubectl logs -c fetch` shows)."""
+    lines = {}
+    for pod in pods:
+        fetch = next((c for c in (pod.get("status") or {}).get("initContainerStatuses") or []
+                      if c.get("name") == FETCH_CONTAINER), {})  # fmt: skip
+        if "running" in (fetch.get("state") or {}):
+            line = kube.log_tail(pod["metadata"]["name"], pod["metadata"]["namespace"], FETCH_CONTAINER)
+            if line:
+                lines[pod["metadata"]["name"]] = line
+    return lines
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.delivery.uri import ModelURI, ModelURIError
+from overlap.engine.delivery.uri import parse as parse_uri
 from overlap.engine.errors import ConfigError
 
 # CRD `spec.engine` field (camelCase) -> EngineConfig field (snake_case).
@@ -37,6 +39,12 @@ ENGINE_FIELDS: dict[str, str] = {
     "simulatedDevice": "simulated_device",
 }
 
+# A fetched model (model.uri): the cache volume's mount and the link the fetch leaves for the engine, in the pod.
+MODEL_CACHE_DIR = "/var/cache/overlap-models"
+MODEL_LINK_DIR = "/var/run/overlap-model"
+MODEL_LINK = f"{MODEL_LINK_DIR}/current"
+DEFAULT_MODEL_CACHE_HOSTPATH = "/var/lib/overlap/models"
+
 # Knobs the tuner may move (spec.tuning.bounds keys).
 TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "numBuffers")
 
@@ -47,7 +55,7 @@ SCALING_MODES = ("builtin", "advise")
 # The CRD's defaults, as a real API server fills them in. The operator applies them too (a spec written to a
 # server without structural defaulting still works); tests/operator check this table against crds/.
 DEFAULTS: dict[str, Any] = {
-    "model": {"source": "image", "mountPath": "/models"},
+    "model": {"source": "image", "mountPath": "/models", "cache": {}},
     "images": {"pullPolicy": "IfNotPresent"},
     "resources": {
         "gpus": 1,
@@ -147,6 +155,27 @@ class SpecError(ValueError):
     """The spec cannot be turned into a running service; the message says what to fix."""
 
 
+def model_uri(model: Mapping[str, Any]) -> ModelURI | None:
+    """The parsed model.uri, None without one (SpecError when it is not a model uri)."""
+    if not model.get("uri"):
+        return None
+    try:
+        return parse_uri(model["uri"])
+    except ModelURIError as exc:
+        raise SpecError(f"model.uri {exc}") from exc
+
+
+def model_path(model: Mapping[str, Any]) -> str:
+    """Where the engine reads the model folder: model.path, the link a fetch leaves, or the path in a pvc:// claim."""
+    uri = model_uri(model)
+    if uri is None:
+        return str(model.get("path", ""))
+    if uri.fetched:
+        return MODEL_LINK
+    mount = str(model.get("mountPath", DEFAULTS["model"]["mountPath"])).rstrip("/")
+    return f"{mount}/{uri.path}" if uri.path else mount
+
+
 def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
     """The EngineConfig that `spec` asks for (validated by EngineConfig itself)."""
     engine = spec.get("engine") or {}
@@ -162,7 +191,7 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
             "fixed_s": sim.get("fixedSeconds", 0.0),
             "per_token_s": sim.get("perTokenSeconds", 0.0),
         }
-    fields["model"] = (spec.get("model") or {}).get("path", "")
+    fields["model"] = model_path(spec.get("model") or {})
     fields["device"] = "cuda" if gpus > 0 else "cpu"
     # torch's intra-op threads match the container's CPU limit, not the node's core count (which would
     # oversubscribe the cgroup's quota: every step would wait on throttled threads).
@@ -212,9 +241,20 @@ def cpu_threads(quantity: Any) -> int:
 def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     """Every cross-field rule of the CRD again (same messages as its CEL rules); returns the engine config."""
     model = spec.get("model") or {}
-    if not model.get("servedName") or not str(model.get("path", "")).startswith("/"):
-        raise SpecError("spec.model needs servedName and an absolute path")
+    if not model.get("servedName"):
+        raise SpecError("spec.model needs servedName")
+    if ("path" in model) == ("uri" in model):
+        raise SpecError("set exactly one of model.path and model.uri")
     source = model.get("source", "image")
+    if model_uri(model) is not None:
+        if source != "image":
+            raise SpecError("model.source, claimName and hostPath go with model.path; a uri names its own source")
+        cache = model.get("cache") or {}
+        if cache.get("claimName") and cache.get("hostPath"):
+            raise SpecError("model.cache takes a claimName or a hostPath, not both")
+        model = {**model, "path": model_path(model)}
+    elif not str(model["path"]).startswith("/"):
+        raise SpecError("spec.model.path must be an absolute path")
     if source == "pvc" and not model.get("claimName"):
         raise SpecError("model.claimName is required when model.source is pvc")
     if source == "hostPath" and not model.get("hostPath"):
@@ -258,7 +298,7 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     return config
 
 
-RESERVED_VOLUMES = ("socket", "config", "admin-token", "tmp", "dshm", "model")
+RESERVED_VOLUMES = ("socket", "config", "admin-token", "tmp", "dshm", "model", "model-cache", "model-link")
 RESERVED_PATHS = ("/run/overlap", "/etc/overlap", "/var/run/secrets/overlap", "/tmp", "/dev/shm")
 
 

@@ -1,7 +1,8 @@
 """Status per the Kubernetes API conventions: conditions with reasons, computed by pure functions.
 
 Condition types: Ready (pods serve), Progressing (a rollout or scale is under way), Degraded (the operator cannot
-do what the spec asks); Scaling and Tuned belong to the controller (a later issue) and use the same helpers.
+do what the spec asks), ModelReady (a fetched model.uri is in the pods' cache); Scaling and Tuned belong to the
+control loop and use the same helpers.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 READY, PROGRESSING, DEGRADED, SCALING, TUNED = "Ready", "Progressing", "Degraded", "Scaling", "Tuned"
+MODEL_READY = "ModelReady"
 
 
 def now_iso() -> str:
@@ -65,20 +67,60 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
             problems.append(f"pod {name}: {scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}")
             continue
         found = []
-        for container in pod_status.get("containerStatuses") or []:
-            waiting = (container.get("state") or {}).get("waiting") or {}
+        statuses = [("init container", c) for c in pod_status.get("initContainerStatuses") or []]
+        statuses += [("container", c) for c in pod_status.get("containerStatuses") or []]
+        for kind, container in statuses:
+            state = container.get("state") or {}
+            waiting, failed = state.get("waiting") or {}, state.get("terminated") or {}
+            if failed.get("exitCode"):  # an init container that failed, not yet restarted
+                waiting = {"reason": failed.get("reason") or "Error", "message": failed.get("message")}
+                container = {**container, "lastState": {"terminated": failed}}
             if waiting.get("reason") and waiting["reason"] not in _STARTING:
-                text = f"container {container['name']} {waiting['reason']}"
+                text = f"{kind} {container['name']} {waiting['reason']}"
                 last = (container.get("lastState") or {}).get("terminated") or {}
                 if last:
                     text += f" (exited with code {last.get('exitCode')}, restarts {container.get('restartCount', 0)})"
-                found.append(text + (f": {waiting['message']}" if waiting.get("message") else ""))
+                message = waiting.get("message") or last.get("message")
+                found.append(text + (f": {message.strip()}" if message else ""))
         if not found and pod_status.get("reason"):
             found.append(f"{pod_status['reason']}: {pod_status.get('message', '')}".rstrip(": "))
         if not found and ready.get("message"):
             found.append(ready["message"])  # e.g. "containers with unready status: [sidecar]"
         problems += [f"pod {name}: {text}" for text in found]
     return problems
+
+
+def model_condition(
+    pods: Sequence[Mapping[str, Any]],
+    container: str,
+    uri: str,
+    when: str,
+    generation: int | None,
+    progress: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """ModelReady of a fetched model from the pods' fetch init containers: True once one pod has it, else the
+    failure in the source's words (the fetch's termination message), else the fetch's progress."""
+    done, failed, fetching = [], [], []
+    for pod in pods:
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        name, pod_status = pod["metadata"]["name"], pod.get("status") or {}
+        fetch = next((c for c in pod_status.get("initContainerStatuses") or [] if c.get("name") == container), {})
+        state, last = fetch.get("state") or {}, (fetch.get("lastState") or {}).get("terminated") or {}
+        ended = state.get("terminated") or {}
+        if ended and not ended.get("exitCode"):
+            done.append(name)
+        elif ended or last:
+            failed.append(f"pod {name}: {((ended or last).get('message') or 'the fetch failed').strip()}")
+        elif "running" in state:
+            fetching.append(f"pod {name}: {(progress or {}).get(name) or f'fetching {uri}'}")
+    if done:
+        return condition(MODEL_READY, True, "Fetched", f"{uri} is in the cache of {len(done)} pod(s)", generation, when)
+    if failed:
+        return condition(MODEL_READY, False, "FetchFailed", "; ".join(failed[:2]), generation, when)
+    if fetching:
+        return condition(MODEL_READY, False, "Fetching", "; ".join(fetching[:2]), generation, when)
+    return condition(MODEL_READY, None, "Pending", f"no pod has started fetching {uri} yet", generation, when)
 
 
 def rollout_conditions(
@@ -176,9 +218,14 @@ def service_status(
 
 
 def rollout_status(
-    owner: Mapping[str, Any], deployment: Mapping[str, Any] | None, when: str, problems: Sequence[str] = ()
+    owner: Mapping[str, Any],
+    deployment: Mapping[str, Any] | None,
+    when: str,
+    problems: Sequence[str] = (),
+    model: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The part of the status that follows the Deployment and its pods (replica counts, Ready, Progressing)."""
+    """The part of the status that follows the Deployment and its pods (replica counts, Ready, Progressing, and
+    `model`: ModelReady, for a fetched model)."""
     status = owner.get("status") or {}
     generation = status.get("observedGeneration")
     desired = owner["spec"].get("replicas", 1)
@@ -189,6 +236,8 @@ def rollout_status(
     # Set Degraded on a Deployment failure, clear it when that failure ends; a spec problem's Degraded stays.
     if failure["status"] == "True" or was.get("reason") in _DEPLOYMENT_FAILURES:
         new.append(failure)
+    if model is not None:
+        new.append(dict(model))
     return {
         "replicas": dep_status.get("replicas") or 0,
         "readyReplicas": dep_status.get("readyReplicas") or 0,

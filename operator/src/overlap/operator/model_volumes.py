@@ -1,0 +1,80 @@
+"""The model's part of the pod: the volume the weights are read from and, for a fetched `model.uri`, the cache
+volume and the init container that fetches into it (`overlap model fetch`, from the engine image).
+
+A fetched model is read through a link the fetch leaves in an emptyDir (the cache folder's name holds the resolved
+revision, which the operator does not know); every pod that sees the cache (the node's, or a shared claim) finds a
+model fetched before and fetches nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from overlap.operator import spec as specs
+
+FETCH_CONTAINER = "fetch"
+FETCH_RESOURCES = {"cpu": "1", "memory": "2Gi"}
+
+
+@dataclass
+class ModelParts:
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    engine_mounts: list[dict[str, Any]] = field(default_factory=list)
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelParts:
+    """What the defaulted spec's model needs in the pod; `security` is the containers' securityContext."""
+    model = spec["model"]
+    uri = specs.model_uri(model)
+    if uri is None:
+        if model["source"] == "pvc":
+            volume = {"name": "model", "persistentVolumeClaim": {"claimName": model["claimName"], "readOnly": True}}
+        elif model["source"] == "hostPath":
+            volume = {"name": "model", "hostPath": {"path": model["hostPath"], "type": "Directory"}}
+        else:
+            return ModelParts()  # baked into the image
+        return ModelParts([volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}])
+    if not uri.fetched:  # pvc://CLAIM/PATH
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": uri.location, "readOnly": True}}
+        return ModelParts([volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}])
+
+    cache = model.get("cache") or {}
+    if cache.get("claimName"):
+        cache_volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
+        fetch_security = dict(security)  # the pod's fsGroup makes the claim writable
+    else:
+        path = cache.get("hostPath") or specs.DEFAULT_MODEL_CACHE_HOSTPATH
+        cache_volume = {"name": "model-cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+        # kubelet creates the node folder as root (0755) and fsGroup never reaches a hostPath: the fetch runs as
+        # root there, with no capabilities; what it writes stays readable by the engine's user.
+        fetch_security = {**security, "runAsUser": 0, "runAsNonRoot": False}
+    args = ["model", "fetch", uri.text, "--cache-dir", specs.MODEL_CACHE_DIR, "--link", specs.MODEL_LINK]
+    if cache.get("maxSizeGi"):
+        args += ["--max-cache-gb", f"{cache['maxSizeGi'] * 2**30 / 1e9:.3f}"]
+    fetch = {
+        "name": FETCH_CONTAINER,
+        "image": spec["images"]["engine"],
+        "imagePullPolicy": spec["images"]["pullPolicy"],
+        "command": ["overlap"],
+        "args": args,
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": dict(FETCH_RESOURCES), "limits": dict(FETCH_RESOURCES)},
+        "securityContext": fetch_security,
+        # `overlap model fetch` writes a failure's reason there; the log's tail if it died before it could.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": "model-cache", "mountPath": specs.MODEL_CACHE_DIR},
+            {"name": "model-link", "mountPath": specs.MODEL_LINK_DIR},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    if model.get("secretRef"):
+        fetch["envFrom"] = [{"secretRef": {"name": model["secretRef"]["name"]}}]
+    mounts = [
+        {"name": "model-cache", "mountPath": specs.MODEL_CACHE_DIR, "readOnly": True},
+        {"name": "model-link", "mountPath": specs.MODEL_LINK_DIR, "readOnly": True},
+    ]
+    return ModelParts([cache_volume, {"name": "model-link", "emptyDir": {}}], mounts, [fetch])

@@ -1,0 +1,128 @@
+"""`model.uri: hf://...` on podman pods (`make e2e`): the fetch init container takes the model from a loopback hub
+into the node's cache, the engine serves it, and a second replica on the node starts from the cache with 0 bytes
+fetched; a repository the hub does not have fails the fetch, and ModelReady says so in the hub's words."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.cluster import CRD_FILE, NAMESPACE, ApiThread, Cluster, running_operator, wait_for, write_kubeconfig
+from tests.support.images import require_images
+from tests.support.model_sources import HubServer
+from tests.support.node_agent import NodeAgent
+from tests.support.sidecar import http
+
+pytestmark = pytest.mark.e2e
+REPORT = Path("e2e-report") / "model-delivery.md"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[dict]:
+    require_images()
+    workdir = tmp_path_factory.mktemp("delivery")
+    api_thread = ApiThread()
+    agent = hub = None
+    try:
+        cluster = Cluster(api_thread, write_kubeconfig(workdir / "kubeconfig", api_thread.url, NAMESPACE))
+        cluster.apply("-f", str(CRD_FILE))
+        agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node").start()
+        cluster.api.pod_logs = agent.container_log  # the API server asks the node for `pods/log`, as for kubelet
+        files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+        hub = HubServer({"acme/tiny": files}, host=agent.gateway).start()  # where the pods reach the host
+        with running_operator(cluster, workdir, "--namespace", NAMESPACE, "--standalone"):
+            yield {"cluster": cluster, "agent": agent, "hub": hub, "cache": workdir / "cache"}
+    finally:
+        if hub is not None:
+            hub.stop()
+        if agent is not None:
+            agent.stop()
+        api_thread.close()
+
+
+def _service(name: str, uri: str, hub: HubServer, cache: Path, replicas: int = 1) -> str:
+    spec = {
+        "model": {"servedName": "tiny", "uri": uri, "cache": {"hostPath": str(cache)}},
+        "replicas": replicas,
+        "resources": {"gpus": 0, "engine": {"cpu": "1", "memory": "2Gi"}},
+        "engine": {"maxNumSeqs": 4, "maxSeqLen": 256, "maxNumBatchedTokens": 256},
+        "sidecar": {"gracePeriodSeconds": 1},
+        "pod": {"env": [{"name": "HF_ENDPOINT", "value": hub.url}]},
+    }
+    body = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}, "spec": spec}
+    return yaml.safe_dump(body)
+
+
+def _condition(cluster: Cluster, name: str, kind: str) -> dict:
+    conditions = (cluster.service(name).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == kind), {})
+
+
+def _seconds(start: str, end: str) -> float:
+    parse = lambda text: datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ")  # noqa: E731
+    return (parse(end) - parse(start)).total_seconds()
+
+
+def test_the_first_pod_fetches_and_a_second_starts_from_the_nodes_cache(node):
+    cluster, agent, hub = node["cluster"], node["agent"], node["hub"]
+    size = sum(len(data) for data in hub.repos["acme/tiny"].values())
+    cluster.apply("-f", "-", stdin=_service("fetched", "hf://acme/tiny", hub, node["cache"]))
+    try:
+        first_asked = time.monotonic()
+        wait_for(lambda: cluster.service("fetched").get("status", {}).get("readyReplicas") == 1, 240,
+                 "the first pod to fetch and serve", interval=1)  # fmt: skip
+        first_s = time.monotonic() - first_asked
+        fetched_once = hub.sent
+        assert fetched_once >= size  # every file went over the wire once
+        ready = wait_for(lambda: (c := _condition(cluster, "fetched", "ModelReady")).get("status") == "True" and c,
+                         30, "ModelReady")  # fmt: skip
+        assert ready["reason"] == "Fetched"
+        host, port = agent.service_address("fetched")
+        body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4}
+        status, _, reply = http("POST", f"http://{host}:{port}/v1/completions", body, timeout=60)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+
+        cluster.kubectl("patch", "oisvc", "fetched", "--type=merge", "-p", '{"spec":{"replicas":2}}')
+        second_asked = time.monotonic()
+        wait_for(lambda: cluster.service("fetched").get("status", {}).get("readyReplicas") == 2, 240,
+                 "the second pod to start from the cache", interval=1)  # fmt: skip
+        second_s = time.monotonic() - second_asked
+        assert hub.sent == fetched_once  # 0 bytes for the second replica
+        pods = [p for p in agent.pods.values() if p.deployment == "fetched" and not p.terminating]
+        logs = [agent.container_log(p.name, "fetch") for p in pods]
+        assert sum("nothing to fetch" in log for log in logs) == 1, logs
+        fetch_s = {}
+        for pod in cluster.core.list_namespaced_pod(
+            NAMESPACE, label_selector="overlap.dev/inferenceservice=fetched"
+        ).items:
+            done = pod.status.init_container_statuses[0].state.terminated
+            fetch_s[pod.metadata.name] = _seconds(done.started_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                                                  done.finished_at.strftime("%Y-%m-%dT%H:%M:%SZ"))  # fmt: skip
+        REPORT.parent.mkdir(exist_ok=True)
+        REPORT.write_text(
+            "| replica | asked to ready (s) | bytes from the hub |\n|---|---|---|\n"
+            f"| first (fetches {size / 1e6:.0f} MB) | {first_s:.1f} | {fetched_once} |\n"
+            f"| second (from the node's cache) | {second_s:.1f} | {hub.sent - fetched_once} |\n\n"
+            f"fetch init containers, started to finished (s, whole seconds): {json.dumps(fetch_s)}\n"
+        )
+    finally:
+        cluster.kubectl("delete", "inferenceservice", "fetched")
+
+
+def test_a_repository_the_hub_does_not_have_is_a_fetch_failure_in_the_hubs_words(node):
+    cluster, hub = node["cluster"], node["hub"]
+    cluster.apply("-f", "-", stdin=_service("missing", "hf://acme/missing", hub, node["cache"]))
+    try:
+        failed = wait_for(lambda: (c := _condition(cluster, "missing", "ModelReady")).get("reason") == "FetchFailed"
+                          and c, 120, "ModelReady FetchFailed", interval=1)  # fmt: skip
+        assert failed["status"] == "False" and "hf://acme/missing" in failed["message"] and "404" in failed["message"]
+        ready = _condition(cluster, "missing", "Ready")
+        assert ready["status"] == "False" and "init container fetch" in ready["message"], ready
+    finally:
+        cluster.kubectl("delete", "inferenceservice", "missing")

@@ -1,0 +1,192 @@
+"""`overlap model fetch` against loopback sources with faults (tests/support/model_sources.py): each case ends with
+the right model or a clear error in the source's words, and nothing half-written where a model is read from."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from overlap.engine.delivery.fetch import fetch
+from overlap.engine.delivery.sources import FetchError
+from overlap.engine.delivery.uri import ModelURIError, parse
+from tests.support.model_sources import FileServer, HubServer, MotoServer
+from tests.support.sidecar import overlap_cmd
+
+REPO_ID = "acme/tiny-chat"
+WEIGHTS = os.urandom(3 << 20)
+MODEL = {
+    "config.json": b'{"model_type": "llama"}',
+    "tokenizer.json": b'{"version": "1.0"}',
+    "model.safetensors": WEIGHTS,
+    "README.md": b"not part of a model folder",
+}
+FOLDER = {k: v for k, v in MODEL.items() if k != "README.md"}
+
+
+@pytest.fixture(autouse=True)
+def _quick(monkeypatch):
+    monkeypatch.setenv("OVERLAP_FETCH_BACKOFF_S", "0.05")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    server = HubServer({REPO_ID: dict(MODEL)}).start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    yield server
+    server.stop()
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()
+            and p.name != ".overlap-last-used"}  # fmt: skip
+
+
+def _only_whole_models(cache: Path) -> list[Path]:
+    """The models a reader could load: everything outside .partial and .locks."""
+    return [p for p in cache.glob("hf/*/*") if p.is_dir()] + [p for p in cache.glob("s3/*/*/*") if p.is_dir()]
+
+
+def test_uris_parse_or_say_what_is_wrong():
+    assert parse("hf://Qwen/Qwen2.5-0.5B-Instruct@v1.0").revision == "v1.0"
+    assert parse("s3://models/qwen/0.5b").path == "qwen/0.5b"
+    assert parse("pvc://weights/llama").location == "weights" and not parse("pvc://weights/llama").fetched
+    assert parse("https://h.example/m.tar.gz#sha256=" + "a" * 64).sha256 == "a" * 64
+    for bad, words in [("ftp://x/y", "scheme"), ("hf://just-a-name", "hf://ORG/NAME"), ("hf://a/b@", "empty revision"),
+                       ("https://h.example/model.bin", "archive"), ("s3://Bad_Bucket/x", "bucket")]:  # fmt: skip
+        with pytest.raises(ModelURIError, match=words):
+            parse(bad)
+
+
+def test_a_hub_model_is_fetched_once_and_checked(hub, tmp_path):
+    path, fetched = fetch(f"hf://{REPO_ID}", tmp_path, progress=lambda _: None)
+    assert _files(path) == FOLDER  # what a model folder needs, not the README
+    assert fetched == sum(len(v) for v in FOLDER.values())
+    again, fetched_again = fetch(f"hf://{REPO_ID}@main", tmp_path, progress=lambda _: None)
+    assert again == path and fetched_again == 0
+    assert hub.gets[f"{REPO_ID}/model.safetensors"] == 1
+
+
+@pytest.mark.parametrize("fault", ["stall", "5xx", "drop", "truncate"])
+def test_a_hub_fault_mid_file_is_retried_and_resumed(hub, tmp_path, fault):
+    hub.fault(f"{REPO_ID}/model.safetensors", fault)
+    path, _ = fetch(f"hf://{REPO_ID}", tmp_path, stall_s=1, progress=lambda _: None)
+    assert _files(path) == FOLDER
+    if fault in ("stall", "drop"):  # resumed at the byte offset, not fetched again from the start
+        assert hub.sent < sum(len(v) for v in FOLDER.values()) + len(WEIGHTS)
+
+
+def test_a_wrong_hash_is_an_error_and_leaves_no_model(hub, tmp_path):
+    hub.fault(f"{REPO_ID}/model.safetensors", "corrupt")
+    with pytest.raises(FetchError, match=r"model\.safetensors: sha256 \w+ does not match the hub's"):
+        fetch(f"hf://{REPO_ID}", tmp_path, progress=lambda _: None)
+    assert _only_whole_models(tmp_path) == []
+
+
+def test_a_401_is_an_error_in_the_hubs_words(monkeypatch, tmp_path):
+    server = HubServer({REPO_ID: dict(MODEL)}, token="hf_right").start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    try:
+        monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+        with pytest.raises(FetchError, match="401"):
+            fetch(f"hf://{REPO_ID}", tmp_path, progress=lambda _: None)
+        monkeypatch.setenv("HF_TOKEN", "hf_right")
+        path, _ = fetch(f"hf://{REPO_ID}", tmp_path, progress=lambda _: None)
+        assert _files(path) == FOLDER
+    finally:
+        server.stop()
+
+
+def test_a_missing_repository_or_revision_says_so(hub, tmp_path):
+    with pytest.raises(FetchError, match="404"):
+        fetch("hf://acme/nothing-here", tmp_path, progress=lambda _: None)
+    with pytest.raises(FetchError, match="404"):
+        fetch(f"hf://{REPO_ID}@no-such-branch", tmp_path, progress=lambda _: None)
+
+
+def test_two_fetches_at_once_download_it_once(hub, tmp_path):
+    hub.fault(f"{REPO_ID}/model.safetensors", "stall")  # holds the first fetch mid-file while the second arrives
+    cmd = overlap_cmd("model", "fetch", f"hf://{REPO_ID}", "--cache-dir", str(tmp_path), "--stall-s", "2")
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "OVERLAP_FETCH_BACKOFF_S": "0.05"}
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert outputs[0][0] == outputs[1][0]  # the same folder
+    assert _files(Path(outputs[0][0].strip())) == FOLDER
+    assert any("another fetch of it is under way" in err for _, err in outputs), outputs
+    assert hub.sent < 2 * len(WEIGHTS)  # fetched once (the stalled half resumed, not twice over)
+
+
+def test_the_command_prints_the_folder_or_writes_the_reason_for_the_pod_status(hub, tmp_path):
+    link = tmp_path / "model" / "current"
+    done = subprocess.run(overlap_cmd("model", "fetch", f"hf://{REPO_ID}", "--cache-dir", str(tmp_path / "cache"),
+                                      "--link", str(link)), env={**os.environ, "HF_ENDPOINT": hub.url},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert link.resolve() == Path(done.stdout.strip()) and (link / "config.json").exists()
+    assert "fetched 0.00 GB" in done.stderr or "GB in" in done.stderr
+    log = tmp_path / "termination-log"
+    log.touch()
+    failed = subprocess.run(overlap_cmd("model", "fetch", "hf://acme/missing", "--cache-dir", str(tmp_path / "cache"),
+                                        "--termination-log", str(log)), env={**os.environ, "HF_ENDPOINT": hub.url},
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert failed.returncode == 1 and "404" in failed.stderr
+    assert "hf://acme/missing" in log.read_text() and "404" in log.read_text()
+
+
+def _archive(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"tiny-chat/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_an_archive_over_http_resumes_after_a_drop_and_checks_its_hash(tmp_path):
+    archive = _archive(FOLDER)
+    server = FileServer({"tiny-chat.tar.gz": archive}).start()
+    try:
+        server.fault("tiny-chat.tar.gz", "drop")
+        uri = f"{server.url}/tiny-chat.tar.gz#sha256={hashlib.sha256(archive).hexdigest()}"
+        path, _ = fetch(uri, tmp_path, stall_s=2, progress=lambda _: None)
+        assert _files(path) == FOLDER
+        assert server.sent < 2 * len(archive)
+        wrong = f"{server.url}/tiny-chat.tar.gz#sha256={'0' * 64}"
+        with pytest.raises(FetchError, match="does not match the uri's"):
+            fetch(wrong, tmp_path / "other", progress=lambda _: None)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    server = MotoServer(tmp_path_factory.mktemp("moto"))
+    yield server
+    server.stop()
+
+
+def test_a_bucket_prefix_is_fetched_once_and_a_missing_bucket_says_so(moto, tmp_path, monkeypatch):
+    from minio import Minio
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto.url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    client = Minio(moto.url.removeprefix("http://"), access_key="test", secret_key="test", secure=False)
+    client.make_bucket("models")
+    for name, data in FOLDER.items():
+        client.put_object("models", f"acme/tiny-chat/{name}", io.BytesIO(data), len(data))
+    path, fetched = fetch("s3://models/acme/tiny-chat", tmp_path, progress=lambda _: None)
+    assert _files(path) == FOLDER and fetched == sum(len(v) for v in FOLDER.values())
+    assert fetch("s3://models/acme/tiny-chat", tmp_path, progress=lambda _: None) == (path, 0)
+    with pytest.raises(FetchError, match=r"NoSuchBucket|does not exist"):
+        fetch("s3://no-such-bucket/x", tmp_path, progress=lambda _: None)

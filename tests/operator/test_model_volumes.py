@@ -1,0 +1,105 @@
+"""model.uri in the pod the operator builds: the fetch init container, the cache volume, the link the engine reads;
+a pvc:// claim mounted; ModelReady from the fetch's state. Checked without Kubernetes (and strictly against the
+pod schema)."""
+
+from __future__ import annotations
+
+import kubernetes_validate
+import pytest
+
+from overlap.operator import children, status
+from overlap.operator import spec as specs
+
+OWNER = {
+    "apiVersion": "overlap.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "llm", "namespace": "ml", "uid": "0f6c1c1e-0000-4000-8000-000000000001", "generation": 1},
+}
+
+
+def pod_of(model: dict, **spec) -> tuple[dict, dict]:
+    """(the pod spec, the engine config) built for this model section."""
+    full = specs.with_defaults({"model": {"servedName": "llm", **model}, **spec})
+    config = specs.check_spec(full)
+    (deployment,) = [
+        o for o in children.build_children(OWNER, full, config, with_servicemonitor=False) if o["kind"] == "Deployment"
+    ]
+    kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+    return deployment["spec"]["template"]["spec"], config
+
+
+def test_a_hub_uri_gets_a_fetch_init_container_on_the_nodes_cache_and_the_engine_reads_its_link():
+    pod, config = pod_of({"uri": "hf://Qwen/Qwen2.5-0.5B-Instruct", "secretRef": {"name": "hf"}},
+                         pod={"env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]})  # fmt: skip
+    (fetch,) = pod["initContainers"]
+    assert fetch["args"] == ["model", "fetch", "hf://Qwen/Qwen2.5-0.5B-Instruct", "--cache-dir", specs.MODEL_CACHE_DIR,
+                             "--link", specs.MODEL_LINK]  # fmt: skip
+    assert fetch["envFrom"] == [{"secretRef": {"name": "hf"}}]
+    assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in fetch["env"]
+    assert fetch["image"] == pod["containers"][0]["image"]  # the engine image carries `overlap model fetch`
+    assert fetch["securityContext"]["runAsUser"] == 0  # a hostPath is created root-owned; fsGroup never reaches it
+    assert fetch["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["hostPath"] == {
+        "path": specs.DEFAULT_MODEL_CACHE_HOSTPATH,
+        "type": "DirectoryOrCreate",
+    }
+    engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    assert mounts["model-cache"]["readOnly"] and mounts["model-link"]["readOnly"]
+    assert config.model == specs.MODEL_LINK
+
+
+def test_a_shared_claim_cache_runs_the_fetch_as_the_engines_user_and_bounds_the_cache():
+    pod, _ = pod_of({"uri": "s3://models/qwen", "cache": {"claimName": "model-cache", "maxSizeGi": 100}})
+    (fetch,) = pod["initContainers"]
+    assert fetch["securityContext"].get("runAsUser") is None  # the pod's user; its fsGroup owns the claim
+    assert fetch["args"][-2:] == ["--max-cache-gb", "107.374"]
+    assert {v["name"]: v for v in pod["volumes"]}["model-cache"]["persistentVolumeClaim"] == {
+        "claimName": "model-cache"
+    }
+
+
+def test_a_pvc_uri_mounts_the_claim_and_reads_the_path_in_it():
+    pod, config = pod_of({"uri": "pvc://weights/llama-3.1-8b"})
+    assert "initContainers" not in pod
+    volume = {v["name"]: v for v in pod["volumes"]}["model"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    assert config.model == "/models/llama-3.1-8b"
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"path": "/m", "uri": "hf://a/b"}, "set exactly one of model.path and model.uri"),
+        ({}, "set exactly one of model.path and model.uri"),
+        ({"uri": "hf://just-a-name"}, "model.uri 'hf://just-a-name': expected hf://ORG/NAME"),
+        ({"uri": "hf://a/b", "source": "pvc", "claimName": "c"}, "a uri names its own source"),
+        ({"uri": "hf://a/b", "cache": {"claimName": "c", "hostPath": "/c"}}, "claimName or a hostPath, not both"),
+    ],
+)
+def test_the_operator_refuses_what_the_schema_would(model: dict, message: str) -> None:
+    with pytest.raises(specs.SpecError, match=message):
+        specs.check_spec(specs.with_defaults({"model": {"servedName": "m", **model}}))
+
+
+def _pod(name: str, fetch: dict) -> dict:
+    return {"metadata": {"name": name}, "status": {"initContainerStatuses": [{"name": "fetch", **fetch}]}}
+
+
+def test_model_ready_follows_the_fetch_init_containers():
+    def model(pods, progress=None):
+        return status.model_condition(pods, "fetch", "hf://a/b", "T", 1, progress)
+
+    assert model([])["status"] == "Unknown"
+    running = _pod("p1", {"state": {"running": {}}})
+    fetching = model([running], {"p1": "hf://a/b: fetching, 1.20 of 5.00 GB (850 MB/s)"})
+    assert (fetching["status"], fetching["reason"]) == ("False", "Fetching") and "1.20 of 5.00 GB" in fetching[
+        "message"
+    ]
+    last = {"terminated": {"exitCode": 1, "message": "hf://a/b: 401 Client Error"}}
+    failed = _pod("p2", {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": last})
+    crashed = model([failed])
+    assert (crashed["reason"], crashed["message"]) == ("FetchFailed", "pod p2: hf://a/b: 401 Client Error")
+    done = _pod("p3", {"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}})
+    assert model([failed, done])["status"] == "True"  # one pod has it: the model is reachable
