@@ -158,6 +158,11 @@ class HubServer(FileServer):
         super().__init__(token=token, host=host)
         self.repos = repos
         self.commits = {repo: hashlib.sha1(repo.encode()).hexdigest() for repo in repos}
+        self.hashes = {  # what the hub stores beside each file: computed once, not per request
+            (repo, name): (hashlib.sha256(data).hexdigest(), git_blob_sha1(data))
+            for repo, files in repos.items()
+            for name, data in files.items()
+        }
 
     def handle(self, request: BaseHTTPRequestHandler, head: bool) -> None:
         import json
@@ -174,9 +179,10 @@ class HubServer(FileServer):
                 return
             siblings = []
             for name, data in self.repos[repo].items():
-                entry = {"rfilename": name, "size": len(data), "blobId": git_blob_sha1(data)}
+                sha256, blob_id = self.hashes[(repo, name)]
+                entry = {"rfilename": name, "size": len(data), "blobId": blob_id}
                 if name.endswith(".safetensors"):
-                    entry["lfs"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                    entry["lfs"] = {"sha256": sha256, "size": len(data), "pointerSize": 134}
                 siblings.append(entry)
             body = {"id": repo, "modelId": repo, "sha": self.commits[repo], "siblings": siblings, "private": False}
             self.reply(request, 200, json.dumps(body).encode(), "application/json")
@@ -190,7 +196,8 @@ class HubServer(FileServer):
                        {"X-Error-Code": "EntryNotFound"})  # fmt: skip
             return
         data = files[name]
-        etag = hashlib.sha256(data).hexdigest() if name.endswith(".safetensors") else git_blob_sha1(data)
+        sha256, blob_id = self.hashes[(repo, name)]
+        etag = sha256 if name.endswith(".safetensors") else blob_id
         self.send_file(
             request, f"{repo}/{name}", data, head, {"ETag": f'"{etag}"', "X-Repo-Commit": self.commits[repo]}
         )

@@ -107,6 +107,8 @@ class HubSource:
         from huggingface_hub import HfApi, constants
 
         constants.HF_HUB_DOWNLOAD_TIMEOUT = max(1, round(stall_s))  # a read that waits this long is a stall
+        # huggingface_hub joins the network's reads into 10 MiB chunks, a copy per read: 1 MiB chunks cost far less
+        constants.DOWNLOAD_CHUNK_SIZE = 1 << 20
         self.uri, self.token = uri, token or os.environ.get("HF_TOKEN")
         self.endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT  # read now, not when the hub was imported
         self.api = HfApi(endpoint=self.endpoint, token=self.token)
