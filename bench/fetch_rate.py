@@ -3,7 +3,7 @@ safetensors shards): the link's rate (the same files over plain parallel GETs, b
 rate (download, hash check, move into place) and the warm fetch's time (found in the cache). The hub runs in its
 own process (tests/support/model_sources.py), so it does not share the fetch's interpreter.
 
-    .venv/bin/python bench/fetch_rate.py 1 5      # from the repository root; needs N GB of memory and 2N of disk
+    .venv/bin/python -m bench.fetch_rate 1 5      # from the repository root; needs N GB of memory and 2N of disk
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def _serve(gb: float, ready: multiprocessing.Queue, stop) -> None:
