@@ -411,9 +411,13 @@ def test_the_pods_service_of_a_63_character_name_is_still_a_dns_label():
 
 def test_a_cold_gpu_start_gets_a_progress_deadline_that_covers_it() -> None:
     # Kubernetes' default of 600 s would call a normal cold start (an image of several GB, a model load) stuck.
-    assert build()["Deployment"]["spec"]["progressDeadlineSeconds"] == 1800
-    slow = build({"pod": {"startupSeconds": 3600}})["Deployment"]["spec"]
-    assert slow["progressDeadlineSeconds"] == 3600 + 600
+    # The deadline covers the start kubelet allows the engine (startupSeconds, default 3600 s) and the image pull:
+    # a rollout is not called stuck while a pod may still legitimately be starting.
+    assert build()["Deployment"]["spec"]["progressDeadlineSeconds"] == children.DEFAULT_STARTUP_S + 600
+    slow = build({"pod": {"startupSeconds": 7200}})["Deployment"]["spec"]
+    assert slow["progressDeadlineSeconds"] == 7200 + 600
+    quick = build({"pod": {"startupSeconds": 300}})["Deployment"]["spec"]
+    assert quick["progressDeadlineSeconds"] == 300 + 600
 
 
 def test_the_default_pod_fits_a_4_vcpu_16_gib_gpu_node_beside_its_daemons() -> None:

@@ -51,9 +51,9 @@ ENGINE_PROBE_TIMEOUT_S = 20
 ENGINE_PROBE = ["python", "-m", "overlap.engine.serving.probe", "--socket", SOCKET, "--timeout",
                 str(ENGINE_PROBE_TIMEOUT_S)]  # fmt: skip
 # How long a rollout may go without progress before the Deployment (and so the service) reports it stuck: a cold GPU
-# pod pulls an image of several GB and loads a model, which Kubernetes' default of 600 s does not cover. At least
-# this, and the model's startupSeconds plus ten minutes for the pull and scheduling where that is longer.
-PROGRESS_DEADLINE_S = 1800
+# pod pulls an image of several GB, maybe fetches its model, and loads it, which Kubernetes' default of 600 s does not
+# cover. The time kubelet allows the engine to start (startupSeconds, its default included) plus this for the pull.
+PULL_MARGIN_S = 600
 
 
 def scales_to_zero(spec: Mapping[str, Any]) -> bool:
@@ -384,7 +384,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
         "spec": {
             "replicas": spec["replicas"],
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": max(PROGRESS_DEADLINE_S, (pod.get("startupSeconds") or 0) + 600),
+            "progressDeadlineSeconds": startup_s + PULL_MARGIN_S,
             "selector": {"matchLabels": selector_labels(name)},
             # By default a new pod comes up before an old one goes, one at a time (spec.rollout).
             "strategy": {
