@@ -14,12 +14,11 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from tests.support.sidecar import free_port
+from tests.support.sidecar import Proc, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 MOTO_VENV = REPO / ".cache" / "tools" / "moto"
@@ -222,27 +221,10 @@ class MotoServer:
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = (workdir / "moto.log").open("w")
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-        self.proc = subprocess.Popen([str(ensure_moto()), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"moto_server did not start: {(workdir / 'moto.log').read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.2)
+        self.proc = Proc([str(ensure_moto()), "-H", "127.0.0.1", "-p", str(self.port)], workdir / "moto.log", env)
+        wait_until(lambda: socket.create_connection(("127.0.0.1", self.port), timeout=1).close() or True, 60,
+                   "moto_server to listen", self.proc)  # fmt: skip
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.log.close()
+        self.proc.stop()

@@ -749,19 +749,18 @@ class NodeAgent:
             if state.get("ExitCode") == 0:
                 container.running, container.completed = False, True
                 container.last_exit = {"exitCode": 0, "reason": "Completed", "startedAt": container.started_at,
-                                       "finishedAt": now_iso(), **self._termination_message(container)}  # fmt: skip
+                                       "finishedAt": now_iso(), **self._termination_message(container, 0)}  # fmt: skip
                 self.note(f"pod {pod.name}: init container {container.name} completed")
                 continue
             self._exited(pod, container, state)
             return False
         return True
 
-    def _termination_message(self, container: Container) -> dict[str, str]:
+    def _termination_message(self, container: Container, exit_code: int) -> dict[str, str]:
         """What the container wrote to its terminationMessagePath, else (FallbackToLogsOnError, after a failure)
         its log's tail, as kubelet reports it."""
         text = container.message_file.read_text()[:4096] if container.message_file else ""
-        failed = self.podman.state(container.id).get("ExitCode") if container.id else 0
-        if not text and failed and container.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+        if not text and exit_code and container.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
             text = "\n".join(self.podman.logs(container.id).splitlines()[-80:])[-2048:]
         return {"message": text} if text else {}
 
@@ -781,7 +780,7 @@ class NodeAgent:
         container.last_exit = {"exitCode": state.get("ExitCode", -1), "reason": "OOMKilled" if state.get("OOMKilled")
                                else "Error" if state.get("ExitCode") else "Completed",
                                "startedAt": container.started_at, "finishedAt": now_iso(),
-                               **self._termination_message(container)}  # fmt: skip
+                               **self._termination_message(container, state.get("ExitCode", -1))}  # fmt: skip
         container.restarts += 1
         delay = BACKOFF_S[min(container.restarts - 1, len(BACKOFF_S) - 1)]
         container.retry_at = time.monotonic() + delay

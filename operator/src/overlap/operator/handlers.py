@@ -228,9 +228,7 @@ def _fetch_progress(pods: list[dict[str, Any]]) -> dict[str, str]:
     """The last progress line of each pod's running fetch (its log's tail, as `kubectl logs -c fetch` shows)."""
     lines = {}
     for pod in pods:
-        fetch = next((c for c in (pod.get("status") or {}).get("initContainerStatuses") or []
-                      if c.get("name") == FETCH_CONTAINER), {})  # fmt: skip
-        if "running" in (fetch.get("state") or {}):
+        if "running" in (status.init_container(pod, FETCH_CONTAINER).get("state") or {}):
             line = kube.log_tail(pod["metadata"]["name"], pod["metadata"]["namespace"], FETCH_CONTAINER)
             if line:
                 lines[pod["metadata"]["name"]] = line

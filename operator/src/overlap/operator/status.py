@@ -45,6 +45,12 @@ def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str
 _STARTING = {"ContainerCreating", "PodInitializing"}
 
 
+def init_container(pod: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The pod's status of its init container `name` ({} before kubelet reports it)."""
+    statuses = (pod.get("status") or {}).get("initContainerStatuses") or []
+    return next((c for c in statuses if c.get("name") == name), {})
+
+
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
@@ -71,17 +77,17 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
         statuses += [("container", c) for c in pod_status.get("containerStatuses") or []]
         for kind, container in statuses:
             state = container.get("state") or {}
-            waiting, failed = state.get("waiting") or {}, state.get("terminated") or {}
-            if failed.get("exitCode"):  # an init container that failed, not yet restarted
-                waiting = {"reason": failed.get("reason") or "Error", "message": failed.get("message")}
-                container = {**container, "lastState": {"terminated": failed}}
-            if waiting.get("reason") and waiting["reason"] not in _STARTING:
-                text = f"{kind} {container['name']} {waiting['reason']}"
-                last = (container.get("lastState") or {}).get("terminated") or {}
-                if last:
-                    text += f" (exited with code {last.get('exitCode')}, restarts {container.get('restartCount', 0)})"
-                message = waiting.get("message") or last.get("message")
-                found.append(text + (f": {message.strip()}" if message else ""))
+            failed = state.get("terminated") or {}
+            failed = failed if failed.get("exitCode") else {}  # an init container that failed, not yet restarted
+            reason = (state.get("waiting") or {}).get("reason") or (failed and (failed.get("reason") or "Error"))
+            if not reason or reason in _STARTING:
+                continue
+            last = failed or (container.get("lastState") or {}).get("terminated") or {}
+            text = f"{kind} {container['name']} {reason}"
+            if last:
+                text += f" (exited with code {last.get('exitCode')}, restarts {container.get('restartCount', 0)})"
+            message = (state.get("waiting") or {}).get("message") or last.get("message")
+            found.append(text + (f": {message.strip()}" if message else ""))
         if not found and pod_status.get("reason"):
             found.append(f"{pod_status['reason']}: {pod_status.get('message', '')}".rstrip(": "))
         if not found and ready.get("message"):
@@ -104,8 +110,7 @@ def model_condition(
     for pod in pods:
         if pod["metadata"].get("deletionTimestamp"):
             continue
-        name, pod_status = pod["metadata"]["name"], pod.get("status") or {}
-        fetch = next((c for c in pod_status.get("initContainerStatuses") or [] if c.get("name") == container), {})
+        name, fetch = pod["metadata"]["name"], init_container(pod, container)
         state, last = fetch.get("state") or {}, (fetch.get("lastState") or {}).get("terminated") or {}
         ended = state.get("terminated") or {}
         if ended and not ended.get("exitCode"):

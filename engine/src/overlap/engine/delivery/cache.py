@@ -23,6 +23,11 @@ from pathlib import Path
 LAST_USED = ".overlap-last-used"  # touched at each use: eviction's clock
 
 
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under `folder` (links not followed)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+
+
 class ModelCache:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -71,8 +76,7 @@ class ModelCache:
             folder = marker.parent
             if ".partial" in folder.relative_to(self.root).parts:
                 continue
-            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
-            found.append((folder.relative_to(self.root).as_posix(), size, marker.stat().st_mtime))
+            found.append((folder.relative_to(self.root).as_posix(), folder_bytes(folder), marker.stat().st_mtime))
         return found
 
     def evict(self, max_bytes: int, keep: str) -> list[str]:

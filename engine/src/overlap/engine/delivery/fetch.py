@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from overlap.engine.delivery.cache import ModelCache
+from overlap.engine.delivery.cache import ModelCache, folder_bytes
 from overlap.engine.delivery.sources import FetchError, source_for
 from overlap.engine.delivery.uri import ModelURIError, parse
 
@@ -48,11 +48,11 @@ def fetch(
             else:
                 partial = cache.partial(key)
                 partial.mkdir(parents=True, exist_ok=True)
-                already = _bytes_under(partial)
+                already = folder_bytes(partial)
                 started = time.monotonic()
                 with _Reporter(str(uri), partial, total, progress):
                     source.download(partial)
-                fetched = max(0, _bytes_under(partial) - already)
+                fetched = max(0, folder_bytes(partial) - already)
                 seconds = time.monotonic() - started
                 cache.commit(key)
                 rate = fetched / seconds / 1e6 if seconds > 0 else 0.0
@@ -75,10 +75,6 @@ def _link(link: Path, target: Path) -> None:
     os.replace(temporary, link)
 
 
-def _bytes_under(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
-
-
 class _Reporter:
     """A progress line every PROGRESS_EVERY_S while a fetch runs: bytes so far, of how many, and the rate."""
 
@@ -96,9 +92,9 @@ class _Reporter:
         self.thread.join()
 
     def _run(self) -> None:
-        last_bytes, last_time = _bytes_under(self.folder), time.monotonic()
+        last_bytes, last_time = folder_bytes(self.folder), time.monotonic()
         while not self.stop.wait(PROGRESS_EVERY_S):
-            done, now = _bytes_under(self.folder), time.monotonic()
+            done, now = folder_bytes(self.folder), time.monotonic()
             rate = (done - last_bytes) / (now - last_time) / 1e6
             of = f" of {self.total / 1e9:.2f}" if self.total else ""
             self.progress(f"{self.what}: fetching, {done / 1e9:.2f}{of} GB ({rate:.0f} MB/s)")

@@ -11,6 +11,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import shutil
 import tarfile
 import time
 from collections.abc import Callable
@@ -80,21 +81,21 @@ def backoff_s() -> float:
     return float(os.environ.get("OVERLAP_FETCH_BACKOFF_S") or 1.0)
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def file_digest(path: Path, digest) -> str:
+    """`digest` (a hashlib object, maybe already fed a header) over the file's bytes, as hex."""
     with path.open("rb") as handle:
         while chunk := handle.read(8 << 20):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    return file_digest(path, hashlib.sha256())
 
 
 def git_blob_sha1(path: Path) -> str:
     """The git object id of a file (a hub file outside LFS is checked against it)."""
-    digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())
-    with path.open("rb") as handle:
-        while chunk := handle.read(8 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_digest(path, hashlib.sha1(f"blob {path.stat().st_size}\0".encode()))
 
 
 # ---- the hub ---------------------------------------------------------------------------------------------------
@@ -136,20 +137,23 @@ class HubSource:
 
     def download(self, into: Path) -> None:
         with ThreadPoolExecutor(8) as pool:
-            for future in [pool.submit(self._one, into, *f) for f in self.files]:
+            for future in [
+                pool.submit(self._one, into, name, sha256, blob_id) for name, _, sha256, blob_id in self.files
+            ]:
                 future.result()
-        _remove_tree(into / ".cache")  # huggingface_hub's download bookkeeping
+        shutil.rmtree(into / ".cache", ignore_errors=True)  # huggingface_hub's download bookkeeping
 
-    def _one(self, into: Path, name: str, size: int | None, sha256: str | None, blob_id: str | None) -> None:
+    def _one(self, into: Path, name: str, sha256: str | None, blob_id: str | None) -> None:
         from huggingface_hub import hf_hub_download
 
         def attempt() -> None:
             path = Path(hf_hub_download(self.uri.location, name, revision=self.commit, local_dir=into,
                                         token=self.token, endpoint=self.endpoint))  # fmt: skip
-            expected, got = (sha256, file_sha256(path)) if sha256 else (blob_id, git_blob_sha1(path))
+            kind, expected, got = ("sha256", sha256, file_sha256(path)) if sha256 else (
+                "git blob id", blob_id, git_blob_sha1(path))  # fmt: skip
             if expected and got != expected:
                 path.unlink()
-                raise _Mismatch(f"{name}: sha256 {got} does not match the hub's {expected}")
+                raise _Mismatch(f"{name}: {kind} {got} does not match the hub's {expected}")
 
         with_retries(f"{self.uri}: {name}", attempt, _hub_retryable, backoff_s())
 
@@ -234,13 +238,10 @@ class BucketSource:
             if partial.stat().st_size != size:
                 raise _Truncated(f"{relative}: {partial.stat().st_size} of {size} bytes")
             if "-" not in etag and len(etag) == 32:  # a single-part upload's ETag is its MD5
-                digest = hashlib.md5(usedforsecurity=False)
-                with partial.open("rb") as handle:
-                    while chunk := handle.read(8 << 20):
-                        digest.update(chunk)
-                if digest.hexdigest() != etag:
+                md5 = file_digest(partial, hashlib.md5(usedforsecurity=False))
+                if md5 != etag:
                     partial.unlink()
-                    raise _Mismatch(f"{relative}: MD5 {digest.hexdigest()} does not match the ETag {etag}")
+                    raise _Mismatch(f"{relative}: MD5 {md5} does not match the ETag {etag}")
             os.rename(partial, target)
 
         with_retries(f"{self.uri}: {relative}", attempt, _bucket_retryable, backoff_s())
@@ -332,9 +333,3 @@ def _flatten_single_folder(into: Path) -> None:
         for child in inner.iterdir():
             child.rename(into / child.name)
         inner.rmdir()
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
