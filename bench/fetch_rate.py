@@ -1,7 +1,8 @@
 """`overlap model fetch` from a loopback hub against the loopback link itself, for synthetic models of N GB (2 GiB
 safetensors shards): the link's rate (the same files over plain parallel GETs, bytes discarded), the cold fetch's
-rate (download, hash check, move into place) and the warm fetch's time (found in the cache). The hub runs in its
-own process (tests/support/model_sources.py), so it does not share the fetch's interpreter.
+rate (download, hash check, move into place) and the warm fetch's time (found in the cache), in process and as the
+`overlap model fetch` command an init container runs. The hub runs in its own process (tests/support/model_sources.py),
+so it does not share the fetch's interpreter.
 
     .venv/bin/python -m bench.fetch_rate 1 5      # from the repository root; needs N GB of memory and 2N of disk
 """
@@ -12,6 +13,7 @@ import concurrent.futures
 import multiprocessing
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +42,8 @@ def main(sizes: list[float]) -> None:
 
     from overlap.engine.delivery.fetch import fetch
 
-    print("| model | loopback link | cold fetch | share of the link | warm fetch |\n|---|---|---|---|---|")
+    print("| model | loopback link | cold fetch | share of the link | warm fetch | warm, as a command |")
+    print("|---|---|---|---|---|---|")
     for gb in sizes:
         ready, stop = multiprocessing.Queue(), multiprocessing.Event()
         server = multiprocessing.Process(target=_serve, args=(gb, ready, stop))
@@ -67,6 +70,19 @@ def main(sizes: list[float]) -> None:
             started = time.monotonic()
             _, again = fetch("hf://acme/synthetic", cache, progress=lambda _: None)
             warm_s = time.monotonic() - started
+            command = [
+                sys.executable,
+                "-m",
+                "overlap.cli",
+                "model",
+                "fetch",
+                "hf://acme/synthetic",
+                "--cache-dir",
+                cache,
+            ]
+            started = time.monotonic()
+            subprocess.run(command, check=True, capture_output=True)
+            command_s = time.monotonic() - started
         finally:
             shutil.rmtree(cache)
             stop.set()
@@ -74,7 +90,7 @@ def main(sizes: list[float]) -> None:
         cold = fetched / cold_s
         print(
             f"| {gb:g} GB, {len(names) - 2} shards | {link / 1e6:.0f} MB/s | {cold / 1e6:.0f} MB/s ({cold_s:.1f} s) "
-            f"| {cold / link:.0%} | {warm_s:.2f} s, {again} bytes |",
+            f"| {cold / link:.0%} | {warm_s:.2f} s, {again} bytes | {command_s:.2f} s |",
             flush=True,
         )
 
