@@ -97,9 +97,16 @@ def test_model_ready_follows_the_fetch_init_containers():
     assert (fetching["status"], fetching["reason"]) == ("False", "Fetching") and "1.20 of 5.00 GB" in fetching[
         "message"
     ]
-    last = {"terminated": {"exitCode": 1, "message": "hf://a/b: 401 Client Error"}}
+    last = {"terminated": {"exitCode": 1, "reason": "Error", "message": "hf://a/b: 401 Client Error"}}
     failed = _pod("p2", {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": last})
     crashed = model([failed])
     assert (crashed["reason"], crashed["message"]) == ("FetchFailed", "pod p2: hf://a/b: 401 Client Error")
     done = _pod("p3", {"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}})
     assert model([failed, done])["status"] == "True"  # one pod has it: the model is reachable
+    # Retrying, the fetch runs again: ModelReady keeps the failure, and so does the Ready condition's pod problem.
+    retrying = _pod("p4", {"state": {"running": {}}, "restartCount": 1, "lastState": last})
+    assert model([retrying])["reason"] == "FetchFailed"
+    assert status.pod_problems([retrying]) == [
+        "pod p4: init container fetch running again after Error (exited with code 1, restarts 1): "
+        "hf://a/b: 401 Client Error"
+    ]

@@ -79,10 +79,12 @@ def pod_problems(pods: Sequence[Mapping[str, Any]]) -> list[str]:
             state = container.get("state") or {}
             failed = state.get("terminated") or {}
             failed = failed if failed.get("exitCode") else {}  # an init container that failed, not yet restarted
+            last = failed or (container.get("lastState") or {}).get("terminated") or {}
             reason = (state.get("waiting") or {}).get("reason") or (failed and (failed.get("reason") or "Error"))
+            if kind == "init container" and "running" in state and last.get("exitCode"):
+                reason = f"running again after {last.get('reason') or 'Error'}"  # the pod waits on it, not on its apps
             if not reason or reason in _STARTING:
                 continue
-            last = failed or (container.get("lastState") or {}).get("terminated") or {}
             text = f"{kind} {container['name']} {reason}"
             if last:
                 text += f" (exited with code {last.get('exitCode')}, restarts {container.get('restartCount', 0)})"
