@@ -15,7 +15,7 @@ SERVE_COMPONENTS := -e 'engine[model]' -e 'sidecar[serve]'
 ALL_COMPONENTS := $(SERVE_COMPONENTS) -e operator -e bench
 COMPONENT_PYPROJECTS := engine/pyproject.toml sidecar/pyproject.toml operator/pyproject.toml bench/pyproject.toml
 
-.PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus chart-check crd-sync clean \
+.PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus registry chart-check crd-sync clean \
 	images constraints e2e reliability
 
 help:  ## list the targets
@@ -54,13 +54,16 @@ $(TOOLS)/bin/kubectl $(TOOLS)/bin/helm:
 prometheus:  ## make sure prometheus and promtool are installed (Debian package)
 	@bash scripts/ensure-prometheus.sh
 
+registry:  ## make sure docker-registry is installed (Debian package; the OCI model tests start it on loopback)
+	@bash scripts/ensure-registry.sh
+
 lint: venv  ## ruff, the import contracts (engine layers, independence, no cycles), actionlint on the workflows
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/actionlint .github/workflows/*.yml
 
-test: venv model tools prometheus  ## lint, then the whole test suite
+test: venv model tools prometheus registry  ## lint, then the whole test suite
 	$(MAKE) lint
 	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -83,7 +86,7 @@ bench-quick: venv model  ## every benchmark in --quick mode
 images: venv  ## build the engine and operator images into podman's storage (buildah, a Debian base; no registry)
 	PIP=$(BIN)/pip bash scripts/build-images.sh
 
-e2e: venv model tools prometheus images  ## the closed loop on podman pods: operator image, node agent, Prometheus, load (report in e2e-report/)
+e2e: venv model tools prometheus registry images  ## the closed loop on podman pods: operator image, node agent, Prometheus, load (report in e2e-report/)
 	PATH=$(CURDIR)/$(TOOLS)/bin:$$PATH $(PY) -m pytest -q -s -m e2e tests/e2e $(PYTEST_ARGS)
 
 RELIABILITY_DIR := reliability-report

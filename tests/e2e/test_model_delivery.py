@@ -1,11 +1,13 @@
-"""`model.uri: hf://...` on podman pods (`make e2e`): the fetch init container takes the model from a loopback hub
-into the node's cache, the engine serves it, and a second replica on the node starts from the cache with 0 bytes
-fetched; a repository the hub does not have fails the fetch, and ModelReady says so in the hub's words."""
+"""`model.uri` on podman pods (`make e2e`): the fetch init container takes the model from a loopback hub into the
+node's cache, the engine serves it, and a second replica on the node starts from the cache with 0 bytes fetched; a
+repository the hub does not have fails the fetch, and ModelReady says so in the hub's words. A model image (built
+with buildah, the model under /models) is fetched from a real registry, and mounted as an image volume."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ import yaml
 
 from tests.support.cluster import CRD_FILE, NAMESPACE, ApiThread, Cluster, running_operator, wait_for, write_kubeconfig
 from tests.support.images import require_images
-from tests.support.model_sources import HubServer
+from tests.support.model_sources import HubServer, RegistryServer
 from tests.support.node_agent import NodeAgent
 from tests.support.sidecar import http
 
@@ -28,7 +30,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
     require_images()
     workdir = tmp_path_factory.mktemp("delivery")
     api_thread = ApiThread()
-    agent = hub = None
+    agent = hub = registry = None
     try:
         cluster = Cluster(api_thread, write_kubeconfig(workdir / "kubeconfig", api_thread.url, NAMESPACE))
         cluster.apply("-f", str(CRD_FILE))
@@ -36,9 +38,13 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
         cluster.api.pod_logs = agent.container_log  # the API server asks the node for `pods/log`, as for kubelet
         files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
         hub = HubServer({"acme/tiny": files}, host=agent.gateway).start()  # where the pods reach the host
+        registry = RegistryServer(workdir, host=agent.gateway)
         with running_operator(cluster, workdir, "--namespace", NAMESPACE, "--standalone"):
-            yield {"cluster": cluster, "agent": agent, "hub": hub, "cache": workdir / "cache"}
+            yield {"cluster": cluster, "agent": agent, "hub": hub, "registry": registry, "cache": workdir / "cache",
+                   "model_dir": tiny_model_dir}  # fmt: skip
     finally:
+        if registry is not None:
+            registry.stop()
         if hub is not None:
             hub.stop()
         if agent is not None:
@@ -46,14 +52,20 @@ def node(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
         api_thread.close()
 
 
-def _service(name: str, uri: str, hub: HubServer, cache: Path, replicas: int = 1) -> str:
+def _service(name: str, uri: str, node: dict, replicas: int = 1, **model) -> str:
+    """The InferenceService's YAML; its pods reach the loopback hub and registry on the node's gateway."""
     spec = {
-        "model": {"servedName": "tiny", "uri": uri, "cache": {"hostPath": str(cache)}},
+        "model": {"servedName": "tiny", "uri": uri, "cache": {"hostPath": str(node["cache"])}, **model},
         "replicas": replicas,
         "resources": {"gpus": 0, "engine": {"cpu": "1", "memory": "2Gi"}},
         "engine": {"maxNumSeqs": 4, "maxSeqLen": 256, "maxNumBatchedTokens": 256},
         "sidecar": {"gracePeriodSeconds": 1},
-        "pod": {"env": [{"name": "HF_ENDPOINT", "value": hub.url}]},
+        "pod": {
+            "env": [
+                {"name": "HF_ENDPOINT", "value": node["hub"].url},
+                {"name": "OVERLAP_OCI_PLAIN_HTTP", "value": node["registry"].host},
+            ]
+        },
     }
     body = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}, "spec": spec}
     return yaml.safe_dump(body)
@@ -72,7 +84,7 @@ def _seconds(start: str, end: str) -> float:
 def test_the_first_pod_fetches_and_a_second_starts_from_the_nodes_cache(node):
     cluster, agent, hub = node["cluster"], node["agent"], node["hub"]
     size = sum(len(data) for data in hub.repos["acme/tiny"].values())
-    cluster.apply("-f", "-", stdin=_service("fetched", "hf://acme/tiny", hub, node["cache"]))
+    cluster.apply("-f", "-", stdin=_service("fetched", "hf://acme/tiny", node))
     try:
         first_asked = time.monotonic()
         wait_for(lambda: cluster.service("fetched").get("status", {}).get("readyReplicas") == 1, 240,
@@ -116,8 +128,8 @@ def test_the_first_pod_fetches_and_a_second_starts_from_the_nodes_cache(node):
 
 
 def test_a_repository_the_hub_does_not_have_is_a_fetch_failure_in_the_hubs_words(node):
-    cluster, hub = node["cluster"], node["hub"]
-    cluster.apply("-f", "-", stdin=_service("missing", "hf://acme/missing", hub, node["cache"]))
+    cluster = node["cluster"]
+    cluster.apply("-f", "-", stdin=_service("missing", "hf://acme/missing", node))
     try:
         failed = wait_for(lambda: (c := _condition(cluster, "missing", "ModelReady")).get("reason") == "FetchFailed"
                           and c, 120, "ModelReady FetchFailed", interval=1)  # fmt: skip
@@ -126,3 +138,51 @@ def test_a_repository_the_hub_does_not_have_is_a_fetch_failure_in_the_hubs_words
         assert ready["status"] == "False" and "init container fetch" in ready["message"], ready
     finally:
         cluster.kubectl("delete", "inferenceservice", "missing")
+
+
+MODEL_IMAGE = "localhost/overlap-e2e-model-tiny:1"
+
+
+def _model_image(model_dir: Path, registry: RegistryServer) -> str:
+    """A ModelCar-style image of the tiny model (FROM scratch, the model under /models), built with buildah into
+    the node's image storage and pushed to the registry; its name there."""
+    container = subprocess.run(["buildah", "from", "scratch"], check=True, capture_output=True, text=True).stdout
+    try:
+        subprocess.run(["buildah", "copy", "--quiet", container.strip(), str(model_dir), "/models/"], check=True,
+                       capture_output=True)  # fmt: skip
+        subprocess.run(["buildah", "commit", "--quiet", container.strip(), MODEL_IMAGE], check=True,
+                       capture_output=True)  # fmt: skip
+    finally:
+        subprocess.run(["buildah", "rm", container.strip()], capture_output=True)
+    pushed = f"{registry.host}/models/tiny:1"
+    subprocess.run(["buildah", "push", "--quiet", "--tls-verify=false", MODEL_IMAGE, f"docker://{pushed}"],
+                   check=True, capture_output=True)  # fmt: skip
+    return pushed
+
+
+def _serves(agent: NodeAgent, name: str) -> None:
+    host, port = agent.service_address(name)
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 4}
+    status, _, reply = http("POST", f"http://{host}:{port}/v1/completions", body, timeout=60)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+
+
+def test_a_model_image_is_fetched_from_a_registry_or_mounted_as_an_image_volume(node):
+    cluster, agent = node["cluster"], node["agent"]
+    pushed = _model_image(node["model_dir"], node["registry"])
+    cluster.apply("-f", "-", stdin=_service("from-registry", f"oci://{pushed}", node))
+    cluster.apply("-f", "-", stdin=_service("image-volume", f"oci://{MODEL_IMAGE}", node,
+                                            imageVolume=True))  # fmt: skip
+    try:
+        for name in ("from-registry", "image-volume"):
+            wait_for(lambda: cluster.service(name).get("status", {}).get("readyReplicas") == 1, 240,  # noqa: B023
+                     f"{name} to serve", interval=1)  # fmt: skip
+            _serves(agent, name)
+        assert _condition(cluster, "from-registry", "ModelReady")["reason"] == "Fetched"
+        pod = next(p for p in agent.pods.values() if p.deployment == "from-registry" and not p.terminating)
+        assert "fetched 0.11 GB" in agent.container_log(pod.name, "fetch")
+        mounted = next(p for p in agent.pods.values() if p.deployment == "image-volume" and not p.terminating)
+        assert mounted.image_volumes == {"model": MODEL_IMAGE}
+        assert "initContainers" not in mounted.template["spec"]
+    finally:
+        cluster.kubectl("delete", "inferenceservice", "from-registry", "image-volume")

@@ -15,7 +15,7 @@ import pytest
 from overlap.engine.delivery.fetch import fetch
 from overlap.engine.delivery.sources import FetchError
 from overlap.engine.delivery.uri import ModelURIError, parse
-from tests.support.model_sources import FileServer, HubServer, MotoServer
+from tests.support.model_sources import FileServer, HubServer, MotoServer, RegistryProxy, RegistryServer
 from tests.support.sidecar import overlap_cmd
 
 REPO_ID = "acme/tiny-chat"
@@ -58,8 +58,12 @@ def test_uris_parse_or_say_what_is_wrong():
     assert parse("s3://models/qwen/0.5b").path == "qwen/0.5b"
     assert parse("pvc://weights/llama").location == "weights" and not parse("pvc://weights/llama").fetched
     assert parse("https://h.example/m.tar.gz#sha256=" + "a" * 64).sha256 == "a" * 64
+    image = parse("oci://ghcr.io:443/acme/qwen2.5-0.5b:v1@sha256:" + "b" * 64)
+    assert (image.location, image.revision, image.sha256) == ("ghcr.io:443/acme/qwen2.5-0.5b", "v1", "b" * 64)
+    assert parse("oci://localhost:5000/models/tiny").revision == "latest"
     for bad, words in [("ftp://x/y", "scheme"), ("hf://just-a-name", "hf://ORG/NAME"), ("hf://a/b@", "empty revision"),
-                       ("https://h.example/model.bin", "archive"), ("s3://Bad_Bucket/x", "bucket")]:  # fmt: skip
+                       ("https://h.example/model.bin", "archive"), ("s3://Bad_Bucket/x", "bucket"),
+                       ("oci://qwen:v1", "registry named"), ("oci://ghcr.io/Acme/Qwen", "REPOSITORY")]:  # fmt: skip
         with pytest.raises(ModelURIError, match=words):
             parse(bad)
 
@@ -142,11 +146,11 @@ def test_the_command_prints_the_folder_or_writes_the_reason_for_the_pod_status(h
     assert "hf://acme/missing" in log.read_text() and "404" in log.read_text()
 
 
-def _archive(files: dict[str, bytes]) -> bytes:
+def _archive(files: dict[str, bytes], prefix: str = "tiny-chat/") -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
         for name, data in files.items():
-            info = tarfile.TarInfo(f"tiny-chat/{name}")
+            info = tarfile.TarInfo(f"{prefix}{name}")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
@@ -190,3 +194,116 @@ def test_a_bucket_prefix_is_fetched_once_and_a_missing_bucket_says_so(moto, tmp_
     assert fetch("s3://models/acme/tiny-chat", tmp_path, progress=lambda _: None) == (path, 0)
     with pytest.raises(FetchError, match=r"NoSuchBucket|does not exist"):
         fetch("s3://no-such-bucket/x", tmp_path, progress=lambda _: None)
+
+
+# ---- OCI registries: Debian's docker-registry, faults from a proxy in front of it ------------------------------
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    server = RegistryServer(tmp_path_factory.mktemp("registry"))
+    yield server
+    server.stop()
+
+
+def _push_image(host: str, reference: str, folder: Path, layers: list[dict[str, bytes]]) -> dict:
+    """An image as a container tool pushes one (tar+gzip layers of `files` at their paths in the image, no
+    titles), through ORAS's blob and manifest uploads; the manifest comes back."""
+    from oras.provider import Registry
+
+    client = Registry(hostname=host, insecure=True)
+    container = client.get_container(f"{host}/{reference}")
+
+    def blob(data: bytes, media_type: str) -> dict:
+        path = folder / hashlib.sha256(data).hexdigest()
+        path.write_bytes(data)
+        descriptor = {"mediaType": media_type, "digest": f"sha256:{path.name}", "size": len(data)}
+        client.upload_blob(str(path), container, descriptor).raise_for_status()
+        return descriptor
+
+    descriptors = [blob(_archive(files, prefix=""), "application/vnd.oci.image.layer.v1.tar+gzip") for files in layers]
+    config = blob(b'{"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers"}}',
+                  "application/vnd.oci.image.config.v1+json")  # fmt: skip
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json", "config": config,
+                "layers": descriptors}  # fmt: skip
+    client.upload_manifest(manifest, container).raise_for_status()
+    return manifest
+
+
+def _push_files(host: str, reference: str, files: list[Path]) -> None:
+    """`oras push REF FILE...`: an artifact of one layer per file, each named by its title."""
+    from oras.provider import Registry
+
+    Registry(hostname=host, insecure=True).push(target=f"{host}/{reference}", files=[str(f) for f in files],
+                                                disable_path_validation=True, quiet=True)  # fmt: skip
+
+
+def test_a_model_image_is_unpacked_with_its_whiteouts_and_resumed_after_faults(registry, tmp_path, monkeypatch):
+    """A ModelCar-style image (the model under /models, a second layer replacing and deleting files of the
+    first) from the real registry, through a proxy that stalls one layer and drops the other mid-stream."""
+    base = {"models/model.safetensors": b"an older export", "models/old.bin": b"gone in layer 2",
+            "models/config.json": FOLDER["config.json"], "models/tokenizer.json": FOLDER["tokenizer.json"],
+            "etc/os-release": b"ID=scratch"}  # fmt: skip
+    update = {"models/.wh.old.bin": b"", "models/model.safetensors": WEIGHTS}
+    manifest = _push_image(registry.host, "acme/tiny-chat:v1", tmp_path, [base, update])
+    proxy = RegistryProxy(registry).start()
+    monkeypatch.setenv("OVERLAP_OCI_PLAIN_HTTP", proxy.host)
+    try:
+        proxy.fault(manifest["layers"][0]["digest"], "stall")
+        proxy.fault(manifest["layers"][1]["digest"], "drop", "5xx")
+        path, _ = fetch(f"oci://{proxy.host}/acme/tiny-chat:v1", tmp_path / "cache", stall_s=1,
+                              progress=lambda _: None)  # fmt: skip
+        assert _files(path) == FOLDER
+        assert proxy.sent < 1.5 * sum(layer["size"] for layer in manifest["layers"])  # resumed, not fetched again
+        assert fetch(f"oci://{proxy.host}/acme/tiny-chat:v1", tmp_path / "cache", progress=lambda _: None) == (path, 0)
+    finally:
+        proxy.stop()
+
+
+def test_an_oras_artifact_is_fetched_by_digest_and_a_wrong_digest_or_tag_says_so(registry, tmp_path, monkeypatch):
+    """An ORAS artifact (one file per layer, named by its title) pinned by its manifest's digest."""
+    monkeypatch.setenv("OVERLAP_OCI_PLAIN_HTTP", registry.host)
+    for name, data in FOLDER.items():
+        (tmp_path / name).write_bytes(data)
+    _push_files(registry.host, "acme/artifact:v1", [tmp_path / name for name in FOLDER])
+    from oras.provider import Registry
+
+    digest = Registry(insecure=True).do_request(
+        f"http://{registry.host}/v2/acme/artifact/manifests/v1", "HEAD",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+    ).headers["Docker-Content-Digest"]  # fmt: skip
+    path, _ = fetch(f"oci://{registry.host}/acme/artifact@{digest}", tmp_path / "cache", progress=lambda _: None)
+    assert _files(path) == FOLDER and digest.replace(":", "-") in path.name
+    for missing in (f"acme/artifact:v1@sha256:{'0' * 64}", "acme/artifact:v2", "acme/nothing:v1"):
+        with pytest.raises(FetchError, match="404 Client Error"):
+            fetch(f"oci://{registry.host}/{missing}", tmp_path / "cache", progress=lambda _: None)
+
+
+def test_a_damaged_blob_in_the_registry_is_an_error_and_leaves_no_model(registry, tmp_path, monkeypatch):
+    monkeypatch.setenv("OVERLAP_OCI_PLAIN_HTTP", registry.host)
+    models = {f"models/{name}": data for name, data in FOLDER.items()}
+    manifest = _push_image(registry.host, "acme/damaged:v1", tmp_path, [models])
+    blob = registry.blob_file(manifest["layers"][0]["digest"])
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(FetchError, match="hash to sha256:"):
+        fetch(f"oci://{registry.host}/acme/damaged:v1", tmp_path / "cache", progress=lambda _: None)
+    assert not list((tmp_path / "cache").glob("oci/*/*/*/*"))
+
+
+@pytest.mark.parametrize("python_has_the_data_filter", [True, False])
+def test_an_archive_that_leaves_the_model_folder_is_refused(tmp_path, monkeypatch, python_has_the_data_filter):
+    """With tarfile's `data` filter, and with the checks that stand in for it on Pythons before 3.11.4 (the
+    images' Debian Python)."""
+    if not python_has_the_data_filter:
+        monkeypatch.delattr(tarfile, "data_filter")
+    good = _archive(FOLDER)
+    evil = _archive({"../outside.txt": b"x"}, prefix="")
+    server = FileServer({"good.tar.gz": good, "evil.tar.gz": evil}).start()
+    try:
+        path, _ = fetch(f"{server.url}/good.tar.gz", tmp_path / "cache", progress=lambda _: None)
+        assert _files(path) == FOLDER
+        with pytest.raises(FetchError, match=r"outside\.txt: leaves the model folder"):
+            fetch(f"{server.url}/evil.tar.gz", tmp_path / "cache", progress=lambda _: None)
+        assert not (tmp_path / "cache" / "outside.txt").exists() and not (tmp_path / "outside.txt").exists()
+    finally:
+        server.stop()

@@ -108,8 +108,13 @@ INVALID = [
     pytest.param(
         with_spec(model={"servedName": "llm", "uri": "ftp://acme/x"}),
         'spec.model.uri: Invalid value: "ftp://acme/x": spec.model.uri in body should match '
-        "'^(hf|s3|gs|https?|pvc)://[^\\s]+$'",
+        "'^(hf|s3|gs|https?|oci|pvc)://[^\\s]+$'",
         id="uri-scheme",
+    ),
+    pytest.param(
+        with_spec(model={"servedName": "llm", "uri": "hf://acme/x", "imageVolume": True}),
+        'spec.model: Invalid value: "object": model.imageVolume goes with an oci:// model.uri',
+        id="image-volume-without-oci",
     ),
     pytest.param(
         with_spec(model={"servedName": "llm", "uri": "hf://acme/x", "cache": {"hostPath": "/c", "claimName": "c"}}),

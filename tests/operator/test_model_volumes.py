@@ -68,6 +68,30 @@ def test_a_pvc_uri_mounts_the_claim_and_reads_the_path_in_it():
     assert config.model == "/models/llama-3.1-8b"
 
 
+def test_an_oci_image_is_fetched_with_its_registry_secret_as_a_docker_config():
+    pod, config = pod_of({"uri": "oci://ghcr.io/acme/qwen:v1", "secretRef": {"name": "ghcr"}})
+    (fetch,) = pod["initContainers"]
+    assert fetch["args"][:3] == ["model", "fetch", "oci://ghcr.io/acme/qwen:v1"] and "envFrom" not in fetch
+    assert {"name": "DOCKER_CONFIG", "value": specs.REGISTRY_CONFIG_DIR} in fetch["env"]
+    secret = {v["name"]: v for v in pod["volumes"]}["registry-config"]["secret"]
+    assert secret == {"secretName": "ghcr", "items": [{"key": ".dockerconfigjson", "path": "config.json"}]}
+    assert "registry-config" not in {m["name"] for m in pod["containers"][0]["volumeMounts"]}  # the fetch's only
+    assert config.model == specs.MODEL_LINK
+
+
+def test_an_oci_image_volume_is_pulled_by_kubelet_with_the_pull_secret_and_read_at_models():
+    digest = "sha256:" + "c" * 64
+    pod, config = pod_of({"uri": f"oci://ghcr.io/acme/qwen:v1@{digest}", "imageVolume": True,
+                          "secretRef": {"name": "ghcr"}}, images={"pullSecrets": ["ghcr", "other"]})  # fmt: skip
+    assert "initContainers" not in pod
+    volume = {v["name"]: v for v in pod["volumes"]}["model"]
+    assert volume["image"] == {"reference": f"ghcr.io/acme/qwen:v1@{digest}", "pullPolicy": "IfNotPresent"}
+    assert pod["imagePullSecrets"] == [{"name": "ghcr"}, {"name": "other"}]
+    engine = next(c for c in pod["containers"] if c["name"] == "engine")
+    assert {"name": "model", "mountPath": specs.MODEL_IMAGE_DIR, "readOnly": True} in engine["volumeMounts"]
+    assert config.model == f"{specs.MODEL_IMAGE_DIR}/models"
+
+
 @pytest.mark.parametrize(
     ("model", "message"),
     [
@@ -76,6 +100,8 @@ def test_a_pvc_uri_mounts_the_claim_and_reads_the_path_in_it():
         ({"uri": "hf://just-a-name"}, "model.uri 'hf://just-a-name': expected hf://ORG/NAME"),
         ({"uri": "hf://a/b", "source": "pvc", "claimName": "c"}, "a uri names its own source"),
         ({"uri": "hf://a/b", "cache": {"claimName": "c", "hostPath": "/c"}}, "claimName or a hostPath, not both"),
+        ({"uri": "hf://a/b", "imageVolume": True}, "model.imageVolume goes with an oci:// model.uri"),
+        ({"uri": "oci://ghcr.io/Acme/Qwen"}, "expected oci://REGISTRY/REPOSITORY"),
     ],
 )
 def test_the_operator_refuses_what_the_schema_would(model: dict, message: str) -> None:

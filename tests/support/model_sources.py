@@ -1,6 +1,7 @@
 """Loopback model sources with faults, for `overlap model fetch`: a hub speaking the endpoints huggingface_hub uses
-(HF_ENDPOINT), a plain HTTP server for archives, and moto's S3 server (its own venv: moto pins a python-dateutil
-the kubernetes client refuses).
+(HF_ENDPOINT), a plain HTTP server for archives, moto's S3 server (its own venv: moto pins a python-dateutil
+the kubernetes client refuses), and Debian's docker-registry (the CNCF distribution registry) behind a proxy that
+adds the faults.
 
 Faults are queued per file and each served once: "stall" (half the body, then silence), "5xx" (a 503),
 "drop" (half the body, then the connection closed), "truncate" (all but the last bytes, then closed), "corrupt"
@@ -14,6 +15,8 @@ import shutil
 import socket
 import subprocess
 import threading
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -228,3 +231,55 @@ class MotoServer:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+class RegistryServer:
+    """Debian's `docker-registry` on 127.0.0.1 (storage in `workdir`), stopped by its PID; `blob_file` is where it
+    keeps a blob, for a test that damages one."""
+
+    def __init__(self, workdir: Path, host: str = "127.0.0.1") -> None:
+        if shutil.which("docker-registry") is None:
+            subprocess.run(["bash", "scripts/ensure-registry.sh"], check=True, cwd=REPO)
+        self.port = free_port()
+        self.host = f"{host}:{self.port}"
+        self.storage = workdir / "registry"
+        config = workdir / "registry.yml"
+        config.write_text(
+            "version: 0.1\nlog: {level: error}\n"
+            f"storage: {{filesystem: {{rootdirectory: {self.storage}}}}}\nhttp: {{addr: {self.host}}}\n"
+        )
+        self.proc = Proc(["docker-registry", "serve", str(config)], workdir / "registry.log")
+        wait_until(lambda: urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1).status == 200, 30,
+                   "docker-registry to answer /v2/", self.proc)  # fmt: skip
+
+    def blob_file(self, digest: str) -> Path:
+        hex_digest = digest.removeprefix("sha256:")
+        return self.storage / "docker/registry/v2/blobs/sha256" / hex_digest[:2] / hex_digest / "data"
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class RegistryProxy(FileServer):
+    """The registry's API passed through, with FileServer's faults on blobs (queued per digest, `sha256:HEX`)."""
+
+    def __init__(self, registry: RegistryServer) -> None:
+        super().__init__()
+        self.upstream = f"http://{registry.host}"
+        self.host = self.url.removeprefix("http://")
+
+    def handle(self, request: BaseHTTPRequestHandler, head: bool) -> None:
+        accept = {"Accept": request.headers["Accept"]} if request.headers.get("Accept") else {}
+        forwarded = urllib.request.Request(self.upstream + request.path, method="HEAD" if head else "GET",
+                                           headers=accept)  # fmt: skip
+        try:
+            response = urllib.request.urlopen(forwarded, timeout=30)
+        except urllib.error.HTTPError as error:
+            response = error
+        body = response.read()
+        passed = {k: v for k, v in response.headers.items() if k in ("Docker-Content-Digest", "Content-Type")}
+        digest = request.path.rsplit("/blobs/", 1)[1] if "/blobs/" in request.path else None
+        if digest and response.status == 200:
+            self.send_file(request, digest, body, head, passed)
+        else:
+            self.reply(request, response.status, body, passed.pop("Content-Type", "application/json"), passed)

@@ -4,17 +4,18 @@ It polls the (emulated) API server and runs each replica of every Deployment in 
 podman pod (one network namespace, one IP on podman's bridge) with one container per entry of the pod template,
 taking the template's image, command, args, env (values, Secret and ConfigMap keys, the pod's own name and IP),
 volumes (emptyDir; ConfigMap and Secret folders kept up to date as kubelet does, through a `..data` symlink;
-hostPath), securityContext (user, group, fsGroup, read-only root, capabilities, no-new-privileges) and CPU and
-memory limits. It runs the startup, readiness and liveness probes itself (HTTP GET on the pod IP, or exec in the
-container; as kubelet does, the other two wait until the startup probe has passed, and a container is not ready
-before then), restarts a container that exits or fails its startup or liveness probe (with kubelet's back-off), and
-removes a pod as kubelet does: not ready at once, then every container's preStop hook, SIGTERM, and SIGKILL at the
-end of the grace period. It writes the Pod objects (IP, phase, conditions, container states such as ErrImagePull or
-CrashLoopBackOff) and the Deployment's status from what really runs. Each Service gets a round-robin TCP proxy on
-127.0.0.1 over its ready pods (kube-proxy), following its selector as it changes, and a second one on the bridge's
-gateway at the Service's own port, which pods reach by the Service's DNS name (`NAME.NAMESPACE.svc`, written into
-every pod's /etc/hosts: cluster DNS). Every pod with an IP is a target in a Prometheus file-based discovery file,
-labelled with its InferenceService as a pod-role scrape relabels it.
+hostPath; image volumes, read-only from local storage), securityContext (user, group, fsGroup, read-only root,
+capabilities, no-new-privileges) and CPU and memory limits. It runs the startup, readiness and liveness probes
+itself (HTTP GET on the pod IP, or exec in the container; as kubelet does, the other two wait until the startup
+probe has passed, and a container is not ready before then), restarts a container that exits or fails its startup or
+liveness probe (with kubelet's back-off), and removes a pod as kubelet does: not ready at once, then every
+container's preStop hook, SIGTERM, and SIGKILL at the end of the grace period. It writes the Pod objects (IP, phase,
+conditions, container states such as ErrImagePull or CrashLoopBackOff) and the Deployment's status from what really
+runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its ready pods (kube-proxy), following its
+selector as it changes, and a second one on the bridge's gateway at the Service's own port, which pods reach by the
+Service's DNS name (`NAME.NAMESPACE.svc`, written into every pod's /etc/hosts: cluster DNS). Every pod with an IP is
+a target in a Prometheus file-based discovery file, labelled with its InferenceService as a pod-role scrape relabels
+it.
 
 It also plays kube-scheduler for its one node: a pod that asks for more GPUs than the node has (none: podman runs
 no GPU), whose nodeSelector the node's labels do not match, or whose PersistentVolumeClaim does not exist or is not
@@ -218,6 +219,7 @@ class Pod:
     containers: list[Container] = field(default_factory=list)
     init_containers: list[Container] = field(default_factory=list)
     volumes: dict[str, tuple[Path, bool]] = field(default_factory=dict)  # name -> (host path, read-only)
+    image_volumes: dict[str, str] = field(default_factory=dict)  # name -> image reference
     volume_versions: dict[str, str] = field(default_factory=dict)
     problem: tuple[str, str] | None = None  # a pod-level failure, e.g. a volume that cannot be set up
     unschedulable: str | None = None  # why the scheduler has not placed it (None: placed on this node)
@@ -555,10 +557,16 @@ class NodeAgent:
                 path.mkdir(parents=True, exist_ok=True)
                 path.chmod(0o755)
                 pod.volumes[name] = (path, True)
+            elif "image" in volume:
+                reference = volume["image"]["reference"]
+                if not self._image_exists(reference):
+                    raise OSError(f'MountVolume.SetUp failed for volume "{name}": image "{reference}" is not in this '
+                                  "node's image storage and the node agent never pulls")  # fmt: skip
+                pod.image_volumes[name] = reference
             else:
                 kinds = ", ".join(k for k in volume if k != "name")
-                raise OSError(f'volume "{name}" ({kinds}): this node agent mounts emptyDir, configMap, secret and '
-                              "hostPath only")  # fmt: skip
+                raise OSError(f'volume "{name}" ({kinds}): this node agent mounts emptyDir, configMap, secret, '
+                              "hostPath and image only")  # fmt: skip
 
     def _refresh_volumes(self, pod: Pod, configmaps: dict[str, dict]) -> None:
         """ConfigMap and Secret volumes, written as kubelet's atomic writer does and rewritten when they change."""
@@ -620,6 +628,10 @@ class NodeAgent:
         container.message_file.chmod(0o666)  # whoever the container runs as writes it, as on a node
         args += ["--volume", f"{container.message_file}:{spec.get('terminationMessagePath', '/dev/termination-log')}"]
         for mount in spec.get("volumeMounts", []):
+            if mount["name"] in pod.image_volumes:  # read-only, as kubelet mounts an image volume
+                args += ["--mount", f"type=image,source={pod.image_volumes[mount['name']]},"
+                                    f"destination={mount['mountPath']}"]  # fmt: skip
+                continue
             host, read_only = pod.volumes[mount["name"]]
             read_only = read_only or mount.get("readOnly", False)
             args += ["--volume", f"{host}:{mount['mountPath']}:{'ro' if read_only else 'rw'}"]

@@ -22,14 +22,17 @@ def register(subparsers) -> None:
     shape.set_defaults(func=_build_shape)
     fetch = model_sub.add_parser(
         "fetch",
-        help="fetch a model (hf://, s3://, gs://, https:// archive) into the cache once, checked; print its folder",
+        help="fetch a model (hf://, s3://, gs://, https:// archive, oci://) into the cache once, checked; print its "
+        "folder",
         description="Fetch a model into the cache: parallel downloads that resume after a drop or a stall, every "
         "file checked against the source's hash, moved into place only when whole. A second fetch of the same "
         "version finds it there; two at once take turns. Credentials as the source's library reads them "
-        "(HF_TOKEN, HF_ENDPOINT; AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).",
+        "(HF_TOKEN, HF_ENDPOINT; AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; a registry's login in "
+        "DOCKER_CONFIG's config.json, OVERLAP_OCI_PLAIN_HTTP for registries without TLS).",
     )
     fetch.add_argument("uri", help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
-                       "https://HOST/PATH.tar[.gz][#sha256=HEX]")  # fmt: skip
+                       "https://HOST/PATH.tar[.gz][#sha256=HEX], "
+                       "oci://REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST]")  # fmt: skip
     fetch.add_argument("--cache-dir", help="the cache folder (default: OVERLAP_MODEL_CACHE, else models/ in the cache)")
     fetch.add_argument("--link", help="make LINK a symlink to the model's folder (what the engine's --model reads)")
     fetch.add_argument("--stall-s", type=float, default=30.0, help="a read that waits this long is a stall: retried")

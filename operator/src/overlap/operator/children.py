@@ -350,8 +350,9 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
     for key in ("nodeSelector", "tolerations", "affinity"):
         if resources.get(key):
             pod_spec[key] = resources[key]
-    if images.get("pullSecrets"):
-        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in images["pullSecrets"]]
+    pull_secrets = list(dict.fromkeys([*(images.get("pullSecrets") or []), *model.pull_secrets]))
+    if pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": secret} for secret in pull_secrets]
     pod = spec.get("pod") or {}
     for key in ("runtimeClassName", "priorityClassName", "serviceAccountName", "topologySpreadConstraints"):
         if pod.get(key):

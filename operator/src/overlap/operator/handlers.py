@@ -193,8 +193,8 @@ def resync_all(logger: logging.Logger) -> int:
                     continue
                 plan = plans.desired(body, with_servicemonitor=monitors)
                 plans.apply(plan, body, _reporter(body, logger), "restored")
-                uri = specs.model_uri(body["spec"].get("model") or {})
-                if uri is not None and uri.fetched:  # a long fetch moves no pod event: its progress is read here
+                # a long fetch moves no pod event: its progress is read here
+                if specs.model_fetched(body["spec"].get("model") or {}):
                     _mirror(body, kube.read("Deployment", meta["name"], meta["namespace"]))
             done += 1
         except specs.SpecError:
@@ -215,8 +215,9 @@ def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> N
     pods = kube.list_pods(namespace, selector_string(name))
     problems = status.pod_problems(pods)
     when, model = status.now_iso(), None
-    uri = specs.model_uri((owner.get("spec") or {}).get("model") or {})
-    if uri is not None and uri.fetched:
+    spec_model = (owner.get("spec") or {}).get("model") or {}
+    if specs.model_fetched(spec_model):
+        uri = specs.model_uri(spec_model)
         generation = (owner.get("status") or {}).get("observedGeneration")
         model = status.model_condition(pods, FETCH_CONTAINER, uri.text, when, generation, _fetch_progress(pods))
     kube.patch_status(

@@ -1,5 +1,6 @@
 """The model's part of the pod: the volume the weights are read from and, for a fetched `model.uri`, the cache
-volume and the init container that fetches into it (`overlap model fetch`, from the engine image).
+volume and the init container that fetches into it (`overlap model fetch`, from the engine image); an oci:// model
+with `imageVolume` is an image volume that kubelet pulls, once per node.
 
 A fetched model is read through a link the fetch leaves in an emptyDir (the cache folder's name holds the resolved
 revision, which the operator does not know); every pod that sees the cache (the node's, or a shared claim) finds a
@@ -23,6 +24,7 @@ class ModelParts:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     engine_mounts: list[dict[str, Any]] = field(default_factory=list)
     init_containers: list[dict[str, Any]] = field(default_factory=list)
+    pull_secrets: list[str] = field(default_factory=list)  # the pod's imagePullSecrets, for an image volume
 
 
 def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelParts:
@@ -40,6 +42,13 @@ def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelPa
     if not uri.fetched:  # pvc://CLAIM/PATH
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": uri.location, "readOnly": True}}
         return ModelParts([volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}])
+    secret = (model.get("secretRef") or {}).get("name")
+    if not specs.model_fetched(model):  # oci:// as an image volume
+        reference = uri.location + (f":{uri.revision}" if uri.revision else "") + (
+            f"@sha256:{uri.sha256}" if uri.sha256 else "")  # fmt: skip
+        volume = {"name": "model", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}
+        mount = {"name": "model", "mountPath": specs.MODEL_IMAGE_DIR, "readOnly": True}
+        return ModelParts([volume], [mount], pull_secrets=[secret] if secret else [])
 
     cache = model.get("cache") or {}
     if cache.get("claimName"):
@@ -71,10 +80,17 @@ def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelPa
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
-    if model.get("secretRef"):
-        fetch["envFrom"] = [{"secretRef": {"name": model["secretRef"]["name"]}}]
+    volumes = [cache_volume, {"name": "model-link", "emptyDir": {}}]
+    if secret and uri.scheme == "oci":  # a kubernetes.io/dockerconfigjson Secret, read as a registry client reads it
+        items = [{"key": ".dockerconfigjson", "path": "config.json"}]
+        volumes.append({"name": "registry-config", "secret": {"secretName": secret, "items": items}})
+        fetch["volumeMounts"].append({"name": "registry-config", "mountPath": specs.REGISTRY_CONFIG_DIR,
+                                      "readOnly": True})  # fmt: skip
+        fetch["env"].append({"name": "DOCKER_CONFIG", "value": specs.REGISTRY_CONFIG_DIR})
+    elif secret:
+        fetch["envFrom"] = [{"secretRef": {"name": secret}}]
     mounts = [
         {"name": "model-cache", "mountPath": specs.MODEL_CACHE_DIR, "readOnly": True},
         {"name": "model-link", "mountPath": specs.MODEL_LINK_DIR, "readOnly": True},
     ]
-    return ModelParts([cache_volume, {"name": "model-link", "emptyDir": {}}], mounts, [fetch])
+    return ModelParts(volumes, mounts, [fetch])

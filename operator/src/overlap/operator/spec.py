@@ -44,6 +44,8 @@ MODEL_CACHE_DIR = "/var/cache/overlap-models"
 MODEL_LINK_DIR = "/var/run/overlap-model"
 MODEL_LINK = f"{MODEL_LINK_DIR}/current"
 DEFAULT_MODEL_CACHE_HOSTPATH = "/var/lib/overlap/models"
+MODEL_IMAGE_DIR = "/var/run/overlap-model-image"  # an oci:// model mounted as an image volume; the model is models/
+REGISTRY_CONFIG_DIR = "/var/run/overlap-registry"  # DOCKER_CONFIG of an oci:// fetch: the pull Secret's config.json
 
 # Knobs the tuner may move (spec.tuning.bounds keys).
 TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "numBuffers")
@@ -55,7 +57,7 @@ SCALING_MODES = ("builtin", "advise")
 # The CRD's defaults, as a real API server fills them in. The operator applies them too (a spec written to a
 # server without structural defaulting still works); tests/operator check this table against crds/.
 DEFAULTS: dict[str, Any] = {
-    "model": {"source": "image", "mountPath": "/models", "cache": {}},
+    "model": {"source": "image", "mountPath": "/models", "cache": {}, "imageVolume": False},
     "images": {"pullPolicy": "IfNotPresent"},
     "resources": {
         "gpus": 1,
@@ -165,13 +167,22 @@ def model_uri(model: Mapping[str, Any]) -> ModelURI | None:
         raise SpecError(f"model.uri {exc}") from exc
 
 
+def model_fetched(model: Mapping[str, Any]) -> bool:
+    """Whether an init container fetches the model into the cache (not a path, a claim, or an image volume)."""
+    uri = model_uri(model)
+    return uri is not None and uri.fetched and not (uri.scheme == "oci" and model.get("imageVolume"))
+
+
 def model_path(model: Mapping[str, Any]) -> str:
-    """Where the engine reads the model folder: model.path, the link a fetch leaves, or the path in a pvc:// claim."""
+    """Where the engine reads the model folder: model.path, the link a fetch leaves, the image volume's models/, or
+    the path in a pvc:// claim."""
     uri = model_uri(model)
     if uri is None:
         return str(model.get("path", ""))
-    if uri.fetched:
+    if model_fetched(model):
         return MODEL_LINK
+    if uri.scheme == "oci":
+        return f"{MODEL_IMAGE_DIR}/models"
     mount = str(model.get("mountPath", DEFAULTS["model"]["mountPath"])).rstrip("/")
     return f"{mount}/{uri.path}" if uri.path else mount
 
@@ -252,6 +263,8 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
         cache = model.get("cache") or {}
         if cache.get("claimName") and cache.get("hostPath"):
             raise SpecError("model.cache takes a claimName or a hostPath, not both")
+        if model.get("imageVolume") and not str(model["uri"]).startswith("oci://"):
+            raise SpecError("model.imageVolume goes with an oci:// model.uri")
         model = {**model, "path": model_path(model)}
     elif not str(model["path"]).startswith("/"):
         raise SpecError("spec.model.path must be an absolute path")
@@ -298,7 +311,17 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     return config
 
 
-RESERVED_VOLUMES = ("socket", "config", "admin-token", "tmp", "dshm", "model", "model-cache", "model-link")
+RESERVED_VOLUMES = (
+    "socket",
+    "config",
+    "admin-token",
+    "tmp",
+    "dshm",
+    "model",
+    "model-cache",
+    "model-link",
+    "registry-config",
+)
 RESERVED_PATHS = ("/run/overlap", "/etc/overlap", "/var/run/secrets/overlap", "/tmp", "/dev/shm")
 
 

@@ -6,10 +6,17 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-SCHEMES = ("hf", "s3", "gs", "https", "http", "pvc")
+SCHEMES = ("hf", "s3", "gs", "https", "http", "oci", "pvc")
 _HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# An image reference with its registry named: HOST[:PORT]/REPOSITORY[:TAG][@sha256:DIGEST] (the distribution spec's
+# grammar, lower-case repository components, tags of up to 128 characters).
+_IMAGE = re.compile(
+    r"^(?P<registry>(?:[a-zA-Z0-9-]+\.)*[a-zA-Z0-9-]+(?::\d+)?)"
+    r"/(?P<repository>[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*)"
+    r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@sha256:(?P<digest>[0-9a-f]{64}))?$"
+)
 
 
 class ModelURIError(ValueError):
@@ -19,8 +26,9 @@ class ModelURIError(ValueError):
 @dataclass(frozen=True)
 class ModelURI:
     """A parsed `model.uri`. `location`: the hub repository, the bucket, the claim, or the URL without its
-    fragment; `path`: the prefix or path inside it; `revision`: the hub revision asked for (a branch, tag or
-    commit); `sha256`: an https archive's expected hash (`#sha256=HEX`)."""
+    fragment, or the image's REGISTRY/REPOSITORY; `path`: the prefix or path inside it; `revision`: the hub revision
+    asked for (a branch, tag or commit), or the image's tag; `sha256`: an https archive's expected hash
+    (`#sha256=HEX`), or the image manifest's digest."""
 
     scheme: str
     location: str
@@ -40,7 +48,8 @@ class ModelURI:
 
 def parse(text: str) -> ModelURI:
     """`hf://ORG/NAME[@REVISION]`, `s3://BUCKET/PREFIX`, `gs://BUCKET/PREFIX`, `https://HOST/PATH.tar[.gz]`
-    (optionally `#sha256=HEX`), `pvc://CLAIM/PATH`; ModelURIError otherwise."""
+    (optionally `#sha256=HEX`), `oci://REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST]`, `pvc://CLAIM/PATH`;
+    ModelURIError otherwise."""
     scheme, sep, rest = text.partition("://")
     if not sep or scheme not in SCHEMES:
         raise ModelURIError(f"{text!r}: the scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
@@ -56,6 +65,16 @@ def parse(text: str) -> ModelURI:
         if not _BUCKET.match(bucket):
             raise ModelURIError(f"{text!r}: {bucket!r} is not a bucket name")
         return ModelURI(scheme, bucket, prefix.strip("/"), text=text)
+    if scheme == "oci":
+        image = _IMAGE.match(rest)
+        if not image:
+            raise ModelURIError(
+                f"{text!r}: expected oci://REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST] with the registry named, "
+                "e.g. oci://ghcr.io/acme/qwen2.5-0.5b:v1"
+            )
+        tag = image["tag"] or (None if image["digest"] else "latest")
+        return ModelURI("oci", f"{image['registry']}/{image['repository']}", revision=tag, sha256=image["digest"],
+                        text=text)  # fmt: skip
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
         if not _CLAIM.match(claim):
