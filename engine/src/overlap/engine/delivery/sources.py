@@ -460,14 +460,15 @@ class ImageSource:
         rootfs = into / ".rootfs"
         shutil.rmtree(rootfs, ignore_errors=True)
         rootfs.mkdir()
-        for layer in layers:
+        for index, layer in enumerate(layers):
             blob = blobs / layer["digest"].replace(":", "-")
             if _is_file(layer):
                 name = Path(layer["annotations"][TITLE])
                 if name.is_absolute() or ".." in name.parts:
                     raise FetchError(f"{self.uri}: layer title {name} leaves the model folder")
                 (rootfs / name).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(blob, rootfs / name)
+                used_again = any(later["digest"] == layer["digest"] for later in layers[index + 1 :])
+                (shutil.copyfile if used_again else os.replace)(blob, rootfs / name)  # a file's blob is moved
             else:
                 _unpack_layer(blob, _tar_mode(layer), rootfs)
         model = rootfs / "models" if (rootfs / "models").is_dir() else rootfs
