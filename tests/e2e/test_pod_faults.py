@@ -5,10 +5,13 @@ says why. The agent leaves no container behind, and a new agent removes what a k
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from tests.support.cluster import (
 )
 from tests.support.images import ENGINE_IMAGE, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import AGENT_LABEL, NodeAgent
+from tests.support.ranks import rank_pids, stream_completions
 from tests.support.sidecar import free_port, http
 
 pytestmark = pytest.mark.e2e
@@ -133,6 +137,44 @@ def test_a_container_that_exits_crash_loops_and_the_pod_never_becomes_ready(node
     assert status is not None and not status.ready_replicas
     assert any("no-model" in e and "exited with" in e for e in agent.events)
     cluster.kubectl("delete", "inferenceservice", "no-model")
+
+
+def test_a_pod_on_two_cpu_ranks_serves_and_a_killed_rank_restarts_its_engine(node, tiny_model_dir):
+    """engine.tensorParallelSize 2 on CPU: the engine container runs two rank processes (and gets the CPU of two);
+    a rank killed mid-generation fails the requests in flight within 10 s, the engine exits 70, kubelet (the agent)
+    restarts it and the pod serves again."""
+    cluster, agent = node
+    _apply(cluster, "ranks", tiny_model_dir,
+           engine={"tensorParallelSize": 2, "maxNumSeqs": 8, "maxSeqLen": 512, "maxNumBatchedTokens": 256})  # fmt: skip
+    try:
+        wait_for(lambda: cluster.service("ranks").get("status", {}).get("readyReplicas") == 1, 180,
+                 "the two-rank pod to serve", interval=1)  # fmt: skip
+        pod = next(p for p in agent.pods.values() if p.deployment == "ranks" and not p.terminating)
+        engine = next(c for c in pod.containers if c.name == "engine")
+        assert engine.spec["resources"]["limits"]["cpu"] == "2"  # 1 CPU per rank
+        main = int(agent.podman("inspect", "--format", "{{.State.Pid}}", engine.id))
+        (rank,) = rank_pids(main)
+        host, port = agent.service_address("ranks")
+
+        async def kill_during_load() -> tuple[list[str], float]:
+            load = asyncio.ensure_future(stream_completions(f"http://{host}:{port}", "tiny", 4))
+            await asyncio.sleep(1.5)
+            os.kill(rank, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await load
+            return results, time.monotonic() - killed
+
+        results, answered_s = asyncio.run(kill_during_load())
+        assert all(r not in ("finished", "cut") for r in results) and answered_s < 10, (results, answered_s)
+        state = wait_for(lambda: (s := _container_state(cluster, "ranks", "engine")) and s["restarts"] >= 1 and s,
+                         60, "the engine to exit and be restarted")  # fmt: skip
+        (engine_status,) = [c for c in state["pod"].status.container_statuses if c.name == "engine"]
+        assert engine_status.last_state.terminated.exit_code == 70  # the engine's word for a lost rank
+        body = {"model": "tiny", "prompt": "again", "max_tokens": 4}
+        wait_for(lambda: http("POST", f"http://{host}:{port}/v1/completions", body, timeout=30)[0] == 200, 120,
+                 "the restarted engine to serve", interval=1)  # fmt: skip
+    finally:
+        cluster.kubectl("delete", "inferenceservice", "ranks")
 
 
 def test_the_agent_leaves_nothing_behind_and_a_new_one_cleans_up_after_a_killed_one(node, tmp_path):

@@ -127,7 +127,7 @@ def test_cpu_linear_is_onednn_and_matches_f_linear(dtype, tolerance):
 def _packed_weights(runner: ModelRunner) -> list[torch.Tensor]:
     layer = runner.model.layers[0]
     return [layer.qkv.weight, layer.o.weight, layer.mlp.gate.weight, layer.mlp.up.weight, layer.mlp.down.weight,
-            runner.model.lm_head.weight]  # fmt: skip
+            runner.model.head.weight]  # fmt: skip
 
 
 def test_bf16_cpu_runner_prepacks_its_projection_weights(tiny_model_dir):

@@ -160,10 +160,13 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
         "numPriorityLevels": 2, "agingSeconds": 9, "defaultTimeoutSeconds": 30, "dtype": "bfloat16",
         "batching": "serial", "queuePolicy": "fifo", "blockSize": 32, "enablePrefixCaching": False,
         "enableChunkedPrefill": False, "simulatedDevice": {"fixedSeconds": 0.02, "perTokenSeconds": 0.001},
+        "tensorParallelSize": 2,
     }  # fmt: skip
     changed = specs.with_defaults({**base, "engine": {**base["engine"], camel: changed_values[camel]}})
     if camel == "enableChunkedPrefill":
         changed["engine"]["maxNumBatchedTokens"] = changed["engine"]["maxSeqLen"]
+    if camel == "tensorParallelSize":
+        changed["resources"]["gpus"] = 2  # one rank per GPU
     before, after = specs.check_spec(base), specs.check_spec(changed)
     hash_changed = specs.restart_hash(before) != specs.restart_hash(after)
     assert hash_changed == (specs.ENGINE_FIELDS[camel] not in LIVE_KNOBS)

@@ -138,9 +138,14 @@ INVALID = [
         id="memory-not-a-quantity",
     ),
     pytest.param(
-        with_spec(resources={"gpus": 2}),
-        'spec.resources: Invalid value: "object": resources.gpus above 1 needs tensor parallelism',
-        id="two-gpus",
+        with_spec(resources={"gpus": 3}),
+        'spec.resources: Invalid value: "object": resources.gpus must be 0 (CPU), 1, 2, 4 or 8',
+        id="three-gpus",
+    ),
+    pytest.param(
+        with_spec(resources={"gpus": 2}, engine={"tensorParallelSize": 4}),
+        'spec: Invalid value: "object": engine.tensorParallelSize must equal resources.gpus',
+        id="ranks-not-gpus",
     ),
     pytest.param(
         with_spec(engine={"maxNumSeqs": 8, "maxBatchSize": 8}),
@@ -368,12 +373,34 @@ def test_model_paths_inside_their_volume_are_admitted(model) -> None:
     specs.check_spec(specs.with_defaults(spec["spec"]))
 
 
-def test_the_operator_refuses_two_gpus_with_the_crds_words() -> None:
-    spec = specs.with_defaults(with_spec(resources={"gpus": 2})["spec"])
+@pytest.mark.parametrize(
+    ("asked", "message"),
+    [({"resources": {"gpus": 3}}, specs.GPUS_MESSAGE),
+     ({"resources": {"gpus": 2}, "engine": {"tensorParallelSize": 4}}, specs.TP_MESSAGE)],
+)  # fmt: skip
+def test_the_operator_refuses_gpu_counts_tensor_parallelism_cannot_use_with_the_crds_words(asked, message) -> None:
+    spec = specs.with_defaults(with_spec(**asked)["spec"])
     with pytest.raises(specs.SpecError) as caught:
         specs.check_spec(spec)
-    assert str(caught.value) == specs.GPUS_MESSAGE
-    assert " ".join(refusal(with_spec(resources={"gpus": 2})).split()).endswith(specs.GPUS_MESSAGE)
+    assert str(caught.value) == message
+    assert " ".join(refusal(with_spec(**asked)).split()).endswith(message)
+
+
+@pytest.mark.parametrize(("gpus", "engine", "ranks", "cpu", "shm"),
+                         [(2, {}, 2, "4", "2Gi"), (8, {}, 8, "16", "8Gi"), (1, {}, 1, "2", "1Gi"),
+                          (0, {"tensorParallelSize": 2}, 2, "4", "2Gi"), (0, {}, 1, "2", "1Gi")])  # fmt: skip
+def test_gpus_of_a_pod_become_tensor_parallel_ranks_with_cpu_and_shm_for_each(gpus, engine, ranks, cpu, shm) -> None:
+    from overlap.operator import children
+
+    spec = with_spec(resources={"gpus": gpus, "engine": {"cpu": "2"}}, engine=engine)
+    admission.admit(spec, SCHEMA, strict=True)
+    full = specs.with_defaults(spec["spec"])
+    config = specs.check_spec(full)
+    assert config.tensor_parallel_size == ranks and config.num_threads == 2  # threads per rank
+    pod = children.build_deployment("llm", "ml", full, config)["spec"]["template"]["spec"]
+    engine_container = next(c for c in pod["containers"] if c["name"] == "engine")
+    assert engine_container["resources"]["limits"]["cpu"] == cpu
+    assert {v["name"]: v for v in pod["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == shm
 
 
 def test_pod_env_takes_a_value_or_a_value_from_not_both() -> None:
@@ -452,7 +479,7 @@ def _spec_level(crd: dict) -> dict:
         (lambda s: s["properties"]["sidecar"].update(default={"port": 8000, "colour": "blue"}),
          f"{ROOT}.properties[spec].properties[sidecar].default", "must not have unknown fields"),
         (lambda s: s["x-kubernetes-validations"].append({"rule": "self.replicas <"}),
-         f"{ROOT}.properties[spec].x-kubernetes-validations[3].rule", "compilation failed: ERROR: <input>:1:"),
+         f"{ROOT}.properties[spec].x-kubernetes-validations[4].rule", "compilation failed: ERROR: <input>:1:"),
     ],
     ids=["no-type", "array-without-items", "properties-and-additionalProperties", "unknown-default-field",
          "cel-syntax"],

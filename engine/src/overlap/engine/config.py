@@ -28,6 +28,8 @@ class EngineConfig:
     # no barrier per op, but every weight read twice), whole (one forward, each op on all threads), or auto (halves
     # only for models whose weights are small enough that reading them twice costs less than the barriers).
     cpu_step_plan: str = "auto"
+    # Ranks of one model split by tensor parallelism: a process each (NCCL on CUDA, gloo on CPU), rank 0 the engine.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     # KV pool: allocated once at start-up. On CUDA sized from kv_cache_ratio of free device memory; on CPU
@@ -75,6 +77,8 @@ class EngineConfig:
         )
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu|cuda|auto, got {self.device!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.tensor_parallel_size in (1, 2, 4, 8),
+              f"tensor_parallel_size must be 1, 2, 4 or 8, got {self.tensor_parallel_size!r}")  # fmt: skip
         check(
             self.attention_backend in ("auto", "triton", "native", "torch"),
             f"attention_backend must be auto|triton|native|torch, got {self.attention_backend!r}",
@@ -143,6 +147,8 @@ ENGINE_FLAGS = (
      "on CUDA, the share of free device memory (after the weights) the KV pool takes"),
     ("--block-size", "block_size", int, "tokens per KV block (8..128, a power of two)"),
     ("--seed", "seed", int, "seed of the sampling generator"),
+    ("--tensor-parallel-size", "tensor_parallel_size", int,
+     "ranks the model is split across (1, 2, 4, 8): one process each, NCCL on CUDA, gloo on CPU"),
     ("--attention-backend", "attention_backend", str,
      "auto | triton | native | torch (auto: Triton on CUDA, the native kernel on CPU)"),
     ("--cpu-step-plan", "cpu_step_plan", str,

@@ -23,7 +23,7 @@ from pathlib import Path
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
-from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError
+from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
 from overlap.engine.execution import StepResult, make_executor
 from overlap.engine.execution.adaptive_buffers import BufferAdvisor
 from overlap.engine.requests.request import Request
@@ -90,6 +90,7 @@ class Engine:
         self._step_lock = threading.Lock()
 
         self._num_steps_total = 0
+        self.fatal: BaseException | None = None  # a failure the engine cannot step past (a lost rank): exit
         self._finished_by_reason: Counter[str] = Counter()
         # (step start, wall seconds, forward seconds, batch size, schedule cpu seconds) per executed step
         self._window: deque[tuple[float, float, float, int, float]] = deque(maxlen=_WINDOW_STEPS)
@@ -268,6 +269,8 @@ class Engine:
         if result.error is not None:
             error = f"{type(result.error).__name__}: {result.error}"
             outputs += self._outputs_for(self.scheduler.fail(batch, error, now))
+            if isinstance(result.error, RankLost):
+                self.fatal = result.error
         else:
             for request_id, (first, entries) in (result.prompt_logprobs or {}).items():
                 request = self._requests.get(request_id)

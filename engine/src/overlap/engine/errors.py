@@ -1,4 +1,5 @@
-"""Errors the engine raises for the caller's mistakes. Invariants are asserts, not errors."""
+"""Errors the engine raises for the caller's mistakes, and the one it cannot go on after. Invariants are asserts,
+not errors."""
 
 
 class OverlapError(Exception):
@@ -15,3 +16,8 @@ class ConfigError(OverlapError, ValueError):
 
 class ModelLoadError(OverlapError):
     """A model folder that cannot be loaded (missing files, unsupported architecture)."""
+
+
+class RankLost(OverlapError):
+    """A tensor-parallel rank died or stopped answering: the step fails its requests and the engine must exit (its
+    pod restarts), since the ranks can no longer step together."""

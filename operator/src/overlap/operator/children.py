@@ -248,7 +248,9 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
     resources, sidecar = spec["resources"], spec["sidecar"]
     grace = sidecar["gracePeriodSeconds"]
     # Quantities as strings: that is how the API server returns them, so drift checks compare like with like.
-    engine_limits = {"cpu": str(resources["engine"]["cpu"]), "memory": str(resources["engine"]["memory"])}
+    ranks = config.tensor_parallel_size  # resources.engine.cpu is each rank's; /dev/shm holds their collectives
+    engine_limits = {"cpu": specs.per_rank_cpu(resources["engine"]["cpu"], ranks),
+                     "memory": str(resources["engine"]["memory"])}  # fmt: skip
     if resources["gpus"] > 0:
         engine_limits[resources["gpuResourceName"]] = str(resources["gpus"])
     sidecar_limits = {"cpu": str(resources["sidecar"]["cpu"]), "memory": str(resources["sidecar"]["memory"])}
@@ -341,7 +343,7 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
                 "secret": {"secretName": ADMIN_TOKENS_SECRET, "items": [{"key": name, "path": "admin-token"}]},
             },
             {"name": "tmp", "emptyDir": {}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{ranks}Gi"}},
             *model.volumes,
         ],
     }

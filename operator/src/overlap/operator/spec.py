@@ -37,6 +37,7 @@ ENGINE_FIELDS: dict[str, str] = {
     "enablePrefixCaching": "enable_prefix_caching",
     "enableChunkedPrefill": "enable_chunked_prefill",
     "simulatedDevice": "simulated_device",
+    "tensorParallelSize": "tensor_parallel_size",
 }
 
 # A fetched model (model.uri): the cache volume's mount and the link the fetch leaves for the engine, in the pod.
@@ -204,8 +205,9 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
         }
     fields["model"] = model_path(spec.get("model") or {})
     fields["device"] = "cuda" if gpus > 0 else "cpu"
-    # torch's intra-op threads match the container's CPU limit, not the node's core count (which would
-    # oversubscribe the cgroup's quota: every step would wait on throttled threads).
+    fields["tensor_parallel_size"] = tensor_parallel_size(spec)
+    # torch's intra-op threads per rank match the rank's share of the container's CPU limit (resources.engine.cpu
+    # is per rank), not the node's core count (which would oversubscribe the cgroup's quota).
     fields["num_threads"] = cpu_threads(
         (resources.get("engine") or {}).get("cpu", DEFAULTS["resources"]["engine"]["cpu"])
     )
@@ -217,10 +219,25 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
         raise SpecError(f"spec.engine: {exc}") from exc
 
 
-# The CRD's rule on resources.gpus says the same (one sentence there, folded by YAML).
-GPUS_MESSAGE = (
-    "resources.gpus above 1 needs tensor parallelism, which the engine does not have yet; use 1 (one GPU) or 0 (CPU)"
-)
+# The CRD's rules on resources.gpus and engine.tensorParallelSize say the same (one sentence each there).
+GPUS_MESSAGE = "resources.gpus must be 0 (CPU), 1, 2, 4 or 8: a model is split over 2, 4 or 8 GPUs of one pod"
+TP_MESSAGE = "engine.tensorParallelSize must equal resources.gpus (one rank per GPU) when the pod has GPUs"
+
+
+def tensor_parallel_size(spec: Mapping[str, Any]) -> int:
+    """engine.tensorParallelSize, else one rank per GPU (1 on CPU)."""
+    gpus = (spec.get("resources") or {}).get("gpus", 1)
+    return int((spec.get("engine") or {}).get("tensorParallelSize") or max(gpus, 1))
+
+
+def per_rank_cpu(quantity: Any, ranks: int) -> str:
+    """The engine container's CPU for `ranks` ranks of `quantity` each, as a quantity ("4", "3500m")."""
+    if ranks == 1:
+        return str(quantity)
+    text = str(quantity).strip()
+    millis = int(text[:-1]) if text.endswith("m") else round(float(text) * 1000)
+    total = millis * ranks
+    return str(total // 1000) if total % 1000 == 0 else f"{total}m"
 
 
 # The CRD's root rule says the same (one sentence there, folded by YAML).
@@ -278,8 +295,12 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     if source != "image" and not (path + "/").startswith(mount.rstrip("/") + "/"):
         raise SpecError("model.path must be inside model.mountPath when model.source is pvc or hostPath")
 
-    if (spec.get("resources") or {}).get("gpus", 1) > 1:
+    gpus = (spec.get("resources") or {}).get("gpus", 1)
+    if gpus not in (0, 1, 2, 4, 8):
         raise SpecError(GPUS_MESSAGE)
+    asked = (spec.get("engine") or {}).get("tensorParallelSize")
+    if gpus > 0 and asked is not None and asked != gpus:
+        raise SpecError(TP_MESSAGE)
     replicas = spec.get("replicas", 1)
     if not isinstance(replicas, int) or replicas < 0:
         raise SpecError(f"spec.replicas must be an integer >= 0, got {replicas!r}")

@@ -16,11 +16,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_KV_BUDGET_BYTES = 1 << 30  # default CPU pool: what max_num_seqs full-length sequences need, at most 1 GiB
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank` (GPU `rank` on CUDA)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' asked for, but torch sees no CUDA device")
+    if name == "cuda" and rank:
+        if rank >= torch.cuda.device_count():
+            raise ConfigError(f"tensor-parallel rank {rank} needs GPU {rank}; torch sees {torch.cuda.device_count()}")
+        return torch.device("cuda", rank)
     return torch.device(name)
 
 

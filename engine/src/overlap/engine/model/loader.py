@@ -41,7 +41,10 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 # Parameter names that only quantized checkpoints have (AWQ, GPTQ, bitsandbytes, FP8 scales).
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale", "weight_scale_inv", "SCB")
 _ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # attention_bias: q, k, v and o biases
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names for float32, bfloat16 and float16
+# safetensors' names of the others, as torch names them (for the refusal's words)
+_TORCH_NAMES = {"F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -274,79 +277,126 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: torch.device) -> ModelWeights:
+def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 shard=None) -> ModelWeights:  # fmt: skip
+    """The checkpoint's weights, fused for the runner. With a tensor-parallel `shard` (parallel.Shard) only that
+    rank's rows and columns of each tensor are read: the whole model is never in one rank's memory."""
+    from contextlib import ExitStack
+
     from safetensors import safe_open
 
-    tensors: dict[str, torch.Tensor] = {}
     # Straight to the device: on CUDA the host never holds a copy of the weights.
     target = str(device) if device.type != "cuda" or device.index is not None else "cuda:0"
-    try:
-        for path in weight_files(model_dir):
-            with safe_open(str(path), framework="pt", device=target) as f:
+    with ExitStack() as files:
+        slices = {}
+        try:
+            for path in weight_files(model_dir):
+                f = files.enter_context(safe_open(str(path), framework="pt", device=target))
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    tensors[name] = f.get_tensor(name)
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read weights from {model_dir}: {exc}") from exc
-    _refuse_quantized(tensors, model_dir)
+                    slices[name] = f.get_slice(name)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read weights from {model_dir}: {exc}") from exc
+        _refuse_quantized({name: sl.get_dtype() for name, sl in slices.items()}, model_dir)
+        return _fuse(spec, slices, model_dir, dtype, device, shard)
+
+
+Ranges = list[tuple[int, int]] | None  # row (or column) ranges of a tensor to read; None: all of it
+
+
+def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, device: torch.device,
+          shard) -> ModelWeights:  # fmt: skip
     used: set[str] = set()
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = tensors.get(name)
-        if tensor is None:
+    def take(name: str, shape: tuple[int, ...], rows: Ranges = None, cols: Ranges = None) -> torch.Tensor:
+        sl = slices.get(name)
+        if sl is None:
             raise ModelLoadError(f"{model_dir}: weight {name!r} is missing")
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        if tuple(sl.get_shape()) != shape:
+            raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(sl.get_shape())}, expected {shape}")
         used.add(name)
+        if rows is not None:
+            tensor = torch.cat([sl[a:b] for a, b in rows])
+        elif cols is not None:
+            tensor = torch.cat([sl[:, a:b] for a, b in cols], dim=1)
+        else:
+            tensor = sl[:]
         return tensor.to(device=device, dtype=dtype)
 
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
+    # Each part's rows (q, k, v; gate, up) for this rank, and the columns of the row-parallel o and down.
+    if shard is None:
+        q_rows, kv_rows, inter = (0, q_out), (0, kv_out), (0, i)
+    else:
+        q_rows = (shard.q_heads[0] * d, shard.q_heads[1] * d)
+        kv_rows, inter = (shard.kv_heads[0] * d, shard.kv_heads[1] * d), shard.inter
+    bias_of_rows = shard is None or shard.keeps_biases
     fused = spec.architecture == "Phi3ForCausalLM"  # Phi-3 stores q|k|v and gate|up already fused
-    qkv_parts = (("q", q_out), ("k", kv_out), ("v", kv_out))
     layers = []
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
         if fused:
-            qkv = take(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, h))
-            gate_up = take(p + "mlp.gate_up_proj.weight", (2 * i, h))
+            qkv = take(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, h), rows=[
+                q_rows, _shift(kv_rows, q_out), _shift(kv_rows, q_out + kv_out)])  # fmt: skip
+            gate_up = take(p + "mlp.gate_up_proj.weight", (2 * i, h), rows=[inter, _shift(inter, i)])
         else:
-            qkv = torch.cat([take(p + f"self_attn.{x}_proj.weight", (o, h)) for x, o in qkv_parts])
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (i, h)), take(p + "mlp.up_proj.weight", (i, h))])
+            qkv = torch.cat([take(p + "self_attn.q_proj.weight", (q_out, h), rows=[q_rows]),
+                             take(p + "self_attn.k_proj.weight", (kv_out, h), rows=[kv_rows]),
+                             take(p + "self_attn.v_proj.weight", (kv_out, h), rows=[kv_rows])])  # fmt: skip
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (i, h), rows=[inter]),
+                                 take(p + "mlp.up_proj.weight", (i, h), rows=[inter])])  # fmt: skip
         lw = LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,)),
             qkv=qkv,
             qkv_bias=None,
-            o=take(p + "self_attn.o_proj.weight", (h, q_out)),
+            o=take(p + "self_attn.o_proj.weight", (h, q_out), cols=[q_rows]),
             post_norm=take(p + "post_attention_layernorm.weight", (h,)),
             gate_up=gate_up,
-            down=take(p + "mlp.down_proj.weight", (h, i)),
+            down=take(p + "mlp.down_proj.weight", (h, i), cols=[inter]),
         )
         if spec.qkv_bias:
-            lw.qkv_bias = torch.cat([take(p + f"self_attn.{x}_proj.bias", (o,)) for x, o in qkv_parts])
+            lw.qkv_bias = torch.cat([take(p + "self_attn.q_proj.bias", (q_out,), rows=[q_rows]),
+                                     take(p + "self_attn.k_proj.bias", (kv_out,), rows=[kv_rows]),
+                                     take(p + "self_attn.v_proj.bias", (kv_out,), rows=[kv_rows])])  # fmt: skip
         if spec.o_bias:
-            lw.o_bias = take(p + "self_attn.o_proj.bias", (h,))
+            o_bias = take(p + "self_attn.o_proj.bias", (h,))
+            lw.o_bias = o_bias if bias_of_rows else None
         if spec.mlp_bias:
-            lw.gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias", (i,)), take(p + "mlp.up_proj.bias", (i,))])
-            lw.down_bias = take(p + "mlp.down_proj.bias", (h,))
+            lw.gate_up_bias = torch.cat([take(p + "mlp.gate_proj.bias", (i,), rows=[inter]),
+                                         take(p + "mlp.up_proj.bias", (i,), rows=[inter])])  # fmt: skip
+            down_bias = take(p + "mlp.down_proj.bias", (h,))
+            lw.down_bias = down_bias if bias_of_rows else None
         if spec.qk_norm:
             lw.q_norm, lw.k_norm = take(p + "self_attn.q_norm.weight", (d,)), take(p + "self_attn.k_norm.weight", (d,))
         layers.append(lw)
-    embed = take("model.embed_tokens.weight", (spec.vocab_size, h))
+    vocab = None if shard is None else [shard.vocab]
+    embed = _pad_rows(take("model.embed_tokens.weight", (spec.vocab_size, h), rows=vocab), shard)
     if spec.tie_word_embeddings:
         lm_head = embed
-        if "lm_head.weight" in tensors:  # a tied checkpoint that saved the head anyway: transformers ignores it too
+        if "lm_head.weight" in slices:  # a tied checkpoint that saved the head anyway: transformers ignores it too
             used.add("lm_head.weight")
     else:
-        lm_head = take("lm_head.weight", (spec.vocab_size, h))
+        lm_head = _pad_rows(take("lm_head.weight", (spec.vocab_size, h), rows=vocab), shard)
     norm = take("model.norm.weight", (h,))
-    unused = sorted(n for n in tensors if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
+    unused = sorted(n for n in slices if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
     if unused:
         shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
         raise ModelLoadError(f"{model_dir}: the checkpoint has tensors {spec.architecture} does not use: {shown}; "
                              "is config.json the one these weights were saved with?")  # fmt: skip
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def _shift(rows: tuple[int, int], by: int) -> tuple[int, int]:
+    return rows[0] + by, rows[1] + by
+
+
+def _pad_rows(table: torch.Tensor, shard) -> torch.Tensor:
+    """A vocabulary slice padded with zero rows to the rows every rank holds (the gather needs equal shapes)."""
+    if shard is None or table.shape[0] == shard.vocab_rows:
+        return table
+    return torch.cat([table, table.new_zeros(shard.vocab_rows - table.shape[0], table.shape[1])])
 
 
 def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
@@ -373,14 +423,16 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
     return ModelWeights(embed, layers, ones(h), embed if spec.tie_word_embeddings else normal(spec.vocab_size, h))
 
 
-def _refuse_quantized(tensors: dict[str, torch.Tensor], model_dir: Path) -> None:
-    quantized = next((n for n in tensors if n.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES), None)
+def _refuse_quantized(dtypes: dict[str, str], model_dir: Path) -> None:
+    """`dtypes`: each tensor's safetensors dtype (F32, BF16, ...)."""
+    quantized = next((n for n in dtypes if n.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES), None)
     if quantized is not None:
         raise ModelLoadError(f"{model_dir}: tensor {quantized!r} belongs to a quantized checkpoint (AWQ/GPTQ/FP8); "
                              "quantized weights are not supported")  # fmt: skip
-    odd = next(((n, t.dtype) for n, t in tensors.items() if t.dtype not in _FLOAT_DTYPES), None)
+    odd = next(((n, t) for n, t in dtypes.items() if t not in _FLOAT_DTYPES), None)
     if odd is not None:
-        raise ModelLoadError(f"{model_dir}: tensor {odd[0]!r} is {odd[1]}; only float32, bfloat16 and float16 "
+        kind = _TORCH_NAMES.get(odd[1], odd[1])
+        raise ModelLoadError(f"{model_dir}: tensor {odd[0]!r} is torch.{kind}; only float32, bfloat16 and float16 "
                              "weights load (quantized checkpoints are not supported)")  # fmt: skip
 
 

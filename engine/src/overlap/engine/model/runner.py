@@ -30,6 +30,7 @@ measurements behind each choice.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.config import EngineConfig
-from overlap.engine.errors import ConfigError
+from overlap.engine.errors import ConfigError, RankLost
 from overlap.engine.model import graphs, native, sampler
 from overlap.engine.model.devices import kv_pool_blocks, pick_attention, pick_device, pick_dtype
 from overlap.engine.model.helper import HelperThread
@@ -47,6 +48,7 @@ from overlap.engine.model.layers.rotary import Rotary, partial_rotary_layout
 from overlap.engine.model.loader import ModelWeights, load_weights, read_spec, rope_tables
 from overlap.engine.model.loader import random_weights as make_random_weights
 from overlap.engine.model.models import ModelParts, build_model
+from overlap.engine.model.parallel import Collectives, Ranks, free_address, init_group, plan_shard, shard_spec
 from overlap.engine.model.sampling_state import SamplingState
 from overlap.engine.model.staging import to_device
 from overlap.engine.model.step_inputs import InputPacker, StepInputs, decode_graph_inputs
@@ -70,18 +72,41 @@ class DeviceStep:
 
 class ModelRunner(Runner):
     def __init__(self, config: EngineConfig, model_dir: Path | str, *, cpu_paths: bool = True, native_ops: bool = True,
-                 random_weights: bool = False) -> None:  # fmt: skip
+                 random_weights: bool = False, rank: int = 0, address: str | None = None) -> None:  # fmt: skip
         """`cpu_paths=False` runs on CPU the device-generic paths CUDA takes (F.linear, per-sequence SDPA, no native
         kernel, no half-batch threads), so tests cover that branch on a machine without a GPU; `native_ops=False`
         keeps the CPU paths but replaces the native C kernels by torch ops. `random_weights` makes the weights on the
-        device from config.json's shape instead of reading a checkpoint (benchmarks)."""
+        device from config.json's shape instead of reading a checkpoint (benchmarks). With
+        `config.tensor_parallel_size` > 1, rank 0 (the engine's runner) starts the other ranks, which build their
+        runner with their `rank` and rank 0's `address` (model/parallel.py)."""
         self.config = config
         self.model_dir = Path(model_dir)
+        size = config.tensor_parallel_size
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = device = pick_device(config.device)
+        elif size > 1:  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+        self.device = device = pick_device(config.device, rank)
         self.cpu_paths = device.type == "cpu" and cpu_paths
         self.spec = spec = read_spec(self.model_dir)
+        self.shard = plan_shard(spec, rank, size) if size > 1 else None  # a size the heads refuse fails here, at once
+        self.ranks: Ranks | None = None
+        self.tp: Collectives | None = None
+        self.helper: HelperThread | None = None
+        try:
+            if self.shard is not None:
+                if rank == 0:
+                    address = free_address()
+                    self.ranks = Ranks(config, self.model_dir, random_weights, address, run_rank)
+                self.tp = Collectives(self.shard, init_group(rank, size, address, device))
+            self._build(config, spec, device, rank, cpu_paths, native_ops, random_weights)
+        except BaseException:  # the other ranks go too
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, spec, device: torch.device, rank: int, cpu_paths: bool, native_ops: bool,
+               random_weights: bool) -> None:  # fmt: skip
+        layer_spec = spec if self.shard is None else shard_spec(spec, self.shard)
         self.dtype = dtype = pick_dtype(config.dtype, spec.torch_dtype, device)
         self.attention_backend = pick_attention(config.attention_backend, device, self.cpu_paths)
         self.step_mode = "cuda" if device.type == "cuda" else "thread"
@@ -101,46 +126,56 @@ class ModelRunner(Runner):
         self.helper = HelperThread()
         with torch.inference_mode():
             if random_weights:
-                weights = make_random_weights(spec, dtype, device, config.seed)
+                shape = layer_spec if self.shard is None else dataclasses.replace(
+                    layer_spec, vocab_size=self.shard.vocab_rows)  # fmt: skip
+                weights = make_random_weights(shape, dtype, device, config.seed + rank)
             else:
-                weights = load_weights(spec, self.model_dir, dtype, device)
+                weights = load_weights(spec, self.model_dir, dtype, device, self.shard)
             self.weight_bytes = _weight_bytes(weights)  # the streaming floor of a decode step, with the K/V
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
-            weights, cos, sin = partial_rotary_layout(spec, weights, cos, sin)
+            weights, cos, sin = partial_rotary_layout(layer_spec, weights, cos, sin)
             rotary = Rotary(cos.to(device, dtype), sin.to(device, dtype), self.ops)
-            self.num_kv_blocks = kv_pool_blocks(config, spec, dtype, device, self.max_model_len)
+            self.num_kv_blocks = kv_pool_blocks(config, layer_spec, dtype, device, self.max_model_len)
+            if self.tp is not None:  # every rank's pool holds the same blocks: the fewest any rank has room for
+                self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
             # With Triton, one spare block past the usable ones: a CUDA graph's padding rows write and read it.
             pool_blocks = self.num_kv_blocks + (triton is not None)
-            shape = (spec.num_layers, pool_blocks * self.block_size, spec.num_kv_heads, spec.head_dim)
+            shape = (spec.num_layers, pool_blocks * self.block_size, layer_spec.num_kv_heads, spec.head_dim)
             # torch.empty: on CPU the pages are committed only when written; nothing reads a slot before it is
             # written (a sequence attends only to its own computed positions).
             self.k_pool = torch.empty(shape, dtype=dtype, device=device)
             self.v_pool = torch.empty(shape, dtype=dtype, device=device)
             self.attention = PagedAttention(
-                heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, block_size=self.block_size,
+                heads=layer_spec.num_heads, kv_heads=layer_spec.num_kv_heads, head_dim=spec.head_dim,
+                block_size=self.block_size,
                 dtype=dtype, decode_kernel=decode_kernel, triton=triton, cpu_paths=self.cpu_paths, helper=self.helper,
             )  # fmt: skip
-            parts = ModelParts(spec, weights, self.linear, self.ops, self.attention, rotary, self.k_pool, self.v_pool)
+            parts = ModelParts(layer_spec, weights, self.linear, self.ops, self.attention, rotary, self.k_pool,
+                               self.v_pool, self.tp)  # fmt: skip
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
         halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)
         self.packer = InputPacker(
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             device=device, windows=sorted({w for w in spec.layer_windows if w is not None}),
-            use_decode_kernel=decode_kernel is not None, triton=triton, group=spec.num_heads // spec.num_kv_heads,
+            use_decode_kernel=decode_kernel is not None, triton=triton,
+            group=layer_spec.num_heads // layer_spec.num_kv_heads,
             halves_min_tokens=halves_min_tokens,
         )  # fmt: skip
         argmax = None if self.ops is None else self.ops.argmax
         self.sampling = SamplingState(self.model_dir, spec.vocab_size, frozenset(self.eos_token_ids), device,
                                       config.seed, argmax)  # fmt: skip
-        if device.type == "cuda" and triton is not None and config.cuda_graphs:
+        # Not yet under tensor parallelism: a captured graph would hold the collectives of one step.
+        if device.type == "cuda" and triton is not None and config.cuda_graphs and self.tp is None:
             self.enable_decode_graphs(graphs.cuda_capture(device))
+        if self.ranks is not None:
+            self.ranks.watch()
 
     def _halves_min_tokens(self, plan: str) -> int | None:
         """The fewest tokens a step runs as two halves under `EngineConfig.cpu_step_plan` (None: never). Halves have
         no barrier per op but read every weight twice: auto takes them for small weights, and for large ones only in
         steps with enough arithmetic to hide the second read (prefill); docs/engine.md has the measurements."""
-        if not self.cpu_paths or plan == "whole":
+        if not self.cpu_paths or plan == "whole" or self.tp is not None:  # a rank's forward is one whole batch
             return None
         if plan == "halves" or self.weight_bytes <= HALVES_MAX_WEIGHT_BYTES:
             return 0
@@ -206,7 +241,9 @@ class ModelRunner(Runner):
         return RunnerOutput(tokens, (start, time.perf_counter()), logprobs, prompt_logprobs)
 
     def prepare(self, batch: ModelInput) -> StepInputs:
-        return self.packer.pack(batch)
+        inputs = self.packer.pack(batch)
+        inputs.batch = batch
+        return inputs
 
     def device_step(self, inputs: StepInputs) -> DeviceStep:
         """The step's device work, with no host sync but for a grammar's matcher: forward, sampling (with the
@@ -232,6 +269,12 @@ class ModelRunner(Runner):
         two halves runs as two forwards, one per Python thread with one intra-op thread each."""
         if inputs.graph is not None:
             return self.packer.graphs.run(*inputs.graph)
+        if self.ranks is not None:
+            self.ranks.send(inputs.batch)
+            try:
+                return self.model.forward(inputs)
+            except RuntimeError as exc:  # gloo / NCCL: a rank closed its connection or missed the timeout
+                raise RankLost(f"tensor-parallel step failed: {exc}") from exc
         if inputs.halves is None:
             return self.model.forward(inputs)
         first, second = inputs.halves
@@ -263,8 +306,34 @@ class ModelRunner(Runner):
         self.sampling.forget(request_id)
 
     def close(self) -> None:
-        """Stop the helper thread (the KV pool and weights go with the object)."""
-        self.helper.close()
+        """Stop the helper thread and the other tensor-parallel ranks (the KV pool and weights go with the object)."""
+        if self.helper is not None:
+            self.helper.close()
+        if self.ranks is not None:
+            self.ranks.close()
+        if self.tp is not None:
+            self.tp.close()
+
+
+def run_rank(rank: int, config: EngineConfig, model_dir: str, random_weights: bool, address: str, pipe) -> None:
+    """A tensor-parallel rank other than 0, in its own process: build its shard, then run the forward of every batch
+    rank 0 sends, until None (or rank 0's end of the pipe closes)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
+    runner = ModelRunner(config, model_dir, random_weights=random_weights, rank=rank, address=address)
+    try:
+        while True:
+            try:
+                batch = pipe.recv()
+            except EOFError:
+                return
+            if batch is None:
+                return
+            with torch.inference_mode():
+                runner.model.forward(runner.prepare(batch))
+    finally:
+        runner.close()
 
 
 def _weight_bytes(weights: ModelWeights) -> int:

@@ -44,6 +44,8 @@ class StepInputs:
     # A decode step served by a captured graph: (its packed inputs on the device, the bucket, how many sequences).
     # input_ids, positions and slots are then views of that buffer.
     graph: tuple[torch.Tensor, int, int] | None = None
+    # The batch these inputs were packed from: under tensor parallelism rank 0 sends it to the other ranks.
+    batch: ModelInput | None = None
 
     def plan_for(self, window: int | None) -> AttentionPlan:
         """The plan of a layer with this sliding window (None: full attention)."""

@@ -139,6 +139,9 @@ class EngineServer:
                 self._process_input(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._send_outputs(self.engine.step())
+                if self.engine.fatal is not None:  # its requests have their error; the sidecar answers the rest
+                    log.error("the engine cannot go on: %s; exiting", self.engine.fatal)
+                    break
         finally:
             self._close()
 
@@ -370,4 +373,4 @@ def run_engine_server(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     server.serve_forever()
-    return 0
+    return 70 if engine.fatal is not None else 0  # EX_SOFTWARE: the pod (or `overlap serve`) restarts the engine

@@ -4,6 +4,10 @@ KV pool and a SwiGLU MLP, then the final norm and the LM head.
 A prompt row that is not sampled matters to later tokens only through the K/V it leaves in each layer, so the last
 layer, past its K/V writes, runs only the sampled rows (its output projection and MLP are ~12% of a prompt token's
 projection FLOPs in the tiny model's 6 layers).
+
+Under tensor parallelism (`parts.tp`, model/parallel.py) the layers hold one rank's heads and MLP width: the output
+and down projections' partial sums are all-reduced, the embedding is looked up in each rank's vocabulary slice and
+all-reduced, and rank 0 gathers the LM head's slices of the logits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from overlap.engine.model.layers.norm import RMSNorm
 from overlap.engine.model.layers.rotary import Rotary, StepRotary
 from overlap.engine.model.loader import LayerWeights, ModelSpec, ModelWeights
 from overlap.engine.model.native import CpuOps
+from overlap.engine.model.parallel import Collectives
 from overlap.engine.model.step_inputs import StepInputs
 
 
@@ -34,6 +39,7 @@ class ModelParts:
     rotary: Rotary
     k_pool: torch.Tensor  # [layers, slots, kv_heads, head_dim]
     v_pool: torch.Tensor
+    tp: Collectives | None = None  # this rank's collectives under tensor parallelism; None on one device
 
 
 class LlamaDecoderLayer:
@@ -64,12 +70,24 @@ class LlamaModel:
         self.layers = [self.layer_class(i, lw, parts) for i, lw in enumerate(w.layers)]
         self.embed = w.embed
         self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops)
-        self.lm_head = Linear(w.lm_head, None, parts.linear)
+        self.head = Linear(w.lm_head, None, parts.linear)
+        self.tp = parts.tp
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output: the ranks' partial sums added (as it is on one device)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x)
+        return logits if self.tp is None else self.tp.gather_logits(logits, self.spec.vocab_size)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampled seqs, vocab] (model dtype); writes the step's K/V into the pool."""
         rotary: StepRotary = self.rotary.at(inputs.positions)
-        x = self.embed.index_select(0, inputs.input_ids)
+        if self.tp is None:
+            x = self.embed.index_select(0, inputs.input_ids)
+        else:
+            x = self.tp.embed(self.embed, inputs.input_ids)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             plan = inputs.plan_for(layer.window)
@@ -84,8 +102,8 @@ class LlamaModel:
                 attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window)
             else:
                 attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window)
-            x = layer.o(attn).add_(x)  # the residual added in place into the projection's fresh output
-            x = layer.mlp(layer.post_norm(x)).add_(x)
+            x = self.reduce(layer.o(attn)).add_(x)  # the residual added in place into the projection's fresh output
+            x = self.reduce(layer.mlp(layer.post_norm(x))).add_(x)
         if inputs.plan.last_layer is None:  # every row went through; else x holds the sampled rows already
             if inputs.prompt_rows is not None:
                 inputs.prompt_logits = self.lm_head(self.norm(x.index_select(0, inputs.prompt_rows)))
