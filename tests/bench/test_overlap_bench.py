@@ -97,4 +97,6 @@ def test_gpu_check_dry_run_on_cpu_runs_every_case(tmp_path):
                                                           for b in (1, 4, 8)}  # fmt: skip
     assert all(r["tokens_per_s"] > 0 and r["floor_ms"] > 0 for r in decode)
     assert {r["num_buffers"] for r in rows if r["case"] == "busy"} == {1, 2}
+    (ranks,) = [r for r in rows if r["case"] == "tensor_parallel"]  # gloo on the CPU in a dry run
+    assert ranks["same_tokens"] and ranks["tokens_per_s_2"] > 0
     assert "| model | batch |" in proc.stdout

@@ -47,7 +47,7 @@ DRY_RUN_SHAPES = {
     "llama-dry-b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
-CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy")
+CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel")
 
 
 def _progress(message: str) -> None:
@@ -332,6 +332,41 @@ def case_busy(check: Check) -> None:
 
 
 # ---- report ---------------------------------------------------------------------------------------------------------
+def case_tensor_parallel(check: Check) -> None:
+    """The tiny model on 2 ranks (NCCL, GPUs 0 and 1; gloo in a dry run) against 1: the same greedy tokens, and the
+    decode throughput of each. Skipped, and said so, on a machine with one GPU."""
+    import torch
+
+    from overlap.engine.core import Engine
+    from overlap.engine.model.builder import ensure_default_model
+    from overlap.engine.types import SamplingParams
+
+    gpus = 0 if check.dry else torch.cuda.device_count()
+    if not check.dry and gpus < 2:
+        check.emit("tensor_parallel", skipped=f"{gpus} GPU")
+        _progress(f"tensor_parallel: skipped, {gpus} GPU")
+        return
+    model_dir = ensure_default_model()
+    prompts = [[3 + (7 * i + j) % 1900 for j in range(24 + i)] for i in range(8)]
+    sampling = SamplingParams(max_tokens=8 if check.dry else 64, temperature=0, ignore_eos=True)
+    tokens, rates = {}, {}
+    for size in (1, 2):
+        engine = Engine(check.engine_config(False, model=str(model_dir), dtype="float32", num_kv_blocks=256,
+                                            max_seq_len=512, tensor_parallel_size=size))  # fmt: skip
+        started, outputs = time.perf_counter(), {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, sampling)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        rates[size] = sum(map(len, outputs.values())) / (time.perf_counter() - started)
+        tokens[size] = [outputs[f"r{i}"] for i in range(len(prompts))]
+        engine.close()
+        engine.runner.close()
+    check.emit("tensor_parallel", ranks=2, gpus=gpus, same_tokens=tokens[1] == tokens[2],
+               tokens_per_s_1=rates[1], tokens_per_s_2=rates[2])  # fmt: skip
+
+
 def format_table(rows: list[dict]) -> str:
     """The decode rows as the README's table, then the other cases one line each."""
     env = next((r for r in rows if r["case"] == "env"), {})
@@ -361,6 +396,10 @@ def format_table(rows: list[dict]) -> str:
                          f"events {r['event_busy_share']:.3f}, kernels {kernels}")  # fmt: skip
         elif r["case"] == "bandwidth":
             lines.append(f"device-to-device copy: {r['bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
+        elif r["case"] == "tensor_parallel":
+            lines.append(f"tensor parallel: skipped: {r['skipped']}" if "skipped" in r else
+                         f"tensor parallel, 2 ranks: tokens {'equal to' if r['same_tokens'] else 'DIFFER from'} 1 "
+                         f"rank's; {r['tokens_per_s_2']:.0f} tok/s vs {r['tokens_per_s_1']:.0f}")  # fmt: skip
         elif r["case"] == "error":
             lines.append(f"{r['failed']} FAILED: {r['error']}")
     return "\n".join(lines)
