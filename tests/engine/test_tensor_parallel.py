@@ -159,6 +159,28 @@ def test_the_engine_on_two_ranks_serves_prefix_hits_chunks_logprobs_and_a_retune
         assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
+def test_a_rank_that_stops_answering_fails_the_step_after_the_collective_timeout(tiny_model_dir, monkeypatch):
+    """A rank frozen (SIGSTOP) mid-service: rank 0's next step waits in the collective for the timeout, then fails
+    with RankLost instead of hanging."""
+    from overlap.engine.errors import RankLost
+    from overlap.engine.model import parallel
+
+    monkeypatch.setattr(parallel, "COLLECTIVE_TIMEOUT_S", 2.0)  # rank 0's side of the wait
+    two = _runner(tiny_model_dir, 2)
+    (rank,) = rank_pids(os.getpid())
+    try:
+        batch = ModelInput([ScheduledSeq("a", [1, 40, 50], 0, [0], True, GREEDY)])
+        two.execute(batch)
+        os.kill(rank, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RankLost, match="tensor-parallel step failed"):
+            two.execute(ModelInput([ScheduledSeq("b", [1, 41, 51], 0, [1], True, GREEDY)]))
+        assert time.monotonic() - started < 2.0 + 5
+    finally:
+        os.kill(rank, signal.SIGKILL)
+        two.close()
+
+
 # ---- through `overlap serve` -----------------------------------------------------------------------------------
 def test_a_rank_killed_mid_generation_fails_its_requests_and_the_restarted_engine_serves(tiny_model_dir):
     with overlap_serve(tiny_model_dir, "engine.yaml", "max_num_seqs: 8\n", "--tensor-parallel-size", "2") as served:

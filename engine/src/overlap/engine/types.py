@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -236,6 +236,10 @@ class Runner(Protocol):
 
     def forget_request(self, request_id: str) -> None:
         """A finished request's per-request state goes (called once no step in flight holds it)."""
+
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)` from another thread if a part of the runner outside this process dies (a
+        tensor-parallel rank). The engine server exits on it; runners with no such part never call it."""
 
     def close(self) -> None:
         """Release threads and device memory the runner holds."""

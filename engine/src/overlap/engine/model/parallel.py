@@ -24,10 +24,8 @@ import datetime
 import logging
 import math
 import multiprocessing
-import os
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,8 +162,8 @@ def free_address() -> str:
 
 
 class Ranks:
-    """Rank 0's handle on the other ranks: their processes, a pipe to each, and a watch that ends the engine when
-    one dies while the engine waits for requests (a step in flight fails on its own, in the collective)."""
+    """Rank 0's handle on the other ranks: their processes, a pipe to each, and a watch on their exits (a rank that
+    dies between steps; a step in flight fails on its own, in the collective)."""
 
     def __init__(self, config, model_dir: Path, random_weights: bool, address: str, target) -> None:
         """`target(rank, config, model_dir, random_weights, address, pipe)` runs each other rank (runner.run_rank)."""
@@ -183,20 +181,18 @@ class Ranks:
             self.processes.append(process)
         self.closing = False
 
-    def watch(self) -> None:
-        threading.Thread(target=self._watch, name="overlap-rank-watch", daemon=True).start()
+    def watch(self, on_lost) -> None:
+        """Call `on_lost(why)` if another rank's process exits while rank 0 has not closed them."""
+        threading.Thread(target=self._watch, args=(on_lost,), name="overlap-rank-watch", daemon=True).start()
 
-    def _watch(self) -> None:
+    def _watch(self, on_lost) -> None:
         from multiprocessing.connection import wait
 
         gone = wait([p.sentinel for p in self.processes])
         if self.closing:
             return
-        dead = [p for p in self.processes if p.sentinel in gone]
-        log.error("tensor-parallel %s exited (code %s): the engine cannot step without it; exiting",
-                  dead[0].name, dead[0].exitcode)  # fmt: skip
-        time.sleep(2.0)  # a step in flight fails in its collective and reports first
-        os._exit(70)
+        dead = next(p for p in self.processes if p.sentinel in gone)
+        on_lost(f"tensor-parallel {dead.name} exited (code {dead.exitcode})")
 
     def send(self, batch) -> None:
         """The step's batch to every other rank, before rank 0 enters the forward's collectives."""

@@ -168,8 +168,6 @@ class ModelRunner(Runner):
         # Not yet under tensor parallelism: a captured graph would hold the collectives of one step.
         if device.type == "cuda" and triton is not None and config.cuda_graphs and self.tp is None:
             self.enable_decode_graphs(graphs.cuda_capture(device))
-        if self.ranks is not None:
-            self.ranks.watch()
 
     def _halves_min_tokens(self, plan: str) -> int | None:
         """The fewest tokens a step runs as two halves under `EngineConfig.cpu_step_plan` (None: never). Halves have
@@ -304,6 +302,11 @@ class ModelRunner(Runner):
 
     def forget_request(self, request_id: str) -> None:
         self.sampling.forget(request_id)
+
+    def on_lost(self, callback) -> None:
+        """`callback(why)` when another tensor-parallel rank's process exits (none on one rank)."""
+        if self.ranks is not None:
+            self.ranks.watch(callback)
 
     def close(self) -> None:
         """Stop the helper thread and the other tensor-parallel ranks (the KV pool and weights go with the object)."""

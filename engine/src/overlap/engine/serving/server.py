@@ -362,6 +362,13 @@ def run_engine_server(
     from overlap.engine.core import Engine
 
     engine = Engine(config)
+
+    def lost(why: str) -> None:  # between steps no collective fails: end the engine here, for a restart
+        log.error("%s: the engine cannot step without it; exiting", why)
+        time.sleep(2.0)  # a step in flight fails in its collective and answers its requests first
+        os._exit(70)
+
+    engine.runner.on_lost(lost)
     grace = float(os.environ.get("OVERLAP_GRACE_PERIOD_S", "30"))
     server = EngineServer(engine, socket_path, grace_period_s=grace, served_model_name=served_model_name)
 
