@@ -52,10 +52,10 @@ $(TOOLS)/bin/kubectl $(TOOLS)/bin/helm:
 	@bash scripts/fetch-kube-tools.sh $(TOOLS)
 
 prometheus:  ## make sure prometheus and promtool are installed (Debian package)
-	@bash scripts/ensure-prometheus.sh
+	@bash scripts/ensure-debian-tool.sh prometheus prometheus promtool
 
 registry:  ## make sure docker-registry is installed (Debian package; the OCI model tests start it on loopback)
-	@bash scripts/ensure-registry.sh
+	@bash scripts/ensure-debian-tool.sh docker-registry docker-registry
 
 lint: venv  ## ruff, the import contracts (engine layers, independence, no cycles), actionlint on the workflows
 	$(BIN)/ruff check .

@@ -38,6 +38,7 @@ from tests.support.cluster import (
     wait_for,
     write_kubeconfig,
 )
+from tests.support.debian import ensure_prometheus
 from tests.support.images import HELM, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import NodeAgent, Podman
 from tests.support.prometheus import Prometheus
@@ -183,7 +184,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     require_images()
-    subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=REPO)
+    ensure_prometheus()
     workdir = tmp_path_factory.mktemp("e2e")
     api_thread = ApiThread()
     started: list = []

@@ -33,6 +33,7 @@ from tests.support.cluster import (
     running_operator,
     wait_for,
 )
+from tests.support.debian import ensure_prometheus
 from tests.support.prometheus import Prometheus
 from tests.support.sidecar import Stack, free_port, http, metric_value
 
@@ -52,7 +53,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory: pytest.TempPathFactory, served: Stack) -> Iterator[Prometheus]:
     try:
-        subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=Path(__file__).parents[2])
+        ensure_prometheus()
     except subprocess.CalledProcessError:
         pytest.skip("prometheus is not installed: run `make prometheus`")
     labels = {"namespace": NAMESPACE, "service": NAME}

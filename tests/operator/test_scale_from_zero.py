@@ -22,6 +22,7 @@ import yaml
 
 from overlap.operator import identity
 from tests.support.cluster import NAMESPACE, running_operator, wait_for
+from tests.support.debian import ensure_prometheus
 from tests.support.prometheus import Prometheus
 from tests.support.sidecar import Proc, Stack, free_port, http, metric_value, overlap_cmd
 
@@ -65,7 +66,7 @@ async def many_streams(url: str, model: str, clients: int) -> list[dict]:
 
 def test_scale_from_zero_serves_every_held_request(cluster, tmp_path, tiny_model_dir):
     try:
-        subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True, cwd=Path(__file__).parents[2])
+        ensure_prometheus()
     except subprocess.CalledProcessError:
         pytest.skip("prometheus is not installed: run `make prometheus`")
     for folder in ("pod", "prom", "operator"):

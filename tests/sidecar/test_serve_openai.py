@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.support.debian import ensure_prometheus
 from tests.support.sidecar import ADMIN_TOKEN, http, is_ready, metric_value, overlap_serve, wait_until
 
 GREEDY = {"temperature": 0.0}
@@ -254,8 +254,7 @@ def test_openapi_describes_every_route(server):
 
 
 def test_metrics_pass_promtool_and_carry_the_series(client, server):
-    if shutil.which("promtool") is None:
-        subprocess.run(["bash", "scripts/ensure-prometheus.sh"], check=True)
+    ensure_prometheus()
     client.completions.create(model=server["model"], prompt="warm", max_tokens=4)
     time.sleep(1.0)  # one stats poll
     status, _, text = http("GET", f"{server['url']}/metrics")

@@ -21,6 +21,7 @@ from collections import defaultdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.support.debian import ensure_tool
 from tests.support.sidecar import Proc, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -238,8 +239,7 @@ class RegistryServer:
     keeps a blob, for a test that damages one."""
 
     def __init__(self, workdir: Path, host: str = "127.0.0.1") -> None:
-        if shutil.which("docker-registry") is None:
-            subprocess.run(["bash", "scripts/ensure-registry.sh"], check=True, cwd=REPO)
+        ensure_tool("docker-registry", "docker-registry")
         self.port = free_port()
         self.host = f"{host}:{self.port}"
         self.storage = workdir / "registry"
