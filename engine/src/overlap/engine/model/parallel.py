@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import logging
 import math
 import multiprocessing
 import socket
@@ -32,8 +31,6 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError, RankLost
-
-log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 10.0  # a rank that has not joined a collective by then is lost (the others wait as long)
 START_TIMEOUT_S = 600.0  # every rank loaded and in the process group within this
