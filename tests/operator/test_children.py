@@ -459,3 +459,26 @@ def test_pod_env_takes_value_from_and_writes_no_empty_value_the_api_server_would
     for container in returned["spec"]["template"]["spec"]["containers"]:
         container["env"] = [{k: v for k, v in item.items() if v is not None} for item in container["env"]]
     assert is_subset(deployment, returned)
+
+
+@pytest.mark.parametrize(("deployment_ready", "routed_to"), [(1, "pods"), (0, "activator")])
+def test_a_reconcile_routes_a_scale_to_zero_service_by_the_deployment_not_a_stale_status(
+    monkeypatch, deployment_ready: int, routed_to: str
+) -> None:
+    """The status still says 0 ready (mirrored before the pod became ready): the Service follows the Deployment."""
+    from overlap.operator import admin_tokens, kube, reconcile
+
+    service = {**OWNER, "spec": {"model": {"servedName": "m", "path": "/m"}, "replicas": 1,
+                                 "autoscaling": {"mode": "builtin", "minReplicas": 0}},
+               "status": {"readyReplicas": 0}}  # fmt: skip
+    applied = []
+    monkeypatch.setattr(admin_tokens, "ensure", lambda owner: (None, False))
+    monkeypatch.setattr(kube, "read", lambda kind, name, ns: {"status": {"readyReplicas": deployment_ready}})
+    monkeypatch.setattr(kube, "apply", lambda obj: applied.append(obj) or "unchanged")
+    monkeypatch.setattr(kube, "delete_if_owned", lambda *args: False)
+    monkeypatch.setattr(kube, "list_pods", lambda *args: [])
+    monkeypatch.setattr(kube, "patch_status", lambda *args: None)
+    reconcile.apply(reconcile.desired(service, with_servicemonitor=False), service, lambda *args: None)
+    (public,) = [o for o in applied if o["kind"] == "Service" and o["metadata"]["name"] == "llm"]
+    wanted = identity.selector_labels("llm") if routed_to == "pods" else identity.activator_labels("llm")
+    assert public["spec"]["selector"] == wanted

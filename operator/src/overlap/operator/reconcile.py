@@ -58,13 +58,27 @@ def desired(service: Mapping[str, Any], *, with_servicemonitor: bool) -> Plan:
     return Plan(name, namespace, meta["uid"], spec, config, built, unwanted)
 
 
+def _routed(plan: Plan, service: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The plan's children, the public Service of a service that scales to zero routed by the engine Deployment as
+    it is now (as handlers._route does on its events), not by the readyReplicas last mirrored into the status: that
+    can lag a pod that just became ready, and a reconcile on it would point the Service back at the activator with
+    no Deployment event left to undo it."""
+    if not children.scales_to_zero(plan.spec):
+        return plan.children
+    deployment = kube.read("Deployment", plan.name, plan.namespace)
+    ready = ((deployment or {}).get("status") or {}).get("readyReplicas") or 0
+    to_activator = children.at_zero(plan.spec, ready)
+    public = children.adopt(children.build_service(plan.name, plan.namespace, plan.spec, to_activator), service)
+    return [public if (c["kind"], c["metadata"]["name"]) == ("Service", plan.name) else c for c in plan.children]
+
+
 def apply(plan: Plan, service: Mapping[str, Any], report: Report, patched_means: str = "updated") -> None:
     """Make the cluster match the plan: the admin token, every child, the unwanted ones gone, then the status. A
     child that differed is `patched_means` ('updated' when the spec changed, 'restored' when a hand edit or
     deletion is undone). A refused write leaves its reason in the status and raises for kopf to retry."""
     if admin_tokens.ensure(service)[1]:
         report("Secret", admin_tokens.SECRET, "created", "admin tokens of the namespace's services")
-    for child in plan.children:
+    for child in _routed(plan, service):
         kind, child_name = child["kind"], child["metadata"]["name"]
         try:
             outcome = kube.apply(child)
