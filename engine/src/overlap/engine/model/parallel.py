@@ -165,9 +165,8 @@ class Ranks:
     def __init__(self, config, model_dir: Path, random_weights: bool, address: str, target) -> None:
         """`target(rank, config, model_dir, random_weights, address, pipe)` runs each other rank (runner.run_rank)."""
         context = multiprocessing.get_context("spawn")  # a fork would copy rank 0's threads and torch state
-        self.size = config.tensor_parallel_size
         self.pipes, self.processes = [], []
-        for rank in range(1, self.size):
+        for rank in range(1, config.tensor_parallel_size):
             ours, theirs = context.Pipe()
             # daemonic: ended with rank 0, whatever state the collectives are in
             process = context.Process(target=target, name=f"overlap-rank-{rank}", daemon=True,

@@ -99,12 +99,12 @@ class ModelRunner(Runner):
                     address = free_address()
                     self.ranks = Ranks(config, self.model_dir, random_weights, address, run_rank)
                 self.tp = Collectives(self.shard, init_group(rank, size, address, device))
-            self._build(config, spec, device, rank, cpu_paths, native_ops, random_weights)
+            self._build(config, spec, device, rank, native_ops, random_weights)
         except BaseException:  # the other ranks go too
             self.close()
             raise
 
-    def _build(self, config: EngineConfig, spec, device: torch.device, rank: int, cpu_paths: bool, native_ops: bool,
+    def _build(self, config: EngineConfig, spec, device: torch.device, rank: int, native_ops: bool,
                random_weights: bool) -> None:  # fmt: skip
         layer_spec = spec if self.shard is None else shard_spec(spec, self.shard)
         self.dtype = dtype = pick_dtype(config.dtype, spec.torch_dtype, device)
