@@ -4,14 +4,16 @@ compared with eager steps; the buckets reach the largest max_num_seqs the pool a
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError
-from overlap.engine.model.graphs import GRAPH_BATCH_LIMIT, decode_buckets
+from overlap.engine.model.graphs import GRAPH_BATCH_LIMIT, DecodeGraphs, decode_buckets
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 from tests.support.hf_models import VOCAB, save_variant
@@ -51,6 +53,29 @@ def test_buckets_reach_the_limit_and_stop_at_the_cap():
     assert decode_buckets(12) == [1, 2, 4, 8, 12]
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert decode_buckets(100_000)[-1] == GRAPH_BATCH_LIMIT
+
+
+def test_the_tensors_a_captured_graph_reads_live_as_long_as_the_graphs():
+    """A CUDA graph reads its inputs by address and keeps no reference to them: DecodeGraphs must (the first GPU run
+    replayed freed memory as sample rows and failed an index assertion)."""
+    made = []
+
+    def make_inputs(buffer, bucket):
+        rows = torch.arange(bucket)
+        made.append(weakref.ref(rows))
+        return rows
+
+    def cuda_like_capture(fn):
+        fn()
+        return lambda: None  # holds nothing of fn, as torch.cuda.CUDAGraph.replay
+
+    graphs = DecodeGraphs([1, 2, 4], 4, 7, 16, VOCAB, torch.device("cpu"), torch.float32, make_inputs,
+                          lambda rows: torch.zeros(len(rows), VOCAB), cuda_like_capture)  # fmt: skip
+    gc.collect()
+    assert len(made) == 3 and all(ref() is not None for ref in made)
+    del graphs
+    gc.collect()
+    assert all(ref() is None for ref in made)
 
 
 def test_graphs_default_to_the_largest_batch_the_pool_allows(model_dir):

@@ -1,7 +1,8 @@
 """The execution layer's CUDA path: the same N-buffered pipeline as `Executor`, with no worker thread.
 
-Not run on a GPU yet: the development machines have none. Its host side runs on CPU through the runner (staging,
-graph buckets, the Triton kernel in Triton's interpreter); `bench/gpu/check.sh` is its test on a GPU.
+Run on a GPU once (an H200: the README's GPU table); the development machines have none, so its host side also runs
+on CPU through the runner (staging, graph buckets, the Triton kernel in Triton's interpreter); `bench/gpu/check.sh`
+is its test on a GPU.
 
 On CUDA, launches are asynchronous, so the engine thread itself launches step N+1 while the device still runs
 step N. Per step:

@@ -68,6 +68,9 @@ class DecodeGraphs:
         self.spare_block = spare_block
         self.block_size = block_size
         self._buffers: dict[int, torch.Tensor] = {}
+        # Each bucket's StepInputs: a graph reads their tensors (rows, plan) by address but holds no reference, so
+        # they must live as long as it does.
+        self._inputs: dict[int, object] = {}
         self._replays: dict[int, Callable[[], None]] = {}
         self.replayed = 0  # steps served by a graph (stats and tests)
         # One logits buffer, each bucket writing its first rows (graphs replay one at a time, in stream order).
@@ -76,6 +79,7 @@ class DecodeGraphs:
             buffer = torch.tensor(self.pack([], bucket), dtype=torch.long).to(device)
             inputs, logits = make_inputs(buffer, bucket), self._logits[:bucket]
             self._buffers[bucket] = buffer
+            self._inputs[bucket] = inputs
             self._replays[bucket] = capture(lambda inputs=inputs, logits=logits: logits.copy_(forward(inputs)))
 
     def bucket_for(self, num_seqs: int) -> int | None:
