@@ -16,6 +16,8 @@ leaves its data. Cases, most valuable first:
 5. prefill: prompt tok/s for the same shapes.
 6. busy: device busy share at batch 64 with 1 and 2 buffers, by CUDA events (what the engine reports) and by kernel
    time (torch's profiler over the same steps), which exposes a launch-bound step.
+7. profile: where a decode step's device time goes, ~8B shape at batch 1 and 64 with graphs: kernel time per step
+   by kernel name (torch's profiler), the kernels per step, the heaviest ones.
 
 `--dry-run-cpu` runs every case on the CPU with small shapes (Triton's interpreter for the attention kernel), so
 the script itself is tested where there is no GPU. Without CUDA (and without --dry-run-cpu) it exits 2 and says so.
@@ -47,7 +49,7 @@ DRY_RUN_SHAPES = {
     "llama-dry-b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
-CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel")
+CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile")
 
 
 def _progress(message: str) -> None:
@@ -337,6 +339,46 @@ def case_busy(check: Check) -> None:
     runner.close()
 
 
+def case_profile(check: Check) -> None:
+    """Kernel time per decode step by kernel name (2 buffers, graphs on): what to fuse or speed up next."""
+    import torch
+
+    from overlap.bench.overlap_load import DecodeLoad
+    from overlap.engine.execution import make_executor
+
+    warmup = 5
+    max_tokens = 2 * (warmup + check.steps) + 2
+    name = list(check.shapes)[-1]
+    activity = (
+        torch.profiler.ProfilerActivity.CUDA if check.device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+    )
+    for batch in (1, check.busy_batch):
+        runner, _ = _runner(check, name, check.prompt_len + max_tokens, check.busy_batch)  # a pool for max_seq_len
+        executor = make_executor(runner, 2)
+        load = DecodeLoad(executor, batch=batch, num_requests=batch, prompt_len=check.prompt_len,
+                          max_tokens=max_tokens)  # fmt: skip
+        load.run(max_steps=warmup)
+        check.sync()
+        with torch.profiler.profile(activities=[activity]) as prof:
+            load.run(max_steps=warmup + check.steps)
+            check.sync()
+        executor.close()
+        runner.close()
+        device = torch.autograd.DeviceType.CUDA if check.device.type == "cuda" else torch.autograd.DeviceType.CPU
+        by_name: dict[str, list[float]] = {}
+        for e in prof.events():
+            if e.device_type == device and (check.dry or not e.name.startswith(("Memcpy", "Memset"))):
+                entry = by_name.setdefault(e.name[:90], [0.0, 0])
+                entry[0] += (e.time_range.end - e.time_range.start) / 1000 / check.steps  # ms per step
+                entry[1] += 1 / check.steps
+        top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+        check.emit("profile", model=name, batch=batch, steps=check.steps,
+                   kernel_ms_per_step=sum(v[0] for v in by_name.values()),
+                   kernels_per_step=sum(v[1] for v in by_name.values()),
+                   top=[[n, round(ms, 4), round(c, 1)] for n, (ms, c) in top])  # fmt: skip
+        _progress(f"profile {name} batch {batch}: {sum(v[0] for v in by_name.values()):.2f} kernel ms per step")
+
+
 # ---- report ---------------------------------------------------------------------------------------------------------
 def case_tensor_parallel(check: Check) -> None:
     """The tiny model on 2 ranks (NCCL, GPUs 0 and 1; gloo in a dry run) against 1: the same greedy tokens, and the
@@ -396,6 +438,10 @@ def format_table(rows: list[dict]) -> str:
                          f"{len(r['host_syncs_in_step_loop'])}")  # fmt: skip
         elif r["case"] == "prefill":
             lines.append(f"prefill {r['model']}: {r['tokens_per_s']:.0f} tok/s ({r['prompts']} x {r['prompt_len']})")
+        elif r["case"] == "profile":
+            lines.append(f"profile {r['model']} batch {r['batch']}: {r['kernel_ms_per_step']:.2f} kernel ms, "
+                         f"{r['kernels_per_step']:.0f} kernels per step; heaviest (ms, count per step):")  # fmt: skip
+            lines += [f"    {ms:8.4f} {count:6.1f}  {kernel}" for kernel, ms, count in r["top"]]
         elif r["case"] == "busy":
             kernels = "-" if r["kernel_busy_share"] is None else f"{r['kernel_busy_share']:.3f}"
             lines.append(f"busy {r['model']} batch {r['batch']} buffers={r['num_buffers']}: "

@@ -12,6 +12,7 @@ Where each part lives:
 | device, dtype, attention backend, KV-pool size | `devices.py` |
 | a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3) | `models/` |
 | its layers: linear (oneDNN / torch), RMSNorm, RoPE with the K/V write, paged attention, MLP | `layers/` |
+| their GPU kernels: attention, RMSNorm, RoPE with the K/V write, SiLU-mul (Triton) | `triton_attention.py`, `triton_ops.py` |
 | input packing, the batch halves | `step_inputs.py` |
 | how each sequence attends (native / torch / Triton plans) | `attention_plan.py` |
 | sampling, logits controls, logprobs | `sampler.py`, `sampling_state.py` |
@@ -119,9 +120,11 @@ class ModelRunner(Runner):
         triton = None
         if self.attention_backend == "triton":  # every sequence's attention in one Triton launch per layer
             from overlap.engine.model import triton_attention as triton
+            from overlap.engine.model.triton_ops import TritonOps
         use_native = self.cpu_paths and native_ops and dtype in native.DecodeAttentionKernel.DTYPES
         decode_kernel = native.decode_attention_kernel() if use_native and self.attention_backend == "native" else None
-        self.ops = native.cpu_ops() if use_native else None  # RMSNorm, RoPE with the K/V write, greedy argmax
+        # RMSNorm, RoPE with the K/V write, greedy argmax: native on CPU, Triton next to the Triton attention
+        self.ops = native.cpu_ops() if use_native else (TritonOps() if triton is not None else None)
         self.linear: LinearBackend = pick_linear_backend(device, dtype) if self.cpu_paths else LinearBackend()
         self.helper = HelperThread()
         with torch.inference_mode():
@@ -207,7 +210,8 @@ class ModelRunner(Runner):
         """What runs the step's work on this machine, for start-up logs and benchmarks."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
-            return f"{self.device.type} {dtype}: torch linear; {self.attention.name}"
+            ops = "torch RMSNorm, RoPE" if self.ops is None else self.ops.name
+            return f"{self.device.type} {dtype}: torch linear; {self.attention.name}; {ops}"
         norms = "native RMSNorm, RoPE, argmax" if self.ops is not None else "torch RMSNorm, RoPE, argmax"
         isa = f"torch {torch.backends.cpu.get_cpu_capability()}"
         plan = {None: "whole batch on all threads", 0: "batch halves on two threads"}.get(

@@ -12,11 +12,12 @@ class GatedMLP:
     """gate and up as one matmul (its output split), or, where the backend fuses SiLU into a matmul (oneDNN), as two:
     SiLU rides on the gate's matmul, no separate pass over its output."""
 
-    __slots__ = ("down", "gate", "gate_up", "inter", "up")
+    __slots__ = ("down", "gate", "gate_up", "inter", "silu_mul", "up")
 
     def __init__(self, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-                 down_bias: torch.Tensor | None, backend: LinearBackend) -> None:  # fmt: skip
+                 down_bias: torch.Tensor | None, backend: LinearBackend, ops=None) -> None:  # fmt: skip
         self.inter = gate_up.shape[0] // 2
+        self.silu_mul = getattr(ops, "silu_mul", None)  # one kernel where the ops have it (TritonOps)
         self.gate = self.up = self.gate_up = None
         if backend.fuses_silu:
             halves = [None, None] if gate_up_bias is None else gate_up_bias.split(self.inter)
@@ -32,5 +33,7 @@ class GatedMLP:
             act = gate.backend.linear_silu(x, gate.weight, gate.bias).mul_(self.up(x))
         else:
             gate_up = self.gate_up(x)
+            if self.silu_mul is not None:
+                return self.down(self.silu_mul(gate_up))
             act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
         return self.down(act)

@@ -9,12 +9,16 @@ each half and the passed-through ones after them, with angle 0 (`partial_rotary_
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.loader import ModelSpec, ModelWeights
 from overlap.engine.model.native import CpuOps
+
+if TYPE_CHECKING:
+    from overlap.engine.model.triton_ops import TritonOps
 
 
 class StepRotary:
@@ -31,7 +35,7 @@ class StepRotary:
 class Rotary:
     __slots__ = ("cos", "head_dim", "ops", "sin_signed")
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, ops: CpuOps | None) -> None:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, ops: CpuOps | TritonOps | None) -> None:
         """cos, sin [positions, head_dim] on the device in the model's dtype (rotate-half layout)."""
         half = cos.shape[1] // 2
         self.cos = cos

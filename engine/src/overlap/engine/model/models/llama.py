@@ -13,6 +13,7 @@ all-reduced, and rank 0 gathers the LM head's slices of the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from overlap.engine.model.layers.norm import RMSNorm
 from overlap.engine.model.layers.rotary import Rotary, StepRotary
 from overlap.engine.model.loader import LayerWeights, ModelSpec, ModelWeights
 from overlap.engine.model.native import CpuOps
+
+if TYPE_CHECKING:
+    from overlap.engine.model.triton_ops import TritonOps
 from overlap.engine.model.parallel import Collectives
 from overlap.engine.model.step_inputs import StepInputs
 
@@ -34,7 +38,7 @@ class ModelParts:
     spec: ModelSpec
     weights: ModelWeights
     linear: LinearBackend
-    ops: CpuOps | None  # the native RMSNorm / RoPE kernels (CPU), or None for torch ops
+    ops: CpuOps | TritonOps | None  # RMSNorm / RoPE kernels: native (CPU), Triton (GPU), or None for torch ops
     attention: PagedAttention
     rotary: Rotary
     k_pool: torch.Tensor  # [layers, slots, kv_heads, head_dim]
@@ -51,7 +55,7 @@ class LlamaDecoderLayer:
         self.qkv = Linear(lw.qkv, lw.qkv_bias, linear)
         self.o = Linear(lw.o, lw.o_bias, linear)
         self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops)
-        self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear)
+        self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear, ops)
         self.k_pool, self.v_pool = parts.k_pool[index], parts.v_pool[index]
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
