@@ -12,7 +12,7 @@ Where each part lives:
 | device, dtype, attention backend, KV-pool size | `devices.py` |
 | a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3) | `models/` |
 | its layers: linear (oneDNN / torch), RMSNorm, RoPE with the K/V write, paged attention, MLP | `layers/` |
-| their GPU kernels: attention, RMSNorm, RoPE with the K/V write, SiLU-mul (Triton) | `triton_attention.py`, `triton_ops.py` |
+| GPU kernels: attention, RMSNorm, RoPE + K/V write, SiLU-mul (Triton) | `triton_attention.py`, `triton_ops.py` |
 | input packing, the batch halves | `step_inputs.py` |
 | how each sequence attends (native / torch / Triton plans) | `attention_plan.py` |
 | sampling, logits controls, logprobs | `sampler.py`, `sampling_state.py` |
