@@ -135,3 +135,36 @@ def test_claims_never_cost_capacity() -> None:
     bm.free(b)
     assert bm.append_slots(a, 1) and len(a.block_ids) == 3
     bm.check_invariants([a])
+
+
+def test_the_cache_logs_what_it_stores_and_evicts_with_the_hashes_a_router_computes() -> None:
+    """Events in order: stored hashes equal `block_hashes` of the request's tokens; reusing a freed block evicts it."""
+    from overlap.engine.batching.prefix_hash import REMOVED, STORED, block_hashes
+
+    bm = BlockManager(num_blocks=3, block_size=4)
+    (a,) = create_requests(1, prompt_len=12)
+    bm.allocate(a)
+    bm.register_computed_blocks(a, 12)
+    expected = block_hashes(a.prompt_token_ids, 4)
+    assert len(expected) == 3 and bm.kv_events.since(0) == [(STORED, h) for h in expected]
+    assert sorted(bm.cached_hashes()) == sorted(expected)
+    bm.free(a)
+    _, b = create_requests(2, prompt_len=5)  # other tokens: takes the least recently freed blocks, evicting them
+    bm.allocate(b)
+    evicted = bm.kv_events.since(3)
+    assert [kind for kind, _ in evicted] == [REMOVED, REMOVED] and {h for _, h in evicted} <= set(expected)
+    assert bm.kv_events.since(bm.kv_events.next_seq) == []
+    assert len(bm.cached_hashes()) == 1
+
+
+def test_a_reader_behind_the_event_window_or_from_another_engine_gets_none() -> None:
+    from overlap.engine.batching.prefix_hash import STORED, KvEventLog, block_hashes
+
+    log = KvEventLog(window=4)
+    for h in range(6):
+        log.record(STORED, h)
+    assert log.since(2) == [(STORED, h) for h in range(2, 6)]
+    assert log.since(1) is None and log.since(7) is None and log.since(6) == []
+    assert KvEventLog().epoch != log.epoch
+    assert block_hashes([1, 2, 3, 4, 5], 2) == block_hashes([1, 2, 3, 4], 2)  # partial blocks are not hashed
+    assert block_hashes([9, 2, 3, 4], 2)[1] != block_hashes([1, 2, 3, 4], 2)[1]  # a block's hash covers its prefix

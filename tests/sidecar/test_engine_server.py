@@ -104,6 +104,31 @@ def test_hello_requests_errors_stats_and_reconfigure(server):
         assert reply.applied is None and "block_size" in reply.error
 
 
+def test_kv_events_report_the_cached_blocks_then_only_changes_and_a_snapshot_for_a_stale_reader(server):
+    from overlap.engine.batching.prefix_hash import HASH_SCHEME, STORED, block_hashes
+
+    _, path, _ = server
+    sock, _ = connect(path)
+    with sock:
+        prompt = list(range(10, 50))  # 40 tokens: 2 full blocks of 16, then 4 more generated -> 2 cached blocks
+        add(sock, "a", prompt, 4)
+        collect(sock, {"a"})
+        sock.sendall(p.encode(p.KvEventsRequest(1)))
+        first = p.read_message(sock)
+        assert isinstance(first, p.KvEventsReply) and first.reset and first.hash_scheme == HASH_SCHEME
+        assert first.block_size == 16 and first.load["num_running"] == 0
+        assert sorted(h for _, h in first.events) == sorted(block_hashes(prompt, 16))
+        sock.sendall(p.encode(p.KvEventsRequest(2, first.next_seq, first.epoch)))
+        assert p.read_message(sock).events == []  # nothing changed since
+        add(sock, "b", prompt + [7] * 20, 1)  # shares both blocks, adds one more
+        collect(sock, {"b"})
+        sock.sendall(p.encode(p.KvEventsRequest(3, first.next_seq, first.epoch)))
+        delta = p.read_message(sock)
+        assert not delta.reset and delta.events == [(STORED, block_hashes(prompt + [7] * 20, 16)[2])]
+        sock.sendall(p.encode(p.KvEventsRequest(4, first.next_seq, "another-engine")))
+        assert p.read_message(sock).reset
+
+
 def test_a_closed_connection_aborts_its_requests(server):
     srv, path, _ = server
     sock, _ = connect(path)

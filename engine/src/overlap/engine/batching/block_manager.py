@@ -9,8 +9,8 @@ Layout (the runner allocates the pool once; this module only hands out block ids
         request A, 40 tokens, bs 16:   table [3, 4, 5]      (block 5 holds positions 32..39, 8 slots free)
         slot(pos) = table[pos // bs] * bs + pos % bs
 
-    prefix cache: a full block is published under key (parent block's hash, its bs token ids); a later
-    request whose leading blocks have the same keys reuses them (reference count + 1):
+    prefix cache: a full block is published under key (parent block's hash, its bs token ids; `prefix_hash.py`);
+    a later request whose leading blocks have the same keys reuses them (reference count + 1):
         request B, same first 32 tokens as A:   table [3, 4, 9]   (blocks 3 and 4 have ref_count 2)
 
     free list: blocks with ref_count 0, least recently freed first. A freed full block keeps its key, so it
@@ -37,11 +37,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from overlap.engine.batching.prefix_hash import REMOVED, STORED, BlockKey, KvEventLog, extend_keys
 from overlap.engine.requests.request import Request
-
-_ROOT_HASH = 0x5EED  # parent hash of a sequence's first block
-
-BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
 
 class BlockManager:
@@ -60,6 +57,7 @@ class BlockManager:
         self._empty = bytearray(b"\x01" * num_blocks)
         self._claimed = bytearray(num_blocks)
         self._runs: dict[int, bytes] = {}  # run length -> b"\x01" * length (search patterns)
+        self.kv_events = KvEventLog()  # what the cache adds and evicts, for a prefix-aware router
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of which served from the cache
 
@@ -207,6 +205,7 @@ class BlockManager:
         if key is not None:  # evict: these tokens are no longer cached
             if self._cached.get(key) == block:
                 del self._cached[key]
+                self.kv_events.record(REMOVED, hash(key))
             self._block_keys[block] = None
         self.ref_counts[block] = 1
 
@@ -246,14 +245,7 @@ class BlockManager:
     # ---- prefix cache ------------------------------------------------------------------------------------------
     def _keys_for(self, request: Request, num_full_blocks: int) -> list[BlockKey]:
         """Extend the request's hash chain to cover `num_full_blocks` blocks of its tokens."""
-        keys = request.block_hashes
-        bs = self.block_size
-        tokens = request.all_token_ids
-        while len(keys) < num_full_blocks:
-            i = len(keys)
-            parent = hash(keys[-1]) if keys else _ROOT_HASH
-            keys.append((parent, tuple(tokens[i * bs : (i + 1) * bs])))
-        return keys
+        return extend_keys(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks)
 
     def register_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks whose K/V is now written (call after the step that computed them)."""
@@ -268,7 +260,12 @@ class BlockManager:
             if keys[i] not in self._cached and self._block_keys[block] is None:
                 self._cached[keys[i]] = block
                 self._block_keys[block] = keys[i]
+                self.kv_events.record(STORED, hash(keys[i]))
         request.num_registered_blocks = num_full
+
+    def cached_hashes(self) -> list[int]:
+        """The hash of every block the prefix cache holds now (a router's snapshot)."""
+        return [hash(key) for key in self._cached]
 
     # ---- checks (tests) ----------------------------------------------------------------------------------------
     def check_invariants(self, holders: list[Request]) -> None:

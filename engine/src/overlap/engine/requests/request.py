@@ -58,7 +58,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step for cheap slicing
     num_computed_tokens: int = 0  # tokens whose K/V is (or is being) written to the pool
     block_ids: list[int] = field(default_factory=list)  # KV blocks covering positions 0 .. num_tokens - 1
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash chain over full blocks
+    block_hashes: list = field(default_factory=list)  # prefix-cache keys over full blocks (prefix_hash.BlockKey)
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
     claim_end: int = 0  # blocks block_ids[-1] + 1 .. claim_end - 1 are kept free for this request's growth
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

@@ -130,7 +130,7 @@ class EngineClient:
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:
                 stream.queue.put_nowait(EngineRejected(message.kind, message.message))
-        elif isinstance(message, (p.StatsReply, p.ReconfigureReply)):
+        elif isinstance(message, (p.StatsReply, p.ReconfigureReply, p.KvEventsReply)):
             future = self._replies.pop(message.seq, None)
             if future is not None and not future.done():
                 future.set_result(message)
@@ -208,6 +208,10 @@ class EngineClient:
         reply = await self._ask(lambda seq: p.StatsRequest(seq), timeout)
         self.latest_stats = reply.stats
         return reply.stats
+
+    async def kv_events(self, since: int, epoch: str, timeout: float = 5.0) -> p.KvEventsReply:
+        """The prefix cache's changes after event `since` of engine `epoch` (a snapshot when that is stale)."""
+        return await self._ask(lambda seq: p.KvEventsRequest(seq, since, epoch), timeout)
 
     async def reconfigure(self, knobs: dict, timeout: float = 10.0) -> dict:
         """Apply live knobs; returns the engine's config after the change. Raises ConfigError on bad values."""

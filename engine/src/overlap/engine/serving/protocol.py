@@ -5,9 +5,9 @@ Frame: a 4-byte big-endian payload length, then the msgpack payload. Every messa
 its first array element), so one decoder reads any of them. The engine speaks token ids only; text stays in the
 sidecar.
 
-    sidecar -> engine: AddRequest, Abort, Reconfigure, StatsRequest
+    sidecar -> engine: AddRequest, Abort, Reconfigure, StatsRequest, KvEventsRequest
     engine -> sidecar: Hello (first, once per connection), Outputs (many requests per frame), RequestError,
-                       ReconfigureReply, StatsReply
+                       ReconfigureReply, StatsReply, KvEventsReply
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ class Reconfigure(_Message, tag="reconf"):
 
 class StatsRequest(_Message, tag="stats?"):
     seq: int
+
+
+class KvEventsRequest(_Message, tag="kv?"):
+    """The prefix cache's changes after event number `since` of engine `epoch` (a snapshot if that is not this
+    engine's, or too old), and the engine's load."""
+
+    seq: int
+    since: int = 0
+    epoch: str = ""
 
 
 # ---- engine -> sidecar -------------------------------------------------------------------------------------------
@@ -202,8 +211,20 @@ class StatsReply(_Message, tag="stats!"):
     stats: dict[str, Any]
 
 
+class KvEventsReply(_Message, tag="kv!"):
+    seq: int
+    epoch: str
+    block_size: int
+    hash_scheme: str
+    next_seq: int  # the `since` of the next request
+    reset: bool  # events is a snapshot: forget what this engine said before
+    events: list[tuple[int, int]]  # (+1 stored / -1 evicted, block hash), in order
+    load: dict[str, Any]  # num_waiting, num_running, kv_usage
+
+
 Message = (
-    AddRequest | Abort | Reconfigure | StatsRequest | Hello | Outputs | RequestError | ReconfigureReply | StatsReply
+    AddRequest | Abort | Reconfigure | StatsRequest | KvEventsRequest
+    | Hello | Outputs | RequestError | ReconfigureReply | StatsReply | KvEventsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap.engine.batching.prefix_hash import HASH_SCHEME, snapshot_events
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, InvalidRequestError
 from overlap.engine.serving import protocol as p
@@ -181,8 +182,22 @@ class EngineServer:
             stats["num_connections"] = len(self._connections)
             stats["draining"] = self._drain_deadline is not None
             conn.send(p.StatsReply(seq=message.seq, stats=_plain(stats)))
+        elif isinstance(message, p.KvEventsRequest):
+            conn.send(self._kv_events(message))
         else:
             log.warning("connection %d sent an unexpected %s; ignored", conn.id, type(message).__name__)
+
+    def _kv_events(self, message: p.KvEventsRequest) -> p.KvEventsReply:
+        bm = self.engine.block_manager
+        events = bm.kv_events.since(message.since) if message.epoch == bm.kv_events.epoch else None
+        reset = events is None
+        if reset:
+            events = snapshot_events(bm.cached_hashes())
+        scheduler = self.engine.scheduler
+        load = {"num_waiting": len(scheduler.waiting), "num_running": len(scheduler.running), "kv_usage": bm.usage}
+        return p.KvEventsReply(seq=message.seq, epoch=bm.kv_events.epoch, block_size=bm.block_size,
+                               hash_scheme=HASH_SCHEME, next_seq=bm.kv_events.next_seq, reset=reset, events=events,
+                               load=load)  # fmt: skip
 
     def _add(self, conn: _Connection, message: p.AddRequest) -> None:
         if self._drain_deadline is not None:
