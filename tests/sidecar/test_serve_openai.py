@@ -245,7 +245,8 @@ def test_openapi_describes_every_route(server):
     expected = {("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("get", "/v1/models"),
                 ("get", "/health"), ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"),
                 ("get", "/openapi.json"), ("post", "/tokenize"), ("post", "/detokenize"),
-                ("get", "/version"), ("get", "/ping"), ("post", "/ping")}  # fmt: skip
+                ("get", "/version"), ("get", "/ping"), ("post", "/ping"), ("get", "/v1/kv-events"),
+                ("get", "/v1/tokenizer")}  # fmt: skip
     documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     assert documented == expected
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]

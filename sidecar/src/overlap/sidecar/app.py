@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
-import shutil
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +25,7 @@ from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
 from overlap.sidecar.middlewares import api_key_auth, error_middleware
 from overlap.sidecar.openai import ROUTES
 from overlap.sidecar.state import STATE, ServerState
-from overlap.sidecar.text import TextProcessor
+from overlap.sidecar.text import TextProcessor, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -123,21 +120,10 @@ async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
 
 
 def _tokenizer_source(hello: p.Hello) -> str:
-    """The engine's model folder when this container sees it too; else the tokenizer files the engine sent,
-    written once into a cache folder named by their content."""
+    """The engine's model folder when this container sees it too; else the tokenizer files the engine sent."""
     if (Path(hello.model_dir) / "tokenizer_config.json").is_file() or not hello.tokenizer_files:
         return hello.model_dir
-    digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(hello.tokenizer_files.items()))).hexdigest()
-    folder = Path(tempfile.gettempdir()) / f"overlap-tokenizer-{digest[:16]}"
-    if not folder.is_dir():
-        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-        for name, data in hello.tokenizer_files.items():
-            (staging / Path(name).name).write_bytes(data)
-        try:
-            staging.rename(folder)
-        except OSError:  # another sidecar won the race: same content
-            shutil.rmtree(staging, ignore_errors=True)
-    return str(folder)
+    return tokenizer_folder(hello.tokenizer_files)
 
 
 async def _poll_stats(state: ServerState) -> None:

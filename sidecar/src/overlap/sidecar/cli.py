@@ -30,8 +30,10 @@ def register(subparsers) -> None:
     serve.set_defaults(func=_run_serve)
 
     from overlap.sidecar import activator
+    from overlap.sidecar.router import app as router
 
     activator.add_parser(subparsers)
+    router.add_parser(subparsers)
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:

@@ -120,6 +120,7 @@ class Generation:
                         reason = self._finish_reason(out)
                         text += self.detokenizer.flush()
                         self._observe_engine_times(out)
+                        metrics.cached_prompt_tokens.inc(out.num_cached_tokens)
                         yield Delta(text, self.num_prompt_tokens, num_output, reason, self._timing(out), **extra)
                         return
                     if self.detokenizer.stopped:  # a stop string matched: the engine need not go on

@@ -35,6 +35,10 @@ class SidecarMetrics:
         self.e2e = histogram("overlap_e2e_request_latency_seconds", "Time from HTTP arrival to the last token")
         self.prompt_tokens = Counter("overlap_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter("overlap_generation_tokens", "Generated tokens", registry=registry)
+        self.cached_prompt_tokens = Counter(
+            "overlap_prompt_cached_tokens", "Prompt tokens of finished requests served from the prefix cache",
+            registry=registry,
+        )  # fmt: skip
         self.received = Counter(
             "overlap_requests_received",
             "Generations (one per choice) that arrived, before admission",

@@ -250,6 +250,12 @@ RESPONSES: dict[str, list[tuple[str, dict]]] = {
     "/tokenize": [(_JSON, _TOKENS)],
     "/detokenize": [(_JSON, _object({"prompt": _STR}))],
     "/version": [(_JSON, _object({"version": _STR}))],
+    "/v1/tokenizer": [(_JSON, _object({"files": {"type": "object", "additionalProperties": _STR}}))],
+    "/v1/kv-events": [(_JSON, _object({
+        "epoch": _STR, "block_size": _INT, "hash_scheme": _STR, "next_seq": _INT, "reset": _BOOL,
+        "events": {"type": "array", "items": {"type": "array", "items": _INT, "minItems": 2, "maxItems": 2}},
+        "load": {"type": "object"}, "ready": _BOOL, "draining": _BOOL,
+    }))],
     "/healthz": [(_JSON, _object({"status": _STR}))],
     "/health": [(_JSON, _READY)],
     "/ping": [(_JSON, _READY)],

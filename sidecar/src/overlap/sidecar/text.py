@@ -3,11 +3,29 @@ split across tokens is held back until complete) and match `stop` strings on the
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import tempfile
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
 _PROMPT_CONTEXT_TOKENS = 6  # prompt ids fed to the decoder first, so the first generated token gets its spacing right
+
+
+def tokenizer_folder(files: dict[str, bytes]) -> str:
+    """Tokenizer files (name -> content) written once into a cache folder named by their content."""
+    digest = hashlib.sha256(b"".join(k.encode() + v for k, v in sorted(files.items()))).hexdigest()
+    folder = Path(tempfile.gettempdir()) / f"overlap-tokenizer-{digest[:16]}"
+    if not folder.is_dir():
+        staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        for name, data in files.items():
+            (staging / Path(name).name).write_bytes(data)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process won the race: same content
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(folder)
 
 
 class TextProcessor:

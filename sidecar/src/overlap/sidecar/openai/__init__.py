@@ -1,9 +1,9 @@
 """The public port's API: OpenAI's completions, chat completions and models, vLLM's tokenize routes, the probes.
 
-One module per endpoint (`completions`, `chat`, `models`, `tokenize`, `health`, `kv_events`), with the shared parts beside them:
-`request` (OpenAI request -> prompt ids and SamplingParams), `serving` (a request's sequences in the engine),
-`collect` and `stream` (whole and streamed answers), `shape` (what differs between completion and chat responses),
-`sequences` (the records they share).
+One module per endpoint (`completions`, `chat`, `models`, `tokenize`, `health`, `kv_events`: what a router reads),
+with the shared parts beside them: `request` (OpenAI request -> prompt ids and SamplingParams), `serving` (a
+request's sequences in the engine), `collect` and `stream` (whole and streamed answers), `shape` (what differs
+between completion and chat responses), `sequences` (the records they share).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from overlap.sidecar.openai.completions import completions
 from overlap.sidecar.openai.health import healthz, readyz, version
 from overlap.sidecar.openai.kv_events import kv_events
 from overlap.sidecar.openai.models import list_models
-from overlap.sidecar.openai.tokenize import detokenize, tokenize
+from overlap.sidecar.openai.tokenize import detokenize, tokenize, tokenizer_files
 
 # (method, path, summary for the OpenAPI document, handler, request body type)
 ROUTES = [
@@ -26,6 +26,8 @@ ROUTES = [
     ("POST", "/tokenize", "Token ids of a prompt or chat messages (vLLM's shape)", tokenize, schemas.TokenizeRequest),
     ("POST", "/detokenize", "Text of token ids (vLLM's shape)", detokenize, schemas.DetokenizeRequest),
     ("GET", "/version", "The server's version", version, None),
+    ("GET", "/v1/tokenizer", "The tokenizer's files, base64 (for a router that scores prompts by tokens)",
+     tokenizer_files, None),
     ("GET", "/v1/kv-events", "The prefix cache's added and evicted block hashes and the load (for a router)",
      kv_events, None),
     ("GET", "/health", "200 when requests can be served (for load generators)", readyz, None),

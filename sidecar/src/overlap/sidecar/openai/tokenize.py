@@ -1,6 +1,11 @@
-"""vLLM's POST /tokenize and /detokenize."""
+"""vLLM's POST /tokenize and /detokenize; GET /v1/tokenizer, the tokenizer's files (for a router that scores prompts
+by their tokens)."""
 
 from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
 
 from aiohttp import web
 from jinja2 import TemplateError
@@ -40,3 +45,17 @@ async def detokenize(request: web.Request) -> web.Response:
     if any(not 0 <= t < state.vocab_size for t in body.tokens):
         raise ApiError(400, f"tokens must be in 0..{state.vocab_size - 1}", param="tokens")
     return json_response({"prompt": state.text.decode(body.tokens)})
+
+
+async def tokenizer_files(request: web.Request) -> web.Response:
+    """The files the sidecar's tokenizer was loaded from (name -> base64), as the engine reads them for a sidecar."""
+    from overlap.engine.serving.server import read_tokenizer_files
+
+    state = request.app[STATE]
+    if state.text is None:
+        raise ApiError(503, "the tokenizer is not loaded yet", "service_unavailable", headers={"Retry-After": "1"})
+    files = await asyncio.to_thread(read_tokenizer_files, Path(state.text.model_dir))
+    if not files:
+        raise ApiError(404, "the tokenizer's files are too large to serve; give the router --tokenizer DIR",
+                       "not_found_error")  # fmt: skip
+    return json_response({"files": {name: base64.b64encode(data).decode() for name, data in files.items()}})

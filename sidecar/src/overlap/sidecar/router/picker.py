@@ -1,0 +1,191 @@
+"""The router's choice of a replica: what each replica's prefix cache holds (an index fed by the engines' KV events,
+or, for comparison, the router's own record of what it sent where), each replica's load, and session affinity.
+
+Policy `prefix` (and `approx`, the same with the router-side index) picks the replica with the lowest estimated cost
+of the request's prefill, in tokens:
+
+    cost(r) = the prompt tokens r does not hold      (its leading cached blocks are free)
+            + queue(r) x U                           (each request ahead of it: about one uncached prompt)
+            + 4 U if r's KV cache is over 95% full   (it would evict or preempt to take the request)
+            - 2 U if the request's session went to r last
+
+queue(r) is r's waiting requests and admission queue (from its last poll) plus the requests this router has in
+flight on it; U is the mean uncached prompt of the requests routed so far (a moving average). So a conversation
+stays where its KV is until that replica's queue costs more than recomputing the prompt elsewhere, and a hot
+replica sheds load. Ties go to the fewest requests in flight. The other policies are the baselines a benchmark
+compares with: `least-queue`, `round-robin`, `random` (what a plain Kubernetes Service does).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+POLICIES = ("prefix", "approx", "least-queue", "round-robin", "random")
+
+
+class PrefixIndex:
+    """Which replicas hold which block hashes. Fed by KV events (`apply`) or by the router's own picks (`record`,
+    least recently used first out past `capacity` blocks per replica)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self._holders: dict[int, set[str]] = {}
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def __len__(self) -> int:
+        return sum(len(blocks) for blocks in self._blocks.values())
+
+    def apply(self, replica: str, events: list, reset: bool) -> None:
+        """An engine's KV events, in order: (+1, hash) stored, (-1, hash) evicted; reset: they are a snapshot."""
+        if reset:
+            self.drop(replica)
+        for kind, block_hash in events:
+            if kind > 0:
+                self._add(replica, block_hash)
+            else:
+                self._remove(replica, block_hash)
+
+    def record(self, replica: str, hashes: list[int]) -> None:
+        """The router sent a prompt with these blocks to `replica`: it will hold them (router-side tracking)."""
+        for block_hash in hashes:
+            self._add(replica, block_hash)
+        blocks = self._blocks.get(replica)
+        while self.capacity is not None and blocks and len(blocks) > self.capacity:
+            self._remove(replica, next(iter(blocks)))
+
+    def drop(self, replica: str) -> None:
+        for block_hash in list(self._blocks.get(replica, ())):
+            self._remove(replica, block_hash)
+        self._blocks.pop(replica, None)
+
+    def matches(self, hashes: list[int], replicas: list[str]) -> dict[str, int]:
+        """Per replica, how many leading blocks of `hashes` it holds."""
+        matched = dict.fromkeys(replicas, 0)
+        candidates = set(replicas)
+        for i, block_hash in enumerate(hashes):
+            holders = self._holders.get(block_hash, set())
+            for replica in candidates - holders:
+                matched[replica] = i
+            candidates &= holders
+            if not candidates:
+                return matched
+        for replica in candidates:
+            matched[replica] = len(hashes)
+        return matched
+
+    def _add(self, replica: str, block_hash: int) -> None:
+        blocks = self._blocks.setdefault(replica, OrderedDict())
+        if block_hash in blocks:
+            blocks.move_to_end(block_hash)
+            return
+        blocks[block_hash] = None
+        self._holders.setdefault(block_hash, set()).add(replica)
+
+    def _remove(self, replica: str, block_hash: int) -> None:
+        blocks = self._blocks.get(replica)
+        if blocks is None or block_hash not in blocks:
+            return
+        del blocks[block_hash]
+        holders = self._holders.get(block_hash)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[block_hash]
+
+
+@dataclass
+class ReplicaState:
+    """What the router knows of one replica: from its KV-event polls and its own requests in flight."""
+
+    url: str
+    ready: bool = False
+    draining: bool = False
+    epoch: str = ""
+    next_seq: int = 0
+    block_size: int | None = None
+    load: dict = field(default_factory=dict)  # num_waiting, num_running, kv_usage, queued, inflight
+    in_flight: int = 0  # requests this router has sent and not yet seen finish
+
+    @property
+    def queue(self) -> int:
+        return int(self.load.get("num_waiting", 0)) + int(self.load.get("queued", 0)) + self.in_flight
+
+
+@dataclass
+class Pick:
+    replica: ReplicaState
+    reason: str  # prefix | session | load | random | round-robin | only
+    hit_blocks: int = 0
+
+
+SESSION_BONUS = 2.0  # in mean uncached prompts
+FULL_KV_PENALTY = 4.0
+FULL_KV = 0.95
+
+
+class Picker:
+    def __init__(self, policy: str, approx_capacity: int = 8192, seed: int | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.index = PrefixIndex()  # from the engines' KV events
+        self.approx = PrefixIndex(capacity=approx_capacity)  # from this router's own picks
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session id -> replica url, most recent last
+        self.max_sessions = 100_000
+        self.mean_uncached = 256.0  # U: tokens, a moving average over routed requests
+        self._rng = random.Random(seed)
+        self._next = 0
+
+    def pick(self, candidates: list[ReplicaState], hashes: list[int], block_size: int, num_tokens: int,
+             session: str | None = None) -> Pick:  # fmt: skip
+        """The replica for a request of `num_tokens` prompt tokens whose full blocks have these hashes (candidates:
+        ready, not draining)."""
+        if len(candidates) == 1:
+            return Pick(candidates[0], "only", self._hits(candidates, hashes).get(candidates[0].url, 0))
+        if self.policy == "random":
+            return Pick(self._rng.choice(candidates), "random")
+        if self.policy == "round-robin":
+            self._next += 1
+            return Pick(candidates[self._next % len(candidates)], "round-robin")
+        if self.policy == "least-queue":
+            return Pick(min(candidates, key=lambda r: (r.queue, self._rng.random())), "load")
+        hits = self._hits(candidates, hashes)
+        last = self.sessions.get(session) if session else None
+        unit = self.mean_uncached
+
+        def cost(r: ReplicaState, with_session: bool = True) -> tuple[float, int]:
+            value = max(num_tokens - hits[r.url] * block_size, 0) + r.queue * unit
+            if float(r.load.get("kv_usage", 0.0)) > FULL_KV:
+                value += FULL_KV_PENALTY * unit
+            if with_session and last == r.url:
+                value -= SESSION_BONUS * unit
+            return value, r.in_flight
+
+        best = min(candidates, key=cost)
+        if last == best.url and min(candidates, key=lambda r: cost(r, False)) is not best:
+            reason = "session"
+        elif hits[best.url] > 0 and hits[best.url] >= max(hits.values()):
+            reason = "prefix"
+        else:
+            reason = "load"
+        return Pick(best, reason, hits[best.url])
+
+    def routed(self, pick: Pick, hashes: list[int], block_size: int, num_tokens: int, session: str | None) -> None:
+        """After a request went to `pick.replica`: remember its session, its uncached share and (router-side
+        tracking) its blocks."""
+        if session:
+            self.sessions[session] = pick.replica.url
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > self.max_sessions:
+                self.sessions.popitem(last=False)
+        if num_tokens:
+            uncached = max(num_tokens - pick.hit_blocks * block_size, 1)
+            self.mean_uncached += 0.05 * (uncached - self.mean_uncached)
+        if self.policy == "approx":
+            self.approx.record(pick.replica.url, hashes)
+
+    def _hits(self, candidates: list[ReplicaState], hashes: list[int]) -> dict[str, int]:
+        index = self.approx if self.policy == "approx" else self.index
+        return index.matches(hashes, [r.url for r in candidates])

@@ -1,0 +1,141 @@
+"""`overlap router`: its index and scores as units, then the real thing: two `overlap serve` replicas (real engines,
+the tiny model) behind an `overlap router` process, driven over HTTP: a prompt goes where its prefix is cached (the
+router computes the block hashes the engines publish), a session stays put, the tokenizer comes from a replica,
+and a replica killed under load loses nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from overlap.engine.batching.prefix_hash import REMOVED, STORED
+from overlap.sidecar.router.picker import Pick, Picker, PrefixIndex, ReplicaState
+from tests.support.sidecar import Proc, free_port, http, metric_value, overlap_cmd, overlap_serve, wait_until
+
+
+# ---- units -------------------------------------------------------------------------------------------------------
+def test_the_index_counts_each_replicas_leading_blocks_and_forgets_evicted_ones():
+    index = PrefixIndex()
+    index.apply("a", [(STORED, 1), (STORED, 2), (STORED, 3)], reset=True)
+    index.apply("b", [(STORED, 1), (STORED, 3)], reset=True)  # 3 without 2 is no prefix of [1, 2, 3]
+    assert index.matches([1, 2, 3, 4], ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    index.apply("a", [(REMOVED, 2)], reset=False)
+    assert index.matches([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 1}
+    index.apply("a", [(STORED, 9)], reset=True)  # a snapshot replaces what the replica held
+    assert index.matches([1], ["a"]) == {"a": 0} and len(index) == 3
+    index.drop("b")
+    assert index.matches([1], ["b"]) == {"b": 0} and len(index) == 1
+
+
+def test_router_side_tracking_keeps_the_most_recent_blocks_per_replica():
+    index = PrefixIndex(capacity=3)
+    index.record("a", [1, 2, 3])
+    index.record("a", [1, 4])  # 1 refreshed, 2 the oldest: out
+    assert index.matches([1, 2], ["a"]) == {"a": 1} and index.matches([3, 1, 4], ["a"]) == {"a": 3}
+
+
+def test_the_prefix_policy_weighs_cached_tokens_against_queues_and_keeps_sessions():
+    a, b = ReplicaState("a", ready=True), ReplicaState("b", ready=True)
+    picker = Picker("prefix", seed=0)  # U, the mean uncached prompt, starts at 256 tokens
+    picker.index.apply("a", [(STORED, h) for h in range(64)], reset=True)
+    prompt = list(range(64))  # 64 blocks of 16: 1024 tokens, all cached on a
+    assert picker.pick([a, b], prompt, 16, 1024).replica is a
+    a.in_flight = 3  # 3 x 256 queued on a costs less than recomputing 1024 tokens on b
+    assert picker.pick([a, b], prompt, 16, 1024).reason == "prefix"
+    a.in_flight = 5  # now it costs more: the prompt moves
+    assert picker.pick([a, b], prompt, 16, 1024) == Pick(b, "load", 0)
+    a.in_flight, a.load = 0, {"kv_usage": 0.99}  # a full KV cache counts as 4 queued requests
+    assert picker.pick([a, b], prompt[:8], 16, 128).replica is b
+    a.load = {}
+    first = picker.pick([a, b], [], 16, 3, session="s1")
+    picker.routed(first, [], 16, 3, "s1")
+    other = b if first.replica is a else a
+    first.replica.in_flight = 1  # its session outweighs a request in flight
+    assert picker.pick([a, b], [], 16, 3, session="s1") == Pick(first.replica, "session", 0)
+    assert picker.pick([a, b], [], 16, 3).replica is other
+    with pytest.raises(ValueError, match="policy"):
+        Picker("closest")
+
+
+# ---- the processes ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fleet(tiny_model_dir):
+    config = json.dumps({"num_kv_blocks": 256, "max_num_seqs": 8, "num_threads": 1})
+    workdir = Path(tempfile.mkdtemp(prefix="ovl-router-"))
+    with ExitStack() as stack:
+        replicas = [stack.enter_context(overlap_serve(tiny_model_dir, "engine.json", config)) for _ in range(2)]
+        port = free_port()
+        cmd = overlap_cmd("router", "--port", str(port), "--poll-interval-s", "0.05",
+                          *[a for r in replicas for a in ("--replica", r["url"])])  # fmt: skip
+        router = Proc(cmd, workdir / "router.log")
+        stack.callback(router.stop, 30)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http("GET", f"{url}/readyz", timeout=2)[0] == 200, 60, "router ready", router)
+        yield {"url": url, "replicas": replicas, "router": router, "model": replicas[0]["model"]}
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def complete(fleet, prompt, headers=None, max_tokens=4) -> dict:
+    body = {"model": fleet["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    status, _, answer = http("POST", f"{fleet['url']}/v1/completions", body, headers=headers, timeout=60)
+    assert status == 200, answer
+    return answer
+
+
+def router_metric(fleet, name, labels="") -> float:
+    return metric_value(http("GET", f"{fleet['url']}/metrics")[2], name, labels) or 0.0
+
+
+def replica_metric(replica, name, labels="") -> float:
+    return metric_value(http("GET", f"{replica['url']}/metrics")[2], name, labels) or 0.0
+
+
+def prefix_hits(replica) -> float:
+    return replica_metric(replica, "overlap_prompt_cached_tokens_total")
+
+
+def test_a_prompt_goes_where_its_prefix_is_cached_with_the_tokenizer_from_a_replica(fleet):
+    wait_until(lambda: "tokenizer loaded" in fleet["router"].output(), 60, "the router's tokenizer", fleet["router"])
+    status, _, error = http("GET", f"{fleet['replicas'][0]['url']}/v1/kv-events?since=soon")
+    assert status == 400 and error["error"]["param"] == "since"
+    story = " ".join(f"In chapter {i} the river turned north past the mill." for i in range(12))
+    complete(fleet, story)
+    wait_until(lambda: router_metric(fleet, "overlap_router_index_blocks") > 0, 10, "the blocks in the index")
+    before = [prefix_hits(r) for r in fleet["replicas"]]
+    hits_before = router_metric(fleet, "overlap_router_prefix_hit_tokens_total")
+    for turn in range(3):
+        complete(fleet, story + f" Then, on day {turn}, it rained.")
+    gained = [prefix_hits(r) - b for r, b in zip(fleet["replicas"], before, strict=True)]
+    assert sorted(gained)[0] == 0 and sorted(gained)[1] > 0  # every turn on the replica holding the story
+    assert router_metric(fleet, "overlap_router_prefix_hit_tokens_total") - hits_before >= 3 * 64
+    assert router_metric(fleet, "overlap_router_picks_total", 'reason="prefix"') >= 3
+
+
+def test_a_session_header_keeps_a_conversation_on_one_replica(fleet):
+    def finished():
+        return [replica_metric(r, "overlap_requests_finished_total", 'reason="length"') for r in fleet["replicas"]]
+
+    before = finished()
+    for i in range(4):
+        complete(fleet, [5 + i, 6, 7], headers={"x-session-id": "conversation-1"})
+    assert sorted(a - b for a, b in zip(finished(), before, strict=True)) == [0, 4]
+
+
+def test_a_replica_killed_under_load_loses_nothing(fleet):
+    """Requests in flight on the killed replica fail with it (the engine is gone); every later request is retried
+    or routed elsewhere: all of those succeed."""
+    doomed = fleet["replicas"][1]
+    with ThreadPoolExecutor(8) as pool:
+        warm = list(pool.map(lambda i: complete(fleet, [9, i % 50 + 3, 4]), range(16)))
+        assert len(warm) == 16
+        doomed["proc"].stop(60)
+        answers = list(pool.map(lambda i: complete(fleet, [11, i % 50 + 3, 4]), range(24)))
+    assert len(answers) == 24 and all(a["choices"][0]["finish_reason"] for a in answers)
+    status, _, ready = http("GET", f"{fleet['url']}/readyz")
+    assert status == 200 and ready["replicas"][doomed["url"]]["ready"] is False
