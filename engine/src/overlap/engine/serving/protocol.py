@@ -223,8 +223,17 @@ class KvEventsReply(_Message, tag="kv!"):
 
 
 Message = (
-    AddRequest | Abort | Reconfigure | StatsRequest | KvEventsRequest
-    | Hello | Outputs | RequestError | ReconfigureReply | StatsReply | KvEventsReply
+    AddRequest
+    | Abort
+    | Reconfigure
+    | StatsRequest
+    | KvEventsRequest
+    | Hello
+    | Outputs
+    | RequestError
+    | ReconfigureReply
+    | StatsReply
+    | KvEventsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()
