@@ -40,23 +40,26 @@ def test_router_side_tracking_keeps_the_most_recent_blocks_per_replica():
     assert index.matches([1, 2], ["a"]) == {"a": 1} and index.matches([3, 1, 4], ["a"]) == {"a": 3}
 
 
-def test_the_prefix_policy_weighs_cached_tokens_against_queues_and_keeps_sessions():
+def test_the_prefix_policy_weighs_cached_tokens_against_backlogs_and_keeps_sessions():
     a, b = ReplicaState("a", ready=True), ReplicaState("b", ready=True)
     picker = Picker("prefix", seed=0)  # U, the mean uncached prompt, starts at 256 tokens
     picker.index.apply("a", [(STORED, h) for h in range(64)], reset=True)
     prompt = list(range(64))  # 64 blocks of 16: 1024 tokens, all cached on a
     assert picker.pick([a, b], prompt, 16, 1024).replica is a
-    a.in_flight = 3  # 3 x 256 queued on a costs less than recomputing 1024 tokens on b
+    a.starting, a.backlog_tokens = 3, 900  # a prefill backlog on a: still less than recomputing 1024 tokens on b
     assert picker.pick([a, b], prompt, 16, 1024).reason == "prefix"
-    a.in_flight = 5  # now it costs more: the prompt moves
+    a.backlog_tokens = 1100  # now more: the prompt moves
     assert picker.pick([a, b], prompt, 16, 1024) == Pick(b, "load", 0)
-    a.in_flight, a.load = 0, {"kv_usage": 0.99}  # a full KV cache counts as 4 queued requests
+    a.starting = a.backlog_tokens = 0
+    a.load = {"kv_usage": 0.99, "num_waiting": 0}  # a full KV cache costs 4 U
+    assert picker.pick([a, b], prompt[:8], 16, 128).replica is b
+    a.load = {"num_waiting": 2}  # requests from elsewhere waiting on a: U each
     assert picker.pick([a, b], prompt[:8], 16, 128).replica is b
     a.load = {}
     first = picker.pick([a, b], [], 16, 3, session="s1")
     picker.routed(first, [], 16, 3, "s1")
     other = b if first.replica is a else a
-    first.replica.in_flight = 1  # its session outweighs a request in flight
+    first.replica.in_flight = 1  # streaming: its session outweighs its decode
     assert picker.pick([a, b], [], 16, 3, session="s1") == Pick(first.replica, "session", 0)
     assert picker.pick([a, b], [], 16, 3).replica is other
     with pytest.raises(ValueError, match="policy"):

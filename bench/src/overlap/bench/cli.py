@@ -15,6 +15,7 @@ _BENCH_MODULES = (
     "overlap.bench.advise",  # overlap bench advise
     "overlap.bench.control_replay",  # overlap bench control
     "overlap.bench.sampling_bench",  # overlap bench sampling
+    "overlap.bench.routing",  # overlap bench routing
 )
 
 

@@ -226,7 +226,7 @@ class Router:
             if attempt:
                 self.retries.inc()
             tried.add(pick.replica.url)
-            response = await self._forward(request, raw, pick.replica)
+            response = await self._forward(request, raw, pick.replica, self.picker.uncached(pick, size, len(tokens)))
             if response is None:  # refused before anything was sent to the client: try the next best
                 continue
             self.picks.labels(pick.reason).inc()
@@ -240,10 +240,23 @@ class Router:
                           "code": "no_ready_replica"}}  # fmt: skip
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
-    async def _forward(self, request: web.Request, raw: bytes, replica: ReplicaState) -> web.StreamResponse | None:
-        """Relay to `replica`; None when it refused before the client got anything (connection, 5xx, 429)."""
+    async def _forward(self, request: web.Request, raw: bytes, replica: ReplicaState,
+                       uncached: int) -> web.StreamResponse | None:  # fmt: skip
+        """Relay to `replica`; None when it refused before the client got anything (connection, 5xx, 429).
+        `uncached` prompt tokens count in its backlog until its answer starts."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         replica.in_flight += 1
+        replica.starting += 1
+        replica.backlog_tokens += uncached
+        before_first_byte = True
+
+        def streaming() -> None:
+            nonlocal before_first_byte
+            if before_first_byte:
+                before_first_byte = False
+                replica.starting -= 1
+                replica.backlog_tokens -= uncached
+
         try:
             try:
                 upstream = await self.session.request(request.method, f"{replica.url}{request.rel_url}",
@@ -265,12 +278,14 @@ class Router:
                 # a replica lost mid-stream: the client sees the end of what it sent
                 with contextlib.suppress(aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
                     async for chunk in upstream.content.iter_any():
+                        streaming()
                         await response.write(chunk)
                 await response.write_eof()
                 return response
             finally:
                 upstream.release()
         finally:
+            streaming()
             replica.in_flight -= 1
 
     async def readyz(self, request: web.Request) -> web.Response:

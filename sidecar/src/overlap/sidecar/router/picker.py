@@ -1,19 +1,22 @@
 """The router's choice of a replica: what each replica's prefix cache holds (an index fed by the engines' KV events,
 or, for comparison, the router's own record of what it sent where), each replica's load, and session affinity.
 
-Policy `prefix` (and `approx`, the same with the router-side index) picks the replica with the lowest estimated cost
-of the request's prefill, in tokens:
+Policy `prefix` (and `approx`, the same with the router-side index) picks the replica where the request's prefill
+would start and finish soonest, estimated in prompt tokens of work:
 
-    cost(r) = the prompt tokens r does not hold      (its leading cached blocks are free)
-            + queue(r) x U                           (each request ahead of it: about one uncached prompt)
-            + 4 U if r's KV cache is over 95% full   (it would evict or preempt to take the request)
-            - 2 U if the request's session went to r last
+    cost(r) = the prompt tokens r does not hold                (its leading cached blocks cost nothing)
+            + r's prefill backlog                              (uncached tokens of the requests this router sent it
+                                                                that have not started streaming yet)
+            + DECODE_TOKENS x its requests already streaming   (each decode adds to every step)
+            + U x its waiting requests this router did not send (other clients; from its last poll)
+            + FULL_KV_PENALTY x U if its KV cache is over 95% full (it would evict or preempt to take it)
+            - SESSION_BONUS x U if the request's session went to r last
 
-queue(r) is r's waiting requests and admission queue (from its last poll) plus the requests this router has in
-flight on it; U is the mean uncached prompt of the requests routed so far (a moving average). So a conversation
-stays where its KV is until that replica's queue costs more than recomputing the prompt elsewhere, and a hot
-replica sheds load. Ties go to the fewest requests in flight. The other policies are the baselines a benchmark
-compares with: `least-queue`, `round-robin`, `random` (what a plain Kubernetes Service does).
+U is the mean uncached prompt of the requests routed so far (a moving average). The backlog is the router's own
+and exact at the moment of the pick, so a burst spreads at once; a group's requests stay where its prefix is
+cached until that replica's backlog costs more than computing the prompt elsewhere. Ties go to the fewest
+requests in flight. The other policies are the baselines a benchmark compares with: `least-queue`, `round-robin`,
+`random` (what a plain Kubernetes Service does).
 """
 
 from __future__ import annotations
@@ -107,6 +110,8 @@ class ReplicaState:
     block_size: int | None = None
     load: dict = field(default_factory=dict)  # num_waiting, num_running, kv_usage, queued, inflight
     in_flight: int = 0  # requests this router has sent and not yet seen finish
+    starting: int = 0  # of which not streaming yet
+    backlog_tokens: int = 0  # their uncached prompt tokens
 
     @property
     def queue(self) -> int:
@@ -120,6 +125,7 @@ class Pick:
     hit_blocks: int = 0
 
 
+DECODE_TOKENS = 16  # a streaming request's share of each step, in prompt tokens
 SESSION_BONUS = 2.0  # in mean uncached prompts
 FULL_KV_PENALTY = 4.0
 FULL_KV = 0.95
@@ -156,7 +162,9 @@ class Picker:
         unit = self.mean_uncached
 
         def cost(r: ReplicaState, with_session: bool = True) -> tuple[float, int]:
-            value = max(num_tokens - hits[r.url] * block_size, 0) + r.queue * unit
+            others_waiting = max(0, int(r.load.get("num_waiting", 0)) + int(r.load.get("queued", 0)) - r.starting)
+            value = max(num_tokens - hits[r.url] * block_size, 0) + r.backlog_tokens
+            value += DECODE_TOKENS * (r.in_flight - r.starting) + unit * others_waiting
             if float(r.load.get("kv_usage", 0.0)) > FULL_KV:
                 value += FULL_KV_PENALTY * unit
             if with_session and last == r.url:
@@ -172,6 +180,11 @@ class Picker:
             reason = "load"
         return Pick(best, reason, hits[best.url])
 
+    @staticmethod
+    def uncached(pick: Pick, block_size: int, num_tokens: int) -> int:
+        """The prompt tokens `pick.replica` will compute for the request."""
+        return max(num_tokens - pick.hit_blocks * block_size, 1)
+
     def routed(self, pick: Pick, hashes: list[int], block_size: int, num_tokens: int, session: str | None) -> None:
         """After a request went to `pick.replica`: remember its session, its uncached share and (router-side
         tracking) its blocks."""
@@ -181,8 +194,7 @@ class Picker:
             if len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         if num_tokens:
-            uncached = max(num_tokens - pick.hit_blocks * block_size, 1)
-            self.mean_uncached += 0.05 * (uncached - self.mean_uncached)
+            self.mean_uncached += 0.05 * (self.uncached(pick, block_size, num_tokens) - self.mean_uncached)
         if self.policy == "approx":
             self.approx.record(pick.replica.url, hashes)
 
