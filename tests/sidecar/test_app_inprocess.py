@@ -6,8 +6,9 @@ from __future__ import annotations
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry, Gauge
 
-from overlap.sidecar.app import init_app, metrics_handler
+from overlap.sidecar.app import init_app
 from overlap.sidecar.config import SidecarConfig
+from overlap.sidecar.http import metrics_handler
 
 
 async def make_client(tmp_path, **overrides) -> TestClient:

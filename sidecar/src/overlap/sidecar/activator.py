@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
+from overlap.sidecar.http import metrics_handler
 
 log = logging.getLogger("overlap.activator")
 
@@ -205,9 +206,6 @@ class Activator:
         finally:
             upstream.release()
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"held": self.held, "upstream_ready": self.ready.is_set(), "retried": self.retried})
 
@@ -226,9 +224,10 @@ def build_app(config: ActivatorConfig, registry: CollectorRegistry | None = None
     app.on_startup.append(activator.start)
     app.on_cleanup.append(activator.stop)
     app.router.add_get("/activator/healthz", activator.healthz)
-    app.router.add_get("/activator/metrics", activator.metrics)
+    metrics = metrics_handler(activator.registry)
+    app.router.add_get("/activator/metrics", metrics)
     # At zero replicas the service's Service routes to the activator, so its ServiceMonitor scrapes it at /metrics.
-    app.router.add_get("/metrics", activator.metrics)
+    app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", activator.handle)
     app["activator"] = activator
     return app

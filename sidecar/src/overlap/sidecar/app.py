@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 
 from overlap.engine.serving import protocol as p
 from overlap.engine.serving.client import EngineClient, EngineUnavailable
@@ -20,7 +20,7 @@ from overlap.sidecar import schemas
 from overlap.sidecar.admin import init_admin_app, watch_config_file
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
-from overlap.sidecar.http import json_response
+from overlap.sidecar.http import json_response, metrics_handler
 from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
 from overlap.sidecar.middlewares import api_key_auth, error_middleware
 from overlap.sidecar.openai import ROUTES
@@ -58,20 +58,6 @@ def init_app(config: SidecarConfig, registry: CollectorRegistry | None = None) -
     setup_middlewares(app)
     app.cleanup_ctx.append(_engine_ctx)
     return app
-
-
-def metrics_handler(registry: CollectorRegistry):
-    """GET /metrics in the classic text format, whatever the scraper's Accept header offers.
-
-    prometheus-client 0.26 writes the OpenMetrics format that Prometheus asks for by default with `vllm:` sample
-    names turned into `vllm_` while their TYPE lines keep the colon (prometheus/client_python#1177), so Prometheus
-    would store none of the `vllm:` series that routers and KEDA recipes query. The text format has no such step.
-    """
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    return metrics
 
 
 def setup_routes(app: web.Application) -> None:

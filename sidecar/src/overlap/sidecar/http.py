@@ -1,4 +1,5 @@
-"""JSON in and out for every handler of the sidecar (public and admin ports)."""
+"""JSON in and out for every handler of the sidecar (public and admin ports), and /metrics for every server of this
+package (the sidecar, the activator, the router)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from overlap.sidecar.state import STATE, ApiError
 
@@ -45,3 +47,17 @@ async def read_body(request: web.Request, kind: type):
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:
         raise ApiError(400, "the request body is nested too deeply") from exc
+
+
+def metrics_handler(registry: CollectorRegistry):
+    """GET /metrics in the classic text format, whatever the scraper's Accept header offers.
+
+    prometheus-client 0.26 writes the OpenMetrics format that Prometheus asks for by default with `vllm:` sample
+    names turned into `vllm_` while their TYPE lines keep the colon (prometheus/client_python#1177), so Prometheus
+    would store none of the `vllm:` series that routers and KEDA recipes query. The text format has no such step.
+    """
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return metrics

@@ -58,7 +58,9 @@ class KvEventLog:
         first = self.next_seq - len(self._events)
         if seq < first or seq > self.next_seq:
             return None
-        return list(itertools.islice(self._events, seq - first, None))
+        tail = list(itertools.islice(reversed(self._events), self.next_seq - seq))  # only the wanted events
+        tail.reverse()
+        return tail
 
 
 def snapshot_events(hashes: Iterable[int]) -> list[tuple[int, int]]:

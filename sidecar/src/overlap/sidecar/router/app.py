@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.batching.prefix_hash import HASH_SCHEME, block_hashes
 from overlap.engine.errors import ConfigError
 from overlap.sidecar.activator import HOP_BY_HOP
+from overlap.sidecar.http import metrics_handler
 from overlap.sidecar.router.picker import POLICIES, Picker, ReplicaState
 
 log = logging.getLogger("overlap.router")
@@ -294,9 +295,6 @@ class Router:
                                                    for r in self.replicas.values()}}  # fmt: skip
         return web.json_response(body, status=200 if ready else 503)
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
 
 def build_app(config: RouterConfig, registry: CollectorRegistry | None = None) -> web.Application:
     router = Router(config, registry)
@@ -305,7 +303,7 @@ def build_app(config: RouterConfig, registry: CollectorRegistry | None = None) -
     app.on_cleanup.append(router.stop)
     app.router.add_get("/readyz", router.readyz)
     app.router.add_get("/router/readyz", router.readyz)
-    app.router.add_get("/metrics", router.metrics)
+    app.router.add_get("/metrics", metrics_handler(router.registry))
     app.router.add_route("*", "/{tail:.*}", router.handle)
     app["router"] = router
     return app
