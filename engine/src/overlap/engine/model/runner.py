@@ -123,7 +123,7 @@ class ModelRunner(Runner):
             from overlap.engine.model.triton_ops import TritonOps
         use_native = self.cpu_paths and native_ops and dtype in native.DecodeAttentionKernel.DTYPES
         decode_kernel = native.decode_attention_kernel() if use_native and self.attention_backend == "native" else None
-        # RMSNorm, RoPE with the K/V write, greedy argmax: native on CPU, Triton next to the Triton attention
+        # RMSNorm, RoPE with the K/V write (and argmax): native on CPU, Triton kernels next to the Triton attention
         self.ops = native.cpu_ops() if use_native else (TritonOps() if triton is not None else None)
         self.linear: LinearBackend = pick_linear_backend(device, dtype) if self.cpu_paths else LinearBackend()
         self.helper = HelperThread()
