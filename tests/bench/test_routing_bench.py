@@ -34,7 +34,10 @@ def test_a_quick_run_routes_every_request_under_two_policies(tmp_path):
            "--policies", "least-queue,prefix", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "| no-sharing | prefix |" in run.stdout and "pick latency" in run.stdout
-    rows = json.loads(out.read_text())["rows"]
+    assert "| no-sharing | prefix |" in run.stdout and "pick latency" in run.stdout and "tokenizing" in run.stdout
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert [t["tokens"] for t in report["tokenize"]] == sorted(t["tokens"] for t in report["tokenize"])
+    assert all(t["encode_ms"] > 0 and t["chat_ms"] > 0 for t in report["tokenize"])
     assert [r["policy"] for r in rows] == ["least-queue", "prefix"]
     assert all(r["errors"] == 0 and r["requests"] == 24 and r["output_tok_s"] > 0 for r in rows)

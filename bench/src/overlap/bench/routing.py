@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -242,6 +243,30 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, engine_conf
         _stop(procs)
 
 
+def tokenize_cost(model_dir: str | None = None, repeats: int = 50) -> list[dict]:
+    """What the router adds per request by tokenizing for scoring: the median time of a plain prompt and of the same
+    text through the chat template, at three prompt sizes (the model's tokenizer; the tiny model's by default)."""
+    from overlap.engine.model.builder import ensure_default_model
+    from overlap.sidecar.text import TextProcessor
+
+    text = TextProcessor(model_dir or ensure_default_model())
+    words = ["the", "river", "turned", "north", "past", "the", "old", "mill", "and", "the", "bridge"]
+    rows = []
+    for num_words in (100, 1000, 4000):
+        prompt = " ".join(words[i % len(words)] for i in range(num_words))
+        messages = [{"role": "system", "content": prompt}, {"role": "user", "content": "hi there"}]
+        row = {"tokens": len(text.encode(prompt))}
+        for name, call, arg in (("encode_ms", text.encode, prompt), ("chat_ms", text.encode_chat, messages)):
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                call(arg)
+                times.append(time.perf_counter() - started)
+            row[name] = 1000 * statistics.median(times)
+        rows.append(row)
+    return rows
+
+
 def pick_latency(num_replicas: int, blocks_per_replica: int, prompt_blocks: int, picks: int = 2000) -> dict:
     """The picker alone on an index of `num_replicas` x `blocks_per_replica` blocks: p50/p99 of one pick."""
     from overlap.sidecar.router.picker import Picker, ReplicaState
@@ -322,11 +347,16 @@ def _run(args: argparse.Namespace) -> int:
     print(_table(rows))
     print(f"\npick latency (prefix policy, {picks['index_blocks']} indexed blocks, a {picks['prompt_blocks']}-block "
           f"prompt): p50 {picks['p50_ms']:.3f} ms, p99 {picks['p99_ms']:.3f} ms (goal < 1 ms)")  # fmt: skip
+    tokenize = tokenize_cost(args.model)
+    print("tokenizing for scoring (median; plain / through the chat template): " + ", ".join(
+        f"{t['tokens']} tokens {t['encode_ms']:.2f} / {t['chat_ms']:.2f} ms" for t in tokenize))  # fmt: skip
     verdicts = _verdicts(rows)
     for line in verdicts:
         print(line)
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows, "pick": picks, "verdicts": verdicts}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"rows": rows, "pick": picks, "tokenize": tokenize, "verdicts": verdicts}, indent=1)
+        )
     return 1 if any(r["errors"] for r in rows) else 0
 
 
