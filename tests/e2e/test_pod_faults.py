@@ -1,7 +1,9 @@
 """Pods that fail as they fail on a cluster, run by the node agent on podman (`make e2e`; needs `make images`):
 a missing image, a container that exits, a pod that never becomes ready. Each shows in the Pod's and the
 Deployment's status as kubelet and the Deployment controller would write it, and the operator's Ready condition
-says why. The agent leaves no container behind, and a new agent removes what a killed one left."""
+says why. The agent leaves no container behind, and a new agent removes what a killed one left. Three pods behind
+the router (routing.mode prefix) lose no request when one of them is deleted under load, or when the router's own
+pod is."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +34,7 @@ from tests.support.cluster import (
 from tests.support.images import ENGINE_IMAGE, OPERATOR_IMAGE, require_images
 from tests.support.node_agent import AGENT_LABEL, NodeAgent
 from tests.support.ranks import rank_pids, stream_completions
-from tests.support.sidecar import free_port, http
+from tests.support.sidecar import free_port, http, metric_value
 
 pytestmark = pytest.mark.e2e
 HELM_TEST, HELM_TEST_PORT = "overlap-helm-test", free_port()
@@ -223,6 +226,7 @@ LACKING = {
     "inferenceservice.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-hpa.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-pvc-autoscaling.yaml": ("Ready", 'persistentvolumeclaim "model-weights" not found'),
+    "inferenceservice-routed.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-scale-to-zero.yaml": (
         "Scaling",
         "cannot query Prometheus at http://prometheus-operated.monitoring:9090",
@@ -269,3 +273,106 @@ def test_the_charts_helm_test_passes_against_a_running_operator(node):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Ready (AllReplicasReady" in done.stdout and "a completion of 4 tokens" in done.stdout
     wait_for(lambda: cluster.get("inferenceservice", HELM_TEST) is None, 30, "the test service deleted")
+
+
+class Load:
+    """Clients sending completions one after another from `workers` threads until stopped: three groups of
+    requests share a long prefix each. Every request's outcome is kept: an HTTP status, or "refused" when no
+    server took the connection (nothing was accepted)."""
+
+    def __init__(self, url: str, workers: int = 6) -> None:
+        self.url = f"{url}/v1/completions"
+        self.results: list[tuple[float, int | str]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,), daemon=True) for w in range(workers)]
+        self.prefixes = [" ".join(f"Group {g} rule {i}: answer plainly and cite the page." for i in range(12))
+                         for g in range(3)]  # fmt: skip
+
+    def start(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, int | str]]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+        return self.results
+
+    def count(self) -> int:
+        return len(self.results)
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            body = {"model": "tiny", "prompt": f"{self.prefixes[(worker + i) % 3]} Question {worker}.{i}?",
+                    "max_tokens": 8}  # fmt: skip
+            try:
+                status, _, answer = http("POST", self.url, body, timeout=60)
+                if status == 200 and not answer["choices"][0]["finish_reason"]:
+                    status = "unfinished"
+            except OSError:  # refused or reset before a response: not accepted; a client backs off a little
+                status = "refused"
+                time.sleep(0.1)
+            self.results.append((time.monotonic(), status))
+            i += 1
+
+
+def _router_pod(agent: NodeAgent, name: str):
+    return next((p for p in agent.pods.values() if p.deployment == f"{name}-router" and not p.terminating), None)
+
+
+def test_three_pods_behind_the_router_lose_nothing_when_one_or_the_router_is_deleted(node, tiny_model_dir):
+    """routing.mode prefix with 3 replicas: the Service reaches the router's pod, which finds the engine pods by the
+    headless Service's name. Under load, an engine pod deleted (kubelet's drain: not ready, preStop, SIGTERM) loses
+    no request and the router drops it; the router's pod deleted, requests the old router accepted finish and,
+    once the new one is ready, every request is served again."""
+    cluster, agent = node
+    name = "routed"
+    _apply(cluster, name, tiny_model_dir, replicas=3, routing={"mode": "prefix"}, sidecar={"gracePeriodSeconds": 5})
+    try:
+        host, port = agent.service_address(name)
+        url = f"http://{host}:{port}"
+
+        def ready_replicas() -> int:
+            status, _, body = http("GET", f"{url}/readyz", timeout=5)
+            return status == 200 and sum(r["ready"] for r in body["replicas"].values())
+
+        wait_for(lambda: ready_replicas() == 3, 240, "the router to see 3 ready replicas", interval=1)
+        load = Load(url).start()
+        wait_for(lambda: load.count() >= 30, 60, "the load to start")
+        doomed = next(p for p in agent.pods.values() if p.deployment == name and p.ready)
+        cluster.core.delete_namespaced_pod(doomed.name, NAMESPACE)
+        router = _router_pod(agent, name)
+        wait_for(lambda: f"replica http://{doomed.ip}:8000 removed" in agent.container_log(router.name, None), 30,
+                 "the router to drop the deleted pod", interval=0.5)  # fmt: skip
+        wait_for(lambda: doomed.gone, 60, "the deleted pod to be gone", interval=0.5)
+        deleted = load.count()
+        wait_for(lambda: load.count() >= deleted + 30, 60, "more load after the pod went")
+        results = load.stop()
+        assert {status for _, status in results} == {200}, [r for r in results if r[1] != 200][:5]
+        print(f"routing e2e: {len(results)} requests, all served, across the deletion of pod {doomed.name}")
+        metrics = http("GET", f"{url}/metrics")[2]
+        assert (metric_value(metrics, "overlap_router_picks_total", 'reason="prefix"') or 0) > 0
+        assert (metric_value(metrics, "overlap_router_prefix_hit_tokens_total") or 0) > 0
+
+        # The router's own pod: deleted under load; the Deployment's next one takes over.
+        load = Load(url).start()
+        wait_for(lambda: load.count() >= 20, 60, "the load to start again")
+        cluster.core.delete_namespaced_pod(router.name, NAMESPACE)
+        wait_for(lambda: (p := _router_pod(agent, name)) and p.name != router.name and p.ready, 120,
+                 "a new router pod ready", interval=0.5)  # fmt: skip
+        ready_again = time.monotonic()
+        wait_for(lambda: sum(t > ready_again + 1 for t, _ in load.results) >= 40, 120, "load through the new router")
+        results = load.stop()
+        answered = [status for _, status in results if status != "refused"]
+        assert set(answered) == {200}, [r for r in results if r[1] not in (200, "refused")][:5]
+        late = [(round(t - ready_again, 2), status) for t, status in results if t > ready_again + 1]
+        assert {status for _, status in late} == {200}, late
+        refused = len(results) - len(answered)
+        print(
+            f"routing e2e: router restart: {len(answered)} requests accepted, all served; {refused} refused while no"
+            f" router pod was ready; {len(late)} served after the new one was"
+        )
+    finally:
+        cluster.kubectl("delete", "inferenceservice", name)

@@ -482,3 +482,61 @@ def test_a_reconcile_routes_a_scale_to_zero_service_by_the_deployment_not_a_stal
     (public,) = [o for o in applied if o["kind"] == "Service" and o["metadata"]["name"] == "llm"]
     wanted = identity.selector_labels("llm") if routed_to == "pods" else identity.activator_labels("llm")
     assert public["spec"]["selector"] == wanted
+
+
+def test_a_routed_service_gets_a_router_in_front_of_a_headless_service_of_its_pods() -> None:
+    """routing.mode prefix: the public Service selects the router's pod; the router finds the engine pods as the
+    addresses of a headless Service; at minReplicas 0 the router holds requests itself (no activator); the
+    ServiceMonitor scrapes both, each labelled with the InferenceService's name."""
+    spec = specs.with_defaults({
+        "model": {"servedName": "llm", "path": "/models/llm"},
+        "replicas": 0,
+        "autoscaling": {"mode": "builtin", "minReplicas": 0},
+        "routing": {"mode": "prefix", "sessionHeader": "x-conversation"},
+    })  # fmt: skip
+    built = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in children.build_children(OWNER, spec, specs.check_spec(spec), with_servicemonitor=True)
+    }
+    for obj in built.values():
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert ("Deployment", "llm-activator") not in built and ("Service", "llm-pods") not in built
+    router, replicas = built[("Deployment", "llm-router")], built[("Service", "llm-replicas")]
+    engine = built[("Deployment", "llm")]
+    assert built[("Service", "llm")]["spec"]["selector"] == identity.router_labels("llm")
+    assert replicas["spec"]["clusterIP"] == "None" and replicas["spec"]["selector"] == identity.selector_labels("llm")
+    router_pod_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert not is_subset(engine["spec"]["selector"]["matchLabels"], router_pod_labels)
+    assert not is_subset(router["spec"]["selector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"])
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:3] == ["router", "--replicas-from", "llm-replicas.ml.svc:8000"]
+    assert container["args"][container["args"].index("--session-header") + 1] == "x-conversation"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/router/healthz"  # ready with no replica: it holds
+    assert "nvidia.com/gpu" not in json.dumps(router)
+    order = list(built)
+    assert order.index(("Service", "llm-replicas")) < order.index(("Deployment", "llm-router"))
+    monitor = built[("ServiceMonitor", "llm")]
+    selected = [key for key, o in built.items() if o["kind"] == "Service"
+                and is_subset(monitor["spec"]["selector"]["matchLabels"], o["metadata"]["labels"])]  # fmt: skip
+    assert sorted(selected) == [("Service", "llm"), ("Service", "llm-replicas")]
+    relabel = monitor["spec"]["endpoints"][0]["relabelings"][0]
+    assert relabel["targetLabel"] == "service" and relabel["sourceLabels"] == [children.SERVICE_LABEL_META]
+    assert children.SERVICE_LABEL_META == "__meta_kubernetes_service_label_overlap_dev_inferenceservice"
+    with pytest.raises(specs.SpecError, match=r"routing\.mode"):
+        specs.check_spec({**spec, "routing": {"mode": "nearest"}})
+
+
+def test_the_router_and_the_activator_go_when_the_spec_no_longer_wants_them() -> None:
+    from overlap.operator import reconcile
+
+    def unwanted(spec: dict) -> set[tuple[str, str]]:
+        service = {**OWNER, "spec": {"model": {"servedName": "llm", "path": "/models/llm"}, **spec}}
+        return {(kind, name) for kind, name, _ in reconcile.desired(service, with_servicemonitor=False).unwanted}
+
+    to_zero = {"autoscaling": {"mode": "builtin", "minReplicas": 0}}
+    router = {("Deployment", "llm-router"), ("Service", "llm-replicas")}
+    activator = {("Deployment", "llm-activator"), ("Service", "llm-pods")}
+    assert router <= unwanted(to_zero) and not activator & unwanted(to_zero)
+    assert activator <= unwanted({**to_zero, "routing": {"mode": "prefix"}})
+    assert not router & unwanted({**to_zero, "routing": {"mode": "prefix"}})

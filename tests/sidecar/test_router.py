@@ -1,7 +1,8 @@
 """`overlap router`: its index and scores as units, then the real thing: two `overlap serve` replicas (real engines,
 the tiny model) behind an `overlap router` process, driven over HTTP: a prompt goes where its prefix is cached (the
 router computes the block hashes the engines publish), a session stays put, the tokenizer comes from a replica,
-and a replica killed under load loses nothing."""
+a replica killed under load loses nothing, and a router that finds its replicas by DNS name holds requests until
+one is ready."""
 
 from __future__ import annotations
 
@@ -142,3 +143,35 @@ def test_a_replica_killed_under_load_loses_nothing(fleet):
     assert len(answers) == 24 and all(a["choices"][0]["finish_reason"] for a in answers)
     status, _, ready = http("GET", f"{fleet['url']}/readyz")
     assert status == 200 and ready["replicas"][doomed["url"]]["ready"] is False
+
+
+def test_a_router_holds_requests_until_a_replica_of_its_dns_name_is_ready(tiny_model_dir, tmp_path):
+    """`--replicas-from localhost:PORT` before anything listens there: the router is up (its health answers), not
+    ready, and holds a request (overlap_router_held_requests) until a replica starts on that port; past
+    --hold-timeout-s a request gets a 503 that says why."""
+    replica_port, port, impatient_port = free_port(), free_port(), free_port()
+    router = Proc(overlap_cmd("router", "--port", str(port), "--replicas-from", f"localhost:{replica_port}",
+                              "--resolve-interval-s", "0.2"), tmp_path / "router.log")  # fmt: skip
+    impatient = Proc(overlap_cmd("router", "--port", str(impatient_port), "--replica", "http://127.0.0.1:9",
+                                 "--hold-timeout-s", "0.3"), tmp_path / "impatient.log")  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": tiny_model_dir.name, "prompt": [5, 6, 7], "max_tokens": 2}
+    try:
+        for proc, p in ((router, port), (impatient, impatient_port)):
+            wait_until(lambda p=p: http("GET", f"http://127.0.0.1:{p}/router/healthz", timeout=2)[0] == 200, 60,
+                       "the router's health", proc)  # fmt: skip
+        status, _, error = http("POST", f"http://127.0.0.1:{impatient_port}/v1/completions", body)
+        assert status == 503 and "no replica became ready within 0.3 s" in error["error"]["message"]
+        assert http("GET", f"{url}/readyz")[0] == 503
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(http, "POST", f"{url}/v1/completions", body, None, 300)
+            wait_until(lambda: metric_value(http("GET", f"{url}/metrics")[2], "overlap_router_held_requests") == 1,
+                       30, "the request held", router)  # fmt: skip
+            config = json.dumps({"num_kv_blocks": 256, "max_num_seqs": 4, "num_threads": 1})
+            with overlap_serve(tiny_model_dir, "engine.json", config, port=replica_port):
+                status, _, answer = held.result(timeout=120)
+        assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+        assert "replica http://127.0.0.1:" in router.output()  # found by the name, and dropped when it went
+    finally:
+        router.stop(30)
+        impatient.stop(30)

@@ -13,7 +13,9 @@ container's preStop hook, SIGTERM, and SIGKILL at the end of the grace period. I
 conditions, container states such as ErrImagePull or CrashLoopBackOff) and the Deployment's status from what really
 runs. Each Service gets a round-robin TCP proxy on 127.0.0.1 over its ready pods (kube-proxy), following its
 selector as it changes, and a second one on the bridge's gateway at the Service's own port, which pods reach by the
-Service's DNS name (`NAME.NAMESPACE.svc`, written into every pod's /etc/hosts: cluster DNS). Every pod with an IP is
+Service's DNS name (`NAME.NAMESPACE.svc`, written into every pod's /etc/hosts: cluster DNS). A headless Service
+(clusterIP None) gets no proxy: its name resolves to each of its ready pods' IPs, as CoreDNS answers, kept up to
+date in every pod's /etc/hosts (rewritten in place, as the file is bind-mounted). Every pod with an IP is
 a target in a Prometheus file-based discovery file, labelled with its InferenceService as a pod-role scrape relabels
 it.
 
@@ -68,6 +70,7 @@ default_ulimits = ["nofile=20000:20000", "nproc=4096:4096"]
 runtime = "runc"
 """
 BACKOFF_S = (0, 10, 20, 40, 80, 160, 300)  # kubelet's restart back-off, by restarts so far
+HEADLESS_MARK = "# headless Services (node agent)\n"  # in a pod's /etc/hosts, above their lines
 INSTANCE_LABEL = "overlap.dev/inferenceservice"  # a pod's service, as the Prometheus relabelling would name it
 GPU = "nvidia.com/gpu"
 # kube-scheduler's FitError, for one node: what filtered it out, then what its preemption found.
@@ -226,6 +229,8 @@ class Pod:
     terminating: bool = False
     gone: bool = False
     written: str = ""  # the last status written, to skip unchanged writes
+    hosts_file: str | None = None  # podman's /etc/hosts of the pod, on the host
+    dns_written: str | None = None  # the headless Services' lines last written into it
 
     @property
     def labels(self) -> dict[str, str]:
@@ -369,7 +374,8 @@ class NodeAgent:
                 self._write_pod(pod)
         for deployment in deployments:
             self._write_deployment_status(deployment)
-        self._sync_services()
+        services = self._sync_services()
+        self._write_headless_dns(services)
         self._write_service_discovery()
 
     def _gateway(self) -> str:
@@ -522,6 +528,8 @@ class NodeAgent:
             # Cluster DNS: every Service's name resolves to the gateway, where its pod-facing proxy listens.
             hosts = []
             for service in self._list(self.core.list_namespaced_service):
+                if service["spec"].get("clusterIP") == "None":
+                    continue  # its pods' addresses: _write_headless_dns
                 svc = f"{service['metadata']['name']}.{self.namespace}.svc"
                 hosts += ["--add-host", f"{svc}:{self.gateway}", "--add-host", f"{svc}.cluster.local:{self.gateway}"]
             pod.pod_id = self.podman(
@@ -909,7 +917,7 @@ class NodeAgent:
             pod.written = text
 
     # ---- kube-proxy and Prometheus discovery ---------------------------------------------------------------------
-    def _sync_services(self) -> None:
+    def _sync_services(self) -> list[dict[str, Any]]:
         services = self._list(self.core.list_namespaced_service)
         live = {s["metadata"]["name"] for s in services}
         for proxies in (self.proxies, self.pod_proxies):
@@ -918,8 +926,8 @@ class NodeAgent:
                 self.note(f"service {name}: gone, proxy closed")
         for service in services:
             name, spec = service["metadata"]["name"], service["spec"]
-            if not spec.get("ports"):
-                continue
+            if not spec.get("ports") or spec.get("clusterIP") == "None":
+                continue  # a headless Service has no virtual address to proxy: its name resolves to its pods
             if self.selectors.get(name) not in (None, spec.get("selector")):
                 self.note(f"service {name}: selector now {spec.get('selector')}")
             self.selectors[name] = spec.get("selector") or {}
@@ -937,6 +945,35 @@ class NodeAgent:
                     self.note(f"service {name}: proxy for pods on {self.gateway}:{port['port']}")
                 except OSError:
                     pass
+        return services
+
+    def _write_headless_dns(self, services: list[dict[str, Any]]) -> None:
+        """Each headless Service's name resolves to its ready pods' IPs: lines in every pod's /etc/hosts (podman's
+        file, shared by the pod's containers), rewritten in place when they change (glibc answers every line)."""
+        lines = set()
+        for service in services:
+            spec = service["spec"]
+            if spec.get("clusterIP") != "None" or not spec.get("ports"):
+                continue
+            svc = f"{service['metadata']['name']}.{self.namespace}.svc"
+            for ip, _ in self._endpoints(spec.get("selector") or {}, spec["ports"][0]):
+                lines.add(f"{ip}\t{svc} {svc}.cluster.local\n")
+        block = "".join(sorted(lines))
+        for pod in list(self.pods.values()):
+            if pod.pod_id is None or pod.gone or pod.terminating or pod.dns_written == block:
+                continue
+            if pod.hosts_file is None:
+                infra = self.podman("pod", "inspect", "--format", "{{.InfraContainerID}}", pod.pod_id, check=False)
+                path = self.podman("inspect", "--format", "{{.HostsPath}}", infra, check=False) if infra else ""
+                if not path or not os.path.exists(path):
+                    continue  # written when the pod starts: the next pass
+                pod.hosts_file = path
+            with open(pod.hosts_file, "r+") as hosts:
+                kept = hosts.read().split(HEADLESS_MARK)[0]
+                hosts.seek(0)
+                hosts.truncate()
+                hosts.write(kept + HEADLESS_MARK + block)
+            pod.dns_written = block
 
     def _endpoints(self, selector: dict[str, str], port: dict[str, Any]) -> list[tuple[str, int]]:
         target = port.get("targetPort", port["port"])

@@ -119,15 +119,21 @@ def overlap_cmd(*args: str) -> list[str]:
 
 @contextlib.contextmanager
 def overlap_serve(
-    model: Path, config_name: str, config_text: str, *flags: str, also_ready: Callable[[Proc], bool] | None = None
+    model: Path,
+    config_name: str,
+    config_text: str,
+    *flags: str,
+    also_ready: Callable[[Proc], bool] | None = None,
+    port: int | None = None,
 ) -> Iterator[dict]:
-    """`overlap serve` of `model` as a user starts it: free public and admin ports, an admin token file and an engine
-    config file (`config_name` holding `config_text`), more `flags` after them. Yields its url, admin url, process
-    and model name once /readyz (and `also_ready`) pass; stopped by PID and its folder removed after."""
+    """`overlap serve` of `model` as a user starts it: free public and admin ports (or the public `port` given), an
+    admin token file and an engine config file (`config_name` holding `config_text`), more `flags` after them.
+    Yields its url, admin url, process and model name once /readyz (and `also_ready`) pass; stopped by PID and its
+    folder removed after."""
     workdir = Path(tempfile.mkdtemp(prefix="ovl-serve-"))
     (workdir / "token").write_text(ADMIN_TOKEN)
     (workdir / config_name).write_text(config_text)
-    port, admin_port = free_port(), free_port()
+    port, admin_port = port or free_port(), free_port()
     cmd = overlap_cmd("serve", "--model", str(model), "--port", str(port), "--admin-port", str(admin_port),
                       "--admin-token-file", str(workdir / "token"), "--config", str(workdir / config_name),
                       *flags)  # fmt: skip

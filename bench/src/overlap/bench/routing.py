@@ -102,15 +102,16 @@ class RunResult:
         }  # fmt: skip
 
 
-async def drive(url: str, conversations: list[Conversation], concurrency: int, result: RunResult,
+async def drive(urls: list[str], conversations: list[Conversation], concurrency: int, result: RunResult,
                 rate: float | None = None) -> None:  # fmt: skip
     """Run every conversation (turns in order), streaming each answer: `concurrency` at a time (a closed loop), or
     with `rate`, conversations starting as a Poisson process of that many per second (an open loop: a policy that
-    cannot keep up builds a queue, as at saturation)."""
+    cannot keep up builds a queue, as at saturation). Each request goes to one of `urls` at random (a Service in
+    front of several routers)."""
     import aiohttp
 
     pending = list(reversed(conversations))
-    answer_rng = random.Random(1)
+    answer_rng, router_rng = random.Random(1), random.Random(3)
     model = None
 
     async def turn(session: aiohttp.ClientSession, sid: str, prompt: list[int], output: int) -> None:
@@ -118,6 +119,7 @@ async def drive(url: str, conversations: list[Conversation], concurrency: int, r
                 "stream": True}  # fmt: skip
         started = time.monotonic()
         first = None
+        url = router_rng.choice(urls)
         async with session.post(f"{url}/v1/completions", json=body, headers={"x-session-id": sid}) as response:
             if response.status != 200:
                 await response.read()
@@ -152,7 +154,7 @@ async def drive(url: str, conversations: list[Conversation], concurrency: int, r
 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        async with session.get(f"{url}/v1/models") as response:
+        async with session.get(f"{urls[0]}/v1/models") as response:
             model = (await response.json())["data"][0]["id"]
         started = time.monotonic()
         if rate:
@@ -225,17 +227,19 @@ def run_policy(args: argparse.Namespace, workload: str, policy: str, engine_conf
             urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(procs, urls, strict=True):
             _wait_ready(proc, url, "overlap serve")
-        port = _free_port()
-        router = subprocess.Popen([*overlap, "router", "--port", str(port), "--policy", policy,
-                                   *[a for url in urls for a in ("--replica", url)]],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(router)
-        router_url = f"http://127.0.0.1:{port}"
-        _wait_ready(router, router_url, "overlap router")
+        router_urls = []
+        for _ in range(args.routers):
+            port = _free_port()
+            router = subprocess.Popen([*overlap, "router", "--port", str(port), "--policy", policy,
+                                       *[a for url in urls for a in ("--replica", url)]],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            procs.append(router)
+            router_urls.append(f"http://127.0.0.1:{port}")
+            _wait_ready(router, router_urls[-1], "overlap router")
         time.sleep(0.3)  # every replica polled once
         result = RunResult(workload, policy)
         conversations = make_workload(workload, args.scale, args.seed)
-        asyncio.run(drive(router_url, conversations, args.concurrency, result, args.rate))
+        asyncio.run(drive(router_urls, conversations, args.concurrency, result, args.rate))
         result.prompt_tokens = sum(_metric(u, "overlap_prompt_tokens_total") for u in urls)
         result.cached_tokens = sum(_metric(u, "overlap_prompt_cached_tokens_total") for u in urls)
         return result
@@ -298,6 +302,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default: all)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all)")
     parser.add_argument("--replicas", type=int, default=4, help="replicas behind the router (default 4)")
+    parser.add_argument("--routers", type=int, default=1,
+                        help="routers in front of the replicas, each request to one at random (default 1)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=48, help="conversations at once (default 48)")
     parser.add_argument("--rate", type=float,
                         help="conversations starting per second (an open loop), instead of --concurrency")  # fmt: skip
@@ -321,6 +327,8 @@ def _run(args: argparse.Namespace) -> int:
     unknown = sorted(set(workloads) - set(WORKLOADS)) + sorted(set(policies) - set(POLICIES))
     if unknown:
         raise SystemExit(f"overlap bench routing: unknown workload or policy: {', '.join(unknown)}")
+    if args.routers < 1:
+        raise SystemExit("overlap bench routing: --routers must be at least 1")
     if args.quick:
         args.replicas, args.scale, args.concurrency = 2, 0.25, 8
     config = {"num_kv_blocks": args.kv_blocks, "max_seq_len": 4096, "max_num_seqs": 32, "num_threads": 1}
@@ -332,8 +340,9 @@ def _run(args: argparse.Namespace) -> int:
         device = "the tiny model on the CPU" if args.real else (
             f"simulated device ({args.fixed_ms:g} ms + {args.per_token_us:g} us/token)")  # fmt: skip
         load = f"{args.rate:g} conversations/s" if args.rate else f"{args.concurrency} conversations at once"
-        print(f"overlap bench routing: {args.replicas} replicas, {device}, {args.kv_blocks} KV blocks each, {load}",
-              flush=True)  # fmt: skip
+        routers = f", {args.routers} routers" if args.routers > 1 else ""
+        print(f"overlap bench routing: {args.replicas} replicas{routers}, {device}, {args.kv_blocks} KV blocks each, "
+              f"{load}", flush=True)  # fmt: skip
         rows = []
         for workload in workloads:
             for policy in policies:

@@ -23,6 +23,9 @@ from overlap.operator.identity import (
     labels,
     owner_reference,
     pods_service_name,
+    replicas_service_name,
+    router_labels,
+    router_name,
     selector_labels,
 )
 from overlap.operator.model_volumes import model_parts
@@ -54,19 +57,27 @@ ENGINE_PROBE = ["python", "-m", "overlap.engine.serving.probe", "--socket", SOCK
 # pod pulls an image of several GB, maybe fetches its model, and loads it, which Kubernetes' default of 600 s does not
 # cover. The time kubelet allows the engine to start (startupSeconds, its default included) plus this for the pull.
 PULL_MARGIN_S = 600
+# Prometheus' name for the scraped Service's INSTANCE_LABEL (a label name's "." and "/" become "_").
+SERVICE_LABEL_META = "__meta_kubernetes_service_label_" + INSTANCE_LABEL.replace(".", "_").replace("/", "_")
 
 
-def scales_to_zero(spec: Mapping[str, Any]) -> bool:
-    """minReplicas 0 with a loop that scales: the service gets an activator to hold requests while at zero."""
+def routed(spec: Mapping[str, Any]) -> bool:
+    """routing.mode prefix: the Service points at `overlap router`, which picks a pod per request."""
+    return spec["routing"]["mode"] == "prefix"
+
+
+def has_activator(spec: Mapping[str, Any]) -> bool:
+    """minReplicas 0 with a loop that scales, and no router: the service gets an activator to hold requests while
+    at zero (a routed service's router holds them itself)."""
     auto = spec["autoscaling"]
-    return auto["minReplicas"] == 0 and auto["mode"] in specs.SCALING_MODES
+    return auto["minReplicas"] == 0 and auto["mode"] in specs.SCALING_MODES and not routed(spec)
 
 
 def at_zero(spec: Mapping[str, Any], ready: int) -> bool:
     """Whether the Service should route to the activator: no replica asked for, or none of them (`ready`) ready.
     Asked for 0, the switch comes before the pods go, so requests during their drain reach the activator, which
     forwards them to the pods while they still serve."""
-    return scales_to_zero(spec) and (spec["replicas"] == 0 or ready == 0)
+    return has_activator(spec) and (spec["replicas"] == 0 or ready == 0)
 
 
 def service_url(name: str, namespace: str, spec: Mapping[str, Any]) -> str:
@@ -101,9 +112,23 @@ def _http_service(metadata: dict[str, Any], selector: dict[str, str], port: int)
 
 
 def build_service(name: str, namespace: str, spec: Mapping[str, Any], to_activator: bool = False) -> dict[str, Any]:
-    """The public API only. At zero replicas it routes to the activator."""
-    selector = activator_labels(name) if to_activator else selector_labels(name)
+    """The public API only: to the router of a routed service, else to the pods (the activator at zero)."""
+    if routed(spec):
+        selector = router_labels(name)
+    else:
+        selector = activator_labels(name) if to_activator else selector_labels(name)
     return _http_service(_metadata(name, namespace, name), selector, spec["sidecar"]["port"])
+
+
+def build_replicas_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine pods as the router finds them: headless, so its DNS name answers with each ready pod's address.
+    It carries the service's labels, so the ServiceMonitor scrapes the pods through it (and the router through
+    the public Service)."""
+    service = _http_service(_metadata(replicas_service_name(name), namespace, name), selector_labels(name),
+                            spec["sidecar"]["port"])  # fmt: skip
+    service["spec"]["clusterIP"] = "None"
+    service["spec"]["publishNotReadyAddresses"] = False
+    return service
 
 
 def build_pods_service(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,31 +142,45 @@ def build_pods_service(name: str, namespace: str, spec: Mapping[str, Any]) -> di
 def build_activator(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
     """`overlap activator` (the sidecar image, no GPU) on the public port, forwarding to the pods' Service."""
     port = spec["sidecar"]["port"]
-    upstream = f"http://{pods_service_name(name)}.{namespace}.svc:{port}"
-    metadata = _metadata(activator_name(name), namespace, name)
-    metadata["labels"] = {**metadata["labels"], **activator_labels(name), "app.kubernetes.io/component": "activator"}
+    args = ["activator", "--upstream", f"http://{pods_service_name(name)}.{namespace}.svc:{port}", "--port", str(port),
+            "--hold-timeout-s", str(spec["sidecar"]["requestTimeoutSeconds"])]  # fmt: skip
+    # At zero replicas the public Service routes here, so its ServiceMonitor scrapes /metrics here too.
+    return _proxy_deployment(activator_name(name), namespace, name, spec, "activator", activator_labels(name), args,
+                             health="/activator/healthz", metrics="/activator/metrics")  # fmt: skip
+
+
+def build_router(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """`overlap router` (the sidecar image, no GPU) on the public port, picking among the ready engine pods (the
+    addresses of the headless replicas Service) by their cached prefixes and load; it holds requests while none is
+    ready, which makes it the activator of a service that scales to zero."""
+    port, routing = spec["sidecar"]["port"], spec["routing"]
+    args = ["router", "--replicas-from", f"{replicas_service_name(name)}.{namespace}.svc:{port}", "--port", str(port),
+            "--hold-timeout-s", str(spec["sidecar"]["requestTimeoutSeconds"]),
+            "--session-header", routing["sessionHeader"]]  # fmt: skip
+    return _proxy_deployment(router_name(name), namespace, name, spec, "router", router_labels(name), args,
+                             health="/router/healthz", metrics="/metrics", memory="1Gi")  # fmt: skip
+
+
+def _proxy_deployment(deployment: str, namespace: str, owner: str, spec: Mapping[str, Any], component: str,
+                      pod_labels: dict[str, str], args: list[str], *, health: str, metrics: str,
+                      memory: str = "256Mi") -> dict[str, Any]:  # fmt: skip
+    """One pod of the sidecar image running `overlap ARGS` on the public port: the activator or the router. Its
+    health endpoint answers while it runs: it must take requests to hold them, ready replicas or not."""
+    port = spec["sidecar"]["port"]
+    metadata = _metadata(deployment, namespace, owner)
+    metadata["labels"] = {**metadata["labels"], **pod_labels, "app.kubernetes.io/component": component}
+    probe = {"httpGet": {"path": health, "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 5}
     container = {
-        "name": "activator",
+        "name": component,
         "image": spec["images"]["sidecar"],
         "imagePullPolicy": spec["images"]["pullPolicy"],
         "command": ["overlap"],
-        "args": [
-            "activator",
-            "--upstream",
-            upstream,
-            "--port",
-            str(port),
-            "--hold-timeout-s",
-            str(spec["sidecar"]["requestTimeoutSeconds"]),
-        ],
+        "args": args,
         "env": [{"name": "HOME", "value": "/tmp"}],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "readinessProbe": {
-            "httpGet": {"path": "/activator/healthz", "port": "http"},
-            "periodSeconds": 5,
-            "timeoutSeconds": 5,
-        },
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
+        "readinessProbe": probe,
+        "livenessProbe": {**probe, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": memory}},
         "securityContext": _container_security(),
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
@@ -151,14 +190,14 @@ def build_activator(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[
         "metadata": metadata,
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": activator_labels(name)},
+            "selector": {"matchLabels": pod_labels},
             "template": {
                 "metadata": {
                     "labels": metadata["labels"],
                     "annotations": {
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(port),
-                        "prometheus.io/path": "/activator/metrics",
+                        "prometheus.io/path": metrics,
                     },
                 },
                 "spec": {
@@ -191,8 +230,17 @@ def build_servicemonitor(name: str, namespace: str, spec: Mapping[str, Any]) -> 
         "metadata": metadata,
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
+            # A routed service has two such Services (the router's and the pods'): both scrapes are labelled with the
+            # InferenceService's name, which the control loop's queries select by, not with their Service's.
             "endpoints": [
-                {"port": "http", "path": "/metrics", "interval": spec["prometheus"]["serviceMonitor"]["interval"]}
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": spec["prometheus"]["serviceMonitor"]["interval"],
+                    "relabelings": [
+                        {"sourceLabels": [SERVICE_LABEL_META], "targetLabel": "service", "action": "replace"}
+                    ],
+                }
             ],
         },
     }
@@ -434,9 +482,11 @@ def build_children(
     """Every child the operator keeps in line with the spec (the admin tokens are admin_tokens.py's)."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     children = [build_configmap(name, namespace, config)]
-    if scales_to_zero(spec):
-        # the pods' Service first: the activator's pod resolves its name when it starts
+    # the Service a proxy forwards to before the proxy: its pod may resolve the name when it starts
+    if has_activator(spec):
         children += [build_pods_service(name, namespace, spec), build_activator(name, namespace, spec)]
+    if routed(spec):
+        children += [build_replicas_service(name, namespace, spec), build_router(name, namespace, spec)]
     # The Service before the Deployment: scaled to zero, requests go to the activator before the pods go.
     ready = (owner.get("status") or {}).get("readyReplicas") or 0
     children += [

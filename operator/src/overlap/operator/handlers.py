@@ -242,7 +242,7 @@ def mirror_rollout(body: kopf.Body, type: str | None, logger: logging.Logger, **
         return  # restore_child recreates it; the new one's events update the status
     owner = _owner_of(body)
     if owner is None or body["metadata"]["name"] != owner["metadata"]["name"]:
-        return  # not the engine Deployment (the activator's has no status of the service's to mirror)
+        return  # not the engine Deployment (the activator's and router's have no status to mirror)
     _mirror(owner, dict(body))
     _route(owner, dict(body), logger)
 
@@ -251,7 +251,7 @@ def _route(owner: Mapping[str, Any], deployment: Mapping[str, Any], logger: logg
     """For a service that scales to zero: point its Service at the pods once one is ready, at the activator while
     none is (the first ready pod takes the traffic at once, without waiting for a reconcile)."""
     spec = specs.with_defaults(owner.get("spec") or {})
-    if not children.scales_to_zero(spec):
+    if not children.has_activator(spec):
         return
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     ready = (deployment.get("status") or {}).get("readyReplicas") or 0

@@ -38,6 +38,11 @@ def activator_labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "overlap-activator", INSTANCE_LABEL: name}
 
 
+def router_labels(name: str) -> dict[str, str]:
+    """The router's pods (routing.mode prefix): like the activator's, apart from the engine pods."""
+    return {"app.kubernetes.io/name": "overlap-router", INSTANCE_LABEL: name}
+
+
 def selector_string(name: str) -> str:
     """The pods' label selector in the string form `status.selector` (and /scale) uses."""
     return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(name).items()))
@@ -48,9 +53,16 @@ DNS_LABEL_MAX = 63
 
 
 def pods_service_name(name: str) -> str:
-    """The headless Service of the engine pods (scale from zero). A service name of up to 63 characters leaves no
-    room for the suffix, so a long one is cut and a hash of the whole name keeps two such names apart."""
+    """The engine pods' own Service, where the scale-from-zero activator forwards. A service name of up to 63
+    characters leaves no room for the suffix, so a long one is cut and a hash of the whole name keeps two such
+    names apart."""
     return _with_suffix(name, "pods")
+
+
+def replicas_service_name(name: str) -> str:
+    """The headless Service of the engine pods (routing.mode prefix): its DNS name's addresses are the ready pods,
+    the replicas the router picks from."""
+    return _with_suffix(name, "replicas")
 
 
 def _with_suffix(name: str, suffix: str) -> str:
@@ -63,6 +75,10 @@ def _with_suffix(name: str, suffix: str) -> str:
 
 def activator_name(name: str) -> str:
     return f"{name}-activator"
+
+
+def router_name(name: str) -> str:
+    return f"{name}-router"
 
 
 def configmap_name(name: str) -> str:

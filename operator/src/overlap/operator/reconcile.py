@@ -13,7 +13,13 @@ import kopf
 from overlap.engine.config import EngineConfig
 from overlap.operator import admin_tokens, children, kube, status
 from overlap.operator import spec as specs
-from overlap.operator.identity import activator_name, pods_service_name, selector_string
+from overlap.operator.identity import (
+    activator_name,
+    pods_service_name,
+    replicas_service_name,
+    router_name,
+    selector_string,
+)
 
 # What `apply` reports: (kind, name, outcome, why), outcome one of created / updated / restored / deleted.
 Report = Callable[[str, str, str, str | None], None]
@@ -52,9 +58,12 @@ def desired(service: Mapping[str, Any], *, with_servicemonitor: bool) -> Plan:
     unwanted: list[tuple[str, str, str]] = []
     if with_servicemonitor and not spec["prometheus"]["serviceMonitor"]["enabled"]:
         unwanted.append(("ServiceMonitor", name, "spec.prometheus.serviceMonitor.enabled is false"))
-    if not children.scales_to_zero(spec):  # the scale-to-zero activator comes and goes with minReplicas 0
-        why = "the service no longer scales to zero"
+    if not children.has_activator(spec):  # the scale-to-zero activator comes and goes with minReplicas 0
+        why = "the router holds requests at zero" if children.routed(spec) else "the service no longer scales to zero"
         unwanted += [("Deployment", activator_name(name), why), ("Service", pods_service_name(name), why)]
+    if not children.routed(spec):
+        why = "spec.routing.mode is not prefix"
+        unwanted += [("Deployment", router_name(name), why), ("Service", replicas_service_name(name), why)]
     return Plan(name, namespace, meta["uid"], spec, config, built, unwanted)
 
 
@@ -63,7 +72,7 @@ def _routed(plan: Plan, service: Mapping[str, Any]) -> list[dict[str, Any]]:
     it is now (as handlers._route does on its events), not by the readyReplicas last mirrored into the status: that
     can lag a pod that just became ready, and a reconcile on it would point the Service back at the activator with
     no Deployment event left to undo it."""
-    if not children.scales_to_zero(plan.spec):
+    if not children.has_activator(plan.spec):
         return plan.children
     deployment = kube.read("Deployment", plan.name, plan.namespace)
     ready = ((deployment or {}).get("status") or {}).get("readyReplicas") or 0

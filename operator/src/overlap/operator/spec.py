@@ -54,6 +54,8 @@ TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "numBuffers")
 
 # autoscaling.mode values under which decide() computes replica moves (builtin applies them, advise reports them).
 SCALING_MODES = ("builtin", "advise")
+# routing.mode values: service (the Service spreads requests over the pods), prefix (`overlap router` picks a pod).
+ROUTING_MODES = ("service", "prefix")
 
 # The CRD's defaults, as a real API server fills them in. The operator applies them too (a spec written to a
 # server without structural defaulting still works); tests/operator check this table against crds/.
@@ -108,6 +110,7 @@ DEFAULTS: dict[str, Any] = {
         "requestTimeoutSeconds": 300,
         "gracePeriodSeconds": 30,
     },
+    "routing": {"mode": "service", "sessionHeader": "x-session-id"},
     "prometheus": {"serviceMonitor": {"enabled": True, "interval": "15s"}},
 }
 
@@ -325,6 +328,9 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
         if not lo <= start <= hi:
             raise SpecError(f"tuning.bounds.{knob} must contain engine.{knob} (the start value)")
 
+    mode = (spec.get("routing") or {}).get("mode", "service")
+    if mode not in ROUTING_MODES:
+        raise SpecError(f"routing.mode must be one of {', '.join(ROUTING_MODES)}, got {mode!r}")
     sidecar = spec.get("sidecar") or {}
     if sidecar.get("port", 8000) == sidecar.get("adminPort", 8001):
         raise SpecError("sidecar.port and sidecar.adminPort must differ")

@@ -51,7 +51,8 @@ DEFAULT_QUERIES: dict[str, str] = {
     # pods whose last scrape succeeded (a failed scrape marks a target's series stale at once): the per-replica
     # figures are over these, so one failing scrape does not dilute (or block) the others
     "scrapedReplicas": "count(overlap_sidecar_inflight_requests{$selector})",
-    "activatorQueue": "sum(overlap_activator_queued_requests{$selector})",
+    # held by the activator, or by the router of a routed service, while no replica is ready
+    "activatorQueue": 'sum({__name__=~"overlap_activator_queued_requests|overlap_router_held_requests",$selector})',
 }
 # spec.prometheus.queries key -> Signals field
 SIGNAL_FIELDS = {

@@ -1,7 +1,9 @@
 """`overlap router`: one address for several replicas, each request sent where its prompt's KV is cached and the queue
 is short (`picker.py` says how it scores).
 
-- Replicas: `--replica URL` (a sidecar's public port), each polled every `--poll-interval-s` at `/v1/kv-events`:
+- Replicas: `--replica URL` (a sidecar's public port), or `--replicas-from HOST:PORT`, a DNS name whose addresses
+  are the replicas (a headless Service: its ready pods), looked up again every `--resolve-interval-s`; a replica
+  whose address went is dropped at once. Each is polled every `--poll-interval-s` at `/v1/kv-events`:
   the blocks its prefix cache added and evicted since the last poll (a snapshot first and after an engine restart),
   its load (waiting, running, KV usage, the sidecar's admission queue) and whether it is ready or draining. The
   block size and hash scheme come from there too, so nothing is configured twice.
@@ -10,8 +12,12 @@ is short (`picker.py` says how it scores).
   by chunk). A replica that refuses the connection, answers 5xx or 429 before a byte went to the client is marked
   down (until its next good poll) and the request goes to the next best: nothing accepted is lost while another
   replica is up. One that fails mid-stream cannot be retried (the client has part of the answer).
-- `/readyz`: 200 while some replica is ready. `/metrics`: picks by reason, prompt and prefix-hit tokens, the index
-  size, pick and tokenize latency, retries, ready replicas.
+- No replica ready (none yet, scaled to zero, all failing): a request is held up to `--hold-timeout-s` (at most
+  `--max-held` at once) until one is, then sent; `overlap_router_held_requests` counts them, which the operator's
+  control loop reads to scale from zero. The router is the scale-from-zero activator of a routed service.
+- `/router/healthz`: 200 while the router runs (its pod's probes: it must take requests to hold them). `/readyz`:
+  200 while some replica is ready. `/metrics`: picks by reason, prompt and prefix-hit tokens, the index size, pick
+  and tokenize latency, retries, held requests, ready replicas.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import base64
 import contextlib
 import json
 import logging
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
@@ -42,7 +49,8 @@ _OFF_LOOP_CHARS = 4096  # longer prompts are tokenized on a worker thread, so th
 
 @dataclass(slots=True)
 class RouterConfig:
-    replicas: list[str]
+    replicas: list[str] = field(default_factory=list)
+    replicas_from: str | None = None  # HOST:PORT, every address of HOST a replica
     policy: str = "prefix"
     host: str = "0.0.0.0"
     port: int = 8000
@@ -50,18 +58,27 @@ class RouterConfig:
     session_header: str = "x-session-id"
     tokenizer: str | None = None
     max_attempts: int = 3
+    resolve_interval_s: float = 1.0
+    hold_timeout_s: float = 30.0
+    max_held: int = 1000
     max_body_bytes: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if not self.replicas:
-            raise ConfigError("the router needs at least one --replica URL")
+        if bool(self.replicas) == bool(self.replicas_from):
+            raise ConfigError("the router needs --replica URL (repeated) or --replicas-from HOST:PORT, not both")
+        if self.replicas_from is not None:
+            host, _, port = self.replicas_from.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--replicas-from must be HOST:PORT, got {self.replicas_from!r}")
         bad = [r for r in self.replicas if not r.startswith(("http://", "https://"))]
         if bad:
             raise ConfigError(f"--replica must be an http(s) URL, got {bad[0]!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.poll_interval_s <= 0 or self.max_attempts < 1:
-            raise ConfigError("--poll-interval-s must be positive and --max-attempts at least 1")
+        if min(self.poll_interval_s, self.resolve_interval_s) <= 0 or self.hold_timeout_s < 0:
+            raise ConfigError("--poll-interval-s and --resolve-interval-s must be positive, --hold-timeout-s >= 0")
+        if self.max_attempts < 1 or self.max_held < 1:
+            raise ConfigError("--max-attempts and --max-held must be at least 1")
         self.replicas = [r.rstrip("/") for r in self.replicas]
 
 
@@ -69,11 +86,14 @@ class Router:
     def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry or CollectorRegistry()
-        self.replicas = {url: ReplicaState(url) for url in config.replicas}
+        self.replicas: dict[str, ReplicaState] = {}
         self.picker = Picker(config.policy)
         self.text = None  # TextProcessor, once loaded
         self.session: aiohttp.ClientSession | None = None
+        self.held = 0
+        self.some_ready = asyncio.Event()  # set while a replica is ready and not draining
         self._tasks: list[asyncio.Task] = []
+        self._polls: dict[str, asyncio.Task] = {}
         r = self.registry
         self.picks = Counter("overlap_router_picks", "Requests routed, by why the replica won", ["reason"], registry=r)
         self.prompt_tokens = Counter("overlap_router_prompt_tokens", "Prompt tokens of scored requests", registry=r)
@@ -92,18 +112,25 @@ class Router:
         Gauge("overlap_router_ready_replicas", "Replicas ready and not draining", registry=r).set_function(
             lambda: len(self.candidates())
         )
+        Gauge("overlap_router_held_requests", "Requests held while no replica is ready", registry=r).set_function(
+            lambda: self.held
+        )
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     async def start(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0)  # streams hold their connections; admission limits are the pods'
         self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(sock_connect=5))
-        self._tasks = [asyncio.create_task(self._poll(state)) for state in self.replicas.values()]
+        if self.config.replicas_from:
+            self._tasks.append(asyncio.create_task(self._resolve()))
+        else:
+            self._set_replicas(self.config.replicas)
         self._tasks.append(asyncio.create_task(self._load_tokenizer()))
 
     async def stop(self, app: web.Application) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._polls.values()]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.session is not None:
@@ -111,6 +138,45 @@ class Router:
 
     def candidates(self) -> list[ReplicaState]:
         return [r for r in self.replicas.values() if r.ready and not r.draining]
+
+    def _set_replicas(self, urls: list[str]) -> None:
+        """Poll the replicas in `urls` from now on, and forget the others (their requests in flight go on)."""
+        for url in urls:
+            if url not in self.replicas:
+                log.info("replica %s added", url)
+                self.replicas[url] = state = ReplicaState(url)
+                self._polls[url] = asyncio.create_task(self._poll(state))
+        for url in [u for u in self.replicas if u not in urls]:
+            log.info("replica %s removed (no longer among the addresses of %s)", url, self.config.replicas_from)
+            self._polls.pop(url).cancel()
+            del self.replicas[url]
+            self.picker.index.drop(url)
+            self.picker.approx.drop(url)
+        self._readiness_changed()
+
+    async def _resolve(self) -> None:
+        """The replicas are the addresses of --replicas-from's name (a headless Service answers with its ready
+        pods), looked up again every --resolve-interval-s."""
+        host, _, port = self.config.replicas_from.rpartition(":")
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                found = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                addresses = sorted({info[4][0] for info in found})
+            except socket.gaierror as exc:
+                # no such name: a headless Service with no ready pod; any other failure keeps what we have
+                addresses = [] if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", -5)) else None
+                if addresses is None:
+                    log.warning("cannot resolve %s: %s", host, exc)
+            if addresses is not None:
+                self._set_replicas([f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addresses])
+            await asyncio.sleep(self.config.resolve_interval_s)
+
+    def _readiness_changed(self) -> None:
+        if self.candidates():
+            self.some_ready.set()
+        else:
+            self.some_ready.clear()
 
     async def _poll(self, state: ReplicaState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(2.0, 10 * self.config.poll_interval_s))
@@ -144,6 +210,7 @@ class Router:
         if body.get("ready") and not state.ready:
             log.info("replica %s is ready", state.url)
         state.ready = bool(body.get("ready"))
+        self._readiness_changed()
 
     def _down(self, state: ReplicaState) -> None:
         if state.ready:
@@ -151,6 +218,7 @@ class Router:
         state.ready = False
         state.next_seq, state.epoch = 0, ""  # the next good poll brings a snapshot
         self.picker.index.drop(state.url)
+        self._readiness_changed()
 
     async def _load_tokenizer(self) -> None:
         from overlap.sidecar.text import TextProcessor, tokenizer_folder
@@ -202,22 +270,21 @@ class Router:
         return fn(*args)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        deadline = time.monotonic() + self.config.hold_timeout_s
         raw = await request.read()
         hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
         session = request.headers.get(self.config.session_header)
-        tokens: list[int] = []
-        if request.method == "POST" and request.path in SCORED_PATHS and self.config.policy in ("prefix", "approx"):
-            started = time.perf_counter()
-            with contextlib.suppress(ValueError, UnicodeDecodeError):
-                body = json.loads(raw)
-                if isinstance(body, dict):
-                    tokens = await self.prompt_tokens_of(request.path, body)
-            self.tokenize_time.observe(time.perf_counter() - started)
+        tokens: list[int] | None = None  # tokenized at the first pick: a held request may wait for the tokenizer
         tried: set[str] = set()
-        for attempt in range(self.config.max_attempts):
+        attempt = 0
+        while attempt < self.config.max_attempts:
             candidates = [r for r in self.candidates() if r.url not in tried]
             if not candidates:
-                break
+                if self.candidates() or not await self._hold(deadline):
+                    break  # every ready replica refused it, or none became ready in time
+                continue
+            if tokens is None:
+                tokens = await self._scored_tokens(request, raw)
             started = time.perf_counter()
             size = candidates[0].block_size or 16
             if size not in hashes:
@@ -226,6 +293,7 @@ class Router:
             self.pick_time.observe(time.perf_counter() - started)
             if attempt:
                 self.retries.inc()
+            attempt += 1
             tried.add(pick.replica.url)
             response = await self._forward(request, raw, pick.replica, self.picker.uncached(pick, size, len(tokens)))
             if response is None:  # refused before anything was sent to the client: try the next best
@@ -237,9 +305,39 @@ class Router:
                 self.hit_tokens.inc(min(pick.hit_blocks * size, len(tokens)))
             return response
         self.failed.inc()
-        body = {"error": {"message": "no replica could take the request; retry shortly", "type": "service_unavailable",
-                          "code": "no_ready_replica"}}  # fmt: skip
+        if attempt:
+            message = f"{attempt} replicas refused the request; retry shortly"
+        else:
+            message = f"no replica became ready within {self.config.hold_timeout_s:g} s; retry shortly"
+        body = {"error": {"message": message, "type": "service_unavailable", "code": "no_ready_replica"}}
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
+
+    async def _hold(self, deadline: float) -> bool:
+        """Wait (counted in overlap_router_held_requests) until some replica is ready; False when the deadline
+        passes first or --max-held requests already wait."""
+        if self.held >= self.config.max_held:
+            return False
+        self.held += 1
+        try:
+            await asyncio.wait_for(self.some_ready.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.held -= 1
+
+    async def _scored_tokens(self, request: web.Request, raw: bytes) -> list[int]:
+        scored = request.method == "POST" and request.path in SCORED_PATHS
+        if not scored or self.config.policy not in ("prefix", "approx"):
+            return []
+        started = time.perf_counter()
+        tokens: list[int] = []
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            body = json.loads(raw)
+            if isinstance(body, dict):
+                tokens = await self.prompt_tokens_of(request.path, body)
+        self.tokenize_time.observe(time.perf_counter() - started)
+        return tokens
 
     async def _forward(self, request: web.Request, raw: bytes, replica: ReplicaState,
                        uncached: int) -> web.StreamResponse | None:  # fmt: skip
@@ -289,6 +387,10 @@ class Router:
             streaming()
             replica.in_flight -= 1
 
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"held": self.held, "replicas": len(self.replicas),
+                                  "ready_replicas": len(self.candidates())})  # fmt: skip
+
     async def readyz(self, request: web.Request) -> web.Response:
         ready = self.candidates()
         body = {"ready": bool(ready), "replicas": {r.url: {"ready": r.ready, "draining": r.draining, "queue": r.queue}
@@ -303,6 +405,7 @@ def build_app(config: RouterConfig, registry: CollectorRegistry | None = None) -
     app.on_cleanup.append(router.stop)
     app.router.add_get("/readyz", router.readyz)
     app.router.add_get("/router/readyz", router.readyz)
+    app.router.add_get("/router/healthz", router.healthz)
     app.router.add_get("/metrics", metrics_handler(router.registry))
     app.router.add_route("*", "/{tail:.*}", router.handle)
     app["router"] = router
@@ -316,8 +419,12 @@ def add_parser(subparsers) -> None:
         description=__doc__.splitlines()[0],
     )
     defaults = RouterConfig(replicas=["http://placeholder"])
-    parser.add_argument("--replica", action="append", required=True, dest="replicas", metavar="URL",
-                        help="a replica's sidecar (http://HOST:PORT); repeat for each")  # fmt: skip
+    replicas = parser.add_mutually_exclusive_group(required=True)
+    replicas.add_argument("--replica", action="append", dest="replicas", metavar="URL",
+                          help="a replica's sidecar (http://HOST:PORT); repeat for each")  # fmt: skip
+    replicas.add_argument("--replicas-from", metavar="HOST:PORT",
+                          help="a DNS name whose addresses are the replicas (a headless Service), looked up again "
+                               "every --resolve-interval-s")  # fmt: skip
     parser.add_argument("--policy", default=defaults.policy, choices=POLICIES,
                         help="prefix (engine KV events, default), approx (router-side tracking), least-queue, "
                              "round-robin, random")  # fmt: skip
@@ -330,13 +437,22 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tokenizer", help="the model's tokenizer folder (default: fetched from a replica)")
     parser.add_argument("--max-attempts", type=int, default=defaults.max_attempts,
                         help="replicas tried per request before a 503 (default %(default)d)")  # fmt: skip
+    parser.add_argument("--resolve-interval-s", type=float, default=defaults.resolve_interval_s,
+                        help="how often --replicas-from is looked up (default %(default)g)")  # fmt: skip
+    parser.add_argument("--hold-timeout-s", type=float, default=defaults.hold_timeout_s,
+                        help="longest wait for a ready replica, then a 503 (default %(default)g)")  # fmt: skip
+    parser.add_argument("--max-held", type=int, default=defaults.max_held,
+                        help="most requests held at once (default %(default)d)")  # fmt: skip
     parser.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    config = RouterConfig(replicas=args.replicas, policy=args.policy, host=args.host, port=args.port,
-                          poll_interval_s=args.poll_interval_s, session_header=args.session_header,
-                          tokenizer=args.tokenizer, max_attempts=args.max_attempts)  # fmt: skip
-    log.info("router on %s:%d, policy %s, replicas %s", config.host, config.port, config.policy, config.replicas)
+    config = RouterConfig(replicas=args.replicas or [], replicas_from=args.replicas_from, policy=args.policy,
+                          host=args.host, port=args.port, poll_interval_s=args.poll_interval_s,
+                          session_header=args.session_header, tokenizer=args.tokenizer,
+                          max_attempts=args.max_attempts, resolve_interval_s=args.resolve_interval_s,
+                          hold_timeout_s=args.hold_timeout_s, max_held=args.max_held)  # fmt: skip
+    log.info("router on %s:%d, policy %s, replicas %s", config.host, config.port, config.policy,
+             config.replicas or f"the addresses of {config.replicas_from}")  # fmt: skip
     web.run_app(build_app(config), host=config.host, port=config.port, print=None, handle_signals=True)
     return 0
