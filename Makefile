@@ -76,6 +76,7 @@ bench: venv model  ## every benchmark, full size (prints tables; see README "Per
 	$(BIN)/overlap bench sampling
 	$(BIN)/overlap bench routing
 	$(BIN)/overlap bench routing --workloads shared-prefix --rate 10
+	$(BIN)/overlap bench routing --workloads shared-prefix --policies random,least-queue,approx,prefix --routers 2
 
 bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench engine --quick

@@ -1,5 +1,5 @@
 """`overlap bench routing`: its workloads' shapes, the pick-latency probe, and one quick run of the real thing (two
-simulated replicas, a router per policy, no request lost)."""
+simulated replicas, two routers per policy, no request lost)."""
 
 from __future__ import annotations
 
@@ -28,13 +28,18 @@ def test_a_pick_takes_well_under_a_millisecond_on_a_large_index():
     assert picks["index_blocks"] >= 4 * 8192 and picks["p99_ms"] < 5  # the goal is < 1 ms; loose on a loaded CI
 
 
-def test_a_quick_run_routes_every_request_under_two_policies(tmp_path):
+def test_a_quick_run_routes_every_request_under_two_policies_through_two_routers(tmp_path):
     out = tmp_path / "routing.json"
     cmd = [sys.executable, "-m", "overlap.cli", "bench", "routing", "--quick", "--workloads", "no-sharing",
-           "--policies", "least-queue,prefix", "--out", str(out)]  # fmt: skip
+           "--policies", "least-queue,prefix", "--routers", "2", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "| no-sharing | prefix |" in run.stdout and "pick latency" in run.stdout and "tokenizing" in run.stdout
+    assert (
+        "2 replicas, 2 routers" in run.stdout
+        and "| no-sharing | prefix |" in run.stdout
+        and "pick latency" in run.stdout
+        and "tokenizing" in run.stdout
+    )
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [t["tokens"] for t in report["tokenize"]] == sorted(t["tokens"] for t in report["tokenize"])

@@ -492,7 +492,7 @@ def test_a_routed_service_gets_a_router_in_front_of_a_headless_service_of_its_po
         "model": {"servedName": "llm", "path": "/models/llm"},
         "replicas": 0,
         "autoscaling": {"mode": "builtin", "minReplicas": 0},
-        "routing": {"mode": "prefix", "sessionHeader": "x-conversation"},
+        "routing": {"mode": "prefix", "sessionHeader": "x-conversation", "routerReplicas": 2},
     })  # fmt: skip
     built = {
         (o["kind"], o["metadata"]["name"]): o
@@ -513,6 +513,7 @@ def test_a_routed_service_gets_a_router_in_front_of_a_headless_service_of_its_po
     assert container["args"][:3] == ["router", "--replicas-from", "llm-replicas.ml.svc:8000"]
     assert container["args"][container["args"].index("--session-header") + 1] == "x-conversation"
     assert container["readinessProbe"]["httpGet"]["path"] == "/router/healthz"  # ready with no replica: it holds
+    assert router["spec"]["replicas"] == 2
     assert "nvidia.com/gpu" not in json.dumps(router)
     order = list(built)
     assert order.index(("Service", "llm-replicas")) < order.index(("Deployment", "llm-router"))

@@ -157,8 +157,10 @@ def build_router(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str
     args = ["router", "--replicas-from", f"{replicas_service_name(name)}.{namespace}.svc:{port}", "--port", str(port),
             "--hold-timeout-s", str(spec["sidecar"]["requestTimeoutSeconds"]),
             "--session-header", routing["sessionHeader"]]  # fmt: skip
-    return _proxy_deployment(router_name(name), namespace, name, spec, "router", router_labels(name), args,
-                             health="/router/healthz", metrics="/metrics", memory="1Gi")  # fmt: skip
+    router = _proxy_deployment(router_name(name), namespace, name, spec, "router", router_labels(name), args,
+                               health="/router/healthz", metrics="/metrics", memory="1Gi")  # fmt: skip
+    router["spec"]["replicas"] = routing["routerReplicas"]
+    return router
 
 
 def _proxy_deployment(deployment: str, namespace: str, owner: str, spec: Mapping[str, Any], component: str,

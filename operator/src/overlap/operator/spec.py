@@ -110,7 +110,7 @@ DEFAULTS: dict[str, Any] = {
         "requestTimeoutSeconds": 300,
         "gracePeriodSeconds": 30,
     },
-    "routing": {"mode": "service", "sessionHeader": "x-session-id"},
+    "routing": {"mode": "service", "routerReplicas": 1, "sessionHeader": "x-session-id"},
     "prometheus": {"serviceMonitor": {"enabled": True, "interval": "15s"}},
 }
 
