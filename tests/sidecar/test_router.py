@@ -6,6 +6,7 @@ one is ready."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import tempfile
@@ -13,10 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from overlap.engine.batching.prefix_hash import REMOVED, STORED
+from overlap.sidecar import schemas
+from overlap.sidecar.router.app import Router, RouterConfig
 from overlap.sidecar.router.picker import Pick, Picker, PrefixIndex, ReplicaState
+from overlap.sidecar.text import TextProcessor
 from tests.support.sidecar import Proc, free_port, http, metric_value, overlap_cmd, overlap_serve, wait_until
 
 
@@ -175,3 +180,24 @@ def test_a_router_holds_requests_until_a_replica_of_its_dns_name_is_ready(tiny_m
     finally:
         router.stop(30)
         impatient.stop(30)
+
+
+def test_a_chat_request_is_scored_on_the_tokens_the_replica_will_see(tiny_model_dir):
+    """Content given as text parts and an assistant's tool call count as the sidecar renders them: the router
+    scores the same token ids the replica's prefix cache will hold."""
+    router = Router(RouterConfig(replicas=["http://127.0.0.1:9"]))
+    router.text = TextProcessor(str(tiny_model_dir))
+    assert router.text.has_chat_template
+    call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    body = {"model": "m", "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief. "}, {"type": "text", "text": "Always."}]},
+        {"role": "user", "content": "Where is the mill?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "north"},
+    ]}  # fmt: skip
+    tokens = asyncio.run(router.prompt_tokens_of("/v1/chat/completions", body))
+    rendered = schemas.chat_messages_as_dicts(msgspec.convert(body, schemas.ChatCompletionRequest).messages)
+    assert rendered[0]["content"] == "Be brief. Always."
+    assert tokens == router.text.encode_chat(rendered, True, False, None) and len(tokens) > 10
+    bad = {**body, "messages": [{"role": "narrator", "content": "x"}]}  # the replica refuses it: no score
+    assert asyncio.run(router.prompt_tokens_of("/v1/chat/completions", bad)) == []

@@ -33,11 +33,13 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.batching.prefix_hash import HASH_SCHEME, block_hashes
 from overlap.engine.errors import ConfigError
+from overlap.sidecar import schemas, tools
 from overlap.sidecar.activator import HOP_BY_HOP
 from overlap.sidecar.http import metrics_handler
 from overlap.sidecar.router.picker import POLICIES, Picker, ReplicaState
@@ -253,13 +255,18 @@ class Router:
             if isinstance(prompt, str) and self.text is not None:
                 return await self._off_loop(len(prompt), self.text.encode, prompt)
             return []
-        messages = body.get("messages")
-        if not isinstance(messages, list) or self.text is None or not self.text.has_chat_template:
+        if self.text is None or not self.text.has_chat_template:
             return []
-        flat = [m for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
-        size = sum(len(m["content"]) for m in flat)
+        try:  # the messages and tools as the sidecar hands them to the chat template
+            chat = msgspec.convert(body, schemas.ChatCompletionRequest)
+            messages = schemas.chat_messages_as_dicts(chat.messages)
+            shown = tools.setup(chat.tools, chat.tool_choice, None, chat.parallel_tool_calls)
+        except (msgspec.ValidationError, ValueError):
+            return []  # a request the replica will refuse, saying why
+        size = sum(len(m["content"]) for m in messages)
         try:
-            return await self._off_loop(size, self.text.encode_chat, flat, True, False, body.get("tools"))
+            return await self._off_loop(size, self.text.encode_chat, messages, True, False,
+                                        shown.tools_for_template if shown is not None else None)  # fmt: skip
         except Exception:  # a template that refuses these messages: the replica will say why
             return []
 
