@@ -93,8 +93,9 @@ def test_json_fields_are_consistent(report):
     rates = [profile[b] for b in sorted(profile)]
     assert rates == sorted(rates)  # a larger batch never serves less on this cost model
     verdict = data["verdict"]
-    assert len(verdict) == 4 and all(line.startswith("verdict: ") for line in verdict)
-    assert all(line.endswith(("PASS", "FAIL")) for line in verdict)
+    assert len(verdict) == 5 and all(line.startswith("verdict: ") for line in verdict)
+    assert all(line.endswith(("PASS", "FAIL")) for line in verdict[:4])
+    assert "not run: static-3" in verdict[4]  # the fleets between min and max the run left out are named
     assert "verdict:" in log
     assert static_max["mean_replicas"] == pytest.approx(MAX_REPLICAS, rel=0.02)
     assert (out / "control.png").stat().st_size > 0 and (out / "report.json").is_file()
@@ -186,6 +187,35 @@ def test_the_verdict_reads_dominance_on_slo_and_cost():
     assert lines[3] == "verdict: dominated by static-6 on (SLO, replica-seconds): FAIL"
     ahead = verdict([run("static-max", 0.5, 100), run("overlap", 0.9, 60)])[0]
     assert "(40.0 points ahead; bar: at most 1 behind): PASS" in ahead
+
+
+def test_the_verdict_checks_every_static_fleet_and_says_which_did_not_run():
+    from overlap.bench.control_replay.summary import verdict
+
+    def run(label, slo, cost, static=None):
+        return {"label": label, "slo_attainment": slo, "replica_seconds": cost, "flaps_per_hour": 0.0,
+                "static_replicas": static}  # fmt: skip
+
+    statics = [run(f"static-{n}", 0.80 + 0.05 * n, 10.0 * n, n) for n in (1, 2, 3)]
+    assert verdict([*statics, run("overlap", 0.93, 25)], (1, 3))[-1] == (
+        "verdict: static fleets of 1..3 replicas dominating it: none: PASS"
+    )
+    assert verdict([*statics, run("overlap", 0.88, 25)], (1, 3))[-1] == (
+        "verdict: static fleets of 1..3 replicas dominating it: static-2: FAIL"  # 0.90 at 20 beats 0.88 at 25
+    )
+    assert verdict([statics[0], statics[2], run("overlap", 0.93, 25)], (1, 3))[-1] == (
+        "verdict: static fleets of 1..3 replicas dominating it: none (not run: static-2; --runs statics runs all): "
+        "INCOMPLETE"
+    )
+
+
+def test_runs_statics_expands_to_every_fleet_between_the_bounds():
+    parser = argparse.ArgumentParser()
+    control_replay.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["control", "--trace", "steady", "--runs", "static-2,statics,overlap", "--min-replicas",
+                              "1", "--max-replicas", "3", "--no-progress"])  # fmt: skip
+    _, names = control_replay.setup_from_args(args)
+    assert names == ["static-2", "static-1", "static-3", "overlap"]
 
 
 def test_the_baselines_follow_their_published_arithmetic():

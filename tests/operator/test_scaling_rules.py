@@ -118,6 +118,28 @@ def test_the_floor_counts_replicas_still_starting():
     assert all(d.floor == 4 for d in decisions)
 
 
+def test_recurring_bursts_hold_the_floor_at_their_peak_until_they_stop():
+    """Bursts of one tick at 5x the base rate every 8 ticks: each is over before a replica started for it would
+    serve. From the second burst on, the floor holds for their peak between them (no scale-in, no flapping);
+    once no burst came for twice their gap, it follows the base rate again."""
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)  # 40 req/s per replica at the target utilisation
+    quiet, burst = {"queue_depth": 0, "arrival_rate": 40}, {"queue_depth": 0, "arrival_rate": 200}
+    readings = [quiet] * 4 + ([burst] + [quiet] * 7) * 3 + [quiet] * 24  # bursts at ticks 4, 12, 20
+    decisions = run(readings, policy, replicas=1, history=history)
+    assert history.bursts.mean_gap_s() == 120
+    held = decisions[14:36]  # from the tick after the second burst ended until two gaps after the last one
+    assert [d.floor for d in held] == [5] * len(held), [(d.floor, d.reason) for d in decisions]
+    assert any("bursts to 200.0 req/s recur every ~120 s (held while they do)" in d.reason for d in decisions)
+    assert not any(d.action == SCALE_DOWN for d in held)
+    assert decisions[-1].floor == 1  # they stopped: the base rate's floor again
+    # a rise that stays (a daily peak) is a change of level, not a burst: nothing held for it once it is over
+    history = learned_history(policy)
+    rise = [quiet] * 4 + [burst] * 12 + [quiet] * 8
+    decisions = run(rise, policy, replicas=1, history=history)
+    assert len(history.bursts.bursts) == 0 and decisions[-1].floor == 1
+
+
 def test_without_a_measured_capacity_there_is_no_floor():
     policy = Policy(scaling=scaling())
     decisions = run([{"queue_depth": 0, "arrival_rate": 500}] * 3, policy, replicas=1)

@@ -131,8 +131,18 @@ _BUILTIN_NOTES = {
 }
 
 
+# `--trace bursts:SEED`: an hour of the Azure conversation family with bursts (generated, not shipped).
+BURSTS_PREFIX = "bursts:"
+
+
 def resolve_trace(name_or_path: str) -> Trace:
-    """A built-in trace by name (steady, bursty, bursty_2x, diurnal, azure) or a file path."""
+    """A built-in trace by name (steady, bursty, bursty_2x, diurnal, azure), `bursts:SEED` (generated) or a file
+    path."""
+    if name_or_path.startswith(BURSTS_PREFIX):
+        seed = name_or_path[len(BURSTS_PREFIX) :]
+        if not seed.isdigit():
+            raise TraceError(f"trace {name_or_path!r}: bursts:SEED takes a whole number, e.g. bursts:1")
+        return azure_bursts(int(seed))
     path = BUILTIN_TRACES.get(name_or_path)
     if path is None:
         path = Path(name_or_path)
@@ -333,6 +343,41 @@ def on_off_bursts(
         tuple(_make_requests(arrivals, rng, prompt_tokens, max_tokens, priorities)),
         f"bursts-{rate_on:g}on-{rate_off:g}off-seed{seed}",
     )
+
+
+def random_bursts(
+    base_rate: float,
+    factor: float,
+    duration_s: float,
+    burst_s: tuple[float, float] = (5.0, 30.0),
+    mean_gap_s: float = 180.0,
+    seed: int = 0,
+) -> Trace:
+    """Poisson arrivals at `base_rate`, and bursts at `factor` x it: each lasts a uniform draw from `burst_s`
+    seconds and starts an exponential gap (mean `mean_gap_s`) after the previous one ends. Token counts are 1 (give
+    them a mix, e.g. with_azure_mix)."""
+    _check_positive(base_rate=base_rate, factor=factor, duration_s=duration_s, mean_gap_s=mean_gap_s)
+    if not 0 < burst_s[0] <= burst_s[1]:
+        raise TraceError(f"burst_s must be (low, high) with 0 < low <= high, got {burst_s}")
+    rng = np.random.default_rng(seed)
+    arrivals, t = [], 0.0
+    while t < duration_s:
+        quiet_end = min(t + rng.exponential(mean_gap_s), duration_s)
+        arrivals += _poisson_arrivals(rng, base_rate, t, quiet_end)
+        burst_end = min(quiet_end + rng.uniform(*burst_s), duration_s)
+        arrivals += _poisson_arrivals(rng, base_rate * factor, quiet_end, burst_end)
+        t = burst_end
+    requests = [TraceRequest(arrival_s=float(a), prompt_tokens=1, max_tokens=1) for a in arrivals]
+    return Trace(tuple(requests), f"bursts-x{factor:g}-seed{seed}")
+
+
+def azure_bursts(seed: int) -> Trace:
+    """`bursts:SEED`: an hour at 30% of the Azure conversation hour's mean rate with x10 bursts of 5-30 s every ~3
+    minutes (about half its mean overall; each burst about twice its peak minute), with its token mix."""
+    azure = load_azure()
+    base = 0.3 * len(azure.requests) / azure.duration_s
+    trace = with_azure_mix(random_bursts(base, 10.0, 3600.0, seed=seed), scale=1.0, seed=seed)
+    return Trace(trace.requests, trace.name, (*trace.transforms, "generated: x10 bursts of 5-30 s, gaps ~exp(180 s)"))
 
 
 def diurnal(

@@ -49,7 +49,7 @@ from overlap.bench.control_replay.summary import (
     verdict,
 )
 from overlap.bench.report import markdown_table, text_table
-from overlap.bench.traces import TraceError, truncate
+from overlap.bench.traces import BURSTS_PREFIX, TraceError, truncate
 from overlap.bench.workload import QUICK_TRACE_S, add_transform_arguments, load_for_args, parse_sim_cost
 
 
@@ -66,12 +66,14 @@ def add_parser(subparsers) -> None:
         f"of {', '.join(TUNING_BOUNDS)} within {TUNING_BOUNDS}.",
     )
     parser.add_argument(
-        "--trace", default=DEFAULT_TRACE, help="azure | diurnal | steady | bursty | bursty_2x | a .jsonl/.csv file"
+        "--trace",
+        default=DEFAULT_TRACE,
+        help="azure | diurnal | steady | bursty | bursty_2x | bursts:SEED (generated) | a .jsonl/.csv file",
     )
     parser.add_argument(
         "--runs",
-        help=f"comma-separated runs from {', '.join(RUNS)}, static-N (default {','.join(DEFAULT_RUNS)}; "
-        f"quick {','.join(QUICK_RUNS)})",
+        help=f"comma-separated runs from {', '.join(RUNS)}, static-N, statics (static-N for every N from "
+        f"--min-replicas to --max-replicas) (default {','.join(DEFAULT_RUNS)}; quick {','.join(QUICK_RUNS)})",
     )
     parser.add_argument(
         "--start-replicas",
@@ -160,6 +162,10 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
     """Check the arguments (TraceError with one line for anything wrong) and build the shared setup."""
     given = args.runs if args.runs is not None else ",".join(QUICK_RUNS if args.quick else DEFAULT_RUNS)
     names = [n.strip() for n in given.split(",") if n.strip()]
+    if "statics" in names:  # every fixed fleet from --min-replicas to --max-replicas: what the verdict compares with
+        at = names.index("statics")
+        fleets = [f"static-{n}" for n in range(args.min_replicas, args.max_replicas + 1)]
+        names[at : at + 1] = [f for f in fleets if f not in names]
     unknown = [n for n in names if n not in RUNS and not _is_static(n)]
     if unknown or not names:
         raise TraceError(
@@ -181,7 +187,7 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
         raise TraceError(f"--period-s must be > 0, got {args.period_s}")
     if args.drain_s is not None and not args.drain_s >= 0:
         raise TraceError(f"--drain-s must be >= 0, got {args.drain_s}")
-    azure = args.trace == "azure"
+    azure = args.trace == "azure" or args.trace.startswith(BURSTS_PREFIX)  # the Azure family: its defaults
     trace_args = argparse.Namespace(**vars(args))
     if trace_args.scale_rate is None:
         trace_args.scale_rate = AZURE_SCALE_RATE if azure else 1.0
@@ -270,7 +276,7 @@ def compare(setup: Setup, names: list[str]) -> dict:
             "router": "least outstanding requests over ready replicas",
         },
         "runs": runs,
-        "verdict": verdict(runs),
+        "verdict": verdict(runs, (setup.min_replicas, setup.max_replicas)),
     }
 
 

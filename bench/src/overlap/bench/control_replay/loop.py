@@ -40,6 +40,7 @@ class ControlRun:
     final_knobs: dict = field(default_factory=dict)
     submit_lag_ms: dict = field(default_factory=dict)  # how late the router submitted arrivals (host keeping up)
     cpu_share: float = 0.0  # process CPU seconds / wall seconds (2.0 = both cores busy)
+    static_replicas: int | None = None  # a fixed fleet's size; None for a run that scales
 
 
 def prepare_requests(trace: Trace, seed: int, max_model_len: int = 2048) -> list[tuple[list[int], int]]:
@@ -85,6 +86,8 @@ class _Loop:
         self.fleet: list[Replica] = []
         self.arrivals: deque[float] = deque()  # router times of the arrivals in the signal window
         self.run = ControlRun(RunResult(plan.label, "in-process", {}, self.records, 0.0, 0.0))
+        if plan.controller == "static":
+            self.run.static_replicas = plan.initial_replicas
         self.num_submitted = 0
         self._submitted_at_last_tick = 0
         self._last_tick = 0.0

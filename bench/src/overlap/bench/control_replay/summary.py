@@ -42,6 +42,7 @@ def summarize_run(run: ControlRun, setup: Setup) -> dict:
     }
     return {
         "label": run.result.label,
+        "static_replicas": run.static_replicas,
         "requests": m.num_requests,
         "finished": m.num_finished,
         "unfinished": m.num_unfinished,
@@ -108,11 +109,14 @@ _TABLE = (
 )
 
 
-def verdict(runs: list[dict]) -> list[str]:
-    """The issue's bar for overlap's run: SLO attainment within 1 point of static-max's at <= 75% of its
-    replica-seconds, <= 1 flap per trace-hour, and no run better or equal on both SLO and cost (dominance)."""
+def verdict(runs: list[dict], fleets: tuple[int, int] | None = None) -> list[str]:
+    """The bar for overlap's run: SLO attainment within 1 point of static-max's at <= 75% of its replica-seconds,
+    <= 1 flap per trace-hour, no run better or equal on both SLO and cost (dominance), and, with `fleets` (min, max),
+    no static fleet of min..max replicas dominating it (complete only when every one of them ran: `--runs statics`)."""
     by = {run["label"]: run for run in runs}
     ours, top = by.get("overlap"), by.get("static-max")
+    if top is None and fleets is not None:  # static-N at the largest fleet is static-max under another name
+        top = next((run for run in runs if run.get("static_replicas") == fleets[1]), None)
     if ours is None:
         return []
     lines = []
@@ -121,11 +125,11 @@ def verdict(runs: list[dict]) -> list[str]:
         cost = ours["replica_seconds"] / max(top["replica_seconds"], 1e-9)
         standing = f"{gap:.1f} points behind" if gap >= 0 else f"{-gap:.1f} points ahead"
         lines.append(
-            f"verdict: SLO {ours['slo_attainment']:.1%} vs static-max {top['slo_attainment']:.1%} "
+            f"verdict: SLO {ours['slo_attainment']:.1%} vs {top['label']} {top['slo_attainment']:.1%} "
             f"({standing}; bar: at most 1 behind): {'PASS' if gap <= 1 else 'FAIL'}"
         )
         lines.append(
-            f"verdict: replica-seconds {cost:.1%} of static-max (bar <= 75%): {'PASS' if cost <= 0.75 else 'FAIL'}"
+            f"verdict: replica-seconds {cost:.1%} of {top['label']} (bar <= 75%): {'PASS' if cost <= 0.75 else 'FAIL'}"
         )
     lines.append(
         f"verdict: {ours['flaps_per_hour']:.2f} flaps per trace-hour (bar <= 1): "
@@ -143,6 +147,17 @@ def verdict(runs: list[dict]) -> list[str]:
         f"verdict: dominated by {', '.join(dominating) if dominating else 'no run'} on (SLO, replica-seconds): "
         f"{'FAIL' if dominating else 'PASS'}"
     )
+    if fleets is not None:
+        sizes = {run["static_replicas"]: run["label"] for run in runs if run.get("static_replicas")}
+        missing = [n for n in range(fleets[0], fleets[1] + 1) if n not in sizes]
+        by_static = [label for label in dominating if label in sizes.values()]
+        outcome = "FAIL" if by_static else ("INCOMPLETE" if missing else "PASS")
+        lines.append(
+            f"verdict: static fleets of {fleets[0]}..{fleets[1]} replicas dominating it: "
+            f"{', '.join(by_static) or 'none'}"
+            + (f" (not run: {', '.join(f'static-{n}' for n in missing)}; --runs statics runs all)" if missing else "")
+            + f": {outcome}"
+        )
     return lines
 
 

@@ -6,9 +6,11 @@ closed-loop trace replay (`overlap bench control`) calls the same function on si
 
 Replicas follow whichever of three rules asks for more:
 
-- the predictive floor: the arrival rate forecast one cold start ahead (overlap.operator.control.forecast) over
-  the requests/s a saturated replica was measured to finish, at the target utilisation. Replicas still starting
-  count, so it may move while they start (at most doubling the fleet per step);
+- the predictive floor: the arrival rate forecast one cold start ahead (overlap.operator.control.forecast), or
+  while bursts of the rate recur, a high quantile of their peaks (a burst shorter than a cold start is over before
+  a replica started for it serves: it is held for, not chased), over the requests/s a saturated replica was
+  measured to finish, at the target utilisation. Replicas still starting count, so it may move while they start (at
+  most doubling the fleet per step);
 - the queue watermark: waiting requests per ready replica above `queueWatermarkPerReplica` for a whole scale-up
   window scale up proportionally (like the HPA's `ceil(replicas x load / target)`);
 - the SLO law: P90 TTFT or P90 time per output token over its objective for a whole scale-up window scales up by
@@ -100,8 +102,12 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
             f"{pending} of {current.replicas} replicas not ready {waited:.0f} s after the last scale "
             f"(start-up deadline {scaling.startup_deadline_s:g} s): scaling on the ready ones"
         )
+    # While bursts recur and the fleet holds the floor sized for their peak, the reactive rules would chase a burst
+    # that is over before the replica they add serves (and give it back after): they wait.
+    held = floor is not None and history.bursts.recurring_peak(signals.time) is not None
     if scaling.scales:
-        up = _reactive_up(signals, current, history, scaling, policy.tuning.signal_window_s)
+        chase = not (held and current.replicas >= floor.replicas)
+        up = _reactive_up(signals, current, history, scaling, policy.tuning.signal_window_s) if chase else None
         if up is not None:
             tuned = tune_before_scale(signals, current, history, policy.tuning, up[1]) if stuck is None else None
             if tuned is not None:
@@ -113,7 +119,8 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
         if down is not None:
             return decision(*down)
     if policy.tuning.enabled and stuck is None:  # a retune measured on a fleet with stuck replicas would mislead
-        tuned = tune(signals, current, history, policy.tuning, None if floor is None else floor.load)
+        # the recent peak load, not this tick's: a batch shrunk in a lull between bursts is short in the next one
+        tuned = tune(signals, current, history, policy.tuning, _recent_load(history, signals.time, scaling, floor))
         if tuned is not None:
             return replace(tuned, **marks)
     return decision(HOLD, stuck or _hold_reason(signals, policy))
@@ -158,12 +165,16 @@ def _floor(signals: Signals, current: Current, history: History, policy: Scaling
         return None
     horizon = history.horizon_s()
     rate = history.forecast.predict_with(signals.time, signals.arrival_rate, horizon)
+    expected = f"{rate:.1f} req/s expected within {horizon:.0f} s"
+    peak = history.bursts.recurring_peak(signals.time)
+    # Bursts too short to chase are held for while they recur: their peak, in place of the trend, which rises with
+    # each burst and decays after it (chasing it would add replicas that serve after the burst is over).
+    if peak is not None:
+        rate = peak
+        expected = f"bursts to {peak:.1f} req/s recur every ~{history.bursts.mean_gap_s():.0f} s (held while they do)"
     load = rate / (capacity * policy.target_utilization)
     replicas = math.ceil(load - 1e-9)
-    why = (
-        f"{rate:.1f} req/s expected within {horizon:.0f} s, {capacity:.1f} req/s per replica at "
-        f"{policy.target_utilization:.0%} utilisation"
-    )
+    why = f"{expected}, {capacity:.1f} req/s per replica at {policy.target_utilization:.0%} utilisation"
     return Floor(max(replicas, policy.min_replicas), why, load)
 
 
@@ -240,13 +251,9 @@ def _scale_in(
     ratios = [r for s in window if (r := _slo_ratio(s, policy)) is not None]
     if ratios and sum(ratios) / len(ratios) > SCALE_IN_SLO:
         return None  # latency was near or over its SLO over the window: fewer replicas would breach it
-    # the load over the longer of the window and the cooldown: the spikes of the last minutes count too
-    look_back = max(policy.down_window_s, policy.down_cooldown_s)
-    loads = [load for t, load in history.loads if now - t <= look_back] + ([floor.load] if floor else [])
+    load = _recent_load(history, now, policy, floor)
     # the margin is at least what the forecast has been missing by, so the next tick's floor does not undo this
     margin = max(SCALE_IN_MARGIN, history.forecast.relative_error or 0.0)
-    # the window's load: its 90th percentile, so one noisy reading does not hold a whole fleet
-    load = quantile(loads, 0.9) if loads else None
     if load is not None and load * (1 + margin) > n - 1:
         return None  # the others would not carry the load
     if n == 1:  # to zero: only when nothing has arrived for the idle timeout
@@ -264,6 +271,14 @@ def _scale_in(
         f"margin {margin:.0%})"
     )
     return SCALE_DOWN, why, target
+
+
+def _recent_load(history: History, now: float, policy: ScalingPolicy, floor: Floor | None) -> float | None:
+    """The forecast load (replicas) over the longer of the scale-down window and cooldown, this tick's included: its
+    90th percentile, so the spikes of the last minutes count and one noisy reading does not; None without one."""
+    look_back = max(policy.down_window_s, policy.down_cooldown_s)
+    loads = [load for t, load in history.loads if now - t <= look_back] + ([floor.load] if floor else [])
+    return quantile(loads, 0.9) if loads else None
 
 
 def _hold_reason(signals: Signals, policy: Policy) -> str:

@@ -7,6 +7,8 @@ requests a replica serves, and how long a new replica takes to serve.
 - `CapacityProfile`: requests/s one replica finishes while it is saturated (requests waiting, device busy), per
   max_num_seqs value, since the batch limit sets what a replica can do.
 - `ColdStart`: the time from a scale-up to its replicas being ready, as observed.
+- `BurstMemory`: bursts of the rate (readings far above its median): how often they come and how high. Bursts
+  shorter than a cold start cannot be chased: while they recur, the floor holds for a high quantile of their peaks.
 
 All three are pure and kept in the control loop's History; the policy turns them into a replica floor.
 """
@@ -108,6 +110,60 @@ def quantile(values, q: float) -> float:
 def _steps(horizon_s: float, bucket_s: float) -> list[float]:
     n = max(1, math.ceil(horizon_s / bucket_s))
     return [horizon_s * k / n for k in range(n + 1)]
+
+
+BURST_RATIO = 2.0  # a reading this many times the base rate (the median of the kept readings) is part of a burst
+BURST_HOLD_GAPS = 2.0  # bursts recur while the last one began within this many of their mean gaps
+BURST_PEAK_QUANTILE = 0.75  # the peak held for: this quantile of the bursts' peak readings
+
+
+@dataclass(slots=True)
+class BurstMemory:
+    """The arrival rate's bursts over the last `keep_s`: when each began and its peak reading. A burst is a run of
+    readings over BURST_RATIO x the base rate that ends within `max_len_s` (the caller's: what a cold start cannot
+    chase); a longer run is a change of level (a daily peak), which the trend and the reactive rules follow."""
+
+    keep_s: float = 3600.0
+    readings: deque[tuple[float, float]] = field(default_factory=deque)  # (time, rate)
+    bursts: deque[tuple[float, float]] = field(default_factory=deque)  # (start, peak rate) of the bursts seen
+    _run: list[float] | None = None  # [start, peak, threshold] of the run of high readings going on
+    _sustained: bool = False  # that run outlasted max_len_s: not a burst
+
+    def update(self, t: float, rate: float, max_len_s: float) -> None:
+        self.readings.append((t, rate))
+        while self.readings and t - self.readings[0][0] > self.keep_s:
+            self.readings.popleft()
+        while self.bursts and t - self.bursts[0][0] > self.keep_s:
+            self.bursts.popleft()
+        # a run is measured against the base from before it began: a ramp that lifts the median stays one run
+        threshold = self._run[2] if self._run is not None else BURST_RATIO * self.base()
+        if threshold > 0 and rate > threshold:
+            if self._run is None:
+                self._run = [t, rate, threshold]
+            self._run[1] = max(self._run[1], rate)
+            self._sustained = self._sustained or t - self._run[0] > max_len_s
+        else:
+            if self._run is not None and not self._sustained:
+                self.bursts.append((self._run[0], self._run[1]))
+            self._run, self._sustained = None, False
+
+    def base(self) -> float:
+        """The rate between bursts: the median reading (bursts are the rarer readings)."""
+        return quantile([rate for _, rate in self.readings], 0.5) if self.readings else 0.0
+
+    def mean_gap_s(self) -> float | None:
+        """Seconds between burst starts, on average; None before two bursts."""
+        if len(self.bursts) < 2:
+            return None
+        return (self.bursts[-1][0] - self.bursts[0][0]) / (len(self.bursts) - 1)
+
+    def recurring_peak(self, t: float) -> float | None:
+        """The rate to hold capacity for while bursts recur (the last began within BURST_HOLD_GAPS of their mean
+        gap): a high quantile of their peaks; None when they do not (fewer than two, or they stopped)."""
+        gap = self.mean_gap_s()
+        if gap is None or t - self.bursts[-1][0] > BURST_HOLD_GAPS * gap:
+            return None
+        return quantile([peak for _, peak in self.bursts], BURST_PEAK_QUANTILE)
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast
+from overlap.operator.control.forecast import BurstMemory, CapacityProfile, ColdStart, RateForecast
 from overlap.operator.spec import DEFAULTS, ENGINE_FIELDS, SCALING_MODES, TUNABLE_KNOBS
 
 HOLD, SCALE_UP, SCALE_DOWN, RETUNE = "hold", "scale-up", "scale-down", "retune"
@@ -227,6 +227,7 @@ class History:
         self.last_retune: float | None = None
         self.last_moves: dict[str, tuple[float, int]] = {}  # knob -> (time, +1 up / -1 down) of its last retune
         self.forecast = RateForecast(period_s=scaling.period_s)
+        self.bursts = BurstMemory(keep_s=keep_s)
         self.capacity = CapacityProfile(hints=scaling.capacity_hints)
         self.cold_start = ColdStart(default=scaling.cold_start_s)
         self.interval_s = scaling.interval_s
@@ -243,6 +244,8 @@ class History:
             self.loads.popleft()
         if signals.arrival_rate is not None:
             self.forecast.update(now, signals.arrival_rate, self.horizon_s())
+            # a run of high readings longer than two horizons is a change of level, which the floor can follow
+            self.bursts.update(now, signals.arrival_rate, max_len_s=2 * self.horizon_s())
         before = {**decision.engine, **{k: old for k, (old, _) in decision.changes.items()}}
         finish, waiting, running, busy = signals.finish_rate, signals.queue_depth, signals.running, signals.device_busy
         if finish is not None and waiting is not None and running is not None and busy is not None:

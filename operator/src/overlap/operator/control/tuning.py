@@ -85,8 +85,9 @@ def tune_before_scale(
 def tune(
     signals: Signals, current: Current, history: History, policy: TuningPolicy, load: float | None = None
 ) -> Decision | None:
-    """The tuning table's move, if any. `load`: the forecast load in replicas, when the floor has one; while it is
-    above BUSY_FLEET of the fleet, no move shrinks the batch or the step budget (they cost throughput)."""
+    """The tuning table's move, if any. `load`: the recent peak of the forecast load in replicas, when the floor has
+    one; while it is above BUSY_FLEET of the fleet, no move shrinks the batch or the step budget (they cost
+    throughput)."""
     now = signals.time
     settle_s = policy.settle_s
     if seconds_since(history.last_move(), now) < settle_s:
