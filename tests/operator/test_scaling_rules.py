@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from overlap.operator.control.decide import decide
-from overlap.operator.control.forecast import CapacityProfile, ColdStart, RateForecast
+from overlap.operator.control.forecast import BurstMemory, CapacityProfile, ColdStart, RateForecast
 from overlap.operator.control.policy import (
     HOLD,
     RETUNE,
@@ -43,13 +43,20 @@ def scaling(**changes) -> ScalingPolicy:
     return replace(BASE, **changes)
 
 
-def run(readings: list[dict], policy: Policy, replicas: int, history: History | None = None, step_s: float = 15):
-    """Tick the loop over readings (Signals fields; ready_replicas defaults to the replicas asked for), carrying
-    each decision out; the decisions in order."""
+def run(
+    readings: list[dict],
+    policy: Policy,
+    replicas: int,
+    history: History | None = None,
+    step_s: float = 15,
+    start_s: float = 0,
+):
+    """Tick the loop over readings (Signals fields; ready_replicas defaults to the replicas asked for) from
+    `start_s`, carrying each decision out; the decisions in order."""
     history = history or History(scaling=policy.scaling)
     current, decisions = Current(replicas, dict(ENGINE)), []
     for i, fields in enumerate(readings):
-        signals = Signals(time=i * step_s, **{"ready_replicas": current.replicas, **fields})
+        signals = Signals(time=start_s + i * step_s, **{"ready_replicas": current.replicas, **fields})
         decision = decide(signals, current, history, policy)
         history.record(signals, decision)
         current = Current(decision.replicas, decision.engine)
@@ -120,24 +127,77 @@ def test_the_floor_counts_replicas_still_starting():
 
 def test_recurring_bursts_hold_the_floor_at_their_peak_until_they_stop():
     """Bursts of one tick at 5x the base rate every 8 ticks: each is over before a replica started for it would
-    serve. From the second burst on, the floor holds for their peak between them (no scale-in, no flapping);
-    once no burst came for twice their gap, it follows the base rate again."""
-    policy = Policy(scaling=scaling())
-    history = learned_history(policy)  # 40 req/s per replica at the target utilisation
-    quiet, burst = {"queue_depth": 0, "arrival_rate": 40}, {"queue_depth": 0, "arrival_rate": 200}
-    readings = [quiet] * 4 + ([burst] + [quiet] * 7) * 3 + [quiet] * 24  # bursts at ticks 4, 12, 20
-    decisions = run(readings, policy, replicas=1, history=history)
+    serve. From the second burst on, the floor holds for their peak at the whole measured capacity (no scale-in, no
+    flapping, no reactive chase of the queue a burst leaves); once no burst came for three of their gaps, it follows
+    the base rate again."""
+    policy = Policy(scaling=scaling(up_window_s=0))
+    history = learned_history(policy)  # 50 req/s per replica
+    quiet = {"queue_depth": 0, "arrival_rate": 40}
+    burst = {"queue_depth": 300, "arrival_rate": 200}  # 300 waiting: over the watermark on any fleet up to 10
+    readings = [quiet] * 4 + ([burst] + [quiet] * 7) * 3 + [quiet] * 30  # bursts at ticks 4, 12, 20
+    decisions = run(readings, policy, replicas=4, history=history)
     assert history.bursts.mean_gap_s() == 120
-    held = decisions[14:36]  # from the tick after the second burst ended until two gaps after the last one
-    assert [d.floor for d in held] == [5] * len(held), [(d.floor, d.reason) for d in decisions]
-    assert any("bursts to 200.0 req/s recur every ~120 s (held while they do)" in d.reason for d in decisions)
-    assert not any(d.action == SCALE_DOWN for d in held)
+    held = decisions[14:45]  # from the tick after the second burst ended until three gaps after the last one began
+    assert [d.floor for d in held] == [4] * len(held), [(d.floor, d.reason) for d in decisions]
+    # the third burst's queue is not chased; the fleet the first one was chased with comes in to the floor + margin
+    assert not any(d.action == SCALE_UP for d in held), [d.reason for d in held]
+    assert min(d.replicas for d in held) == 5, [d.reason for d in held]
     assert decisions[-1].floor == 1  # they stopped: the base rate's floor again
     # a rise that stays (a daily peak) is a change of level, not a burst: nothing held for it once it is over
     history = learned_history(policy)
-    rise = [quiet] * 4 + [burst] * 12 + [quiet] * 8
+    rise = [quiet] * 4 + [{**burst, "queue_depth": 0}] * 12 + [quiet] * 8
     decisions = run(rise, policy, replicas=1, history=history)
     assert len(history.bursts.bursts) == 0 and decisions[-1].floor == 1
+
+
+def test_a_held_fleet_scales_in_to_the_bursts_peak_whatever_the_forecast_missed():
+    """The hold replaces the trend's forecast, so the trend's misses (large on bursts) are not the scale-in margin:
+    an oversized fleet comes down to the held peak plus the usual margin, and no further."""
+    policy = Policy(scaling=scaling())
+    history = learned_history(policy)
+    quiet, burst = {"queue_depth": 0, "arrival_rate": 40}, {"queue_depth": 0, "arrival_rate": 200}
+    run([quiet] * 4 + ([burst] + [quiet] * 7) * 3, policy, replicas=4, history=history)  # held from tick 13
+    assert history.bursts.recurring_peak(27 * 15) == 200
+    decisions = run([quiet] * 7 + [burst] + [quiet] * 7, policy, replicas=8, history=history, start_s=28 * 15)
+    assert history.forecast.relative_error > 0.3  # the old margin would have kept 4 x 1.3 -> 6 replicas or more
+    assert decisions[-1].replicas == 5, [d.reason for d in decisions]  # 4 held at 50 req/s each, 10% margin
+
+
+def test_small_bursts_do_not_lower_the_peak_held_for_and_a_burst_after_a_long_gap_is_held_for():
+    memory = BurstMemory()
+    t = 0.0
+
+    def feed(rates: list[float]) -> None:
+        nonlocal t
+        for rate in rates:
+            memory.update(t, rate, max_len_s=30)
+            t += 15
+
+    feed([40] * 4 + [200] + [40] * 3 + [200] + [40] * 3)  # two bursts to 200, 60 s apart
+    assert memory.recurring_peak(t) == 200
+    feed(([100] + [40] * 3) * 6)  # six bursts to 100: the 75th percentile of the peaks is now 100
+    assert memory.recurring_peak(t) == 200
+    feed([40] * 20)  # 300 s without a burst: more than three of their mean gaps
+    assert memory.recurring_peak(t) is None
+    feed([300])  # a burst begins: it counts as the last, so it is held for while it runs, not chased
+    assert memory.recurring_peak(t) == 100  # the hold starts over from the peaks' quantile
+    feed([40])
+    assert memory.bursts[-1][1] == 300 and memory.recurring_peak(t) == 200  # nine peaks now: the 7th is 200
+
+
+def test_the_slo_law_waits_out_the_latency_of_a_burst_that_is_over():
+    """Latency percentiles over a window still hold the backlog of a burst that has ended: the SLO law waits a
+    signal window after it, then scales if latency is still over its objective."""
+    policy = Policy(
+        scaling=scaling(ttft_slo_s=1.0, predictive=False, up_window_s=15),
+        tuning=TuningPolicy(enabled=False, signal_window_s=60),
+    )
+    quiet = {"queue_depth": 0, "arrival_rate": 40, "ttft_p90_s": 0.2}
+    slow = {"queue_depth": 0, "arrival_rate": 40, "ttft_p90_s": 2.0}
+    readings = [quiet] * 8 + [{**slow, "arrival_rate": 200}] + [slow] * 6
+    decisions = run(readings, policy, replicas=2)
+    ups = [i for i, d in enumerate(decisions) if d.action == SCALE_UP]
+    assert ups and ups[0] == 13, [(i, d.action, d.reason) for i, d in enumerate(decisions)]  # burst ended at tick 9
 
 
 def test_without_a_measured_capacity_there_is_no_floor():

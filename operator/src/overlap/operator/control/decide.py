@@ -6,23 +6,23 @@ closed-loop trace replay (`overlap bench control`) calls the same function on si
 
 Replicas follow whichever of three rules asks for more:
 
-- the predictive floor: the arrival rate forecast one cold start ahead (overlap.operator.control.forecast), or
-  while bursts of the rate recur, a high quantile of their peaks (a burst shorter than a cold start is over before
-  a replica started for it serves: it is held for, not chased), over the requests/s a saturated replica was
-  measured to finish, at the target utilisation. Replicas still starting count, so it may move while they start (at
-  most doubling the fleet per step);
+- the predictive floor: the arrival rate forecast one cold start ahead (overlap.operator.control.forecast) over
+  the requests/s a saturated replica was measured to finish, at the target utilisation; or while bursts of the rate
+  recur, a high quantile of their peaks over that whole capacity (a burst shorter than a cold start is over before
+  a replica started for it serves: it is held for, not chased). Replicas still starting count, so it may move while
+  they start (at most doubling the fleet per step);
 - the queue watermark: waiting requests per ready replica above `queueWatermarkPerReplica` for a whole scale-up
   window scale up proportionally (like the HPA's `ceil(replicas x load / target)`);
 - the SLO law: P90 TTFT or P90 time per output token over its objective for a whole scale-up window scales up by
   the ratio (at most double).
 
 The two reactive rules wait while replicas start (a backlog built during a cold start does not shrink in proportion
-to the replicas on their way, so scaling again on it overshoots), and give way to a larger batch while the engines
-have headroom (tune before scale). Scale-in needs a whole quiet scale-down window, latency averaged under 0.8 of
-its SLO over it, and the recent forecast load to fit the smaller fleet with a margin (no 2 <-> 1 flapping); it goes
-as far as that allows, at most half the fleet per step. With `minReplicas` 0 the last replica goes after an idle timeout
-without arrivals, and the first request the activator holds brings one back at once. A signal whose query failed
-holds everything; the per-replica figures are over the pods Prometheus scraped.
+to the replicas on their way, so scaling again on it overshoots) and while bursts are held for, and give way to a
+larger batch while the engines have headroom (tune before scale). Scale-in needs a whole quiet scale-down window,
+latency averaged under 0.8 of its SLO over it, and the recent forecast load to fit the smaller fleet with a margin
+(no 2 <-> 1 flapping); it goes as far as that allows, at most half the fleet per step. With `minReplicas` 0 the last
+replica goes after an idle timeout without arrivals, and the first request the activator holds brings one back at
+once. A signal whose query failed holds everything; the per-replica figures are over the pods Prometheus scraped.
 
 Engine knobs: overlap.operator.control.tuning.
 """
@@ -102,12 +102,11 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
             f"{pending} of {current.replicas} replicas not ready {waited:.0f} s after the last scale "
             f"(start-up deadline {scaling.startup_deadline_s:g} s): scaling on the ready ones"
         )
-    # While bursts recur and the fleet holds the floor sized for their peak, the reactive rules would chase a burst
-    # that is over before the replica they add serves (and give it back after): they wait.
+    # While bursts recur the floor is sized for their peak (and scales up to it above): the reactive rules would
+    # chase a burst that is over before the replica they add serves (and give it back after), so they wait.
     held = floor is not None and history.bursts.recurring_peak(signals.time) is not None
     if scaling.scales:
-        chase = not (held and current.replicas >= floor.replicas)
-        up = _reactive_up(signals, current, history, scaling, policy.tuning.signal_window_s) if chase else None
+        up = None if held else _reactive_up(signals, current, history, scaling, policy.tuning.signal_window_s)
         if up is not None:
             tuned = tune_before_scale(signals, current, history, policy.tuning, up[1]) if stuck is None else None
             if tuned is not None:
@@ -169,12 +168,15 @@ def _floor(signals: Signals, current: Current, history: History, policy: Scaling
     peak = history.bursts.recurring_peak(signals.time)
     # Bursts too short to chase are held for while they recur: their peak, in place of the trend, which rises with
     # each burst and decays after it (chasing it would add replicas that serve after the burst is over).
+    # The peak is a high quantile of theirs already, and what a burst brings over it waits less than the burst lasts:
+    # it is planned at the whole measured capacity.
+    utilization = policy.target_utilization
     if peak is not None:
-        rate = peak
+        rate, utilization = peak, 1.0
         expected = f"bursts to {peak:.1f} req/s recur every ~{history.bursts.mean_gap_s():.0f} s (held while they do)"
-    load = rate / (capacity * policy.target_utilization)
+    load = rate / (capacity * utilization)
     replicas = math.ceil(load - 1e-9)
-    why = f"{expected}, {capacity:.1f} req/s per replica at {policy.target_utilization:.0%} utilisation"
+    why = f"{expected}, {capacity:.1f} req/s per replica at {utilization:.0%} utilisation"
     return Floor(max(replicas, policy.min_replicas), why, load)
 
 
@@ -192,8 +194,8 @@ def _reactive_up(
     signals: Signals, current: Current, history: History, policy: ScalingPolicy, signal_window_s: float
 ) -> tuple[int, str] | None:
     """(target, why) from the queue watermark or the SLO law, each held for the whole scale-up window. The SLO law
-    also waits a signal window after a scale-up: until then its latency percentiles still hold the backlog the new
-    replicas were added for."""
+    also waits a signal window after a scale-up or the end of a burst: until then its latency percentiles still hold
+    the backlog the new replicas were added for, or the burst's, which is served."""
     high, now = policy.max_replicas, signals.time
     if current.replicas >= high or seconds_since(history.last_scale_up, now) < policy.up_cooldown_s:
         return None
@@ -213,7 +215,10 @@ def _reactive_up(
         )
         wanted.append((replicas, why))
     ratio = _slo_ratio(signals, policy)
-    settled = seconds_since(history.last_scale_up, now) >= signal_window_s
+    since = seconds_since(history.last_scale_up, now)
+    if signals.arrival_rate is not None:
+        since = min(since, history.bursts.since_burst_s(now, signals.arrival_rate))
+    settled = since >= signal_window_s
     if settled and ratio is not None and all((r := _slo_ratio(s, policy)) is not None and r > 1 for s in window):
         # Near the objective one more replica (latency is far from proportional to load near capacity); far over
         # it, in proportion, at most double.
@@ -252,8 +257,10 @@ def _scale_in(
     if ratios and sum(ratios) / len(ratios) > SCALE_IN_SLO:
         return None  # latency was near or over its SLO over the window: fewer replicas would breach it
     load = _recent_load(history, now, policy, floor)
-    # the margin is at least what the forecast has been missing by, so the next tick's floor does not undo this
-    margin = max(SCALE_IN_MARGIN, history.forecast.relative_error or 0.0)
+    # the margin is at least what the forecast has been missing by, so the next tick's floor does not undo this;
+    # while bursts are held for, the floor is their peak, not the forecast, and its misses do not count
+    missed = 0.0 if history.bursts.recurring_peak(now) is not None else history.forecast.relative_error or 0.0
+    margin = max(SCALE_IN_MARGIN, missed)
     if load is not None and load * (1 + margin) > n - 1:
         return None  # the others would not carry the load
     if n == 1:  # to zero: only when nothing has arrived for the idle timeout

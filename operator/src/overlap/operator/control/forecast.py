@@ -113,7 +113,9 @@ def _steps(horizon_s: float, bucket_s: float) -> list[float]:
 
 
 BURST_RATIO = 2.0  # a reading this many times the base rate (the median of the kept readings) is part of a burst
-BURST_HOLD_GAPS = 2.0  # bursts recur while the last one began within this many of their mean gaps
+# Bursts recur while the last began within this many of their mean gaps: gaps between random bursts are about
+# exponential, and one over twice the mean comes in one of seven, one over three in one of twenty.
+BURST_HOLD_GAPS = 3.0
 BURST_PEAK_QUANTILE = 0.75  # the peak held for: this quantile of the bursts' peak readings
 
 
@@ -121,13 +123,19 @@ BURST_PEAK_QUANTILE = 0.75  # the peak held for: this quantile of the bursts' pe
 class BurstMemory:
     """The arrival rate's bursts over the last `keep_s`: when each began and its peak reading. A burst is a run of
     readings over BURST_RATIO x the base rate that ends within `max_len_s` (the caller's: what a cold start cannot
-    chase); a longer run is a change of level (a daily peak), which the trend and the reactive rules follow."""
+    chase); a longer run is a change of level (a daily peak), which the trend and the reactive rules follow.
+
+    While bursts recur (two seen, and the last began within BURST_HOLD_GAPS of their mean gap) the memory holds a
+    peak for the floor: a high quantile of their peaks, which does not fall until they stop (a few small bursts
+    would pull the quantile under the large ones the fleet was sized for)."""
 
     keep_s: float = 3600.0
     readings: deque[tuple[float, float]] = field(default_factory=deque)  # (time, rate)
     bursts: deque[tuple[float, float]] = field(default_factory=deque)  # (start, peak rate) of the bursts seen
+    last_end: float | None = None  # when the last burst ended (its first reading back under the threshold)
     _run: list[float] | None = None  # [start, peak, threshold] of the run of high readings going on
     _sustained: bool = False  # that run outlasted max_len_s: not a burst
+    _held: float | None = None  # the peak held for since bursts began to recur
 
     def update(self, t: float, rate: float, max_len_s: float) -> None:
         self.readings.append((t, rate))
@@ -145,11 +153,24 @@ class BurstMemory:
         else:
             if self._run is not None and not self._sustained:
                 self.bursts.append((self._run[0], self._run[1]))
+                self.last_end = t
             self._run, self._sustained = None, False
+        if not self._recurring(t):
+            self._held = None
+        elif self.bursts:
+            peak = quantile([peak for _, peak in self.bursts], BURST_PEAK_QUANTILE)
+            self._held = max(self._held or 0.0, peak)
 
     def base(self) -> float:
         """The rate between bursts: the median reading (bursts are the rarer readings)."""
         return quantile([rate for _, rate in self.readings], 0.5) if self.readings else 0.0
+
+    def since_burst_s(self, t: float, rate: float) -> float:
+        """Seconds since the last burst ended, with `rate` the reading at t (not yet kept): one that ends the run going
+        on ends it now. Infinite before any burst."""
+        if self._run is not None and not self._sustained and rate <= self._run[2]:
+            return 0.0
+        return math.inf if self.last_end is None else t - self.last_end
 
     def mean_gap_s(self) -> float | None:
         """Seconds between burst starts, on average; None before two bursts."""
@@ -157,13 +178,18 @@ class BurstMemory:
             return None
         return (self.bursts[-1][0] - self.bursts[0][0]) / (len(self.bursts) - 1)
 
-    def recurring_peak(self, t: float) -> float | None:
-        """The rate to hold capacity for while bursts recur (the last began within BURST_HOLD_GAPS of their mean
-        gap): a high quantile of their peaks; None when they do not (fewer than two, or they stopped)."""
+    def _recurring(self, t: float) -> bool:
+        """Two bursts seen and the last began within BURST_HOLD_GAPS of their mean gap. A run of high readings going
+        on counts as the last: the burst that ends a long gap is held for, not chased."""
         gap = self.mean_gap_s()
-        if gap is None or t - self.bursts[-1][0] > BURST_HOLD_GAPS * gap:
-            return None
-        return quantile([peak for _, peak in self.bursts], BURST_PEAK_QUANTILE)
+        if gap is None:
+            return False
+        last = self._run[0] if self._run is not None and not self._sustained else self.bursts[-1][0]
+        return t - last <= BURST_HOLD_GAPS * gap
+
+    def recurring_peak(self, t: float) -> float | None:
+        """The rate to hold capacity for while bursts recur; None when they do not."""
+        return self._held if self._held is not None and self._recurring(t) else None
 
 
 @dataclass(slots=True)
