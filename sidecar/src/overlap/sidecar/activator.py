@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
 from overlap.sidecar.http import metrics_handler
+from overlap.sidecar.waiting import WaitingRoom
 
 log = logging.getLogger("overlap.activator")
 
@@ -61,15 +62,15 @@ class Activator:
     def __init__(self, config: ActivatorConfig, registry: CollectorRegistry | None = None) -> None:
         self.config = config
         self.registry = registry or CollectorRegistry()
-        self.held = 0
         self.retried = 0  # requests a woken pod refused at admission and the activator sent again
         self.ready = asyncio.Event()
+        self.waiting = WaitingRoom(self.ready, config.max_held)
         self.session: aiohttp.ClientSession | None = None
         self._probe_task: asyncio.Task | None = None
         Gauge(
             "overlap_activator_queued_requests", "Requests held while the service has no ready replica",
             registry=self.registry,
-        ).set_function(lambda: self.held)  # fmt: skip
+        ).set_function(lambda: self.waiting.count)  # fmt: skip
         Gauge(
             "overlap_activator_upstream_ready",
             "1 when the upstream answers its readiness probe",
@@ -113,7 +114,7 @@ class Activator:
             except (aiohttp.ClientError, TimeoutError, OSError):
                 ok = False
             if ok and not self.ready.is_set():
-                log.info(f"upstream {self.config.upstream} is ready; forwarding {self.held} held requests")
+                log.info(f"upstream {self.config.upstream} is ready; forwarding {self.waiting.count} held requests")
                 self.ready.set()
             elif not ok and self.ready.is_set():
                 log.info(f"upstream {self.config.upstream} is not ready; holding requests")
@@ -127,35 +128,15 @@ class Activator:
         body = {"error": {"message": message, "type": "service_unavailable", "code": outcome}}
         return web.json_response(body, status=503, headers={"Retry-After": str(self.config.retry_after_s)})
 
-    @contextlib.contextmanager
-    def _holding(self):
-        """Count a request as held (overlap_activator_queued_requests) while the block runs."""
-        self.held += 1
-        try:
-            yield
-        finally:
-            self.held -= 1
-
-    async def _wait_until_ready(self, deadline: float) -> bool:
-        """Hold until the upstream is ready or the deadline passes; True when ready."""
-        if self.ready.is_set():
-            return True
-        with self._holding():
-            try:
-                await asyncio.wait_for(self.ready.wait(), timeout=max(0.0, deadline - time.monotonic()))
-                return True
-            except TimeoutError:
-                return False
-
     async def handle(self, request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         deadline = arrived + self.config.hold_timeout_s
-        if not self.ready.is_set() and self.held >= self.config.max_held:
-            return self._refuse("hold_full", f"the service is starting and {self.held} requests already wait")
+        if not self.ready.is_set() and self.waiting.full():
+            return self._refuse("hold_full", f"the service is starting and {self.waiting.count} requests already wait")
         body = await request.read()
         attempt = 0
         while True:
-            if not await self._wait_until_ready(deadline):
+            if not await self.waiting.wait(deadline):
                 return self._refuse(
                     "held_too_long", f"the service did not become ready within {self.config.hold_timeout_s:g} s"
                 )
@@ -169,8 +150,7 @@ class Activator:
                 continue
             # A pod that just woke refused it at admission (429/503, before any work): hold it a little longer.
             self.retried += 1
-            with self._holding():
-                await asyncio.sleep(response)
+            await self.waiting.pause(response)
 
     async def _forward(
         self, request: web.Request, body: bytes, arrived: float, deadline: float, attempt: int
@@ -207,7 +187,8 @@ class Activator:
             upstream.release()
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"held": self.held, "upstream_ready": self.ready.is_set(), "retried": self.retried})
+        status = {"held": self.waiting.count, "upstream_ready": self.ready.is_set(), "retried": self.retried}
+        return web.json_response(status)
 
 
 def _retry_after(value: str | None) -> float:

@@ -43,6 +43,7 @@ from overlap.sidecar import schemas, tools
 from overlap.sidecar.activator import HOP_BY_HOP
 from overlap.sidecar.http import metrics_handler
 from overlap.sidecar.router.picker import POLICIES, Picker, ReplicaState
+from overlap.sidecar.waiting import WaitingRoom
 
 log = logging.getLogger("overlap.router")
 SCORED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -92,8 +93,8 @@ class Router:
         self.picker = Picker(config.policy)
         self.text = None  # TextProcessor, once loaded
         self.session: aiohttp.ClientSession | None = None
-        self.held = 0
         self.some_ready = asyncio.Event()  # set while a replica is ready and not draining
+        self.waiting = WaitingRoom(self.some_ready, config.max_held)
         self._tasks: list[asyncio.Task] = []
         self._polls: dict[str, asyncio.Task] = {}
         r = self.registry
@@ -115,7 +116,7 @@ class Router:
             lambda: len(self.candidates())
         )
         Gauge("overlap_router_held_requests", "Requests held while no replica is ready", registry=r).set_function(
-            lambda: self.held
+            lambda: self.waiting.count
         )
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -287,7 +288,7 @@ class Router:
         while attempt < self.config.max_attempts:
             candidates = [r for r in self.candidates() if r.url not in tried]
             if not candidates:
-                if self.candidates() or not await self._hold(deadline):
+                if self.candidates() or self.waiting.full() or not await self.waiting.wait(deadline):
                     break  # every ready replica refused it, or none became ready in time
                 continue
             if tokens is None:
@@ -318,20 +319,6 @@ class Router:
             message = f"no replica became ready within {self.config.hold_timeout_s:g} s; retry shortly"
         body = {"error": {"message": message, "type": "service_unavailable", "code": "no_ready_replica"}}
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
-
-    async def _hold(self, deadline: float) -> bool:
-        """Wait (counted in overlap_router_held_requests) until some replica is ready; False when the deadline
-        passes first or --max-held requests already wait."""
-        if self.held >= self.config.max_held:
-            return False
-        self.held += 1
-        try:
-            await asyncio.wait_for(self.some_ready.wait(), timeout=max(0.0, deadline - time.monotonic()))
-            return True
-        except TimeoutError:
-            return False
-        finally:
-            self.held -= 1
 
     async def _scored_tokens(self, request: web.Request, raw: bytes) -> list[int]:
         scored = request.method == "POST" and request.path in SCORED_PATHS
@@ -395,7 +382,7 @@ class Router:
             replica.in_flight -= 1
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"held": self.held, "replicas": len(self.replicas),
+        return web.json_response({"held": self.waiting.count, "replicas": len(self.replicas),
                                   "ready_replicas": len(self.candidates())})  # fmt: skip
 
     async def readyz(self, request: web.Request) -> web.Response:
