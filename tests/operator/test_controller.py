@@ -140,6 +140,25 @@ def test_idle_device_without_a_queue_is_left_alone():
     assert tune_once(queue_depth=0, device_busy=0.1).action == HOLD
 
 
+def test_idle_lulls_between_saturated_bursts_are_not_a_starved_device():
+    """Busy is judged over the readings in which requests waited: bursts that saturate the device with a queue,
+    between lulls with an idle device and none, average under DEVICE_IDLE but the host fed the device whenever
+    there was work; the same mean busy with requests waiting throughout is the host falling behind."""
+
+    def last_decision(readings: list[tuple[float, float]]):
+        history, policy = History(), Policy(tuning=TUNING)
+        for i, (waiting, busy) in enumerate(readings):
+            signals = Signals(i * 5, 1, waiting, device_busy=busy)
+            decision = decide(signals, Current(1, ENGINE), history, policy)
+            history.record(signals, decision)
+        return decision
+
+    bursts = [(0, 0.1), (0, 0.1), (40, 1.0), (0, 0.1), (0, 0.1), (40, 1.0), (0, 0.1)]  # mean busy 0.37
+    assert last_decision(bursts).action == HOLD
+    starved = [(20, 0.4)] * 7
+    assert last_decision(starved).changes == {"num_buffers": (2, 3)}
+
+
 def test_knobs_without_bounds_are_never_tuned_and_retunes_keep_their_interval():
     tuning = TuningPolicy(enabled=True, interval_s=30, bounds={"num_buffers": (1, 2)})
     assert tune_once(tuning=tuning, queue_depth=20, kv_cache_usage=0.99).action == HOLD

@@ -9,7 +9,10 @@ Readings are averaged over the last tuning interval, and the table's thresholds 
 | KV cache almost full | sequences get preempted and recomputed | max_num_seqs / 2 |
 | latency over the SLO, > 60% of it queueing | too little concurrency | max_num_seqs x 2 |
 | latency over the SLO, < 30% of it queueing | steps too large | max_num_seqs / 2, then max_num_batched_tokens / 2 |
-| device often idle while requests queue | the host cannot feed the device | num_buffers + 1, then max_num_seqs x 2 |
+| device often idle while requests queue (*) | the host cannot feed the device | num_buffers + 1, max_num_seqs x 2 |
+
+(*) device busy averaged over the readings in which requests waited, not the whole interval: on bursty load that
+mixes idle lulls with saturated bursts.
 
 Every move stays inside `tuning.bounds`; a knob without bounds is never tuned. After any move (its own or a
 scale) the tuner waits a whole interval and at least the latency signals' window (the PromQL's one minute), so
@@ -93,7 +96,8 @@ def tune(
     if seconds_since(history.last_move(), now) < settle_s:
         return None  # the last move's effect is not in the readings yet
     engine = dict(current.engine)
-    signals = _averaged([*history.window(now, policy.interval_s), signals])
+    samples = [*history.window(now, policy.interval_s), signals]
+    signals = _averaged(samples)
 
     def retune(candidates: list[tuple[str, float, int]], why: str) -> Decision | None:
         for knob, factor, step in candidates:
@@ -108,7 +112,7 @@ def tune(
             return Decision(RETUNE, text, current.replicas, moved, changes)
         return None
 
-    kv, busy, share = signals.kv_cache_usage, signals.device_busy, signals.queue_time_share
+    kv, share = signals.kv_cache_usage, signals.queue_time_share
     if kv is not None and kv > KV_PRESSURE:
         return retune([("max_num_seqs", 0.5, 0)], f"KV cache {kv:.0%} full (> {KV_PRESSURE:.0%})")
     over = _over_slo(signals, policy)
@@ -118,8 +122,10 @@ def tune(
         if share is not None and share < EXECUTION_SHARE:
             candidates = [("max_num_seqs", 0.5, 0), ("max_num_batched_tokens", 0.5, 0)]
             return retune(candidates, f"{over}, {1 - share:.0%} of it execution")
-    waiting = signals.queue_depth is not None and signals.queue_depth > 0
-    if busy is not None and busy < DEVICE_IDLE and waiting:
+    # (*) in the table: busy over the readings in which requests waited
+    starved = [s.device_busy for s in samples if s.device_busy is not None and (s.queue_depth or 0) > 0]
+    busy = sum(starved) / len(starved) if starved else None
+    if busy is not None and busy < DEVICE_IDLE:
         candidates = [("num_buffers", 1, 1), ("max_num_seqs", 2, 0)]
         return retune(candidates, f"device busy {busy:.0%} (< {DEVICE_IDLE:.0%}) while requests wait")
     return None
