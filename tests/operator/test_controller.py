@@ -157,6 +157,10 @@ def test_idle_lulls_between_saturated_bursts_are_not_a_starved_device():
     assert last_decision(bursts).action == HOLD
     starved = [(20, 0.4)] * 7
     assert last_decision(starved).changes == {"num_buffers": (2, 3)}
+    # the queue is read at an instant, busy over the interval: a burst that lands at the end of an idle interval
+    # has a queue and an idle reading, but the device was not starved (nothing waited through the interval)
+    arrivals = [(0, 0.1), (40, 0.3)] * 3 + [(0, 0.1)]
+    assert last_decision(arrivals).action == HOLD
 
 
 def test_knobs_without_bounds_are_never_tuned_and_retunes_keep_their_interval():

@@ -75,7 +75,9 @@ class _Loop:
         self.knobs = {"max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": 2048, "num_buffers": 2}
         # the history must reach back over a whole load period for the daily profile
         keep_s = max(900 / setup.time_scale, 1.1 * setup.period_s if setup.period_s < 1e5 else 0)
-        self.history = History(keep_s=keep_s, scaling=self.policy.scaling)
+        self.history = History(
+            keep_s=keep_s, scaling=self.policy.scaling, signal_window_s=self.policy.tuning.signal_window_s
+        )
         self.signal_window_s = SIGNAL_WINDOW_S / setup.time_scale
         self.records = [
             RequestRecord(f"r{i}", r.arrival_s, num_prompt_tokens=len(p[0]))

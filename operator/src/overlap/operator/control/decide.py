@@ -8,13 +8,13 @@ Replicas follow whichever of three rules asks for more:
 
 - the predictive floor: the arrival rate forecast one cold start ahead (overlap.operator.control.forecast) over
   the requests/s a saturated replica was measured to finish, at the target utilisation; or while bursts of the rate
-  recur, a high quantile of their peaks over that whole capacity (a burst shorter than a cold start is over before
-  a replica started for it serves: it is held for, not chased). Replicas still starting count, so it may move while
-  they start (at most doubling the fleet per step);
+  recur, a high quantile of their peaks over that capacity and BURST_EXCESS more (a burst shorter than a cold start
+  is over before a replica started for it serves: it is held for, not chased). Replicas still starting count, so
+  it may move while they start (at most doubling the fleet per step), on a reading above the one it last scaled on;
 - the queue watermark: waiting requests per ready replica above `queueWatermarkPerReplica` for a whole scale-up
   window scale up proportionally (like the HPA's `ceil(replicas x load / target)`);
-- the SLO law: P90 TTFT or P90 time per output token over its objective for a whole scale-up window scales up by
-  the ratio (at most double).
+- the SLO law: P90 TTFT (while requests wait) or P90 time per output token over its objective for a whole scale-up
+  window scales up by the ratio (at most double).
 
 The two reactive rules wait while replicas start (a backlog built during a cold start does not shrink in proportion
 to the replicas on their way, so scaling again on it overshoots) and while bursts are held for, and give way to a
@@ -53,6 +53,9 @@ SCALE_IN_MARGIN = 0.1  # scale in only when the forecast load fits N - 1 replica
 FLOOR_TOLERANCE = 0.05  # the floor adds replicas only for a load this much above the fleet
 SCALE_IN_SLO = 0.8  # scale in only when latency averaged under this share of its SLO (0.8-1: the dead band)
 SLO_PROPORTIONAL = 1.5  # the SLO law adds one replica below this latency / objective ratio, in proportion above
+# A held burst peak may exceed the fleet's capacity by this share: the peak is a high quantile of one rate window's
+# arrivals, and what it brings over the fleet queues for a fraction of the window (set on the bursts:1-3 replays).
+BURST_EXCESS = 0.15
 
 
 def decide(signals: Signals, current: Current, history: History, policy: Policy) -> Decision:
@@ -83,7 +86,11 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
             return decision(*woken)
         # Within a small tolerance of the fleet the floor holds (its target utilisation is the headroom already);
         # at most double per step, like the reactive rules' bound: an early capacity figure can be low.
-        if floor is not None and floor.load > current.replicas * (1 + FLOOR_TOLERANCE):
+        if (
+            floor is not None
+            and floor.load > current.replicas * (1 + FLOOR_TOLERANCE)
+            and _rising(signals, current, history)
+        ):
             target = min(floor.replicas, scaling.max_replicas, max(2 * current.replicas, current.replicas + 1))
             if target > current.replicas:
                 return decision(SCALE_UP, f"predictive floor {floor.replicas}: {floor.why}", target)
@@ -123,6 +130,17 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
         if tuned is not None:
             return replace(tuned, **marks)
     return decision(HOLD, stuck or _hold_reason(signals, policy))
+
+
+def _rising(signals: Signals, current: Current, history: History) -> bool:
+    """While replicas start, the floor adds more only on an arrival-rate reading above the one its last scale-up was
+    made on: the replicas on their way were sized for that reading, and the trend keeps rising for a few ticks after
+    a spike in the reading has passed."""
+    last = history.last_scale_up
+    if last is None or signals.arrival_rate is None or signals.ready_replicas >= current.replicas:
+        return True  # no scale-up, or every replica asked for serves
+    then = next((s.arrival_rate for s in reversed(history.samples) if s.time == last), None)
+    return then is None or signals.arrival_rate > then
 
 
 def _bounds(current: Current, policy: ScalingPolicy) -> tuple[str, str, int] | None:
@@ -168,25 +186,23 @@ def _floor(signals: Signals, current: Current, history: History, policy: Scaling
     peak = history.bursts.recurring_peak(signals.time)
     # Bursts too short to chase are held for while they recur: their peak, in place of the trend, which rises with
     # each burst and decays after it (chasing it would add replicas that serve after the burst is over).
-    # The peak is a high quantile of theirs already, and what a burst brings over it waits less than the burst lasts:
-    # it is planned at the whole measured capacity.
+    # The peak is a high quantile of theirs already, and what a burst brings over the fleet queues briefly: it is
+    # planned at the whole measured capacity and BURST_EXCESS over it.
     utilization = policy.target_utilization
     if peak is not None:
-        rate, utilization = peak, 1.0
+        rate, utilization = peak, 1.0 + BURST_EXCESS
         expected = f"bursts to {peak:.1f} req/s recur every ~{history.bursts.mean_gap_s():.0f} s (held while they do)"
     load = rate / (capacity * utilization)
-    replicas = math.ceil(load - 1e-9)
+    replicas = math.ceil(load / (1 + FLOOR_TOLERANCE) - 1e-9)  # the fleet the floor would hold at (below)
     why = f"{expected}, {capacity:.1f} req/s per replica at {utilization:.0%} utilisation"
     return Floor(max(replicas, policy.min_replicas), why, load)
 
 
-def _slo_ratio(signals: Signals, policy: ScalingPolicy) -> float | None:
-    """The SLO law's reading: the larger of P90 TTFT / its SLO and P90 time per output token / its SLO."""
-    ratios = [
-        value / slo
-        for value, slo in ((signals.ttft_p90_s, policy.ttft_slo_s), (signals.itl_p90_s, policy.tpot_slo_s))
-        if value is not None and slo
-    ]
+def _slo_ratio(signals: Signals, policy: ScalingPolicy, ttft: bool = True) -> float | None:
+    """The SLO law's reading: the larger of P90 TTFT / its SLO and P90 time per output token / its SLO (the latter
+    alone without `ttft`)."""
+    readings = [(signals.ttft_p90_s if ttft else None, policy.ttft_slo_s), (signals.itl_p90_s, policy.tpot_slo_s)]
+    ratios = [value / slo for value, slo in readings if value is not None and slo]
     return max(ratios) if ratios else None
 
 
@@ -194,8 +210,9 @@ def _reactive_up(
     signals: Signals, current: Current, history: History, policy: ScalingPolicy, signal_window_s: float
 ) -> tuple[int, str] | None:
     """(target, why) from the queue watermark or the SLO law, each held for the whole scale-up window. The SLO law
-    also waits a signal window after a scale-up or the end of a burst: until then its latency percentiles still hold
-    the backlog the new replicas were added for, or the burst's, which is served."""
+    also waits a signal window after a scale-up's replicas are all serving, and after the end of a burst: until then
+    its latency percentiles still hold the backlog the new replicas were added for, or the burst's, which is
+    served."""
     high, now = policy.max_replicas, signals.time
     if current.replicas >= high or seconds_since(history.last_scale_up, now) < policy.up_cooldown_s:
         return None
@@ -214,12 +231,18 @@ def _reactive_up(
             f"for {policy.up_window_s:g} s"
         )
         wanted.append((replicas, why))
-    ratio = _slo_ratio(signals, policy)
-    since = seconds_since(history.last_scale_up, now)
+
+    def law(s: Signals) -> float | None:
+        # TTFT over its objective says requests wait too long only while some wait: with the queue empty it is a
+        # backlog already served (its requests are still in the window's percentile)
+        return _slo_ratio(s, policy, ttft=(s.queue_depth or 0) > 0)
+
+    ratio = law(signals)
+    since = min(seconds_since(history.last_scale_up, now), seconds_since(history.last_ready, now))
     if signals.arrival_rate is not None:
         since = min(since, history.bursts.since_burst_s(now, signals.arrival_rate))
     settled = since >= signal_window_s
-    if settled and ratio is not None and all((r := _slo_ratio(s, policy)) is not None and r > 1 for s in window):
+    if settled and ratio is not None and all((r := law(s)) is not None and r > 1 for s in window):
         # Near the objective one more replica (latency is far from proportional to load near capacity); far over
         # it, in proportion, at most double.
         seen = signals.seen_replicas()

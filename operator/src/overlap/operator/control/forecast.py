@@ -112,7 +112,7 @@ def _steps(horizon_s: float, bucket_s: float) -> list[float]:
     return [horizon_s * k / n for k in range(n + 1)]
 
 
-BURST_RATIO = 2.0  # a reading this many times the base rate (the median of the kept readings) is part of a burst
+BURST_RATIO = 2.0  # a reading this many times the base rate (the median of the readings between runs) is in a run
 # Bursts recur while the last began within this many of their mean gaps: gaps between random bursts are about
 # exponential, and one over twice the mean comes in one of seven, one over three in one of twenty.
 BURST_HOLD_GAPS = 3.0
@@ -130,7 +130,7 @@ class BurstMemory:
     would pull the quantile under the large ones the fleet was sized for)."""
 
     keep_s: float = 3600.0
-    readings: deque[tuple[float, float]] = field(default_factory=deque)  # (time, rate)
+    readings: deque[tuple[float, float, bool]] = field(default_factory=deque)  # (time, rate, in a run of high ones)
     bursts: deque[tuple[float, float]] = field(default_factory=deque)  # (start, peak rate) of the bursts seen
     last_end: float | None = None  # when the last burst ended (its first reading back under the threshold)
     _run: list[float] | None = None  # [start, peak, threshold] of the run of high readings going on
@@ -138,14 +138,15 @@ class BurstMemory:
     _held: float | None = None  # the peak held for since bursts began to recur
 
     def update(self, t: float, rate: float, max_len_s: float) -> None:
-        self.readings.append((t, rate))
+        # a run is measured against the base from before it began: a ramp that lifts the median stays one run
+        threshold = self._run[2] if self._run is not None else BURST_RATIO * self.base()
+        high = threshold > 0 and rate > threshold
+        self.readings.append((t, rate, high))
         while self.readings and t - self.readings[0][0] > self.keep_s:
             self.readings.popleft()
         while self.bursts and t - self.bursts[0][0] > self.keep_s:
             self.bursts.popleft()
-        # a run is measured against the base from before it began: a ramp that lifts the median stays one run
-        threshold = self._run[2] if self._run is not None else BURST_RATIO * self.base()
-        if threshold > 0 and rate > threshold:
+        if high:
             if self._run is None:
                 self._run = [t, rate, threshold]
             self._run[1] = max(self._run[1], rate)
@@ -162,8 +163,10 @@ class BurstMemory:
             self._held = max(self._held or 0.0, peak)
 
     def base(self) -> float:
-        """The rate between bursts: the median reading (bursts are the rarer readings)."""
-        return quantile([rate for _, rate in self.readings], 0.5) if self.readings else 0.0
+        """The rate between runs of high readings: their median. A run's own readings are left out: a trace that
+        opens with a long run would otherwise lift the base over the bursts that follow it."""
+        rates = [rate for _, rate, high in self.readings if not high]
+        return quantile(rates, 0.5) if rates else 0.0
 
     def since_burst_s(self, t: float, rate: float) -> float:
         """Seconds since the last burst ended, with `rate` the reading at t (not yet kept): one that ends the run going
@@ -200,14 +203,26 @@ class CapacityProfile:
     readings is the figure, and old ones age out when the workload changes."""
 
     samples: dict[int, deque[float]] = field(default_factory=dict)
+    # The finish rate is a rate over this window: a reading counts once the replicas were saturated for all of it
+    # (a burst shorter than the window saturates them for part of it, and the rate says less than they can do).
+    window_s: float = 0.0
     keep: int = 32  # readings kept per limit
     min_readings: int = 8  # a figure is used once this many readings stand behind it (the first are often low)
     # figures measured offline per max_num_seqs (autoscaling.predictive.capacityPerReplica/capacityProfile), until
     # the loop has its own at that limit
     hints: Mapping[int, float] = field(default_factory=dict)
 
+    _saturated_since: float | None = None
+
     def update(
-        self, max_num_seqs: int, finish_rate: float, replicas: int, waiting: float, running: float, busy: float
+        self,
+        t: float,
+        max_num_seqs: int,
+        finish_rate: float,
+        replicas: int,
+        waiting: float,
+        running: float,
+        busy: float,
     ) -> None:
         # Requests waiting while the device is busy and either the batches are full or the queue is long (the
         # step's token budget or the KV cache holds them back): what finishes is what a replica can do at these
@@ -215,18 +230,34 @@ class CapacityProfile:
         full = running >= SATURATED_BATCH * max_num_seqs * replicas
         long_queue = waiting >= SATURATED_QUEUE * replicas
         saturated = replicas > 0 and waiting >= replicas and busy >= SATURATED_BUSY and (full or long_queue)
-        if not saturated or finish_rate <= 0:
+        if not saturated:
+            self._saturated_since = None
             return  # not saturated: what finishes says what was asked, not what a replica can do
+        if self._saturated_since is None:
+            self._saturated_since = t
+        if finish_rate <= 0 or t - self._saturated_since < self.window_s:
+            return
         self.samples.setdefault(max_num_seqs, deque(maxlen=self.keep)).append(finish_rate / replicas)
 
     def get(self, max_num_seqs: int) -> float | None:
         """The capacity at this limit: measured once enough saturated readings stand behind it, before that the
         offline figure for this limit, else None. A figure from another limit is not used: a lower limit's would
         keep the fleet too large to ever saturate at this one, so it would never be corrected."""
+        return self._measured(max_num_seqs) or self.hints.get(max_num_seqs)
+
+    def _measured(self, max_num_seqs: int) -> float | None:
         readings = self.samples.get(max_num_seqs, ())
-        if len(readings) >= self.min_readings:
-            return quantile(readings, 0.9)
-        return self.hints.get(max_num_seqs)
+        return quantile(readings, 0.9) if len(readings) >= self.min_readings else None
+
+    def gain(self, old: int, new: int) -> float | None:
+        """How much more a replica finishes at limit `new` than at `old` (0.1: a tenth more), from figures of one
+        kind (both measured, else both offline: a measured figure and an offline one differ by more than the limit
+        does); None when neither kind has both."""
+        for figure in (self._measured, self.hints.get):
+            before, after = figure(old), figure(new)
+            if before and after:
+                return after / before - 1
+        return None
 
 
 @dataclass(slots=True)
@@ -241,12 +272,15 @@ class ColdStart:
         if self._since is None:
             self._since = t
 
-    def track(self, t: float, asked: int, ready: int) -> None:
-        """A reading after the decision: `asked` replicas wanted, `ready` of them serving."""
-        if asked <= ready and self._since is not None:
-            took = t - self._since
-            self.observed = took if self.observed is None else 0.7 * self.observed + 0.3 * took
-            self._since = None
+    def track(self, t: float, asked: int, ready: int) -> bool:
+        """A reading after the decision: `asked` replicas wanted, `ready` of them serving. True when this reading
+        finds the replicas of a scale-up all ready."""
+        if asked > ready or self._since is None:
+            return False
+        took = t - self._since
+        self.observed = took if self.observed is None else 0.7 * self.observed + 0.3 * took
+        self._since = None
+        return True
 
     def seconds(self) -> float:
         return self.default if self.observed is None else self.observed

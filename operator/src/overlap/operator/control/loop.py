@@ -93,7 +93,9 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
         return  # reconcile reports it as Degraded; nothing to control
     policy = Policy.from_spec(spec, signal_window_s=signal_window_s())
     now = time.time()
-    state: LoopState = memo.setdefault("control", LoopState(History(scaling=policy.scaling)))
+    state: LoopState = memo.setdefault(
+        "control", LoopState(History(scaling=policy.scaling, signal_window_s=policy.tuning.signal_window_s))
+    )
     if now - state.last_tick < policy.interval_s() - TICK_S / 2:
         return  # not due (or both loops off: the interval is infinite)
     state.last_tick = now

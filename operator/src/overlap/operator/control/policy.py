@@ -217,7 +217,10 @@ class History:
     """What the loop remembers between ticks: recent signals, when it last acted, and what the predictive floor
     learned (kept by the caller)."""
 
-    def __init__(self, keep_s: float = 3600.0, scaling: ScalingPolicy | None = None) -> None:
+    def __init__(
+        self, keep_s: float = 3600.0, scaling: ScalingPolicy | None = None, signal_window_s: float = 0.0
+    ) -> None:
+        """`signal_window_s`: how far back the rate signals look (the PromQL rate window)."""
         scaling = scaling or ScalingPolicy()
         self.keep_s = keep_s
         self.samples: deque[Signals] = deque()
@@ -225,10 +228,11 @@ class History:
         self.last_scale_up: float | None = None
         self.last_scale_down: float | None = None
         self.last_retune: float | None = None
+        self.last_ready: float | None = None  # when the replicas of the last scale-up were all serving
         self.last_moves: dict[str, tuple[float, int]] = {}  # knob -> (time, +1 up / -1 down) of its last retune
         self.forecast = RateForecast(period_s=scaling.period_s)
         self.bursts = BurstMemory(keep_s=keep_s)
-        self.capacity = CapacityProfile(hints=scaling.capacity_hints)
+        self.capacity = CapacityProfile(hints=scaling.capacity_hints, window_s=signal_window_s)
         self.cold_start = ColdStart(default=scaling.cold_start_s)
         self.interval_s = scaling.interval_s
 
@@ -250,7 +254,7 @@ class History:
         finish, waiting, running, busy = signals.finish_rate, signals.queue_depth, signals.running, signals.device_busy
         if finish is not None and waiting is not None and running is not None and busy is not None:
             seqs = int(before.get("max_num_seqs", 0))
-            self.capacity.update(seqs, finish, signals.seen_replicas(), waiting, running, busy)
+            self.capacity.update(now, seqs, finish, signals.seen_replicas(), waiting, running, busy)
         if decision.action == SCALE_UP:
             self.last_scale_up = now
             self.cold_start.scaled_up(now)
@@ -260,7 +264,8 @@ class History:
             self.last_retune = now
             for knob, (old, new) in decision.changes.items():
                 self.last_moves[knob] = (now, 1 if new > old else -1)
-        self.cold_start.track(now, decision.replicas, signals.ready_replicas)
+        if self.cold_start.track(now, decision.replicas, signals.ready_replicas):
+            self.last_ready = now
 
     def horizon_s(self) -> float:
         """How far ahead the floor must look: a new replica's start-up plus one tick."""

@@ -11,10 +11,13 @@ Readings are averaged over the last tuning interval, and the table's thresholds 
 | latency over the SLO, < 30% of it queueing | steps too large | max_num_seqs / 2, then max_num_batched_tokens / 2 |
 | device often idle while requests queue (*) | the host cannot feed the device | num_buffers + 1, max_num_seqs x 2 |
 
-(*) device busy averaged over the readings in which requests waited, not the whole interval: on bursty load that
-mixes idle lulls with saturated bursts.
+(*) device busy averaged over the readings whose whole interval had requests waiting (a queue at the reading before
+and at this one), not the whole interval: on bursty load that mixes idle lulls with saturated bursts, and a burst
+that arrives at the end of an idle interval has a queue but found the device idle.
 
-Every move stays inside `tuning.bounds`; a knob without bounds is never tuned. After any move (its own or a
+A larger max_num_seqs in the table is made only where the capacity profile expects a replica to finish BATCH_GAIN
+more at the larger limit, or knows nothing of it (more sequences per step cost every request latency). Every move
+stays inside `tuning.bounds`; a knob without bounds is never tuned. After any move (its own or a
 scale) the tuner waits a whole interval and at least the latency signals' window (the PromQL's one minute), so
 it judges the move on readings taken after it; it does not undo its own last move of a knob within three such
 waits.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from itertools import pairwise
 
 from overlap.operator.control.policy import RETUNE, Current, Decision, History, Signals, TuningPolicy, seconds_since
 
@@ -37,6 +41,11 @@ DEVICE_IDLE = 0.70  # device busy below this while requests wait: the host is th
 BATCH_FULL = 0.9
 KV_HEADROOM = 0.7
 BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes no move that costs throughput
+# A larger max_num_seqs costs every request latency (more sequences share each step): the table raises it only
+# where the capacity profile expects a replica to finish at least this much more at the larger limit (a memory-bound
+# GPU decode: far more; a compute-bound device: a few percent); unknown, it is tried. Tune before scale is not held
+# to it: there a larger batch replaces a replica, whatever it adds is capacity the fleet was short of.
+BATCH_GAIN = 0.1
 
 
 def _move(engine: Mapping[str, float], knob: str, policy: TuningPolicy, factor: float, step: int = 0):
@@ -47,6 +56,15 @@ def _move(engine: Mapping[str, float], knob: str, policy: TuningPolicy, factor: 
     old = engine[knob]
     new = int(min(max(old + step if step else round(old * factor), lo), hi))
     return None if new == old else {**engine, knob: new}
+
+
+def _batch_pays(history: History, engine: Mapping[str, float], moved: Mapping[str, float]) -> bool:
+    """False for a larger max_num_seqs the capacity profile expects to finish less than BATCH_GAIN more."""
+    old, new = int(engine.get("max_num_seqs", 0)), int(moved.get("max_num_seqs", 0))
+    if new <= old:
+        return True
+    gain = history.capacity.gain(old, new)
+    return gain is None or gain >= BATCH_GAIN
 
 
 def _undoes(
@@ -107,6 +125,8 @@ def tune(
             shrinks = knob in ("max_num_seqs", "max_num_batched_tokens") and moved[knob] < engine[knob]
             if shrinks and load is not None and load > BUSY_FLEET * current.replicas:
                 continue  # a smaller batch or step costs throughput the forecast load needs
+            if not _batch_pays(history, engine, moved):
+                continue
             changes = {knob: (engine[knob], moved[knob])}
             text = f"{why}: {knob} {engine[knob]:g} -> {moved[knob]:g}"
             return Decision(RETUNE, text, current.replicas, moved, changes)
@@ -122,13 +142,27 @@ def tune(
         if share is not None and share < EXECUTION_SHARE:
             candidates = [("max_num_seqs", 0.5, 0), ("max_num_batched_tokens", 0.5, 0)]
             return retune(candidates, f"{over}, {1 - share:.0%} of it execution")
-    # (*) in the table: busy over the readings in which requests waited
-    starved = [s.device_busy for s in samples if s.device_busy is not None and (s.queue_depth or 0) > 0]
-    busy = sum(starved) / len(starved) if starved else None
+    busy = _busy_while_waiting(history, now, policy.interval_s, samples[-1])
     if busy is not None and busy < DEVICE_IDLE:
         candidates = [("num_buffers", 1, 1), ("max_num_seqs", 2, 0)]
         return retune(candidates, f"device busy {busy:.0%} (< {DEVICE_IDLE:.0%}) while requests wait")
     return None
+
+
+def _busy_while_waiting(history: History, now: float, interval_s: float, latest: Signals) -> float | None:
+    """(*) in the table: device busy over the readings whose whole interval had requests waiting (a queue at the
+    reading before and at this one). The queue is read at an instant and busy over the interval: a burst that
+    arrives at the end of an idle interval is not a starved device. The very first reading counts on its own."""
+    readings = [s for s in history.samples if now - s.time <= interval_s]
+    before = [s for s in history.samples if now - s.time > interval_s][-1:]
+    chain = [*before, *readings, latest]
+    pairs = list(pairwise(chain)) if len(chain) > 1 else [(latest, latest)]
+    busy = [s.device_busy for prev, s in pairs if s.device_busy is not None and _waits(prev) and _waits(s)]
+    return sum(busy) / len(busy) if busy else None
+
+
+def _waits(signals: Signals) -> bool:
+    return (signals.queue_depth or 0) > 0
 
 
 def _averaged(samples: list[Signals]) -> Signals:
