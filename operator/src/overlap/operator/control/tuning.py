@@ -142,21 +142,21 @@ def tune(
         if share is not None and share < EXECUTION_SHARE:
             candidates = [("max_num_seqs", 0.5, 0), ("max_num_batched_tokens", 0.5, 0)]
             return retune(candidates, f"{over}, {1 - share:.0%} of it execution")
-    busy = _busy_while_waiting(history, now, policy.interval_s, samples[-1])
+    busy = _busy_while_waiting(history, samples, now - policy.interval_s)
     if busy is not None and busy < DEVICE_IDLE:
         candidates = [("num_buffers", 1, 1), ("max_num_seqs", 2, 0)]
         return retune(candidates, f"device busy {busy:.0%} (< {DEVICE_IDLE:.0%}) while requests wait")
     return None
 
 
-def _busy_while_waiting(history: History, now: float, interval_s: float, latest: Signals) -> float | None:
+def _busy_while_waiting(history: History, samples: list[Signals], since: float) -> float | None:
     """(*) in the table: device busy over the readings whose whole interval had requests waiting (a queue at the
-    reading before and at this one). The queue is read at an instant and busy over the interval: a burst that
-    arrives at the end of an idle interval is not a starved device. The very first reading counts on its own."""
-    readings = [s for s in history.samples if now - s.time <= interval_s]
-    before = [s for s in history.samples if now - s.time > interval_s][-1:]
-    chain = [*before, *readings, latest]
-    pairs = list(pairwise(chain)) if len(chain) > 1 else [(latest, latest)]
+    reading before and at this one), `samples` the readings since `since`. The queue is read at an instant and busy
+    over the interval: a burst that arrives at the end of an idle interval is not a starved device. The very first
+    reading counts on its own."""
+    before = next((s for s in reversed(history.samples) if s.time < since), None)
+    chain = [before, *samples] if before is not None else samples
+    pairs = list(pairwise(chain)) if len(chain) > 1 else [(chain[0], chain[0])]
     busy = [s.device_busy for prev, s in pairs if s.device_busy is not None and _waits(prev) and _waits(s)]
     return sum(busy) / len(busy) if busy else None
 
