@@ -11,6 +11,7 @@ import torch
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ModelLoadError
+from overlap.engine.model.layers.linear import Linear
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
@@ -329,10 +330,9 @@ def test_last_layer_runs_only_the_sampled_rows(runner, hf_model, monkeypatch):
     ]
     rows: list[int] = []
     monkeypatch.setattr(runner.packer, "halves_min_tokens", None)  # one forward, so one sequence of calls
-    backend = runner.linear
-    for name in ("linear", "linear_silu"):
-        original = getattr(backend, name)
-        monkeypatch.setattr(backend, name, lambda x, *args, fn=original: rows.append(x.shape[0]) or fn(x, *args))
+    for name in ("__call__", "silu"):  # every projection, through oneDNN or the native rows kernel
+        original = getattr(Linear, name)
+        monkeypatch.setattr(Linear, name, lambda self, x, fn=original: rows.append(x.shape[0]) or fn(self, x))
     logits = runner.compute_logits(ModelInput(seqs))
     total = len(prompt) + len(chunk)
     last_full = max(i for i, n in enumerate(rows) if n == total)  # the last layer's qkv projection

@@ -1,6 +1,6 @@
 """The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`) and a layer's small
 ops, RMSNorm and RoPE with the K/V write, and the sampler's greedy argmax (`cpu_ops.c`), built into one library on
-first use.
+first use; and projections at decode sizes (`linear_packed.c`), built into a second one with OpenMP.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
 cached under `$OVERLAP_CACHE_DIR/native/` keyed by the sources, the flags and the CPU model (the build uses
@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cpu_ops.c", "bf16.h")]
 # -fopenmp-simd honours the `omp simd` pragmas without linking an OpenMP runtime (torch brings its own).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+_LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
+# -fopenmp links libgomp.so.1 by name, which resolves to the copy torch loaded: torch's threads run the kernel.
+_LINEAR_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -187,6 +190,46 @@ class CpuOps:
                    dtype == torch.bfloat16)  # fmt: skip
 
 
+class PackedLinearKernel:
+    """`linear_packed.c` loaded: y = x W^T (+ bias) (SiLU) for 1-64 rows of fp32 or bf16 against a weight in oneDNN's
+    packed layout for that dtype (`layers/linear.py` checks the layout on this CPU before it hands one over)."""
+
+    MAX_ROWS = 64  # what the kernel takes; `ROWS` is where it is faster than oneDNN (docs/engine.md)
+    ROWS: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 64, torch.float32: 48}
+    BLOCK_COLS = 64  # the packed layout's output-column block
+    K_ALIGN: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 32, torch.float32: 16}  # what inputs are padded to
+    PAIRED: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 2, torch.float32: 1}  # inputs side by side per column
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.overlap_linear_packed
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i64, _i32, _i32]
+        available = library.overlap_linear_packed_dtypes()
+        self.dtypes = tuple(dtype for bit, dtype in ((1, torch.float32), (2, torch.bfloat16)) if available & bit)
+
+    def padded_k(self, k: int, dtype: torch.dtype) -> int:
+        return -(-k // self.K_ALIGN[dtype]) * self.K_ALIGN[dtype]
+
+    def packed_bytes(self, n: int, k: int, dtype: torch.dtype) -> int:
+        """The bytes of an [n, k] weight in the layout this kernel reads."""
+        return -(-n // self.BLOCK_COLS) * self.BLOCK_COLS * self.padded_k(k, dtype) * dtype.itemsize
+
+    def __call__(self, x: torch.Tensor, weight_ptr: int, n: int, k: int, bias: torch.Tensor | None,
+                 silu: bool) -> torch.Tensor:  # fmt: skip
+        """x [rows, k], rows <= MAX_ROWS, rows dense (in bf16, an even number of elements apart); a new [rows, n]."""
+        rows, dtype, bf16 = x.shape[0], x.dtype, x.dtype == torch.bfloat16
+        dense = x.stride(1) == 1 and (not bf16 or (x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0))
+        _check(dtype in self.dtypes and x.dim() == 2 and x.shape[1] == k and dense and 1 <= rows <= self.MAX_ROWS,
+               "linear: x layout")  # fmt: skip
+        _check(bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.shape == (n,)), "linear: bias")
+        out = torch.empty(rows, n, dtype=dtype)
+        status = self._fn(x.data_ptr(), x.stride(0), rows, weight_ptr, n, k, self.padded_k(k, dtype),
+                          None if bias is None else bias.data_ptr(), silu, out.data_ptr(), n, torch.get_num_threads(),
+                          bf16)  # fmt: skip
+        _check(status == 0, "linear: arguments the kernel does not take")
+        return out
+
+
 def _check(ok: bool, what: str) -> None:
     # The C code trusts its layouts; a mismatch would read or write the wrong memory, so check them (cheap).
     if not ok:
@@ -194,13 +237,15 @@ def _check(ok: bool, what: str) -> None:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The native library, built and cached on first use; None (and one warning) when it cannot be had."""
+def _library(name: str = "overlap_kernels") -> ctypes.CDLL | None:
+    """A native library (`overlap_kernels` or `overlap_linear`), built and cached on first use; None (and one
+    warning) when it cannot be had."""
     if os.environ.get("OVERLAP_NATIVE", "1") == "0":
         log.info("native kernels off (OVERLAP_NATIVE=0): using torch ops")
         return None
+    sources, flags = (_LINEAR_SOURCES, _LINEAR_FLAGS) if name == "overlap_linear" else (_SOURCES, _FLAGS)
     try:
-        return ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build(name, sources, flags)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
         log.warning("native kernels unavailable (%s); using torch ops, slower", detail)
@@ -221,13 +266,22 @@ def cpu_ops() -> CpuOps | None:
     return None if library is None else CpuOps(library)
 
 
-def _build() -> Path:
+@functools.cache
+def packed_linear_kernel() -> PackedLinearKernel | None:
+    """The decode-size projection kernel, or None without the library or AVX-512 on this CPU."""
+    library = _library("overlap_linear")
+    if library is None or not library.overlap_linear_packed_dtypes():
+        return None
+    return PackedLinearKernel(library)
+
+
+def _build(name: str, source_paths: list[Path], flags: list[str]) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    sources = b"".join(path.read_bytes() for path in _SOURCES)
-    key = hashlib.sha256(sources + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
-    target = cache_root() / "native" / f"overlap_kernels-{platform.machine()}-{key}.so"
+    sources = b"".join(path.read_bytes() for path in source_paths)
+    key = hashlib.sha256(sources + " ".join([compiler, *flags, _cpu_model()]).encode()).hexdigest()[:16]
+    target = cache_root() / "native" / f"{name}-{platform.machine()}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -235,8 +289,8 @@ def _build() -> Path:
     # half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        compiled = [str(path) for path in _SOURCES if path.suffix == ".c"]
-        subprocess.run([compiler, *_FLAGS, *compiled, "-o", str(built)], check=True, capture_output=True, text=True)
+        compiled = [str(path) for path in source_paths if path.suffix == ".c"]
+        subprocess.run([compiler, *flags, *compiled, "-o", str(built)], check=True, capture_output=True, text=True)
         os.replace(built, target)
     return target
 

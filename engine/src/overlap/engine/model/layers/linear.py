@@ -5,15 +5,31 @@ In fp32 oneDNN also avoids MKL: torch's fp32 CPU matmul goes to MKL, which on AM
 (docs/engine.md has the measurements). bf16 matmuls reach oneDNN anyway; prepacking saves about a fifth of a
 decode-sized one. The backend is checked once against F.linear; any surprise (op missing, a build without oneDNN,
 a wrong result) keeps F.linear.
+
+On a CPU with AVX-512, decode-sized steps (up to 64 rows in bf16, 48 in fp32) go to the native kernel in
+`linear_packed.c`, which reads the same packed weights: it streams them closer to the memory bandwidth than oneDNN
+does at those sizes. It is used only where the packed layout on this CPU is the one it reads and its results match
+oneDNN's (checked once, and one row per weight), and in bf16 only without AMX: there oneDNN's AMX kernels keep every
+size. `OVERLAP_NATIVE_LINEAR=0` (or `OVERLAP_NATIVE=0`) keeps oneDNN for every size.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 
+from overlap.engine.model import native
+
+log = logging.getLogger(__name__)
+
 # Rows oneDNN's packed layout is chosen for; it serves any row count with identical results.
 PACKED_ROWS = 32
+# Sums in another order: a bf16 output may differ from oneDNN's by a rounding or two.
+_CLOSE = {torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}, torch.float32: {"atol": 1e-4, "rtol": 1e-4}}
 
 
 class LinearBackend:
@@ -33,14 +49,38 @@ class LinearBackend:
 
 
 class OneDnnBackend(LinearBackend):
-    """oneDNN's linear with prepacked weights and SiLU fused into the gate matmul (CPU, fp32 and bf16)."""
+    """oneDNN's linear with prepacked weights and SiLU fused into the gate matmul (CPU, fp32 and bf16); where
+    `rows_kernel` is set, decode-sized steps through the native kernel on the same packed weights."""
 
-    name = "oneDNN linear, weights prepacked"
     fuses_silu = True
 
     def __init__(self) -> None:
         self._op = torch.ops.mkldnn._linear_pointwise
         self._reorder = torch.ops.mkldnn._reorder_linear_weight
+        self.rows_kernel: native.PackedLinearKernel | None = None
+        self.rows_max = 0  # the most rows of x the native kernel takes in this backend's dtype
+
+    @property
+    def name(self) -> str:
+        rows = "" if self.rows_kernel is None else f", native AVX-512 kernel for <= {self.rows_max} rows"
+        return f"oneDNN linear, weights prepacked{rows}"
+
+    def rows_handle(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
+        """(address, n, k) of a packed weight the native kernel reads, or None: it keeps oneDNN. oneDNN picks the
+        layout per shape (a plain one for some small ones, of the same size at times), so one row through both says
+        whether this weight's is the kernel's."""
+        kernel = self.rows_kernel
+        if kernel is None or weight.layout != torch._mkldnn or weight.dtype not in kernel.dtypes:
+            return None
+        n, k = weight.shape
+        dtype = weight.dtype
+        if (dtype == torch.bfloat16 and k % 2) or torch.ops.mkldnn._nbytes(weight) != kernel.packed_bytes(n, k, dtype):
+            return None
+        handle = torch.ops.mkldnn.data_ptr(weight), n, k
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+        with torch.inference_mode():
+            ours, theirs = kernel(x, *handle, None, False).float(), self.linear(x, weight).float()
+        return handle if torch.allclose(ours, theirs, **_CLOSE[dtype]) else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._op(x, weight, bias, "none", [], "")
@@ -64,6 +104,8 @@ def pick_linear_backend(device: torch.device, dtype: torch.dtype) -> LinearBacke
         return plain
     try:
         onednn = OneDnnBackend()
+        onednn.rows_kernel = _rows_kernel(onednn, dtype)  # None: oneDNN serves every size
+        onednn.rows_max = 0 if onednn.rows_kernel is None else onednn.rows_kernel.ROWS[dtype]
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((5, 64), (24, 64), (24,)))
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2
@@ -80,15 +122,91 @@ def pick_linear_backend(device: torch.device, dtype: torch.dtype) -> LinearBacke
     return plain
 
 
-class Linear:
-    """y = x W^T + b through the backend, W packed for it once."""
+def _rows_kernel(onednn: OneDnnBackend, dtype: torch.dtype) -> native.PackedLinearKernel | None:
+    """The native decode-size kernel where it has `dtype` on this CPU (bf16: only without AMX), oneDNN packs weights
+    in the layout it reads, and it computes what oneDNN does; None otherwise."""
+    if os.environ.get("OVERLAP_NATIVE_LINEAR", "1") == "0":  # oneDNN alone, to compare against
+        return None
+    kernel = native.packed_linear_kernel()
+    if kernel is None or dtype not in kernel.dtypes or (dtype == torch.bfloat16 and native.cpu_isa() == "AMX-BF16"):
+        return None
+    # Each value's output and input column, written into a weight and read back from oneDNN's packed copy.
+    n, k = 130, 98  # a partial block of columns, a partial run of inputs
+    cols, ins = torch.arange(n).view(n, 1).expand(n, k), torch.arange(k).view(1, k).expand(n, k)
+    block_cols, paired, size = kernel.BLOCK_COLS, kernel.PAIRED[dtype], kernel.packed_bytes(n, k, dtype)
+    pos = torch.arange(size // dtype.itemsize)
+    per_block = block_cols * kernel.padded_k(k, dtype)
+    block, inner = pos // per_block, pos % per_block
+    expected_col = block * block_cols + inner % (paired * block_cols) // paired
+    expected_in = inner // (paired * block_cols) * paired + inner % paired
+    real = (expected_col < n) & (expected_in < k)
 
-    __slots__ = ("backend", "bias", "weight")
+    def packed_values(values: torch.Tensor) -> torch.Tensor:  # bf16 holds the integers below 256 exactly
+        packed = onednn.pack(values.to(dtype))
+        if packed.layout != torch._mkldnn or torch.ops.mkldnn._nbytes(packed) != size:
+            raise ValueError("not the packed layout")
+        raw = bytearray(ctypes.string_at(torch.ops.mkldnn.data_ptr(packed), size))
+        return torch.frombuffer(raw, dtype=dtype).long()
+
+    previous = onednn.rows_kernel
+    onednn.rows_kernel = kernel
+    try:
+        got_col = packed_values(cols % 256) + 256 * packed_values(cols // 256)
+        got_in = packed_values(ins % 256) + 256 * packed_values(ins // 256)
+        gen = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((9, k), (n, k), (n,)))
+        with torch.inference_mode():
+            packed = onednn.pack(w)
+            handle = onednn.rows_handle(packed)
+            same = handle is not None and all(
+                torch.allclose(kernel(x, *handle, b, silu).float(), onednn_fn(x, packed, b).float(), **_CLOSE[dtype])
+                for silu, onednn_fn in ((False, onednn.linear), (True, onednn.linear_silu))
+            )
+    except (ValueError, RuntimeError, AttributeError) as exc:
+        log.info("native %s linear not used: %s", dtype, exc)
+        return None
+    finally:
+        onednn.rows_kernel = previous
+    if not (torch.equal(got_col[real], expected_col[real]) and torch.equal(got_in[real], expected_in[real]) and same):
+        log.info("native %s linear not used: oneDNN's packed layout or results differ on this CPU", dtype)
+        return None
+    return kernel
+
+
+class Linear:
+    """y = x W^T + b through the backend, W packed for it once; decode-sized x through the backend's native rows
+    kernel where it has one for this weight."""
+
+    __slots__ = ("backend", "bias", "rows", "rows_max", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: LinearBackend) -> None:
         self.backend = backend
         self.weight = backend.pack(weight)
         self.bias = bias
+        self.rows, self.rows_max = None, 0  # (kernel, address, n, k) for x of at most rows_max rows
+        kernel = getattr(backend, "rows_kernel", None)
+        handle = (
+            None
+            if kernel is None or (bias is not None and bias.dtype != weight.dtype)
+            else backend.rows_handle(self.weight)
+        )
+        if handle is not None:
+            self.rows, self.rows_max = (kernel, *handle), backend.rows_max
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= self.rows_max and _rows_ok(x):
+            kernel, address, n, k = self.rows
+            return kernel(x, address, n, k, self.bias, False)
         return self.backend.linear(x, self.weight, self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(x W^T + b), in one pass where the backend fuses it."""
+        if 0 < x.shape[0] <= self.rows_max and _rows_ok(x):
+            kernel, address, n, k = self.rows
+            return kernel(x, address, n, k, self.bias, True)
+        return self.backend.linear_silu(x, self.weight, self.bias)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """x's rows are as the native kernel reads them (a slice of a wider tensor may not be: bf16 reads pairs)."""
+    return x.stride(1) == 1 and (x.dtype != torch.bfloat16 or (x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0))

@@ -29,8 +29,7 @@ class GatedMLP:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            gate = self.gate
-            act = gate.backend.linear_silu(x, gate.weight, gate.bias).mul_(self.up(x))
+            act = self.gate.silu(x).mul_(self.up(x))
         else:
             gate_up = self.gate_up(x)
             if self.silu_mul is not None:
