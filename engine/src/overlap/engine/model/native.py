@@ -36,6 +36,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared",
 _LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
 # -fopenmp links libgomp.so.1 by name, which resolves to the copy torch loaded: torch's threads run the kernel.
 _LINEAR_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_LIBRARIES = {"overlap_kernels": (_SOURCES, _FLAGS), "overlap_linear": (_LINEAR_SOURCES, _LINEAR_FLAGS)}
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -214,13 +215,19 @@ class PackedLinearKernel:
         """The bytes of an [n, k] weight in the layout this kernel reads."""
         return -(-n // self.BLOCK_COLS) * self.BLOCK_COLS * self.padded_k(k, dtype) * dtype.itemsize
 
+    @staticmethod
+    def reads_rows_of(x: torch.Tensor) -> bool:
+        """x's rows lie as the kernel reads them: dense, and in bf16 (read in pairs) 4-byte aligned, which a slice
+        of a wider tensor may not be."""
+        bf16 = x.dtype == torch.bfloat16
+        return x.stride(1) == 1 and (not bf16 or (x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0))
+
     def __call__(self, x: torch.Tensor, weight_ptr: int, n: int, k: int, bias: torch.Tensor | None,
                  silu: bool) -> torch.Tensor:  # fmt: skip
-        """x [rows, k], rows <= MAX_ROWS, rows dense (in bf16, an even number of elements apart); a new [rows, n]."""
+        """x [rows, k], 1 <= rows <= MAX_ROWS, its rows as `reads_rows_of` says; a new [rows, n]."""
         rows, dtype, bf16 = x.shape[0], x.dtype, x.dtype == torch.bfloat16
-        dense = x.stride(1) == 1 and (not bf16 or (x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0))
-        _check(dtype in self.dtypes and x.dim() == 2 and x.shape[1] == k and dense and 1 <= rows <= self.MAX_ROWS,
-               "linear: x layout")  # fmt: skip
+        _check(dtype in self.dtypes and x.dim() == 2 and x.shape[1] == k and self.reads_rows_of(x)
+               and 1 <= rows <= self.MAX_ROWS, "linear: x layout")  # fmt: skip
         _check(bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.shape == (n,)), "linear: bias")
         out = torch.empty(rows, n, dtype=dtype)
         status = self._fn(x.data_ptr(), x.stride(0), rows, weight_ptr, n, k, self.padded_k(k, dtype),
@@ -238,14 +245,13 @@ def _check(ok: bool, what: str) -> None:
 
 @functools.cache
 def _library(name: str = "overlap_kernels") -> ctypes.CDLL | None:
-    """A native library (`overlap_kernels` or `overlap_linear`), built and cached on first use; None (and one
-    warning) when it cannot be had."""
+    """A native library of `_LIBRARIES`, built and cached on first use; None (and one warning) when it cannot be
+    had."""
     if os.environ.get("OVERLAP_NATIVE", "1") == "0":
         log.info("native kernels off (OVERLAP_NATIVE=0): using torch ops")
         return None
-    sources, flags = (_LINEAR_SOURCES, _LINEAR_FLAGS) if name == "overlap_linear" else (_SOURCES, _FLAGS)
     try:
-        return ctypes.CDLL(str(_build(name, sources, flags)))
+        return ctypes.CDLL(str(_build(name, *_LIBRARIES[name])))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", None) or exc
         log.warning("native kernels unavailable (%s); using torch ops, slower", detail)

@@ -185,28 +185,20 @@ class Linear:
         self.bias = bias
         self.rows, self.rows_max = None, 0  # (kernel, address, n, k) for x of at most rows_max rows
         kernel = getattr(backend, "rows_kernel", None)
-        handle = (
-            None
-            if kernel is None or (bias is not None and bias.dtype != weight.dtype)
-            else backend.rows_handle(self.weight)
-        )
-        if handle is not None:
-            self.rows, self.rows_max = (kernel, *handle), backend.rows_max
+        if kernel is not None and (bias is None or bias.dtype == weight.dtype):
+            handle = backend.rows_handle(self.weight)
+            if handle is not None:
+                self.rows, self.rows_max = (kernel, *handle), backend.rows_max
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= self.rows_max and _rows_ok(x):
+        if 0 < x.shape[0] <= self.rows_max and self.rows[0].reads_rows_of(x):
             kernel, address, n, k = self.rows
             return kernel(x, address, n, k, self.bias, False)
         return self.backend.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU(x W^T + b), in one pass where the backend fuses it."""
-        if 0 < x.shape[0] <= self.rows_max and _rows_ok(x):
+        if 0 < x.shape[0] <= self.rows_max and self.rows[0].reads_rows_of(x):
             kernel, address, n, k = self.rows
             return kernel(x, address, n, k, self.bias, True)
         return self.backend.linear_silu(x, self.weight, self.bias)
-
-
-def _rows_ok(x: torch.Tensor) -> bool:
-    """x's rows are as the native kernel reads them (a slice of a wider tensor may not be: bf16 reads pairs)."""
-    return x.stride(1) == 1 and (x.dtype != torch.bfloat16 or (x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0))
