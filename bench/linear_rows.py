@@ -1,0 +1,65 @@
+"""The projections of a whole decode step, native decode-size kernel (`linear_packed.c`) against oneDNN's linear on
+the very same packed weights, at R rows: every projection of a real shape's layers (each layer its own weights, so
+they stream from memory as in a step) and the LM head, best of 3 passes, the machine's torch threads (2 unless told).
+It is how the kernel's row limits (`PackedLinearKernel.ROWS`) were chosen; docs/engine.md ("Real sizes") has a run.
+
+    .venv/bin/python -m bench.linear_rows qwen2.5-0.5b bfloat16 1,16,64    # from the repository root
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def main(shape: str, dtype_name: str, row_counts: list[int], threads: int = 2) -> None:
+    import torch
+
+    from overlap.engine.model import native
+    from overlap.engine.model.shapes import shape_config
+
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype_name)
+    kernel = native.packed_linear_kernel()
+    if kernel is None or dtype not in kernel.dtypes:
+        sys.exit(f"no native {dtype_name} kernel on this CPU ({native.cpu_isa()})")
+    config = shape_config(shape)
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    per_layer = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    mats = [(name, n, k, layers) for name, (n, k) in per_layer.items()] + [("lm_head", config["vocab_size"], h, 1)]
+    onednn = torch.ops.mkldnn._linear_pointwise
+    totals = {(rows, who): 0.0 for rows in row_counts for who in ("oneDNN", "native")}
+    print(f"{shape} {dtype_name}, {threads} threads, CPU {native.cpu_isa()}: the projections of one decode step")
+    for name, n, k, copies in mats:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), 32) for _ in range(copies)]
+        addresses = [torch.ops.mkldnn.data_ptr(w) for w in packed]
+        for rows in row_counts:
+            x = torch.randn(rows, k).to(dtype)
+            totals[rows, "oneDNN"] += _best(lambda x, ws: [onednn(x, w, None, "none", [], "") for w in ws], x, packed)
+            totals[rows, "native"] += _best(
+                lambda x, addresses, n, k: [kernel(x, a, n, k, None, False) for a in addresses], x, addresses, n, k
+            )
+        print(f"  {name}: {copies} x [{n}, {k}] done", file=sys.stderr)
+    print("rows | oneDNN ms | native ms | native / oneDNN")
+    for rows in row_counts:
+        ours, theirs = totals[rows, "native"], totals[rows, "oneDNN"]
+        print(f"{rows:4d} | {1000 * theirs:9.1f} | {1000 * ours:9.1f} | {ours / theirs:.2f}")
+
+
+def _best(run, *args) -> float:
+    """The fastest of 3 passes of run(*args), in seconds."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        run(*args)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+    main(sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3].split(",")])
