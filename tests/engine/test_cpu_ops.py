@@ -71,6 +71,14 @@ def test_argmax_is_torchs_with_ties_nans_and_infinities():
     x[5, 0] = float("nan")
     torch.testing.assert_close(ops.argmax(x), x.argmax(-1), rtol=0, atol=0)
     assert ops.argmax(x[:0]).shape == (0,)
+    halves = x.bfloat16()  # bf16 rows, read as they are: torch's index on the same values
+    torch.testing.assert_close(ops.argmax(halves), halves.float().argmax(-1), rtol=0, atol=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread takes every row
+    try:
+        torch.testing.assert_close(ops.argmax(x), x.argmax(-1), rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_layouts_the_kernels_would_misread_are_refused():
@@ -80,7 +88,9 @@ def test_layouts_the_kernels_would_misread_are_refused():
     with pytest.raises(ValueError, match="layouts"):
         ops.rms_norm(torch.zeros(64, 4).t(), weight, 1e-5)
     with pytest.raises(ValueError, match="argmax"):
-        ops.argmax(torch.zeros(4, 8, dtype=torch.bfloat16))
+        ops.argmax(torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="argmax"):
+        ops.argmax(torch.zeros(8, 4).t())
     qkv, table = torch.zeros(2, 3 * 64), torch.zeros(8, 64)
     pool = torch.zeros(4, 1, 64)
     index = torch.zeros(2, dtype=torch.long)

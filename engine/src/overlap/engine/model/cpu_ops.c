@@ -90,23 +90,33 @@ void overlap_rope_store_kv(void *qkv, int64_t row_stride, const int64_t *positio
                       head_dim, 0);
 }
 
-/* out[r] = the index of row r's largest value, the first one on ties, as torch.argmax: a NaN counts as the largest
- * (the first NaN's index), and a row of -inf gives 0. Rows of `cols` fp32 values, rows_stride apart. */
-void overlap_argmax_rows(const float *x, int64_t row_stride, int32_t rows, int32_t cols, int64_t *out) {
-    for (int32_t r = 0; r < rows; r++) {
-        const float *row = x + (int64_t)r * row_stride;
-        float top = -INFINITY;
-        int32_t nans = 0;
+/* The index of a row's largest value, the first one on ties, as torch.argmax: a NaN counts as the largest (the first
+ * NaN's index), and a row of -inf gives 0. */
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *row, int32_t cols, const int bf16) {
+    float top = -INFINITY;
+    int32_t nans = 0;
 #pragma omp simd reduction(max : top) reduction(+ : nans)
-        for (int32_t i = 0; i < cols; i++) {
-            top = row[i] > top ? row[i] : top;
-            nans += row[i] != row[i];
-        }
-        int32_t i = 0;
-        if (nans)
-            while (row[i] == row[i]) i++;
-        else
-            while (i < cols - 1 && row[i] != top) i++;
-        out[r] = i;
+    for (int32_t i = 0; i < cols; i++) {
+        const float v = load(row, i, bf16);
+        top = v > top ? v : top;
+        nans += v != v;
+    }
+    int32_t i = 0;
+    if (nans)
+        while (load(row, i, bf16) == load(row, i, bf16)) i++;
+    else
+        while (i < cols - 1 && load(row, i, bf16) != top) i++;
+    return i;
+}
+
+/* out[r] = argmax of row r, rows of `cols` fp32 or bf16 values (bf16 widens exactly: the same index), rows_stride
+ * apart, the rows shared among `threads` OpenMP threads. */
+void overlap_argmax_rows(const void *x, int64_t row_stride, int32_t rows, int32_t cols, int64_t *out, int32_t bf16,
+                         int32_t threads) {
+    const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && rows > 1)
+    for (int32_t r = 0; r < rows; r++) {
+        const void *row = (const char *)x + (int64_t)r * row_stride * elem;
+        out[r] = bf16 ? argmax_row(row, cols, 1) : argmax_row(row, cols, 0);
     }
 }

@@ -31,10 +31,9 @@ from overlap.engine.model.builder import cache_root
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cpu_ops.c", "bf16.h")]
-# -fopenmp-simd honours the `omp simd` pragmas without linking an OpenMP runtime (torch brings its own).
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC"]
+# -fopenmp links libgomp.so.1 by name, which resolves to the copy torch loaded: torch's threads run the kernels.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
-# -fopenmp links libgomp.so.1 by name, which resolves to the copy torch loaded: torch's threads run the kernel.
 _LINEAR_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _LIBRARIES = {"overlap_kernels": (_SOURCES, _FLAGS), "overlap_linear": (_LINEAR_SOURCES, _LINEAR_FLAGS)}
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -55,7 +54,7 @@ class DecodeAttentionKernel:
             fn = getattr(library, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
-            fn.argtypes += [_i32, _f32]
+            fn.argtypes += [_i32, _f32, _i32]
             self._fns[dtype] = fn
 
     def __call__(
@@ -68,9 +67,11 @@ class DecodeAttentionKernel:
         begin: int,
         end: int,
         scale: float,
+        threads: int = 1,
     ) -> None:
         """q [rows, heads, D] (rows may be strided, heads and D dense); k/v pool [slots, kv_heads, D] contiguous;
-        out [rows, heads, D] contiguous. All of one dtype, fp32 or bf16, on CPU."""
+        out [rows, heads, D] contiguous. All of one dtype, fp32 or bf16, on CPU. `threads` OpenMP threads share the
+        sequences."""
         heads, head_dim = q.shape[1], q.shape[2]
         fn = self._fns.get(q.dtype)
         if fn is None or not (k_pool.dtype == v_pool.dtype == out.dtype == q.dtype):
@@ -101,6 +102,7 @@ class DecodeAttentionKernel:
             head_dim,
             plan.block_size,
             scale,
+            threads,
         )
         if status != 0:
             raise MemoryError("paged decode attention: could not allocate its scratch buffer")
@@ -109,7 +111,7 @@ class DecodeAttentionKernel:
 class DecodePlan:
     """The decodes of one step in the kernel's terms, built once per step and shared by every layer."""
 
-    __slots__ = ("block_size", "block_tables", "ctx_lens", "mid", "num_seqs", "q_rows", "table_starts")
+    __slots__ = ("block_size", "block_tables", "ctx_lens", "num_seqs", "q_rows", "table_starts")
 
     def __init__(self, tables: list[list[int]], ctx_lens: list[int], q_rows: list[int], block_size: int) -> None:
         starts, flat = [], []
@@ -122,13 +124,6 @@ class DecodePlan:
         self.q_rows = torch.tensor(q_rows, dtype=torch.int32)
         self.block_size = block_size
         self.num_seqs = len(ctx_lens)
-        # Where to cut the sequences in two runs of about equal context, for two threads (work is linear in it).
-        half, acc, self.mid = sum(ctx_lens) / 2, 0, len(ctx_lens) // 2
-        for i, n in enumerate(ctx_lens[:-1]):
-            acc += n
-            if acc >= half:
-                self.mid = i + 1
-                break
 
 
 class CpuOps:
@@ -143,13 +138,16 @@ class CpuOps:
         self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
         self._argmax = library.overlap_argmax_rows
         self._argmax.restype = None
-        self._argmax.argtypes = [_ptr, _i64, _i32, _i32, _ptr]
+        self._argmax.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i32, _i32]
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """torch.argmax(x, dim=-1) of fp32 x [rows, cols] (rows may be strided): int64 [rows]."""
-        _check(x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0, "argmax: layout")
+        """torch.argmax(x, dim=-1) of fp32 or bf16 x [rows, cols] (rows may be strided): int64 [rows], the rows shared
+        among torch's threads."""
+        _check(x.dtype in DecodeAttentionKernel.DTYPES, "argmax: fp32 or bf16")
+        _check(x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0, "argmax: layout")
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+        self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), x.dtype == torch.bfloat16,
+                     torch.get_num_threads())  # fmt: skip
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -3,8 +3,9 @@
  * are rounded to bf16 before they multiply V, as transformers casts its fp32 softmax to the value dtype; the output
  * is rounded once at the end.
  *
- * Built on first use by engine/src/overlap/engine/model/native.py (cc -O3 -march=native) and called through ctypes, which releases the GIL,
- * so the runner's two Python threads can each run a share of the sequences. One call covers a layer's decodes, where
+ * Built on first use by engine/src/overlap/engine/model/native.py (cc -O3 -march=native -fopenmp) and called through
+ * ctypes. The sequences of a call are shared among OpenMP threads, torch's own (the library names libgomp.so.1, which
+ * resolves to the copy torch has loaded), with no Python thread in the way. One call covers a layer's decodes, where
  * torch's per-sequence ops cost ~5 kernel launches per sequence and layer, while the work itself only has to stream
  * each sequence's K/V rows once (`overlap bench engine`: paged decode went from 23% slower than a contiguous cache
  * read by one batched SDPA to 27% faster at batch 64).
@@ -24,6 +25,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "bf16.h"
 
@@ -90,6 +94,60 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(e, n);
 }
 
+#if defined(__AVX512BF16__)
+/* Query heads one V pass takes together: their fp32 outputs (head_dim / 16 registers each) stay in registers beside one
+ * interleaved row pair of V, within the 32 AVX-512 registers. */
+#define V_HEADS(head_dim) ((head_dim) <= 64 ? 6 : 3)
+
+/* The V pass of N query heads sharing one KV head over one block's rows, bf16 pairs (see attend_one_avx512):
+ * o[n] += sum over pairs (p, p + 1) of the weights' pair times V rows p and p + 1 interleaved. unpacklo/hi of rows r
+ * and r + 1 pair up their elements within each 128-bit lane, so out[2j] holds dims 32j + 8l + 0..3 and out[2j + 1]
+ * dims 32j + 8l + 4..7 in lane l: the caller puts them back in order at the end. */
+static inline __attribute__((always_inline)) void v_pass_heads(const int N, const int vecs, const uint16_t *v_rows,
+                                                               int64_t slot_stride, int32_t rows,
+                                                               const uint16_t *w_pairs, int64_t weights_stride,
+                                                               float *o, int32_t head_dim) {
+    enum { MAX_VECS = 8 };
+    __m512 out[6][MAX_VECS];
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < vecs; j++) out[n][j] = _mm512_loadu_ps(o + n * head_dim + 16 * j);
+    for (int32_t r = 0; r < rows; r += 2) {
+        const uint16_t *a = v_rows + (int64_t)r * slot_stride;
+        __m512bh u[MAX_VECS];
+        for (int j = 0; j < vecs / 2; j++) {
+            const __m512i x = _mm512_loadu_si512(a + 32 * j);
+            /* an odd last row pairs with zeros: the slot past it may hold anything, even a NaN */
+            const __m512i y = r + 1 < rows ? _mm512_loadu_si512(a + slot_stride + 32 * j) : _mm512_setzero_si512();
+            u[2 * j] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+            u[2 * j + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+        }
+        for (int n = 0; n < N; n++) {
+            uint32_t w2;
+            memcpy(&w2, w_pairs + n * weights_stride + r, sizeof w2);
+            const __m512bh w_r = (__m512bh)_mm512_set1_epi32((int32_t)w2);
+            for (int j = 0; j < vecs; j++) out[n][j] = _mm512_dpbf16_ps(out[n][j], w_r, u[j]);
+        }
+    }
+    for (int n = 0; n < N; n++)
+        for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o + n * head_dim + 16 * j, out[n][j]);
+}
+
+/* v_pass_heads with N a constant per call, so its loops unroll into registers. */
+static inline __attribute__((always_inline)) void v_pass_pairs_heads(int N, const int vecs, const uint16_t *v_rows,
+                                                                     int64_t slot_stride, int32_t rows,
+                                                                     const uint16_t *w_pairs, int64_t weights_stride,
+                                                                     float *o, int32_t head_dim) {
+    switch (N) {
+    case 1: v_pass_heads(1, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    case 2: v_pass_heads(2, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    case 3: v_pass_heads(3, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    case 4: v_pass_heads(4, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    case 5: v_pass_heads(5, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    default: v_pass_heads(6, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    }
+}
+#endif
+
 /* attend_one with AVX-512, for head_dim a multiple of 32 (a constant at each call site). Both passes stream the
  * K and V rows block by block, in position order, and go head by head within a block (its rows stay in L1): the QK
  * pass reduces 16 positions' dot products at once, and the V pass loads and stores a head's fp32 output once per
@@ -110,6 +168,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
     const int pairs = bf16 && block_size % 2 == 0;
 #else
     const int pairs = 0;
+    (void)weights_stride;
 #endif
 
     /* scores[h * max_len + p] = scale * q_h . k_p */
@@ -180,11 +239,14 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             const __mmask16 m = len - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - p)) - 1u);
             __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + p), top_all)));
             sum = _mm512_add_ps(sum, e);
+#if defined(__AVX512BF16__)
+            if (pairs) { /* the V pass reads only these bf16 weights (the conversion rounds to nearest even) */
+                _mm256_storeu_si256((__m256i *)(weights + h * weights_stride + p), (__m256i)_mm512_cvtneps_pbh(e));
+                continue;
+            }
+#endif
             if (bf16) e = round16_bf16(e);
             _mm512_mask_storeu_ps(row + p, m, e);
-#if defined(__AVX512BF16__)
-            if (pairs) _mm256_storeu_si256((__m256i *)(weights + h * weights_stride + p), (__m256i)_mm512_cvtneps_pbh(e));
-#endif
         }
         inv_sums[h] = 1.0f / _mm512_reduce_add_ps(sum);
     }
@@ -200,6 +262,22 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
         const int64_t next_bytes = next_p0 >= len || !prefetch
                                        ? 0
                                        : (len - next_p0 < block_size ? len - next_p0 : block_size) * slot_stride * elem;
+#if defined(__AVX512BF16__)
+        if (pairs) {
+            /* The heads of a KV group in runs of up to V_HEADS: each V row pair is loaded and interleaved once per
+             * run rather than once per head. */
+            const int32_t most = V_HEADS(head_dim);
+            for (int32_t h0 = 0; h0 < num_heads;) {
+                const int32_t group_end = (h0 / group + 1) * group, n = group_end - h0 < most ? group_end - h0 : most;
+                for (int32_t h = h0; h < h0 + n; h++) prefetch_share(next, next_bytes, h, num_heads);
+                const uint16_t *v_rows = (const uint16_t *)v_pool + v_block + (int64_t)(h0 / group) * head_dim;
+                v_pass_pairs_heads(n, head_dim / 16, v_rows, slot_stride, rows, weights + h0 * weights_stride + p0,
+                                   weights_stride, o + (int64_t)h0 * head_dim, head_dim);
+                h0 += n;
+            }
+            continue;
+        }
+#endif
         for (int32_t h = 0; h < num_heads; h++) {
             prefetch_share(next, next_bytes, h, num_heads);
             const int64_t v_head = v_block + (int64_t)(h / group) * head_dim;
@@ -207,29 +285,6 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             float *o_head = o + (int64_t)h * head_dim;
             __m512 out[MAX_VECS];
             for (int j = 0; j < vecs; j++) out[j] = _mm512_loadu_ps(o_head + 16 * j);
-#if defined(__AVX512BF16__)
-            if (pairs) {
-                /* unpacklo/hi of rows r and r + 1 pair up their elements within each 128-bit lane, so out[2j] holds
-                 * dims 32j + 8l + 0..3 and out[2j + 1] dims 32j + 8l + 4..7 in lane l: put back in order at the end */
-                const uint16_t *w_pairs = weights + h * weights_stride + p0;
-                for (int32_t r = 0; r < rows; r += 2) {
-                    uint32_t w2;
-                    memcpy(&w2, w_pairs + r, sizeof w2);
-                    const __m512bh w_r = (__m512bh)_mm512_set1_epi32((int32_t)w2);
-                    const uint16_t *a = (const uint16_t *)v_pool + v_head + (int64_t)r * slot_stride;
-                    for (int j = 0; j < vecs / 2; j++) {
-                        const __m512i x = _mm512_loadu_si512(a + 32 * j);
-                        /* an odd last row pairs with zeros: the slot past it may hold anything, even a NaN */
-                        const __m512i y = r + 1 < rows ? _mm512_loadu_si512(a + slot_stride + 32 * j)
-                                                       : _mm512_setzero_si512();
-                        out[2 * j] = _mm512_dpbf16_ps(out[2 * j], w_r, (__m512bh)_mm512_unpacklo_epi16(x, y));
-                        out[2 * j + 1] = _mm512_dpbf16_ps(out[2 * j + 1], w_r, (__m512bh)_mm512_unpackhi_epi16(x, y));
-                    }
-                }
-                for (int j = 0; j < vecs; j++) _mm512_storeu_ps(o_head + 16 * j, out[j]);
-                continue;
-            }
-#endif
             for (int32_t r = 0; r < rows; r++) {
                 const __m512 w_r = _mm512_set1_ps(w[r]);
                 const int64_t v = v_head + (int64_t)r * slot_stride;
@@ -320,21 +375,35 @@ static inline __attribute__((always_inline)) void attend_one(const void *q_row, 
     }
 }
 
-/* Sequences [seq_begin, seq_end). In bf16 each sequence's output is summed in fp32 scratch, then rounded once. */
+/* Sequences [seq_begin, seq_end), shared among `threads` OpenMP threads a sequence at a time (contexts differ, so
+ * a static split would leave one thread waiting). In bf16 each sequence's output is summed in fp32 scratch, then
+ * rounded once. */
 static inline __attribute__((always_inline)) int decode_attention(
     const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
     const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows, void *out, int64_t out_row_stride,
     int32_t seq_begin, int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    float scale, const int bf16) {
+    float scale, int32_t threads, const int bf16) {
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t width = (size_t)num_heads * head_dim;
     int32_t max_len = 1;
     for (int32_t s = seq_begin; s < seq_end; s++)
         if (ctx_lens[s] > max_len) max_len = ctx_lens[s];
-    /* scratch: one row of attention weights per query head, the scaled query, and (bf16) the fp32 output */
+    if (threads > seq_end - seq_begin) threads = seq_end - seq_begin;
+    if (threads < 1) threads = 1;
+    /* scratch per thread: one row of attention weights per query head, the scaled query, and (bf16) the fp32 output;
+     * whole cache lines, so no two threads write one */
     const size_t weights_floats = (size_t)num_heads * ((max_len + 15) / 16 * 16) / 2;
-    float *scores = malloc(sizeof(float) * ((size_t)num_heads * max_len + 2 * width + num_heads + weights_floats));
-    if (scores == NULL) return -1;
+    const size_t scratch = ((size_t)num_heads * max_len + 2 * width + num_heads + weights_floats + 15) / 16 * 16;
+    float *all_scratch = aligned_alloc(64, sizeof(float) * scratch * threads);
+    if (all_scratch == NULL) return -1;
+
+#pragma omp parallel num_threads(threads)
+    {
+#if defined(_OPENMP)
+    float *scores = all_scratch + scratch * omp_get_thread_num();
+#else
+    float *scores = all_scratch;
+#endif
     float *q_scaled = scores + (size_t)num_heads * max_len;
     float *o_f32 = q_scaled + width;
 #if defined(__AVX512F__)
@@ -342,6 +411,7 @@ static inline __attribute__((always_inline)) int decode_attention(
     uint16_t *weights = (uint16_t *)(inv_sums + num_heads);
 #endif
 
+#pragma omp for schedule(dynamic, 1)
     for (int32_t s = seq_begin; s < seq_end; s++) {
         const char *q_row = (const char *)q + (int64_t)q_rows[s] * q_row_stride * elem;
         char *out_row = (char *)out + (int64_t)q_rows[s] * out_row_stride * elem;
@@ -369,7 +439,8 @@ static inline __attribute__((always_inline)) int decode_attention(
         if (bf16)
             for (size_t i = 0; i < width; i++) ((uint16_t *)out_row)[i] = f32_to_bf16(o_f32[i]);
     }
-    free(scores);
+    }
+    free(all_scratch);
     return 0;
 }
 
@@ -377,10 +448,10 @@ int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const f
                                    const int32_t *block_tables, const int32_t *table_starts, const int32_t *ctx_lens,
                                    const int32_t *q_rows, float *out, int64_t out_row_stride, int32_t seq_begin,
                                    int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                                   int32_t block_size, float scale) {
+                                   int32_t block_size, float scale, int32_t threads) {
     return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
                             out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            0);
+                            threads, 0);
 }
 
 /* The same with q, the pools and out in bf16 (uint16_t bit patterns); strides count elements, as above. */
@@ -389,8 +460,8 @@ int overlap_paged_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride,
                                         const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows,
                                         uint16_t *out, int64_t out_row_stride, int32_t seq_begin, int32_t seq_end,
                                         int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                                        float scale) {
+                                        float scale, int32_t threads) {
     return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
                             out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            1);
+                            threads, 1);
 }

@@ -31,14 +31,17 @@ def sample(
     were finite. Sampled in fp32: widening bf16 is exact (the same argmax), and torch's CPU argmax over bf16 is
     several times slower than over fp32. A row's argmax lands on a NaN or +inf if it holds one (and anywhere in a
     row of -inf), so the logit there tells a broken row for the price of one gather instead of another pass.
-    `argmax` replaces torch.argmax(logits, -1) (the runner passes the native one on CPU).
+    `argmax` replaces torch.argmax(logits, -1) (the runner passes the native one on CPU, or Triton's ops' on CUDA);
+    it reads the model's dtype as it is, so an all-greedy batch skips the copy to fp32.
 
     No host sync: every decision (which rows, how many candidates, whether to sort) is made on the host from `params`,
     and the rows' numbers (index, temperature, top-p, top-k, uniform draw) reach the device in one staged copy."""
-    logits = logits.float()
+    greedy = all(p.is_greedy for p in params)
+    if argmax is None or not greedy:
+        logits = logits.float()
     out = logits.argmax(dim=-1) if argmax is None else argmax(logits)
     finite = torch.isfinite(logits.gather(1, out.unsqueeze(1)).squeeze(1))
-    if all(p.is_greedy for p in params):
+    if greedy:
         return out, finite
     vocab = logits.shape[1]
     # Rows with top-k first, then the rest: each group is one slice of the staged table.

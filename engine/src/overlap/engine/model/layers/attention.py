@@ -2,7 +2,7 @@
 
 - **Triton** (CUDA): every sequence of the step, prompt chunks included, in one launch (`triton_attention.py`).
 - **native** (CPU, fp32 or bf16): the step's decodes in one call of the C kernel (`paged_attention.c`), which walks
-  each sequence's block table and streams its K and V rows once; the helper thread takes half of the context when
+  each sequence's block table and streams its K and V rows once; torch's OpenMP threads share the sequences when
   the batch runs whole. Prompt chunks take the torch path.
 - **torch**: per-sequence scaled_dot_product_attention for prompt chunks (a sequence whose block table is one run
   of blocks is read as a slice of the pool, a fragmented one gathered once per step), and on CPUs without the
@@ -20,8 +20,8 @@ from overlap.engine.model.attention_plan import SeqAttention
 from overlap.engine.model.helper import HelperThread
 from overlap.engine.model.native import DecodeAttentionKernel
 
-# A step's decode attention is shared with the helper thread only from this many decodes on: below it the hand-off
-# costs more than the second thread saves.
+# A step's decode attention is shared between threads only from this many decodes on: below it the hand-off costs
+# more than the second thread saves.
 MIN_DECODES_TO_SHARE = 8
 
 
@@ -57,20 +57,16 @@ class PagedAttention:
             return self._torch(q, k_pool, v_pool, seqs)
         num_tokens, heads, head_dim = q.shape
         out = q.new_empty(num_tokens, heads, head_dim)
-        kernel, scale = self.decode_kernel, self.scale
-        if self._shares(plan.num_seqs):  # a batch run whole: the helper thread takes half the context
-            future = self.helper.submit(kernel, q, k_pool, v_pool, plan, out, plan.mid, plan.num_seqs, scale)
-            kernel(q, k_pool, v_pool, plan, out, 0, plan.mid, scale)
-            future.result()
-        else:
-            kernel(q, k_pool, v_pool, plan, out, 0, plan.num_seqs, scale)
+        threads = torch.get_num_threads() if self._shares(plan.num_seqs) else 1  # torch's OpenMP threads share them
+        self.decode_kernel(q, k_pool, v_pool, plan, out, 0, plan.num_seqs, self.scale, threads)
         for s in seqs:
             out[s.q_start : s.q_start + s.q_len] = self._sdpa(q, k_pool, v_pool, s)
         return out.view(num_tokens, -1)
 
     def _shares(self, num_decodes: int) -> bool:
-        """Whether the helper thread takes half of the decodes: not with one intra-op thread configured (the step's
-        halves already run on two threads), nor for too few decodes for the hand-off to pay."""
+        """Whether the decodes are shared between threads (the native kernel's OpenMP threads, or the torch path's
+        helper thread): not with one intra-op thread configured (the step's halves already run on two threads), nor
+        for too few decodes for the hand-off to pay."""
         return torch.get_num_threads() >= 2 and num_decodes >= MIN_DECODES_TO_SHARE
 
     def _sdpa(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, s: SeqAttention) -> torch.Tensor:
