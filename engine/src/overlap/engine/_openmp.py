@@ -9,8 +9,8 @@ each costs:
 - Passive waiting (OMP_WAIT_POLICY=PASSIVE) removes that cliff but pays a futex wake per region, a sizeable share of
   a decode step at real model sizes.
 - A short bounded spin (GOMP_SPINCOUNT, counted in pause instructions) covers the gap between two regions of one step
-  and then sleeps, so a busy machine loses at most that spin per region. docs/engine.md ("How the OpenMP workers
-  wait") has the measurements.
+  and then sleeps, so a busy machine loses at most that spin per region. docs/engine.md ("Between the kernels")
+  has the measurements.
 An explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins.
 """
 

@@ -97,7 +97,8 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
 #if defined(__AVX512BF16__)
 /* Query heads one V pass takes together: their fp32 outputs (head_dim / 16 registers each) stay in registers beside one
  * interleaved row pair of V, within the 32 AVX-512 registers. */
-#define V_HEADS(head_dim) ((head_dim) <= 64 ? 6 : 3)
+enum { MAX_V_HEADS = 6 };
+#define V_HEADS(head_dim) ((head_dim) <= 64 ? MAX_V_HEADS : 3)
 
 /* The V pass of N query heads sharing one KV head over one block's rows, bf16 pairs (see attend_one_avx512):
  * o[n] += sum over pairs (p, p + 1) of the weights' pair times V rows p and p + 1 interleaved. unpacklo/hi of rows r
@@ -108,7 +109,7 @@ static inline __attribute__((always_inline)) void v_pass_heads(const int N, cons
                                                                const uint16_t *w_pairs, int64_t weights_stride,
                                                                float *o, int32_t head_dim) {
     enum { MAX_VECS = 8 };
-    __m512 out[6][MAX_VECS];
+    __m512 out[MAX_V_HEADS][MAX_VECS];
     for (int n = 0; n < N; n++)
         for (int j = 0; j < vecs; j++) out[n][j] = _mm512_loadu_ps(o + n * head_dim + 16 * j);
     for (int32_t r = 0; r < rows; r += 2) {
@@ -143,7 +144,7 @@ static inline __attribute__((always_inline)) void v_pass_pairs_heads(int N, cons
     case 3: v_pass_heads(3, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
     case 4: v_pass_heads(4, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
     case 5: v_pass_heads(5, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
-    default: v_pass_heads(6, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
+    default: v_pass_heads(MAX_V_HEADS, vecs, v_rows, slot_stride, rows, w_pairs, weights_stride, o, head_dim); break;
     }
 }
 #endif
