@@ -97,6 +97,9 @@ def complete(fleet, prompt, headers=None, max_tokens=4) -> dict:
     return answer
 
 
+PICKS = ("prefix", "only")  # the reasons a pick of the prefix test may give
+
+
 def router_metric(fleet, name, labels="") -> float:
     return metric_value(http("GET", f"{fleet['url']}/metrics")[2], name, labels) or 0.0
 
@@ -118,12 +121,18 @@ def test_a_prompt_goes_where_its_prefix_is_cached_with_the_tokenizer_from_a_repl
     wait_until(lambda: router_metric(fleet, "overlap_router_index_blocks") > 0, 10, "the blocks in the index")
     before = [prefix_hits(r) for r in fleet["replicas"]]
     hits_before = router_metric(fleet, "overlap_router_prefix_hit_tokens_total")
+    picks_before = {why: router_metric(fleet, "overlap_router_picks_total", f'reason="{why}"') for why in PICKS}
     for turn in range(3):
         complete(fleet, story + f" Then, on day {turn}, it rained.")
     gained = [prefix_hits(r) - b for r, b in zip(fleet["replicas"], before, strict=True)]
     assert sorted(gained)[0] == 0 and sorted(gained)[1] > 0  # every turn on the replica holding the story
     assert router_metric(fleet, "overlap_router_prefix_hit_tokens_total") - hits_before >= 3 * 64
-    assert router_metric(fleet, "overlap_router_picks_total", 'reason="prefix"') >= 3
+    picks = {why: router_metric(fleet, "overlap_router_picks_total", f'reason="{why}"') - n
+             for why, n in picks_before.items()}  # fmt: skip
+    # On a loaded machine a poll of the other replica can time out: it is then down for a moment and the pick is
+    # "only" (to the story's replica, as `gained` shows); the router says so in its log.
+    assert picks["prefix"] + picks["only"] == 3 and picks["prefix"] >= 1, picks
+    assert picks["only"] == 0 or "is down" in fleet["router"].output(), picks
 
 
 def test_a_session_header_keeps_a_conversation_on_one_replica(fleet):
