@@ -97,7 +97,7 @@ def complete(fleet, prompt, headers=None, max_tokens=4) -> dict:
     return answer
 
 
-PICKS = ("prefix", "only")  # the reasons a pick of the prefix test may give
+PICKS = ("prefix", "only", "load")  # the reasons a pick of the prefix test may give
 
 
 def router_metric(fleet, name, labels="") -> float:
@@ -129,10 +129,10 @@ def test_a_prompt_goes_where_its_prefix_is_cached_with_the_tokenizer_from_a_repl
     assert router_metric(fleet, "overlap_router_prefix_hit_tokens_total") - hits_before >= 3 * 64
     picks = {why: router_metric(fleet, "overlap_router_picks_total", f'reason="{why}"') - n
              for why, n in picks_before.items()}  # fmt: skip
-    # On a loaded machine a poll of the other replica can time out: it is then down for a moment and the pick is
-    # "only" (to the story's replica, as `gained` shows); the router says so in its log.
-    assert picks["prefix"] + picks["only"] == 3 and picks["prefix"] >= 1, picks
-    assert picks["only"] == 0 or "is down" in fleet["router"].output(), picks
+    # On a loaded machine a poll can time out: that replica is down for a moment (its blocks leave the index) and a
+    # pick then is "only" or "load"; the router says so in its log. Every pick is by prefix otherwise.
+    assert sum(picks.values()) == 3 and picks["prefix"] >= 1, picks
+    assert picks["prefix"] == 3 or "is down" in fleet["router"].output(), picks
 
 
 def test_a_session_header_keeps_a_conversation_on_one_replica(fleet):
