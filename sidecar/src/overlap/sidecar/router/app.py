@@ -6,7 +6,8 @@ is short (`picker.py` says how it scores).
   whose address went is dropped at once. Each is polled every `--poll-interval-s` at `/v1/kv-events`:
   the blocks its prefix cache added and evicted since the last poll (a snapshot first and after an engine restart),
   its load (waiting, running, KV usage, the sidecar's admission queue) and whether it is ready or draining. The
-  block size and hash scheme come from there too, so nothing is configured twice.
+  block size and hash scheme come from there too, so nothing is configured twice. One failed poll (a timeout on a
+  loaded machine) changes nothing; the second in a row marks the replica down and drops its blocks from the index.
 - A request: its prompt tokenized once here (the model's tokenizer: `--tokenizer DIR`, else the files a replica
   serves at `/v1/tokenizer`), hashed into blocks, a replica picked, the request relayed as it came (streams chunk
   by chunk). A replica that refuses the connection, answers 5xx or 429 before a byte went to the client is marked
@@ -48,6 +49,7 @@ from overlap.sidecar.waiting import WaitingRoom
 log = logging.getLogger("overlap.router")
 SCORED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _OFF_LOOP_CHARS = 4096  # longer prompts are tokenized on a worker thread, so the loop keeps picking
+DOWN_AFTER_FAILED_POLLS = 2  # consecutive failed KV-event polls that mark a replica down and drop its index
 
 
 @dataclass(slots=True)
@@ -190,11 +192,22 @@ class Router:
                     body = await response.json() if response.status == 200 else None
             except (aiohttp.ClientError, TimeoutError, OSError, json.JSONDecodeError):
                 body = None
-            if body is None:
-                self._down(state)
-            else:
-                self._update(state, body)
+            self._polled(state, body)
             await asyncio.sleep(self.config.poll_interval_s)
+
+    def _polled(self, state: ReplicaState, body: dict | None) -> None:
+        """A poll's answer, None when it failed (no connection, a timeout, not 200). One failed poll changes nothing:
+        on a loaded machine a live replica's poll can time out, and dropping its blocks would send its prefixes
+        elsewhere. The second in a row marks it down (its index dropped until a good poll brings a snapshot)."""
+        if body is not None:
+            state.failed_polls = 0
+            self._update(state, body)
+            return
+        state.failed_polls += 1
+        if state.failed_polls >= DOWN_AFTER_FAILED_POLLS:
+            self._down(state)
+        elif state.ready:
+            log.info("replica %s missed a poll; still routed to until the next one fails too", state.url)
 
     def _update(self, state: ReplicaState, body: dict) -> None:
         if body.get("hash_scheme") != HASH_SCHEME:

@@ -112,6 +112,7 @@ class ReplicaState:
     in_flight: int = 0  # requests this router has sent and not yet seen finish
     starting: int = 0  # of which not streaming yet
     backlog_tokens: int = 0  # their uncached prompt tokens
+    failed_polls: int = 0  # KV-event polls failed in a row (the router's DOWN_AFTER_FAILED_POLLS marks it down)
 
     @property
     def queue(self) -> int:
