@@ -36,3 +36,32 @@ def test_help_runs(path):
         build_parser().parse_args([*path, "--help"])
     assert exited.value.code == 0
     assert out.getvalue().startswith("usage: overlap"), out.getvalue()[:200]
+
+
+def test_the_table_of_each_components_commands_is_what_they_register():
+    """`overlap` names the component of a command that is not installed from this table: it must not drift."""
+    from overlap.cli import COMPONENT_COMMANDS
+
+    top = {path[0] for path, _ in COMMANDS if len(path) == 1}
+    assert top == {command for commands in COMPONENT_COMMANDS.values() for command in commands}
+
+
+def test_a_known_command_of_a_component_not_installed_says_what_installs_it(monkeypatch, capsys):
+    """After `make run` (the engine and the sidecar only), `overlap bench engine` names what brings `bench` instead
+    of argparse's "invalid choice"; exit code 2, as for any usage error."""
+    import overlap.cli as cli
+
+    served = [e for e in cli.entry_points(group=cli.COMMAND_GROUP) if e.name in ("engine", "sidecar")]
+    monkeypatch.setattr(cli, "entry_points", lambda group: served)
+    for argv, command in ((["bench", "engine", "--quick"], "bench"), (["--log-level", "DEBUG", "operator"], "operator"),
+                          (["--log-level=DEBUG", "bench", "--help"], "bench")):  # fmt: skip
+        assert cli.main(argv) == 2
+        error = capsys.readouterr().err
+        assert f"`overlap {command}` is not installed here" in error, error
+        assert f"overlap-{command}" in error and "make venv" in error and f"pip install -e {command}" in error
+        assert "invalid choice" not in error
+    parser = cli.build_parser()
+    assert "bench" in parser.format_help() and "make venv" in parser.format_help()  # `overlap --help` names them
+    with pytest.raises(SystemExit) as exited:  # an unknown command is still argparse's error
+        cli.main(["benhc"])
+    assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err
