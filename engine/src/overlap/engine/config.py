@@ -12,6 +12,8 @@ from overlap.engine.errors import ConfigError
 # Knobs that `Engine.reconfigure()` may change while the engine runs (applied at a step boundary).
 LIVE_KNOBS = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_buffers", "aging_s", "default_timeout_s"})
 CPU_STEP_PLANS = ("auto", "halves", "whole")  # EngineConfig.cpu_step_plan
+# EngineConfig.quantization (vLLM's names); model/quant/formats.py reads each
+QUANTIZATION_METHODS = ("compressed-tensors", "fp8", "gptq", "awq")
 
 
 @dataclass(slots=True)
@@ -30,6 +32,9 @@ class EngineConfig:
     cpu_step_plan: str = "auto"
     # Ranks of one model split by tensor parallelism: a process each (NCCL on CUDA, gloo on CPU), rank 0 the engine.
     tensor_parallel_size: int = 1
+    # The checkpoint's quantization format as vLLM names it (compressed-tensors | fp8 | gptq | awq): None reads it from
+    # config.json; a name refuses a checkpoint of another format (or of float weights).
+    quantization: str | None = None
     seed: int = 0
 
     # KV pool: allocated once at start-up. On CUDA sized from kv_cache_ratio of free device memory; on CPU
@@ -77,6 +82,8 @@ class EngineConfig:
         )
         check(self.device in ("cpu", "cuda", "auto"), f"device must be cpu|cuda|auto, got {self.device!r}")
         check(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        check(self.quantization in (None, *QUANTIZATION_METHODS),
+              f"quantization must be {'|'.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")  # fmt: skip
         check(self.tensor_parallel_size in (1, 2, 4, 8),
               f"tensor_parallel_size must be 1, 2, 4 or 8, got {self.tensor_parallel_size!r}")  # fmt: skip
         check(
@@ -147,6 +154,9 @@ ENGINE_FLAGS = (
      "on CUDA, the share of free device memory (after the weights) the KV pool takes"),
     ("--block-size", "block_size", int, "tokens per KV block (8..128, a power of two)"),
     ("--seed", "seed", int, "seed of the sampling generator"),
+    ("--quantization", "quantization", str,
+     "compressed-tensors | fp8 | gptq | awq: the checkpoint's format, refusing one that does not match "
+     "(default: read from config.json)"),
     ("--tensor-parallel-size", "tensor_parallel_size", int,
      "ranks the model is split across (1, 2, 4, 8): one process each, NCCL on CUDA, gloo on CPU"),
     ("--attention-backend", "attention_backend", str,

@@ -1,10 +1,11 @@
 """Read a local Hugging Face model folder (config.json, generation_config.json, *.safetensors) into plain tensors.
 
-Supported: the Llama family as transformers defines it (see `SUPPORTED_ARCHITECTURES`). Everything else, and every
-checkpoint the runner would compute wrongly (quantized weights, an activation other than SiLU, tensors it would
-not use), raises ModelLoadError saying why. The weights come back already fused for the runner: one q|k|v matrix
-and one gate|up matrix per layer, so each layer runs four matmuls. docs/models.md tables what loads and what is
-refused, and the test covering each.
+Supported: the Llama family as transformers defines it (see `SUPPORTED_ARCHITECTURES`), in float weights or in the
+quantized formats of `quant/formats.py` (a projection's weight then comes back as a `QuantizedWeight`, or
+dequantized where the format is). Everything else, and every checkpoint the runner would compute wrongly (an unknown
+quantization, an activation other than SiLU, tensors it would not use), raises ModelLoadError saying why. The
+weights come back already fused for the runner: one q|k|v matrix and one gate|up matrix per layer, so each layer
+runs four matmuls. docs/models.md tables what loads and what is refused, and the test covering each.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError
+from overlap.engine.model.quant import formats as quant_formats
+from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -74,6 +77,7 @@ class ModelSpec:
     # generation_config.json's sampling defaults (temperature, top_p, top_k), applied where a request leaves them out
     sampling_defaults: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict)  # the whole config.json
+    quantization: quant_formats.QuantFormat | None = None  # None: float weights
 
     @property
     def sliding_window(self) -> int | None:
@@ -81,15 +85,18 @@ class ModelSpec:
         return next((w for w in self.layer_windows if w is not None), None)
 
 
+Projection = torch.Tensor | QuantizedWeight  # a projection's weight [out, in], float or quantized
+
+
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2*KV) * D, hidden]
+    qkv: Projection  # [(H + 2*KV) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Projection
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Projection  # [2 * intermediate, hidden]
+    down: Projection
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
@@ -102,7 +109,7 @@ class ModelWeights:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: Projection
 
 
 def _read_json(path: Path) -> dict:
@@ -173,7 +180,8 @@ def _rope(cfg: dict, config_path: Path) -> tuple[str, int | None]:
     return rope_type, cap
 
 
-def read_spec(model_dir: Path) -> ModelSpec:
+def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
+    """config.json's spec; `quantization` (--quantization) refuses a checkpoint of another format."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist (or is not a folder)")
@@ -182,10 +190,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
         raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face model folder")
     cfg = _read_json(config_path)
     arch = _architecture(cfg, config_path)
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "unknown")
-        raise ModelLoadError(f"{config_path}: quantized checkpoints ({method}) are not supported; "
-                             "serve the unquantized float32/bfloat16/float16 weights")  # fmt: skip
+    quant = quant_formats.parse(cfg, config_path, quantization)
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{config_path}: hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
@@ -224,6 +229,7 @@ def read_spec(model_dir: Path) -> ModelSpec:
             eos_token_ids=eos_ids,
             sampling_defaults=defaults,
             raw=cfg,
+            quantization=quant,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path} lacks or mangles a required field: {exc!r}") from exc
@@ -298,7 +304,8 @@ def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: t
             raise
         except Exception as exc:
             raise ModelLoadError(f"cannot read weights from {model_dir}: {exc}") from exc
-        _refuse_quantized({name: sl.get_dtype() for name, sl in slices.items()}, model_dir)
+        if spec.quantization is None:
+            _refuse_quantized({name: sl.get_dtype() for name, sl in slices.items()}, model_dir)
         return _fuse(spec, slices, model_dir, dtype, device, shard)
 
 
@@ -324,6 +331,32 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
             tensor = sl[:]
         return tensor.to(device=device, dtype=dtype)
 
+    fmt = spec.quantization
+
+    def fetch(name: str) -> torch.Tensor | None:
+        if name not in slices:
+            return None
+        used.add(name)
+        return slices[name][:]
+
+    def proj(module: str, shape: tuple[int, int], rows: Ranges = None, cols: Ranges = None) -> Projection:
+        """A projection's weight: read by the checkpoint's format where it quantizes `module`, else as a float."""
+        weight = None if fmt is None or not fmt.quantizes(module) else fmt.read(fetch, module, *shape, model_dir)
+        if weight is None:
+            return take(module + ".weight", shape, rows, cols)
+        if isinstance(weight, torch.Tensor):  # dequantized at load
+            if rows is not None:
+                weight = torch.cat([weight[a:b] for a, b in rows])
+            elif cols is not None:
+                weight = torch.cat([weight[:, a:b] for a, b in cols], dim=1)
+            return weight.to(device=device, dtype=dtype)
+        if rows is not None:
+            weight = cat_rows([weight[a:b] for a, b in rows], dtype)
+        elif cols is not None:
+            ((a, b),) = cols
+            weight = weight.columns(a, b, module)
+        return weight.to(device, dtype)
+
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
     # Each part's rows (q, k, v; gate, up) for this rank, and the columns of the row-parallel o and down.
@@ -338,23 +371,23 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
         if fused:
-            qkv = take(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, h), rows=[
+            qkv = proj(p + "self_attn.qkv_proj", (q_out + 2 * kv_out, h), rows=[
                 q_rows, _shift(kv_rows, q_out), _shift(kv_rows, q_out + kv_out)])  # fmt: skip
-            gate_up = take(p + "mlp.gate_up_proj.weight", (2 * i, h), rows=[inter, _shift(inter, i)])
+            gate_up = proj(p + "mlp.gate_up_proj", (2 * i, h), rows=[inter, _shift(inter, i)])
         else:
-            qkv = torch.cat([take(p + "self_attn.q_proj.weight", (q_out, h), rows=[q_rows]),
-                             take(p + "self_attn.k_proj.weight", (kv_out, h), rows=[kv_rows]),
-                             take(p + "self_attn.v_proj.weight", (kv_out, h), rows=[kv_rows])])  # fmt: skip
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight", (i, h), rows=[inter]),
-                                 take(p + "mlp.up_proj.weight", (i, h), rows=[inter])])  # fmt: skip
+            qkv = cat_rows([proj(p + "self_attn.q_proj", (q_out, h), rows=[q_rows]),
+                            proj(p + "self_attn.k_proj", (kv_out, h), rows=[kv_rows]),
+                            proj(p + "self_attn.v_proj", (kv_out, h), rows=[kv_rows])], dtype)  # fmt: skip
+            gate_up = cat_rows([proj(p + "mlp.gate_proj", (i, h), rows=[inter]),
+                                proj(p + "mlp.up_proj", (i, h), rows=[inter])], dtype)  # fmt: skip
         lw = LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,)),
             qkv=qkv,
             qkv_bias=None,
-            o=take(p + "self_attn.o_proj.weight", (h, q_out), cols=[q_rows]),
+            o=proj(p + "self_attn.o_proj", (h, q_out), cols=[q_rows]),
             post_norm=take(p + "post_attention_layernorm.weight", (h,)),
             gate_up=gate_up,
-            down=take(p + "mlp.down_proj.weight", (h, i), cols=[inter]),
+            down=proj(p + "mlp.down_proj", (h, i), cols=[inter]),
         )
         if spec.qkv_bias:
             lw.qkv_bias = torch.cat([take(p + "self_attn.q_proj.bias", (q_out,), rows=[q_rows]),
@@ -378,7 +411,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         if "lm_head.weight" in slices:  # a tied checkpoint that saved the head anyway: transformers ignores it too
             used.add("lm_head.weight")
     else:
-        lm_head = _pad_rows(take("lm_head.weight", (spec.vocab_size, h), rows=vocab), shard)
+        lm_head = _pad_rows(proj("lm_head", (spec.vocab_size, h), rows=vocab), shard)
     norm = take("model.norm.weight", (h,))
     unused = sorted(n for n in slices if n not in used and not n.endswith(_IGNORABLE_SUFFIXES))
     if unused:
@@ -392,10 +425,12 @@ def _shift(rows: tuple[int, int], by: int) -> tuple[int, int]:
     return rows[0] + by, rows[1] + by
 
 
-def _pad_rows(table: torch.Tensor, shard) -> torch.Tensor:
+def _pad_rows(table: Projection, shard) -> Projection:
     """A vocabulary slice padded with zero rows to the rows every rank holds (the gather needs equal shapes)."""
     if shard is None or table.shape[0] == shard.vocab_rows:
         return table
+    if isinstance(table, QuantizedWeight):
+        table = table.dequantize(table.dtype)
     return torch.cat([table, table.new_zeros(shard.vocab_rows - table.shape[0], table.shape[1])])
 
 
@@ -427,13 +462,13 @@ def _refuse_quantized(dtypes: dict[str, str], model_dir: Path) -> None:
     """`dtypes`: each tensor's safetensors dtype (F32, BF16, ...)."""
     quantized = next((n for n in dtypes if n.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES), None)
     if quantized is not None:
-        raise ModelLoadError(f"{model_dir}: tensor {quantized!r} belongs to a quantized checkpoint (AWQ/GPTQ/FP8); "
-                             "quantized weights are not supported")  # fmt: skip
+        raise ModelLoadError(f"{model_dir}: tensor {quantized!r} belongs to a quantized checkpoint (AWQ/GPTQ/FP8), "
+                             "but config.json has no quantization_config saying how to read it")  # fmt: skip
     odd = next(((n, t) for n, t in dtypes.items() if t not in _FLOAT_DTYPES), None)
     if odd is not None:
         kind = _TORCH_NAMES.get(odd[1], odd[1])
         raise ModelLoadError(f"{model_dir}: tensor {odd[0]!r} is torch.{kind}; only float32, bfloat16 and float16 "
-                             "weights load (quantized checkpoints are not supported)")  # fmt: skip
+                             "weights load without a quantization_config (a quantized one needs it)")  # fmt: skip
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: torch.dtype) -> int:

@@ -50,6 +50,7 @@ from overlap.engine.model.loader import ModelWeights, load_weights, read_spec, r
 from overlap.engine.model.loader import random_weights as make_random_weights
 from overlap.engine.model.models import ModelParts, build_model
 from overlap.engine.model.parallel import Collectives, Ranks, free_address, init_group, plan_shard, shard_spec
+from overlap.engine.model.quant.weight import QuantizedWeight
 from overlap.engine.model.sampling_state import SamplingState
 from overlap.engine.model.staging import to_device
 from overlap.engine.model.step_inputs import InputPacker, StepInputs, decode_graph_inputs
@@ -89,7 +90,7 @@ class ModelRunner(Runner):
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
         self.device = device = pick_device(config.device, rank)
         self.cpu_paths = device.type == "cpu" and cpu_paths
-        self.spec = spec = read_spec(self.model_dir)
+        self.spec = spec = read_spec(self.model_dir, config.quantization)
         self.shard = plan_shard(spec, rank, size) if size > 1 else None  # a size the heads refuse fails here, at once
         self.ranks: Ranks | None = None
         self.tp: Collectives | None = None
@@ -211,13 +212,24 @@ class ModelRunner(Runner):
         dtype = str(self.dtype).removeprefix("torch.")
         if self.device.type != "cpu":
             ops = "torch RMSNorm, RoPE" if self.ops is None else self.ops.name
-            return f"{self.device.type} {dtype}: torch linear; {self.attention.name}; {ops}"
+            return f"{self.device.type} {dtype}: {self.linear_kernels}; {self.attention.name}; {ops}"
         norms = "native RMSNorm, RoPE, argmax" if self.ops is not None else "torch RMSNorm, RoPE, argmax"
         isa = f"torch {torch.backends.cpu.get_cpu_capability()}"
         plan = {None: "whole batch on all threads", 0: "batch halves on two threads"}.get(
             self.packer.halves_min_tokens, f"halves for steps of {self.packer.halves_min_tokens}+ tokens, else whole"
         )
-        return f"CPU {native.cpu_isa()} {dtype}: {self.linear.name}; {self.attention.name}; {norms}; {plan}; {isa}"
+        return f"CPU {native.cpu_isa()} {dtype}: {self.linear_kernels}; {self.attention.name}; {norms}; {plan}; {isa}"
+
+    @property
+    def linear_kernels(self) -> str:
+        """What computes the projections: the float backend, or the checkpoint's format and its kernels."""
+        quant = self.spec.quantization
+        if quant is None:
+            return self.linear.name
+        layer, mlp = self.model.layers[0], self.model.layers[0].mlp
+        linears = [layer.qkv, layer.o, mlp.gate_up, mlp.gate, mlp.up, mlp.down, self.model.head]
+        kernels = dict.fromkeys(lin.kernel for lin in linears if lin is not None)
+        return f"{quant.name} through {' and '.join(kernels)}"
 
     def to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """int64 tensors on the runner's device without blocking the host (`staging.to_device`)."""
@@ -348,5 +360,5 @@ def _weight_bytes(weights: ModelWeights) -> int:
     only its tokens' rows (unless it is tied to the LM head, which reads it all)."""
     tensors = [weights.norm, weights.lm_head]
     tensors += [getattr(layer, f.name) for layer in weights.layers for f in dataclasses.fields(layer)]
-    distinct = {id(t): t for t in tensors if isinstance(t, torch.Tensor)}
-    return sum(t.numel() * t.element_size() for t in distinct.values())
+    distinct = {id(t): t for t in tensors if isinstance(t, torch.Tensor | QuantizedWeight)}
+    return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in distinct.values())

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from overlap.engine.model import native
+from overlap.engine.model.quant.kernels import QuantMethod, quantized_method
+from overlap.engine.model.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class LinearBackend:
 
     name = "torch linear"
     fuses_silu = False
+    quantized_kernels = False  # quantized weights through the CPU's int kernels (else dequantized at load)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -98,12 +101,15 @@ class OneDnnBackend(LinearBackend):
 
 
 def pick_linear_backend(device: torch.device, dtype: torch.dtype) -> LinearBackend:
-    """oneDNN on CPU in fp32 and bf16 where it computes what F.linear does; F.linear otherwise."""
+    """oneDNN on CPU in fp32 and bf16 where it computes what F.linear does; F.linear otherwise. On CPU, quantized
+    weights run through the int kernels (quant/kernels.py)."""
     plain = LinearBackend()
+    plain.quantized_kernels = device.type == "cpu"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return plain
     try:
         onednn = OneDnnBackend()
+        onednn.quantized_kernels = True
         onednn.rows_kernel = _rows_kernel(onednn, dtype)  # None: oneDNN serves every size
         onednn.rows_max = 0 if onednn.rows_kernel is None else onednn.rows_kernel.ROWS[dtype]
         gen = torch.Generator().manual_seed(0)
@@ -175,22 +181,39 @@ def _rows_kernel(onednn: OneDnnBackend, dtype: torch.dtype) -> native.PackedLine
 
 class Linear:
     """y = x W^T + b through the backend, W packed for it once; decode-sized x through the backend's native rows
-    kernel where it has one for this weight."""
+    kernel where it has one for this weight. A quantized W runs through the method picked for it on this machine
+    (`quantized_method`), or is dequantized here once where none fits."""
 
-    __slots__ = ("backend", "bias", "rows", "rows_max", "weight")
+    __slots__ = ("backend", "bias", "quant", "rows", "rows_max", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: LinearBackend) -> None:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
+                 backend: LinearBackend) -> None:  # fmt: skip
         self.backend = backend
-        self.weight = backend.pack(weight)
         self.bias = bias
         self.rows, self.rows_max = None, 0  # (kernel, address, n, k) for x of at most rows_max rows
+        self.quant: QuantMethod | None = None
+        if isinstance(weight, QuantizedWeight):
+            self.quant = quantized_method(weight, weight.dtype, backend.quantized_kernels)
+            if self.quant is not None:
+                self.weight = None
+                return
+            weight = weight.dequantize(weight.dtype)
+        self.weight = backend.pack(weight)
         kernel = getattr(backend, "rows_kernel", None)
         if kernel is not None and (bias is None or bias.dtype == weight.dtype):
             handle = backend.rows_handle(self.weight)
             if handle is not None:
                 self.rows, self.rows_max = (kernel, *handle), backend.rows_max
 
+    @property
+    def kernel(self) -> str:
+        """What computes this projection, for the engine's info."""
+        return self.backend.name if self.quant is None else self.quant.name
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            y = self.quant(x)
+            return y if self.bias is None else y.add_(self.bias)
         if 0 < x.shape[0] <= self.rows_max and self.rows[0].reads_rows_of(x):
             kernel, address, n, k = self.rows
             return kernel(x, address, n, k, self.bias, False)
@@ -198,6 +221,8 @@ class Linear:
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU(x W^T + b), in one pass where the backend fuses it."""
+        if self.quant is not None:
+            return F.silu(self(x))
         if 0 < x.shape[0] <= self.rows_max and self.rows[0].reads_rows_of(x):
             kernel, address, n, k = self.rows
             return kernel(x, address, n, k, self.bias, True)

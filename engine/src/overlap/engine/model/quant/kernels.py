@@ -1,0 +1,162 @@
+"""The linear method a `QuantizedWeight` runs with, picked on this machine at load.
+
+On CPU (the runner's CPU paths), by what the weight is:
+- 4-bit codes in groups of 32..256: torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which
+  dequantizes inside the matmul;
+- 8-bit codes, symmetric, one scale per row, 16-bit activations: torch's int8 weight-only kernel
+  (`_weight_int8pack_mm`);
+- W8A8: activations quantized to int8 per token (scale = absmax / 127.5, as compressed-tensors computes it), an
+  int8 x int8 -> int32 matmul (`torch._int_mm`, oneDNN's VNNI / AMX-INT8 kernels where the CPU has them), then both
+  scales;
+- anything else, and every weight on the device-generic paths (CUDA until its Triton kernels land): dequantized at
+  load into a float weight that the float backend runs, said in the log.
+
+Each method is checked once against the dequantized reference on a small weight of its kind; a method that errs or
+differs is not used (the weight is dequantized instead), as `pick_linear_backend` does for oneDNN.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from overlap.engine.model.quant.weight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+INT4_GROUPS = (32, 64, 128, 256)  # group sizes torch's int4 CPU kernel takes
+
+
+class QuantMethod:
+    """y = x W^T (no bias) for one quantized weight; `name` says which kernel, `nbytes` what a step streams."""
+
+    name = ""
+    nbytes = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int4WeightOnly(QuantMethod):
+    name = "int4 weight-only (torch int4pack)"
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.group = weight.group_size
+        self.perm = weight.perm
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32).contiguous(), 2)
+        # The kernel computes (code - 8) * scale + offset: offset = (8 - zero) * scale gives (code - zero) * scale.
+        offset = (8 - weight.zero) * weight.scale
+        self.scales_offsets = torch.stack([weight.scale.t(), offset.t()], dim=-1).to(dtype).contiguous()
+        self.nbytes = self.packed.numel() + self.scales_offsets.numel() * self.scales_offsets.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group, self.scales_offsets)
+
+
+class Int8WeightOnly(QuantMethod):
+    name = "int8 weight-only (torch int8pack)"
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight = (weight.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        self.scale = weight.scale[:, 0].to(dtype).contiguous()
+        self.perm = weight.perm
+        self.nbytes = self.weight.numel() + self.scale.numel() * self.scale.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.contiguous(), self.weight, self.scale)
+
+
+class Int8Dynamic(QuantMethod):
+    """W8A8: int8 activations per token (dynamic), int8 weights per row, int32 sums."""
+
+    name = "W8A8 int8 (dynamic per-token activations, torch _int_mm)"
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight_t = (weight.codes.to(torch.int16) - 128).to(torch.int8).t().contiguous()  # [K, N]
+        self.scale = weight.scale[:, 0].float().contiguous()
+        self.nbytes = self.weight_t.numel() + 4 * self.scale.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_q, x_scale = quantize_per_token(x)
+        return (torch._int_mm(x_q, self.weight_t) * x_scale * self.scale).to(x.dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as int8 codes and a scale per row, symmetric: scale = absmax / 127.5 in x's dtype, as compressed-tensors
+    computes dynamic per-token scales."""
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127.5).clamp_min(torch.finfo(x.dtype).tiny)
+    codes = torch.round(x / scale).clamp_(-128, 127).to(torch.int8)
+    return codes, scale.float()
+
+
+class Int8DynamicReference(QuantMethod):
+    """W8A8 where no int8 matmul runs (device-generic paths): the same per-token rounding of x, then a float matmul
+    on the dequantized weight, so the numbers are the ones the checkpoint was calibrated for."""
+
+    name = "W8A8 (per-token int8 activations, dequantized weights)"
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight = weight.dequantize(dtype)
+        self.nbytes = self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scale = quantize_per_token(x)
+        return torch.nn.functional.linear((codes.float() * scale).to(x.dtype), self.weight)
+
+
+def _candidates(weight: QuantizedWeight) -> list[type[QuantMethod]]:
+    n, k = weight.shape
+    if weight.act_bits == 8:
+        return [Int8Dynamic, Int8DynamicReference] if weight.bits == 8 and weight.per_row and weight.symmetric \
+            else [Int8DynamicReference]  # fmt: skip
+    if weight.bits == 4 and weight.group_size in INT4_GROUPS and k % weight.group_size == 0 and n % 16 == 0:
+        return [Int4WeightOnly]
+    if weight.bits == 8 and weight.per_row and weight.symmetric and weight.perm is None:
+        return [Int8WeightOnly]
+    return []
+
+
+@functools.cache
+def _works(method: type[QuantMethod], bits: int, group: int | None, act_bits: int | None, symmetric: bool,
+           dtype: torch.dtype) -> bool:  # fmt: skip
+    """Whether `method` runs here and computes what the dequantized weight does, on a small weight of this kind."""
+    gen = torch.Generator().manual_seed(0)
+    n, k = 48, 256
+    group = group or k
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
+    zero = torch.full_like(scale, 2.0 ** (bits - 1)) if symmetric else torch.randint(0, 2**bits, scale.shape).float()
+    weight = QuantizedWeight(codes, scale, zero, bits, group, "check", act_bits=act_bits)
+    x = torch.randn(5, k, generator=gen).to(dtype)
+    try:
+        with torch.inference_mode():
+            got = method(weight, dtype)(x).float()
+            if act_bits == 8:
+                want = Int8DynamicReference(weight, torch.float32)(x.float())
+            else:
+                want = x.float() @ weight.dequantize(torch.float32).t()
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        log.info("%s not used: %s", method.name, exc)
+        return False
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+    ok = torch.allclose(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+    if not ok:
+        log.info("%s not used: its result differs from the dequantized weight's", method.name)
+    return ok
+
+
+def quantized_method(weight: QuantizedWeight, dtype: torch.dtype, cpu_paths: bool) -> QuantMethod | None:
+    """The kernel for `weight` on this machine, or None: dequantize it at load and run the float backend."""
+    if cpu_paths and weight.device.type == "cpu":
+        for method in _candidates(weight):
+            group = None if weight.per_row else weight.group_size
+            if method is Int8DynamicReference or _works(method, weight.bits, group, weight.act_bits,
+                                                        weight.symmetric, dtype):  # fmt: skip
+                return method(weight, dtype)
+    if weight.act_bits == 8:  # the activations' rounding is part of the model: kept on every path
+        return Int8DynamicReference(weight, dtype)
+    return None

@@ -1,0 +1,131 @@
+"""One layout for every integer-quantized projection weight, whatever format wrote it.
+
+A weight W [N, K] (N outputs, K inputs) is stored as unsigned codes with a scale and a zero point per group of
+`group_size` consecutive input columns: W[n, k] = (codes[n, k] - zero[n, k // G]) * scale[n, k // G]. Symmetric
+formats have zero = 2**(bits - 1); a format with one scale per output row has G = K. GPTQ's act-order (`g_idx`)
+puts a column's group anywhere: its columns are sorted by group at load, so groups are runs again, and `perm` says
+which input column each stored column is (the kernels read x[:, perm]). With one scale per row the order does not
+matter, and such weights keep the inputs' own order (no `perm`).
+
+The loader handles it like a float tensor: rows of q, k and v (gate and up) are concatenated (`cat_rows`), tensor
+parallelism takes rows or columns, Phi-3's partial rotary reorders rows (`index_select`), the MLP splits gate from
+up (slicing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from overlap.engine.errors import ModelLoadError
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    codes: torch.Tensor  # uint8 [N, K], 0 .. 2**bits - 1; columns in `perm` order when perm is set
+    scale: torch.Tensor  # float32 [N, K // group_size]
+    zero: torch.Tensor  # float32 [N, K // group_size]: the code that stands for 0.0
+    bits: int  # 4 or 8
+    group_size: int  # input columns per scale; K for one scale per output row
+    fmt: str  # the checkpoint's format, for logs and the engine's info ("compressed-tensors W4A16", "gptq", ...)
+    perm: torch.Tensor | None = None  # int64 [K]: stored column j is input column perm[j] (act-order)
+    act_bits: int | None = None  # 8: activations are quantized to int8 per token at run time (W8A8); None: 16-bit
+    dtype: torch.dtype = torch.float32  # the model's dtype: what the kernels take and return
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def symmetric(self) -> bool:
+        return bool((self.zero == 2 ** (self.bits - 1)).all())
+
+    @property
+    def per_row(self) -> bool:
+        """One scale per output row (per-channel), no groups along the inputs."""
+        return self.group_size == self.codes.shape[1]
+
+    def same_layout(self, other: QuantizedWeight) -> bool:
+        """Whether the rows of `other` can be stacked under these (one matmul for q|k|v or gate|up)."""
+        same_perm = (self.perm is None and other.perm is None) or (
+            self.perm is not None and other.perm is not None and torch.equal(self.perm, other.perm)
+        )
+        return (self.bits, self.group_size, self.act_bits, self.fmt) == (
+            other.bits, other.group_size, other.act_bits, other.fmt) and same_perm  # fmt: skip
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> QuantizedWeight:
+        """On `device`, computing in `dtype` (codes, scales and zero points keep their own types)."""
+        moved = self._rows(lambda t: t.to(device))
+        moved.perm = None if self.perm is None else self.perm.to(device)
+        moved.dtype = dtype
+        return moved
+
+    def _rows(self, pick) -> QuantizedWeight:
+        return dataclasses.replace(self, codes=pick(self.codes), scale=pick(self.scale), zero=pick(self.zero))
+
+    def __getitem__(self, rows: slice) -> QuantizedWeight:
+        return self._rows(lambda t: t[rows])
+
+    def index_select(self, dim: int, index: torch.Tensor) -> QuantizedWeight:
+        assert dim == 0, "a quantized weight is reordered by output rows only"
+        return self._rows(lambda t: t.index_select(0, index.to(t.device)))
+
+    def columns(self, start: int, stop: int, name: str) -> QuantizedWeight:
+        """Input columns [start, stop) (a row-parallel shard): whole groups only, else ModelLoadError with the sizes."""
+        group = self.group_size
+        if self.per_row:  # one scale per row: any columns (act-order is undone at load for these)
+            return dataclasses.replace(self, codes=self.codes[:, start:stop], group_size=stop - start)
+        if self.perm is not None:
+            return self._columns_by_perm(start, stop, name)
+        if start % group or stop % group:
+            raise ModelLoadError(f"{name}: a tensor-parallel shard takes input columns [{start}, {stop}), which "
+                                 f"splits its quantization groups of {group}; use a size whose shards hold whole "
+                                 "groups")  # fmt: skip
+        g0, g1 = start // group, stop // group
+        return dataclasses.replace(self, codes=self.codes[:, start:stop], scale=self.scale[:, g0:g1],
+                                   zero=self.zero[:, g0:g1])  # fmt: skip
+
+    def _columns_by_perm(self, start: int, stop: int, name: str) -> QuantizedWeight:
+        keep = (self.perm >= start) & (self.perm < stop)
+        group = self.group_size
+        groups = keep.view(-1, group)
+        if not bool((groups.all(1) | ~groups.any(1)).all()):
+            raise ModelLoadError(f"{name}: a tensor-parallel shard takes input columns [{start}, {stop}), which "
+                                 f"splits act-order groups of {group}")  # fmt: skip
+        whole = groups.all(1)
+        return dataclasses.replace(self, codes=self.codes[:, keep], scale=self.scale[:, whole],
+                                   zero=self.zero[:, whole], perm=self.perm[keep] - start)  # fmt: skip
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """W [N, K] in the input columns' own order (the reference every kernel is checked against)."""
+        scale = self.scale.repeat_interleave(self.group_size, dim=1)
+        zero = self.zero.repeat_interleave(self.group_size, dim=1)
+        w = (self.codes.float() - zero) * scale
+        if self.perm is not None:
+            w = torch.empty_like(w).index_copy_(1, self.perm.to(w.device), w)
+        return w.to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams: the codes at `bits` each, scales and zero points at 2 bytes (bf16)."""
+        n, k = self.codes.shape
+        return n * k * self.bits // 8 + 2 * self.scale.numel() * (1 if self.symmetric else 2)
+
+
+def cat_rows(parts: list, dtype: torch.dtype):
+    """q|k|v or gate|up as one weight: float tensors concatenated; quantized ones stacked where they share a layout,
+    else (a part the format left unquantized, act-order parts with different column orders) dequantized to `dtype`."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    first = parts[0]
+    if all(isinstance(p, QuantizedWeight) and first.same_layout(p) for p in parts):
+        return dataclasses.replace(first, codes=torch.cat([p.codes for p in parts]),
+                                   scale=torch.cat([p.scale for p in parts]),
+                                   zero=torch.cat([p.zero for p in parts]))  # fmt: skip
+    return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
