@@ -79,6 +79,8 @@ class Engine:
         self.eos_token_ids = frozenset(runner.eos_token_ids)
         # generation_config.json's temperature/top_p/top_k, for callers that fill in what a request leaves out
         self.sampling_defaults = dict(runner.sampling_defaults)
+        quant = getattr(getattr(runner, "spec", None), "quantization", None)
+        self.quantization = "" if quant is None else quant.name  # the checkpoint's format, for /v1/models
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids)
 

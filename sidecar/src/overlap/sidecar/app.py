@@ -103,6 +103,7 @@ async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
     state.num_priority_levels = max(1, hello.num_priority_levels)
     state.model_name = state.config.served_model_name or hello.model_name
     state.sampling_defaults = dict(hello.sampling_defaults)
+    state.quantization = hello.quantization
 
 
 def _tokenizer_source(hello: p.Hello) -> str:

@@ -233,7 +233,8 @@ _CHOICE = {"index": _INT, "logprobs": _LOGPROBS, "finish_reason": _NULLABLE_STR}
 _MODELS = _object({
     "object": {"const": "list"},
     "data": {"type": "array", "items": _object(
-        {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "max_model_len": _INT})},
+        {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "max_model_len": _INT},
+        quantization=_STR)},
 })  # fmt: skip
 _TOKENS = _object({
     "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},

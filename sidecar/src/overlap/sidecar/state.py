@@ -52,6 +52,7 @@ class ServerState:
     text: TextProcessor | None = None  # loaded from the engine's model folder on first connection
     text_preload: asyncio.Future | None = None  # with --tokenizer: loading since start-up
     max_model_len: int = 0  # from the engine's last Hello, kept while it is away
+    quantization: str = ""  # the checkpoint's quantization format, likewise ("" for float weights)
     vocab_size: int = 0
     num_priority_levels: int = 1
     model_name: str = ""

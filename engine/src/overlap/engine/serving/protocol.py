@@ -111,6 +111,8 @@ class Hello(_Message, tag="hello"):
     eos_token_ids: list[int] = []  # every EOS id the model declares (eos_token_id is the first)
     # generation_config.json's temperature / top_p / top_k: what a request that leaves them out gets
     sampling_defaults: dict[str, float] = {}
+    quantization: str = ""  # the checkpoint's quantization format ("" for float weights)
+    kernels: str = ""  # what runs the step's work on this machine (ModelRunner.kernels)
 
 
 class WireTimes(msgspec.Struct, array_like=True, omit_defaults=True):

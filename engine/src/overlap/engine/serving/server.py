@@ -320,6 +320,8 @@ class EngineServer:
             tokenizer_files=self._tokenizer_files,
             eos_token_ids=sorted(engine.eos_token_ids),
             sampling_defaults=dict(engine.sampling_defaults),
+            quantization=engine.quantization,
+            kernels=getattr(engine.runner, "kernels", ""),
         )
 
     def _close(self) -> None:

@@ -15,4 +15,6 @@ async def list_models(request: web.Request) -> web.Response:
         raise engine_unavailable("the engine is not connected yet, so no model is served; retry shortly")
     model = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "overlap",
              "max_model_len": state.max_model_len}  # fmt: skip
+    if state.quantization:  # the format the weights are stored and computed in
+        model["quantization"] = state.quantization
     return json_response({"object": "list", "data": [model]})
