@@ -283,7 +283,10 @@ def test_unsupported_families_are_refused_by_name(built, tmp_path, architecture,
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, r"quantized checkpoints \(awq\)"),
+        (
+            {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+            r"bitsandbytes \(NF4 / LLM\.int8\) weights are not supported",
+        ),
         ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act 'gelu_pytorch_tanh' is not supported"),
         ({"rope_parameters": {"rope_type": "su", "rope_theta": 10000.0}}, r"RoPE type 'su' is not supported"),
         ({"layer_types": ["sliding_attention"]}, r"layer_types .* each of the 2 layers"),

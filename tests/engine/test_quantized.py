@@ -1,0 +1,386 @@
+"""Quantized checkpoints against their producers and consumers.
+
+- compressed-tensors checkpoints written by llm-compressor itself (tests/support/quantized_models.py): greedy tokens
+  (8 prompts x 32) and prefill logits equal transformers loading the same folder with compressed-tensors, in fp32.
+  FP8 runs on the CPU with weights dequantized at load and 16-bit activations, so its reference is transformers on
+  the same folder with the activations' FP8 rounding switched off; W8A8 keeps its int8 activations on both sides.
+  W4A16 with zero points, which this transformers / compressed-tensors pair cannot load, is compared with a float
+  model holding compressed-tensors' own decompressed weights.
+- GPTQ (in order and act-order, with and without zero points) and AWQ checkpoints packed by tests/support/gptq_awq.py,
+  whose packing is checked first against the formats' reference unpacking (AutoAWQ's `dequantize_gemm`,
+  GPTQModel's `unpack_rows` / `unpack_cols` and its v1 zero-point correction, read from their released sources);
+  then greedy tokens equal transformers on the weights the codes stand for; and under tensor parallelism 2.
+- Each bad input is refused with the tensor or field it trips on.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.engine.config import EngineConfig
+from overlap.engine.errors import ConfigError, ModelLoadError
+from overlap.engine.model.quant import formats
+from overlap.engine.model.quant.kernels import Int8DynamicReference, quantized_method
+from overlap.engine.model.quant.weight import QuantizedWeight
+from overlap.engine.model.runner import ModelRunner
+from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+from tests.support import gptq_awq, quantized_models
+
+pytestmark = [pytest.mark.usefixtures("two_torch_threads"), pytest.mark.slow]
+GREEDY = SamplingParams(temperature=0, max_tokens=64)
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 512
+# One family per scheme keeps `make test` short; `quantized_models.build` makes any other pair.
+COMPRESSED = [("llama", "W4A16"), ("qwen2", "W4A16_G32"), ("qwen3", "W8A16"), ("qwen2", "W8A8"), ("llama", "W8A8"),
+              ("qwen3", "FP8_DYNAMIC"), ("llama", "FP8")]  # fmt: skip
+
+
+def _prompts(seed: int, count: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 70))] for _ in range(count)]
+
+
+def _runner(folder: Path, **config) -> ModelRunner:
+    return ModelRunner(EngineConfig(num_kv_blocks=160, max_seq_len=256, block_size=16, **config), folder)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Every prompt prefilled in one step, then n - 1 decode steps of all together."""
+    tables, at = [], 0
+    for prompt in prompts:
+        need = -(-(len(prompt) + n) // runner.block_size)
+        tables.append(list(range(at, at + need)))
+        at += need
+    seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
+    outs = [[t] for t in runner.execute(ModelInput(seqs)).token_ids]
+    for step in range(1, n):
+        seqs = [ScheduledSeq(f"r{i}", [o[-1]], len(p) + step - 1, tables[i], True, GREEDY, step)
+                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
+        for o, token in zip(outs, runner.execute(ModelInput(seqs)).token_ids, strict=True):
+            o.append(token)
+    return outs
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = []
+    with torch.inference_mode():
+        step = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = hf(torch.tensor([[out[-1]]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+def _assert_conforms(folder: Path, hf, seed: int, *, rtol: float, **config) -> None:
+    """8 prompts x 32 greedy tokens equal, and each prompt's last logits within `rtol` of the largest logit."""
+    prompts = _prompts(seed)
+    runner = _runner(folder, **config)
+    try:
+        got = _greedy(runner, prompts, 32)
+        tables = [list(range(8 * i, 8 * i + 5)) for i in range(len(prompts))]
+        seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
+        logits = runner.compute_logits(ModelInput(seqs))
+    finally:
+        runner.close()
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+        torch.testing.assert_close(logits[i].float(), ref, atol=rtol * float(ref.abs().max()), rtol=0)
+        assert got[i] == _hf_greedy(hf, prompt, 32), f"prompt {i}"
+
+
+# ---- compressed-tensors, from llm-compressor --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compressed():
+    return {pair: quantized_models.build(*pair) for pair in [*COMPRESSED, ("llama", "W4A16_ASYM")]}
+
+
+@pytest.mark.parametrize("pair", COMPRESSED, ids=lambda p: "-".join(p).lower())
+def test_compressed_tensors_checkpoint_equals_transformers_on_the_same_folder(compressed, pair):
+    from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
+    from transformers import AutoModelForCausalLM
+
+    folder = compressed[pair]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if pair[1].startswith("FP8"):  # the CPU computes FP8 weights in 16 bits: no FP8 rounding of the activations
+        hf.apply(disable_quantization)
+    # W8A8: int32 sums here, float sums of the same int8 codes there
+    _assert_conforms(folder, hf, seed=len(pair[1]), rtol=1e-2 if pair[1] == "W8A8" else 1e-4)
+
+
+def _dense_reference(folder: Path, weights: dict[str, torch.Tensor]):
+    """transformers' float model of `folder`'s config (no quantization) holding `weights` (the rest from the file)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    config.quantization_config = None
+    del config.quantization_config
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items() if k.endswith(
+        ("norm.weight", "embed_tokens.weight", "lm_head.weight", ".bias"))}  # fmt: skip
+    missing, _ = hf.load_state_dict({**state, **weights}, strict=False)
+    assert not [m for m in missing if "rotary" not in m], missing
+    return hf
+
+
+def test_compressed_tensors_asymmetric_w4a16_equals_its_decompressed_weights(compressed):
+    """transformers 5.25 with compressed-tensors 0.19 cannot load zero points (a shape mismatch in its load report),
+    so the reference is compressed-tensors' own decompressor, module by module, in a float model."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from safetensors.torch import load_file
+
+    folder = compressed[("llama", "W4A16_ASYM")]
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(qc["config_groups"]["group_0"])
+    assert not scheme.weights.symmetric
+    tensors = load_file(str(folder / "model.safetensors"))
+    modules = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight_packed")}
+    weights = {}
+    for module in modules:
+        local = {k[len(module) + 1 :]: v for k, v in tensors.items() if k.startswith(module + ".")}
+        local["weight_scale"] = local["weight_scale"].float()  # it dequantizes in the scale's dtype: fp32, as here
+        weights[module + ".weight"] = PackedQuantizationCompressor.decompress(local, scheme)["weight"].float()
+    _assert_conforms(folder, _dense_reference(folder, weights), seed=7, rtol=1e-4)
+
+
+def test_the_engine_names_the_format_and_its_kernels(compressed):
+    runner = _runner(compressed[("llama", "W4A16")], dtype="bfloat16")
+    try:
+        assert runner.spec.quantization.method == "compressed-tensors"
+        assert "W4A16 (pack-quantized, group 128, symmetric)" in runner.kernels
+        assert "int4 weight-only" in runner.kernels  # torch's int4 CPU kernel where it runs (checked at load)
+        # the streaming floor counts 4-bit codes: well under the bf16 size of the same projections
+        spec = runner.spec
+        h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
+        bf16_projections = 2 * spec.num_layers * (h * (spec.num_heads + 2 * spec.num_kv_heads) * d + h * d *
+                                                  spec.num_heads + 3 * h * i)  # fmt: skip
+        assert runner.weight_bytes < bf16_projections / 2 + 2 * 2 * VOCAB * h
+    finally:
+        runner.close()
+
+
+# ---- GPTQ and AWQ, packed here, checked against the formats' reference unpacking ---------------------------------
+def _reference_sources() -> Path:
+    """AutoAWQ's and GPTQModel's released sources (sdists from PyPI, no install), once under .cache/tools."""
+    root = REPO / ".cache" / "tools" / "quant-references"
+    if not (root / ".done").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+                        str(root), "autoawq==0.2.9", "gptqmodel==7.7.0"], check=True)  # fmt: skip
+        for archive in root.glob("*.tar.gz"):
+            with tarfile.open(archive) as tar:
+                tar.extractall(root, filter="data")
+        (root / ".done").touch()
+    return root
+
+
+def _functions(path: Path, names: list[str], namespace: dict) -> dict:
+    """The named top-level functions of a released source file, run as they are (their module's other imports
+    are not needed by them)."""
+    tree = ast.parse(path.read_text())
+    chosen = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    exec(compile(ast.Module(body=chosen, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+@pytest.fixture(scope="module")
+def references():
+    root = _reference_sources()
+    awq = _functions(root / "autoawq-0.2.9/awq/utils/packing_utils.py",
+                     ["unpack_awq", "reverse_awq_order", "dequantize_gemm"],
+                     {"torch": torch, "AWQ_REVERSE_ORDER": [0, 4, 1, 5, 2, 6, 3, 7]})  # fmt: skip
+    gptq = _functions(root / "gptqmodel-7.7.0/gptqmodel/utils/model_dequant.py",
+                      ["unpack_cols", "pack_cols", "unpack_rows", "_shift_gptq_qzeros", "_correct_gptq_v1_qzeros"],
+                      {"torch": torch, "PLANAR_BITS": frozenset()})  # fmt: skip
+    return awq, gptq
+
+
+@pytest.mark.parametrize("desc_act", [False, True])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_gptq_packing_equals_gptqmodels_unpacking(references, desc_act, symmetric):
+    _, ref = references
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)) * 0.02
+    tensors, dequantized = gptq_awq.gptq_tensors(weight, 32, desc_act, symmetric)
+    # GPTQModel's convert_gptq_file: v1 zero points corrected, rows and columns unpacked, scale and zero per g_idx
+    zeros = ref["unpack_cols"](ref["_correct_gptq_v1_qzeros"](tensors["qzeros"], 4), 4)
+    codes = ref["unpack_rows"](tensors["qweight"], 4)
+    g_idx = tensors["g_idx"].long()
+    theirs = ((codes.float() - zeros.float()[g_idx]) * tensors["scales"].float()[g_idx]).t()
+    torch.testing.assert_close(theirs, dequantized, atol=0, rtol=0)
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": symmetric}
+    ours = formats.parse({"quantization_config": qc}, Path("config.json")).read(
+        lambda name: tensors.get(name.rsplit(".", 1)[-1]), "m", 96, 256, Path("m"))  # fmt: skip
+    assert (ours.perm is not None) == desc_act
+    torch.testing.assert_close(ours.dequantize(torch.float32), theirs, atol=0, rtol=0)
+
+
+def test_awq_packing_equals_autoawqs_dequantize_gemm(references):
+    ref, _ = references
+    weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(2)) * 0.02
+    tensors, dequantized = gptq_awq.awq_tensors(weight, 64)
+    theirs = ref["dequantize_gemm"](tensors["qweight"], tensors["qzeros"], tensors["scales"].float(), 4, 64).t()
+    torch.testing.assert_close(theirs, dequantized, atol=0, rtol=0)
+    qc = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+    ours = formats.parse({"quantization_config": qc}, Path("config.json")).read(
+        lambda name: tensors.get(name.rsplit(".", 1)[-1]), "m", 96, 256, Path("m"))  # fmt: skip
+    torch.testing.assert_close(ours.dequantize(torch.float32), theirs, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def dense_folder(tmp_path_factory) -> Path:
+    """A small random Llama (widths that 32, 64 and 128 divide), saved as transformers saves it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("dense")
+    model.save_pretrained(folder)
+    return folder
+
+
+GPTQ_AWQ = {
+    "gptq-g128-sym": dict(method="gptq", group=128, symmetric=True),
+    "gptq-g32-asym-act-order": dict(method="gptq", group=32, desc_act=True, symmetric=False),
+    "awq-g64": dict(method="awq", group=64),
+}
+
+
+@pytest.fixture(scope="module")
+def packed(dense_folder, tmp_path_factory):
+    out = {}
+    for name, args in GPTQ_AWQ.items():
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = folder, gptq_awq.write(dense_folder, folder, **args)
+    return out
+
+
+@pytest.mark.parametrize("name", GPTQ_AWQ)
+def test_gptq_and_awq_checkpoints_equal_transformers_on_their_dequantized_weights(packed, name):
+    folder, weights = packed[name]
+    _assert_conforms(folder, _dense_reference(folder, weights), seed=11, rtol=1e-4)
+
+
+def test_gptq_under_tensor_parallelism_2_equals_one_rank(packed):
+    folder, _ = packed["gptq-g128-sym"]
+    prompts = _prompts(13, count=4)
+    runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
+    try:
+        one, two = (_greedy(r, prompts, 16) for r in runners)
+    finally:
+        for r in runners:
+            r.close()
+    assert one == two
+
+
+def test_a_shard_that_splits_quantization_groups_is_refused_with_the_sizes(packed):
+    folder, _ = packed["gptq-g32-asym-act-order"]  # act-order groups span the whole input: o and down cannot split
+    with pytest.raises(ModelLoadError, match=r"o_proj: a tensor-parallel shard takes input columns \[0, 128\)"):
+        _runner(folder, tensor_parallel_size=2, num_threads=1)
+
+
+# ---- kernels against the dequantized reference ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bits", "group", "act_bits", "symmetric"),
+                         [(4, 128, None, True), (4, 32, None, False), (8, None, None, True), (8, None, 8, True),
+                          (8, 64, None, True)])  # fmt: skip
+def test_each_cpu_kernel_computes_what_the_dequantized_weight_does(dtype, bits, group, act_bits, symmetric):
+    gen = torch.Generator().manual_seed(3)
+    n, k = 160, 256
+    group = group or k
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3
+    zero = torch.full_like(scale, 2.0 ** (bits - 1)) if symmetric else torch.randint(0, 2**bits, scale.shape).float()
+    weight = QuantizedWeight(codes, scale, zero, bits, group, "test", act_bits=act_bits, dtype=dtype)
+    method = quantized_method(weight, dtype, cpu_paths=True)
+    if (bits, group) == (8, 64):  # grouped 8-bit: no CPU kernel, dequantized at load instead
+        assert method is None
+        return
+    x = torch.randn(7, k, generator=gen).to(dtype)
+    with torch.inference_mode():
+        got = method(x).float()
+        want = (Int8DynamicReference(weight, torch.float32)(x.float()) if act_bits
+                else x.float() @ weight.dequantize(torch.float32).t())  # fmt: skip
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "copy"
+    shutil.copytree(folder, dest)
+    return dest
+
+
+def _edit_quantization(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config["quantization_config"])
+    path.write_text(json.dumps(config))
+
+
+def test_a_missing_scale_is_refused_by_name(compressed, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(compressed[("llama", "W4A16")], tmp_path)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    missing = "quantized weight 'model.layers.1.mlp.down_proj.weight_scale' is missing"
+    with pytest.raises(ModelLoadError, match=missing):
+        _runner(folder)
+
+
+def test_a_group_size_that_does_not_divide_the_inputs_is_refused(compressed, tmp_path):
+    folder = _copy(compressed[("llama", "W4A16")], tmp_path)
+    _edit_quantization(folder, lambda qc: qc["config_groups"]["group_0"]["weights"].update(group_size=96))
+    with pytest.raises(ModelLoadError, match="group size 96 does not divide its 256 inputs"):
+        _runner(folder)
+
+
+def test_quantization_flag_refuses_a_checkpoint_of_another_format(compressed, packed, dense_folder):
+    with pytest.raises(ModelLoadError, match=r"--quantization gptq was asked for, but .* holds a compressed-tensors"):
+        _runner(compressed[("llama", "W8A8")], quantization="gptq")
+    with pytest.raises(ModelLoadError, match=r"--quantization awq was asked for, but .* no quantization_config"):
+        _runner(dense_folder, quantization="awq")
+    expected = "quantization must be compressed-tensors|fp8|gptq|awq, got 'int3'"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        EngineConfig(quantization="int3")
+    runner = _runner(packed["awq-g64"][0], quantization="awq")
+    assert runner.spec.quantization.method == "awq"
+    runner.close()
+
+
+@pytest.mark.parametrize(("qc", "message"), [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes .* are not supported"),
+    ({"quant_method": "gguf"}, "GGUF weights are not supported"),
+    ({"quant_method": "exl2"}, "EXL2 weights are not supported"),
+    ({"quant_method": "hqq"}, "HQQ weights are not supported"),
+    ({"quant_method": "magic"}, "quant_method 'magic' are not supported"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with bits=3 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float"}}}}, "float weights other than FP8"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "2-bit integer weights are not supported"),
+])  # fmt: skip
+def test_unknown_or_unsupported_schemes_are_refused_by_name(qc, message):
+    with pytest.raises(ModelLoadError, match=message):
+        formats.parse({"quantization_config": qc}, Path("config.json"))
