@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from overlap.bench.traces import resolve_trace, scale_rate, truncate
-from overlap.operator import children
+from overlap.operator import identity
 from overlap.operator.control import signals
 from tests.support.cluster import (
     NAMESPACE,
@@ -416,7 +416,7 @@ def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zer
         wait_for(lambda: (cluster.apps.read_namespaced_deployment(f"{ZERO}-activator", NAMESPACE).status.ready_replicas
                           or 0) == 1, 120, "the activator pod ready", interval=1)  # fmt: skip
         wait_for(lambda: cluster.core.read_namespaced_service(ZERO, NAMESPACE).spec.selector
-                 == children.activator_labels(ZERO), 30, "the Service routed to the activator")  # fmt: skip
+                 == identity.activator_labels(ZERO), 30, "the Service routed to the activator")  # fmt: skip
         assert cluster.service(ZERO)["spec"]["replicas"] == 0
         results: list = []
         clients = threading.Thread(
@@ -432,11 +432,11 @@ def test_scale_from_zero_on_pods_serves_every_held_request_then_goes_back_to_zer
         clients.join(120)
         assert not clients.is_alive(), "the held streams did not finish"
         wait_for(lambda: cluster.core.read_namespaced_service(ZERO, NAMESPACE).spec.selector
-                 == children.selector_labels(ZERO), 30, "the Service routed back to the pods")  # fmt: skip
+                 == identity.selector_labels(ZERO), 30, "the Service routed back to the pods")  # fmt: skip
         # Idle for the timeout: back to zero, the Service on the activator before the pod goes.
         wait_for(lambda: cluster.service(ZERO)["spec"]["replicas"] == 0, 120, "the service back at zero", interval=1)
         wait_for(lambda: cluster.core.read_namespaced_service(ZERO, NAMESPACE).spec.selector
-                 == children.activator_labels(ZERO), 30, "the Service routed to the activator again")  # fmt: skip
+                 == identity.activator_labels(ZERO), 30, "the Service routed to the activator again")  # fmt: skip
         wait_for(lambda: not [p for p in agent.pods.values() if p.deployment == ZERO and not p.gone], 120,
                  "the engine pod gone", interval=1)  # fmt: skip
         decisions = [e for e in agent.events if ZERO in e]

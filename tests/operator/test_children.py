@@ -13,6 +13,7 @@ import pytest
 from overlap.engine.config import LIVE_KNOBS
 from overlap.operator import children, identity, status
 from overlap.operator import spec as specs
+from overlap.operator.children.containers import wait_while_exists
 from overlap.operator.drift import is_subset
 
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -116,14 +117,14 @@ def test_the_engines_pre_stop_returns_once_the_sidecars_alive_file_is_gone(tmp_p
     """The command itself, run by a real sh: it waits while the file exists, and returns once it is removed."""
     alive = tmp_path / "sidecar.alive"
     alive.write_text("1")
-    command = children._wait_while_exists(str(alive), 30)
+    command = wait_while_exists(str(alive), 30)
     threading.Timer(0.5, alive.unlink).start()
     started = time.monotonic()
     subprocess.run(command, check=True, timeout=10)
     assert 0.4 < time.monotonic() - started < 3
     alive.write_text("1")  # never removed: the bound ends it
     started = time.monotonic()
-    subprocess.run(children._wait_while_exists(str(alive), 1), check=True, timeout=10)
+    subprocess.run(wait_while_exists(str(alive), 1), check=True, timeout=10)
     assert 0.9 < time.monotonic() - started < 5
 
 
