@@ -250,19 +250,19 @@ def test_every_example_is_admitted() -> None:
 def test_operator_defaults_match_the_crd() -> None:
     stored = admission.admit(VALID, SCHEMA, strict=True)
     defaulted = specs.with_defaults(VALID["spec"])
-    assert defaulted["images"].pop("engine") == defaulted["images"].pop("sidecar") == specs.model_image()
+    assert defaulted["images"].pop("engine") == defaulted["images"].pop("sidecar") == specs.own_model_image()
     assert defaulted == stored["spec"]  # the images aside (the operator's own), one table of defaults
 
 
-def test_images_come_from_the_running_operator_not_the_stored_object(monkeypatch) -> None:
+def test_images_come_from_the_running_operator_not_the_stored_object() -> None:
     # an image the API server stored at create time would pin the service to that version through every upgrade
     stored = admission.admit(VALID, SCHEMA, strict=True)["spec"]
     assert "engine" not in stored["images"] and "sidecar" not in stored["images"]
-    monkeypatch.setenv(specs.MODEL_IMAGE_ENV, "registry.example/overlap:0.2.0")
-    assert specs.with_defaults(stored)["images"]["engine"] == "registry.example/overlap:0.2.0"
+    image = "registry.example/overlap:0.2.0"  # the operator's --model-image (OperatorSettings.model_image)
+    assert specs.with_defaults(stored, image)["images"]["engine"] == image
     named = with_spec(images={"engine": "mine/engine:1"})["spec"]
-    images = specs.with_defaults(named)["images"]
-    assert (images["engine"], images["sidecar"]) == ("mine/engine:1", "registry.example/overlap:0.2.0")
+    images = specs.with_defaults(named, image)["images"]
+    assert (images["engine"], images["sidecar"]) == ("mine/engine:1", image)
 
 
 def test_the_control_policys_defaults_are_the_crds() -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from pathlib import Path
 
 import kopf
 import pytest
@@ -11,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from overlap.cli import build_parser
 from overlap.operator import kube
+from overlap.operator.settings import MEMO_KEY, OperatorSettings, SettingsError, settings_of
 
 
 def api_exception(status: int, message: str = "boom") -> ApiException:
@@ -58,6 +61,72 @@ def test_operator_command_line() -> None:
         parser.parse_args(["operator", "--namespace", "a", "--all-namespaces"])
     with pytest.raises(SystemExit):
         parser.parse_args(["operator", "--standalone", "--peering", "p"])
+
+
+def settings_for(*argv: str, **environ: str) -> OperatorSettings:
+    return OperatorSettings.from_args(build_parser().parse_args(["operator", *argv]), environ)
+
+
+def test_the_operators_settings_come_from_its_flags_else_the_environment() -> None:
+    defaults = OperatorSettings((), "", signal_window_s=60, api_timeout_s=30, resync_s=60, model_image=None)
+    assert settings_for() == OperatorSettings() == defaults
+    environ = {
+        "OVERLAP_PROMETHEUS_URL": "http://prom:9090",
+        "OVERLAP_SIGNAL_WINDOW_S": "30",
+        "OVERLAP_API_TIMEOUT_S": "5",
+        "OVERLAP_RESYNC_S": "3",
+        "OVERLAP_MODEL_IMAGE": "r.example/o:1",
+    }
+    assert settings_for(**environ) == OperatorSettings((), "http://prom:9090", 30, 5, 3, "r.example/o:1")
+    flags = ["--namespace", "a", "-n", "b", "--prometheus-url", "http://p", "--signal-window-s", "10",
+             "--api-timeout-s", "7", "--resync-s", "2", "--model-image", "mine:2"]  # fmt: skip
+    assert settings_for(*flags, **environ) == OperatorSettings(("a", "b"), "http://p", 10, 7, 2, "mine:2")  # flags win
+    empty = dict.fromkeys(environ, "")  # an empty variable is unset
+    assert settings_for(**empty) == OperatorSettings()
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (["--resync-s", "0.5"], {}, "--resync-s (OVERLAP_RESYNC_S) must be >= 1, got 0.5"),
+        ([], {"OVERLAP_RESYNC_S": "0"}, "--resync-s (OVERLAP_RESYNC_S) must be >= 1, got 0"),
+        (["--api-timeout-s", "0"], {}, "--api-timeout-s (OVERLAP_API_TIMEOUT_S) must be > 0, got 0"),
+        ([], {"OVERLAP_SIGNAL_WINDOW_S": "0.5"}, "--signal-window-s (OVERLAP_SIGNAL_WINDOW_S) must be >= 1, got 0.5"),
+        ([], {"OVERLAP_API_TIMEOUT_S": "30s"}, "OVERLAP_API_TIMEOUT_S must be a number of seconds, got '30s'"),
+    ],
+)
+def test_settings_out_of_range_stop_the_operator_before_it_starts(argv, environ, message, monkeypatch) -> None:
+    with pytest.raises(SettingsError) as caught:
+        settings_for(*argv, **environ)
+    assert str(caught.value) == message
+    for name in ("OVERLAP_RESYNC_S", "OVERLAP_API_TIMEOUT_S", "OVERLAP_SIGNAL_WINDOW_S"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["operator", *argv])
+    with pytest.raises(SystemExit) as exited:  # `overlap operator` says so and exits, before it connects
+        args.func(args)
+    assert exited.value.code == f"overlap operator: {message}"
+
+
+def test_the_settings_are_frozen_and_reach_the_handlers_in_kopfs_memo() -> None:
+    settings = settings_for("--resync-s", "5")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.resync_s = 1  # type: ignore[misc]
+    assert settings_of(kopf.Memo({MEMO_KEY: settings})) is settings
+    assert settings_of(kopf.Memo()) == OperatorSettings()  # kopf started without them: the defaults
+
+
+def test_only_the_cli_reads_the_environment() -> None:
+    """The operator's settings are read once, by `overlap operator` (OperatorSettings.from_args); no module reads
+    the environment at call time."""
+    package = Path(kube.__file__).parent
+    readers = [
+        path.relative_to(package).as_posix()
+        for path in sorted(package.rglob("*.py"))
+        if "os.environ" in path.read_text() or "getenv" in path.read_text()
+    ]
+    assert readers == ["cli.py"]
 
 
 def test_the_pods_command_lines_parse_with_the_real_overlap_command(tmp_path, monkeypatch) -> None:

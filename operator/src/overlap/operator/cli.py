@@ -72,33 +72,19 @@ def register(subparsers) -> None:
 
 
 def _run_operator(args: argparse.Namespace) -> int:
+    from overlap.operator.settings import MEMO_KEY, OperatorSettings, SettingsError
+
+    try:
+        settings = OperatorSettings.from_args(args, os.environ)  # the only read of the environment's settings
+    except SettingsError as exc:
+        raise SystemExit(f"overlap operator: {exc}") from None
+
     import kopf
 
-    from overlap.operator import handlers, kube  # importing handlers registers them
-    from overlap.operator.control import loop  # registers the control loop's timer
+    from overlap.operator import handlers, kube  # noqa: F401 (importing handlers registers them)
+    from overlap.operator.control import loop  # noqa: F401 (registers the control loop's timer)
 
-    if args.prometheus_url:
-        os.environ[loop.PROMETHEUS_URL_ENV] = args.prometheus_url
-    if args.namespace:
-        os.environ[handlers.WATCH_NAMESPACES_ENV] = ",".join(args.namespace)
-    if args.resync_s is not None:
-        if args.resync_s < 1:
-            raise SystemExit(f"overlap operator: --resync-s must be >= 1, got {args.resync_s:g}")
-        os.environ[handlers.RESYNC_ENV] = str(args.resync_s)
-    if args.model_image:
-        from overlap.operator import spec
-
-        os.environ[spec.MODEL_IMAGE_ENV] = args.model_image
-    if args.api_timeout_s is not None:
-        if args.api_timeout_s <= 0:
-            raise SystemExit(f"overlap operator: --api-timeout-s must be > 0, got {args.api_timeout_s:g}")
-        os.environ[kube.API_TIMEOUT_ENV] = str(args.api_timeout_s)
-    if args.signal_window_s is not None:
-        if args.signal_window_s < 1:
-            raise SystemExit(f"overlap operator: --signal-window-s must be >= 1, got {args.signal_window_s:g}")
-        os.environ[loop.SIGNAL_WINDOW_ENV] = str(args.signal_window_s)
-
-    _wait_for_the_crd(kube, args.crd_wait_s)
+    _wait_for_the_crd(kube, args.crd_wait_s, settings.api_timeout_s)
     if args.metrics_port:
         import prometheus_client
 
@@ -107,14 +93,15 @@ def _run_operator(args: argparse.Namespace) -> int:
     kopf.run(
         standalone=args.peering is None,
         peering_name=args.peering,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace or (),
+        clusterwide=not settings.namespaces,
+        namespaces=settings.namespaces,
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo({MEMO_KEY: settings}),  # every handler's `settings_of(memo)`
     )
     return 0
 
 
-def _wait_for_the_crd(kube, wait_s: float) -> None:
+def _wait_for_the_crd(kube, wait_s: float, api_timeout_s: float) -> None:
     """Start only once the API server serves InferenceServices: kopf would otherwise sit idle, its liveness probe
     passing, and never notice the CRD installed later. Logs why it waits; exits 1 after `wait_s` (kubelet restarts
     the pod, and CrashLoopBackOff says something is missing)."""
@@ -124,7 +111,7 @@ def _wait_for_the_crd(kube, wait_s: float) -> None:
     from overlap.operator.identity import GROUP, PLURAL
 
     log = logging.getLogger("overlap.operator")
-    kube.configure()
+    kube.configure(api_timeout_s)
     deadline = time.monotonic() + wait_s
     while True:
         try:

@@ -1,6 +1,7 @@
 """kopf handlers, one concern each. Importing this module registers them (`overlap operator` does).
 
-- `configure`: operator settings, once at start-up.
+- `configure`: kopf's settings, once at start-up, from the operator's (`settings_of(memo)`: its flags and
+  environment, parsed once by `overlap operator`).
 - `reconcile`: on create / update / resume of an InferenceService, make its children match the spec.
 - `restore_child`: a child edited or deleted by hand is put back (on the child's own watch event).
 - `mirror_rollout`: the Deployment's progress goes into the InferenceService's status.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +25,7 @@ from overlap.operator.drift import is_subset
 from overlap.operator.identity import CR, INSTANCE_LABEL, KIND, OWNED, selector_string
 from overlap.operator.locks import service_lock
 from overlap.operator.model_volumes import FETCH_CONTAINER
+from overlap.operator.settings import OperatorSettings, settings_of
 
 CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
 CHILD_RESOURCES += [("policy", "v1", "poddisruptionbudgets")]
@@ -36,7 +37,9 @@ CHILD_WRITES = Counter(
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    ours = settings_of(memo)
+    kube.configure(ours.api_timeout_s)
     # Keep kopf's bookkeeping in overlap.dev annotations: the CRD's status schema has no room for kopf's own.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="overlap.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -54,35 +57,29 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     # kopf's own requests (finalizers, progress annotations, events) give up like the operator's (--api-timeout-s)
-    settings.networking.request_timeout = kube.api_timeout_s()
-    settings.networking.connect_timeout = kube.request_timeout()[0]
+    settings.networking.connect_timeout, settings.networking.request_timeout = kube.request_timeout()
     # The API server filters the children's watches by our label: the operator lists and watches only what it
     # owns, not every ConfigMap, Service, Deployment, PDB and Pod in the cluster.
     owned = ",".join(f"{key}={value}" for key, value in sorted(OWNED.items()))
     for resource in [*CHILD_RESOURCES, ("", "v1", "pods")]:
         settings.watching.label_selectors[resource] = owned
-    kube.configure()
 
 
-RESYNC_ENV = "OVERLAP_RESYNC_S"
-WATCH_NAMESPACES_ENV = "OVERLAP_WATCH_NAMESPACES"  # set by `overlap operator --namespace` (comma-separated; unset: all)
-
-
-def resync_s() -> float:
-    """How often every service's children are put right (env OVERLAP_RESYNC_S, default 60 s)."""
-    return float(os.environ.get(RESYNC_ENV) or 60)
-
-
-def _reconcile_children(body: Mapping[str, Any], logger: logging.Logger, patched_means: str = "updated") -> None:
+def _reconcile_children(
+    body: Mapping[str, Any], logger: logging.Logger, model_image: str | None, patched_means: str = "updated"
+) -> None:
     """Plan what the spec asks for, then apply it; an invalid spec sets Degraded and changes nothing."""
     with service_lock(body["metadata"]["uid"]):
-        _plan_and_apply(body, logger, patched_means)
+        _plan_and_apply(body, logger, model_image, patched_means)
 
 
-def _plan_and_apply(body: Mapping[str, Any], logger: logging.Logger, patched_means: str) -> None:
+def _plan_and_apply(
+    body: Mapping[str, Any], logger: logging.Logger, model_image: str | None, patched_means: str
+) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     try:
-        plan = plans.desired(body, with_servicemonitor="monitoring.coreos.com" in kube.api_groups())
+        monitors = "monitoring.coreos.com" in kube.api_groups()
+        plan = plans.desired(body, with_servicemonitor=monitors, model_image=model_image)
     except specs.SpecError as exc:
         problem = f"invalid spec, nothing changed: {exc}"
         kube.patch_status(name, namespace, lambda current: status.degraded_status(current, problem, status.now_iso()))
@@ -108,9 +105,9 @@ def _reporter(owner: Mapping[str, Any], logger: logging.Logger) -> plans.Report:
 @kopf.on.resume(*CR)
 @kopf.on.create(*CR)
 @kopf.on.update(*CR)
-def reconcile(body: kopf.Body, logger: logging.Logger, retry: int, **_: Any) -> None:
+def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:
     kube.HANDLER_RETRY.set(retry)
-    _reconcile_children(body, logger)
+    _reconcile_children(body, logger, settings_of(memo).model_image)
 
 
 def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -125,7 +122,7 @@ def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
     return owner
 
 
-def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) -> None:
+def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger, model_image: str | None) -> None:
     owner = _owner_of(body)
     if owner is None:
         return
@@ -133,18 +130,18 @@ def _restore(event: Mapping[str, Any], body: kopf.Body, logger: logging.Logger) 
     if event.get("type") != "DELETED":
         # Cheap pre-check: most events are our own writes or the controller's status updates.
         try:
-            plan = plans.desired(owner, with_servicemonitor=False)
+            plan = plans.desired(owner, with_servicemonitor=False, model_image=model_image)
         except specs.SpecError:
             return  # reconcile reports it as Degraded
         wanted = [c for c in plan.children if c["kind"] == kind and c["metadata"]["name"] == name]
         if all(is_subset(c, dict(body)) for c in wanted):
             return
     logger.info(f"{kind} {name} was {'deleted' if event.get('type') == 'DELETED' else 'changed'} by hand; restoring")
-    _reconcile_children(owner, logger, patched_means="restored")
+    _reconcile_children(owner, logger, model_image, patched_means="restored")
 
 
-def restore_child(event: kopf.RawEvent, body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    _restore(event, body, logger)
+def restore_child(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    _restore(event, body, logger, settings_of(memo).model_image)
 
 
 for _group, _version, _plural in CHILD_RESOURCES:
@@ -153,11 +150,12 @@ for _group, _version, _plural in CHILD_RESOURCES:
 
 @kopf.on.startup()
 async def start_resync(memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    """Every service's children put right every `resync_s()`, whatever its autoscaling mode. The event handlers
+    """Every service's children put right every --resync-s, whatever its autoscaling mode. The event handlers
     above restore a child when its change is seen, but kopf does not retry them, and an event lost in a watch gap
     (the history compacted while the watch was down) is never seen. A task of the operator's, not a kopf timer: a
     timer would put kopf's finalizer on every service."""
-    memo.resync_task = asyncio.create_task(_resync_forever(logger))  # inherits kopf's context (its event posting)
+    settings = settings_of(memo)
+    memo.resync_task = asyncio.create_task(_resync_forever(settings, logger))  # inherits kopf's context (events)
 
 
 @kopf.on.cleanup()
@@ -167,20 +165,20 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
         task.cancel()
 
 
-async def _resync_forever(logger: logging.Logger) -> None:
+async def _resync_forever(settings: OperatorSettings, logger: logging.Logger) -> None:
     while True:
-        await asyncio.sleep(resync_s())
+        await asyncio.sleep(settings.resync_s)
         try:
-            await asyncio.to_thread(resync_all, logger)
+            await asyncio.to_thread(resync_all, settings, logger)
         except (kopf.TemporaryError, kopf.PermanentError) as exc:  # the list failed: the next round tries again
             logger.warning(f"resync: {exc}")
 
 
-def resync_all(logger: logging.Logger) -> int:
+def resync_all(settings: OperatorSettings, logger: logging.Logger) -> int:
     """One round: each watched service's plan applied (only what differs is written), and the status of one whose
     model is fetched brought up to date (its progress); returns how many were put right. A service whose writes
     fail (RBAC, a conflict) is logged and does not hold up the others."""
-    namespaces = [n for n in os.environ.get(WATCH_NAMESPACES_ENV, "").split(",") if n]
+    namespaces = settings.namespaces
     services = [s for n in namespaces for s in kube.list_services(n)] if namespaces else kube.list_all_services()
     monitors = "monitoring.coreos.com" in kube.api_groups()
     done = 0
@@ -191,7 +189,7 @@ def resync_all(logger: logging.Logger) -> int:
                 body = kube.read_service(meta["name"], meta["namespace"])  # as it is now, not as listed
                 if body is None or body["metadata"].get("deletionTimestamp"):
                     continue
-                plan = plans.desired(body, with_servicemonitor=monitors)
+                plan = plans.desired(body, with_servicemonitor=monitors, model_image=settings.model_image)
                 plans.apply(plan, body, _reporter(body, logger), "restored")
                 # a long fetch moves no pod event: its progress is read here
                 if specs.model_fetched(body["spec"].get("model") or {}):
@@ -237,20 +235,22 @@ def _fetch_progress(pods: list[dict[str, Any]]) -> dict[str, str]:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=OWNED)
-def mirror_rollout(body: kopf.Body, type: str | None, logger: logging.Logger, **_: Any) -> None:
+def mirror_rollout(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     if type == "DELETED":
         return  # restore_child recreates it; the new one's events update the status
     owner = _owner_of(body)
     if owner is None or body["metadata"]["name"] != owner["metadata"]["name"]:
         return  # not the engine Deployment (the activator's and router's have no status to mirror)
     _mirror(owner, dict(body))
-    _route(owner, dict(body), logger)
+    _route(owner, dict(body), logger, settings_of(memo).model_image)
 
 
-def _route(owner: Mapping[str, Any], deployment: Mapping[str, Any], logger: logging.Logger) -> None:
+def _route(
+    owner: Mapping[str, Any], deployment: Mapping[str, Any], logger: logging.Logger, model_image: str | None
+) -> None:
     """For a service that scales to zero: point its Service at the pods once one is ready, at the activator while
     none is (the first ready pod takes the traffic at once, without waiting for a reconcile)."""
-    spec = specs.with_defaults(owner.get("spec") or {})
+    spec = specs.with_defaults(owner.get("spec") or {}, model_image)
     if not children.has_activator(spec):
         return
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]

@@ -10,7 +10,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,17 +21,17 @@ from kubernetes.client.exceptions import ApiException
 from overlap.operator import status
 from overlap.operator.drift import is_subset
 from overlap.operator.identity import GROUP, PLURAL, VERSION
+from overlap.operator.settings import DEFAULT_API_TIMEOUT_S
 
 RETRY_DELAY_S = 2.0
 MAX_RETRY_DELAY_S = 60.0
 # Every API request gives up after this long (a hung API server or a dropped connection would otherwise hold a
-# handler forever) and is retried like any transient failure; `overlap operator --api-timeout-s` sets it.
-API_TIMEOUT_ENV = "OVERLAP_API_TIMEOUT_S"
-DEFAULT_API_TIMEOUT_S = 30.0
+# handler forever) and is retried like any transient failure; `configure` sets it (the operator's --api-timeout-s).
+_api_timeout_s = DEFAULT_API_TIMEOUT_S
 
 
 def api_timeout_s() -> float:
-    return float(os.environ.get(API_TIMEOUT_ENV) or DEFAULT_API_TIMEOUT_S)
+    return _api_timeout_s
 
 
 def request_timeout() -> tuple[float, float]:
@@ -58,8 +57,11 @@ _TYPED = {
 _CUSTOM = {"ServiceMonitor": ("monitoring.coreos.com", "v1", "servicemonitors")}
 
 
-def configure() -> None:
-    """In a pod: the service account; elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+def configure(api_timeout_s: float = DEFAULT_API_TIMEOUT_S) -> None:
+    """Once at start: the credentials (in a pod: the service account; elsewhere: the kubeconfig, $KUBECONFIG or
+    ~/.kube/config), and how long an API request may take (OperatorSettings.api_timeout_s)."""
+    global _api_timeout_s
+    _api_timeout_s = api_timeout_s
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:

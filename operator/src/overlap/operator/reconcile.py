@@ -47,11 +47,12 @@ class Plan:
                                      when=when, problems=problems)  # fmt: skip
 
 
-def desired(service: Mapping[str, Any], *, with_servicemonitor: bool) -> Plan:
-    """What the service's spec asks for; SpecError (with the fix in its message) when it cannot be served."""
+def desired(service: Mapping[str, Any], *, with_servicemonitor: bool, model_image: str | None = None) -> Plan:
+    """What the service's spec asks for; SpecError (with the fix in its message) when it cannot be served.
+    `model_image`: the operator's image for a service that names none (see `spec.with_defaults`)."""
     meta = service["metadata"]
     name, namespace = meta["name"], meta["namespace"]
-    spec = specs.with_defaults(service.get("spec") or {})
+    spec = specs.with_defaults(service.get("spec") or {}, model_image)
     specs.check_name(name)
     config = specs.tuned_config(specs.check_spec(spec), spec, service.get("status"))
     built = children.build_children(service, spec, config, with_servicemonitor=with_servicemonitor)

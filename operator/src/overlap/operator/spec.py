@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -115,27 +114,22 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-MODEL_IMAGE_ENV = "OVERLAP_MODEL_IMAGE"
 MODEL_IMAGE_REPOSITORY = "ghcr.io/overlap-dev/overlap"
 
 
-def model_image() -> str:
-    """The engine and sidecar image of a service that names none: `overlap operator --model-image` (the chart sets
-    it from its release), else the engine image of this operator's own version."""
-    return os.environ.get(MODEL_IMAGE_ENV) or _own_model_image()
-
-
 @functools.cache
-def _own_model_image() -> str:
-    """Looked up once: with_defaults runs at every reconcile and control tick, and the lookup scans the installed
-    distributions."""
+def own_model_image() -> str:
+    """The engine image of this operator's own version: the images of a service that names none, unless the operator
+    was given one (its --model-image, which the chart sets from its release). Looked up once: with_defaults runs at
+    every reconcile and control tick, and the lookup scans the installed distributions."""
     from importlib.metadata import version
 
     return f"{MODEL_IMAGE_REPOSITORY}:{version('overlap-operator')}"
 
 
-def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `spec` with the CRD's defaults filled in where a field is absent (nested)."""
+def with_defaults(spec: Mapping[str, Any], model_image: str | None = None) -> dict[str, Any]:
+    """A copy of `spec` with the CRD's defaults filled in where a field is absent (nested), and `model_image` (the
+    operator's OperatorSettings.model_image; None: `own_model_image()`) where it names no image."""
 
     def merge(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
         result = dict(given)
@@ -149,7 +143,7 @@ def with_defaults(spec: Mapping[str, Any]) -> dict[str, Any]:
     merged = merge(DEFAULTS, spec)
     # The images are the operator's, not the CRD's: a default the API server stored in each object at create time
     # would pin every service to the version it was created under, and an operator upgrade would move none.
-    image = model_image()
+    image = model_image or own_model_image()
     merged["images"] = {"engine": image, "sidecar": image, **merged["images"]}
     api_key = merged["sidecar"].get("apiKeySecret")
     if api_key is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 import urllib.error
 import urllib.request
@@ -48,11 +47,10 @@ from overlap.operator.control.policy import (
 )
 from overlap.operator.identity import CR, selector_string
 from overlap.operator.locks import service_lock
+from overlap.operator.settings import settings_of
 
 # The timer's own period; each service's loop runs at its spec's interval (>= 5 s, the CRD's minimum) on top.
 TICK_S = 5.0
-PROMETHEUS_URL_ENV = "OVERLAP_PROMETHEUS_URL"  # the operator-wide default; spec.prometheus.url wins
-SIGNAL_WINDOW_ENV = "OVERLAP_SIGNAL_WINDOW_S"  # the latency signals' rate window (--signal-window-s)
 ADMIN_TIMEOUT_S = 5.0
 
 DECISIONS = Counter("overlap_operator_decisions_total", "Control loop decisions carried out", ["action"])
@@ -86,12 +84,13 @@ def _controlled(spec: Mapping[str, Any], **_: Any) -> bool:
 
 @kopf.timer(*CR, interval=TICK_S, initial_delay=TICK_S, when=_controlled)
 def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
-    spec = specs.with_defaults(body.get("spec") or {})
+    settings = settings_of(memo)
+    spec = specs.with_defaults(body.get("spec") or {}, settings.model_image)
     try:
         config = specs.check_spec(spec)
     except specs.SpecError:
         return  # reconcile reports it as Degraded; nothing to control
-    policy = Policy.from_spec(spec, signal_window_s=signal_window_s())
+    policy = Policy.from_spec(spec, signal_window_s=settings.signal_window_s)
     now = time.time()
     state: LoopState = memo.setdefault(
         "control", LoopState(History(scaling=policy.scaling, signal_window_s=policy.tuning.signal_window_s))
@@ -100,7 +99,7 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
         return  # not due (or both loops off: the interval is infinite)
     state.last_tick = now
     with service_lock(body["metadata"]["uid"]):  # no reconcile or resync writes an older plan meanwhile
-        run_tick(body, spec, config, policy, state, now, logger)
+        run_tick(body, spec, config, policy, state, now, logger, settings.prometheus_url)
 
 
 def run_tick(
@@ -111,11 +110,13 @@ def run_tick(
     state: LoopState,
     now: float,
     logger: logging.Logger,
+    prometheus_url: str,
 ) -> Decision | None:
-    """One pass of the loop for one service; the decision carried out, or None when there were no signals."""
+    """One pass of the loop for one service; the decision carried out, or None when there were no signals.
+    `prometheus_url`: the operator's (--prometheus-url), read when the spec names none."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     current_status = body.get("status") or {}
-    base_url = spec["prometheus"].get("url") or os.environ.get(PROMETHEUS_URL_ENV, "")
+    base_url = spec["prometheus"].get("url") or prometheus_url
     when = status.now_iso()
     if not base_url:
         problem = "no Prometheus to read: set spec.prometheus.url or the operator's --prometheus-url"
@@ -203,10 +204,6 @@ def _export_forecast(namespace: str, name: str, forecast: Mapping[str, Any]) -> 
                        (FLOOR, "floor")):  # fmt: skip
         if key in forecast:
             gauge.labels(namespace, name).set(forecast[key])
-
-
-def signal_window_s() -> float:
-    return float(os.environ.get(SIGNAL_WINDOW_ENV) or signals.DEFAULT_WINDOW_S)
 
 
 def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConfig, logger: logging.Logger) -> None:

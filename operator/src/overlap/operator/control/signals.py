@@ -16,11 +16,11 @@ import urllib.request
 from collections.abc import Mapping
 
 from overlap.operator.control.policy import Signals
+from overlap.operator.settings import DEFAULT_SIGNAL_WINDOW_S
 
-# The trailing window of the rate-based signals (`$window` in a query): by default a minute, 4 scrapes at the
-# ServiceMonitor's default 15 s interval; the operator's --signal-window-s changes it, and the tuner waits that
-# long after a move (TuningPolicy.signal_window_s).
-DEFAULT_WINDOW_S = 60.0
+# The trailing window of the rate-based signals (`$window` in a query): the operator's --signal-window-s
+# (OperatorSettings.signal_window_s), and the tuner waits that long after a move (TuningPolicy.signal_window_s).
+DEFAULT_WINDOW_S = DEFAULT_SIGNAL_WINDOW_S
 
 DEFAULT_QUERIES: dict[str, str] = {
     "queueDepth": "sum(vllm:num_requests_waiting{$selector})",
