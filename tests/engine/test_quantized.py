@@ -78,7 +78,7 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
         step = hf(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
             out.append(int(step.logits[0, -1].argmax()))
-            step = hf(torch.tensor([[out[-1]]]), past_key_values=step.past_key_values, use_cache=True)
+            step = hf(torch.tensor([[out[-1]]]), cache=step.past_key_values, use_cache=True)
     return out
 
 
@@ -161,7 +161,7 @@ def test_the_engine_names_the_format_and_its_kernels(compressed):
     try:
         assert runner.spec.quantization.method == "compressed-tensors"
         assert "W4A16 (pack-quantized, group 128, symmetric)" in runner.kernels
-        assert "int4 weight-only" in runner.kernels  # torch's int4 CPU kernel where it runs (checked at load)
+        assert "W4A16 native" in runner.kernels  # quant_linear.c, checked against the dequantized weight at load
         # the streaming floor counts 4-bit codes: well under the bf16 size of the same projections
         spec = runner.spec
         h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim
@@ -384,3 +384,38 @@ def test_quantization_flag_refuses_a_checkpoint_of_another_format(compressed, pa
 def test_unknown_or_unsupported_schemes_are_refused_by_name(qc, message):
     with pytest.raises(ModelLoadError, match=message):
         formats.parse({"quantization_config": qc}, Path("config.json"))
+
+
+@pytest.mark.parametrize("march", [None, "x86-64-v3", "x86-64"], ids=["this-cpu", "avx2", "plain-c"])
+def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
+    """quant_linear.c built for this CPU, for AVX2 and for plain C (every path this machine can run): W4A16 (with
+    zero points, 1 to 20 rows: row tiles of 8 and 4 and their remainders) and W8A8 (K with a tail past 64)."""
+    from overlap.engine.model import native
+    from overlap.engine.model.quant.kernels import nibbles, quantize_per_token
+
+    if march is not None and march.endswith("v3") and native.cpu_isa() not in ("AVX2", "AVX-512", "AVX512-BF16",
+                                                                                  "AMX-BF16"):  # fmt: skip
+        pytest.skip("this CPU has no AVX2")
+    kernel = native.quant_linear_kernel(march)
+    if kernel is None:
+        pytest.skip("no C compiler")
+    assert kernel.isa == {None: kernel.isa, "x86-64-v3": "AVX2", "x86-64": "C"}[march]
+    gen = torch.Generator().manual_seed(5)
+    n, k, group = 72, 384, 64
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale, zero = torch.rand(n, k // group, generator=gen) * 0.01, torch.randint(0, 16, (n, k // group)).float()
+    w4 = QuantizedWeight(codes, scale, zero, 4, group, "test").dequantize(torch.float32)
+    w8 = torch.randint(-128, 128, (n, k + 40), generator=gen, dtype=torch.int8)
+    w8_scale = torch.rand(n, generator=gen) * 0.01
+    for rows in (1, 3, 8, 13, 20):
+        x = torch.randn(rows, k, generator=gen)
+        torch.testing.assert_close(
+            kernel.w4a16(x, nibbles(codes), scale, zero, group), x @ w4.t(), atol=1e-4, rtol=1e-4
+        )
+        x8 = torch.randn(rows, k + 40, generator=gen)
+        x_q, x_scale = quantize_per_token(x8)
+        want = (x_q.int() @ w8.int().t()).float() * x_scale * w8_scale
+        got = kernel.w8a8(x8, w8, w8.sum(1, dtype=torch.int32), w8_scale)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    dense = kernel.w4a16_dequantize(nibbles(codes), scale, zero, group, torch.bfloat16)
+    torch.testing.assert_close(dense.float(), w4.bfloat16().float(), atol=0, rtol=0)

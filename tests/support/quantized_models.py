@@ -82,7 +82,7 @@ def build(family: str, scheme: str, dest_root: Path | None = None, timeout: floa
     if (dest / "config.json").exists():
         return dest
     python = ensure_llmcompressor()
-    with _locked(dest_root / f".{key}.lock"):
+    with _locked(dest_root / ".lock"):  # one build at a time: each takes seconds
         if (dest / "config.json").exists():
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=dest_root))

@@ -20,7 +20,7 @@ def decode_flops(runner, batch: int, context: float) -> float:
     """A decode step's arithmetic: two FLOPs per streamed weight per sequence (the projections and the LM head),
     and four per cached position per query head dimension (q.k and p.v)."""
     spec = runner.spec
-    params = runner.weight_bytes / runner.dtype.itemsize
+    params = runner.weight_params
     attention = 4 * context * spec.num_heads * spec.head_dim * spec.num_layers
     return batch * (2 * params + attention)
 

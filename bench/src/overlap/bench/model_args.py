@@ -14,6 +14,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="model folder (default: the tiny default model)")
     model.add_argument("--model-shape", choices=list(SHAPES), help="a real family's shape with random weights, built "
                        "once into the cache (overlap model build-shape)")  # fmt: skip
+    parser.add_argument("--quantization", choices=("w4a16", "w8a8"),
+                        help="with --model-shape: the shape's projections in llm-compressor's scheme of that name "
+                        "(compressed-tensors, random codes)")  # fmt: skip
 
 
 def model_folder(args: argparse.Namespace, progress: Callable[[str], None]) -> str | None:
@@ -21,5 +24,9 @@ def model_folder(args: argparse.Namespace, progress: Callable[[str], None]) -> s
     if args.model_shape:
         from overlap.engine.model.shapes import ensure_shape_model
 
-        return str(ensure_shape_model(args.model_shape, progress=progress))
+        return str(ensure_shape_model(args.model_shape, progress=progress, quantization=args.quantization))
+    if getattr(args, "quantization", None):
+        from overlap.engine.errors import ConfigError
+
+        raise ConfigError("--quantization builds a quantized shape: it needs --model-shape")
     return args.model

@@ -19,6 +19,9 @@ def register(subparsers) -> None:
         help="build a random-weight model of a real family's shape (config, vocabulary; no download) into the cache",
     )
     shape.add_argument("name", help="the shape: " + ", ".join(_shape_names()))
+    shape.add_argument("--quantization", choices=("w4a16", "w8a8"),
+                       help="write the decoder's projections as llm-compressor's scheme of that name "
+                       "(compressed-tensors; random codes)")  # fmt: skip
     shape.set_defaults(func=_build_shape)
     fetch = model_sub.add_parser(
         "fetch",
@@ -73,7 +76,8 @@ def _build_shape(args: argparse.Namespace) -> int:
 
     from overlap.engine.model.shapes import ensure_shape_model
 
-    print(ensure_shape_model(args.name, progress=lambda line: print(line, file=sys.stderr, flush=True)))
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    print(ensure_shape_model(args.name, progress=progress, quantization=args.quantization))
     return 0
 
 

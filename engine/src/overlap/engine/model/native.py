@@ -1,6 +1,7 @@
 """The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`) and a layer's small
 ops, RMSNorm and RoPE with the K/V write, and the sampler's greedy argmax (`cpu_ops.c`), built into one library on
-first use; and projections at decode sizes (`linear_packed.c`), built into a second one with OpenMP.
+first use; projections at decode sizes (`linear_packed.c`), built into a second one with OpenMP; and quantized
+projections (`quant_linear.c`: W4A16, W8A8), a third.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
 cached under `$OVERLAP_CACHE_DIR/native/` keyed by the sources, the flags and the CPU model (the build uses
@@ -35,7 +36,9 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cp
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
 _LINEAR_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_LIBRARIES = {"overlap_kernels": (_SOURCES, _FLAGS), "overlap_linear": (_LINEAR_SOURCES, _LINEAR_FLAGS)}
+_QUANT_SOURCES = [Path(__file__).with_name("quant_linear.c")]
+_LIBRARIES = {"overlap_kernels": (_SOURCES, _FLAGS), "overlap_linear": (_LINEAR_SOURCES, _LINEAR_FLAGS),
+              "overlap_quant": (_QUANT_SOURCES, [*_LINEAR_FLAGS, "-lm"])}  # fmt: skip
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
@@ -235,6 +238,73 @@ class PackedLinearKernel:
         return out
 
 
+class QuantLinearKernel:
+    """`quant_linear.c` loaded: W4A16 and W8A8 projections for 1-64 rows of fp32 x, and a W4A16 weight dequantized
+    into a float buffer. `isa` says which path this CPU got: "AVX-512 VNNI", "AVX-512", "AVX2" or "C"."""
+
+    MAX_ROWS = 64
+    ISAS = ("C", "AVX2", "AVX-512", "AVX-512 VNNI")
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.isa = self.ISAS[library.overlap_quant_linear_isa()]
+        self.w4a16_bf16 = bool(library.overlap_w4a16_bf16_path())  # bf16 x through vdpbf16ps
+        self._w4 = library.overlap_w4a16_rows
+        self._w4.restype = ctypes.c_int
+        self._w4.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32]
+        self._w4_dequantize = library.overlap_w4a16_dequantize
+        self._w4_dequantize.restype = ctypes.c_int
+        self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32, _i32]
+        self._w8a8 = library.overlap_w8a8_rows
+        self._w8a8.restype = ctypes.c_int
+        self._w8a8.argtypes = [_ptr, _i64, _i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32]
+
+    @staticmethod
+    def _rows(x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
+        _check(x.dim() == 2 and 1 <= x.shape[0] <= QuantLinearKernel.MAX_ROWS, "quantized linear: x rows")
+        return x.contiguous() if keep_bf16 and x.dtype == torch.bfloat16 else x.float().contiguous()
+
+    def w4a16(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+              group: int) -> torch.Tensor:  # fmt: skip
+        """x [rows, K] (fp32 or bf16) times the weight of `codes` [N, K/2] (two inputs a byte, the first in the low
+        nibble), `scale` and `zero` [N, K/group] fp32: a new fp32 [rows, N]."""
+        x = self._rows(x, keep_bf16=True)
+        n, k = codes.shape[0], 2 * codes.shape[1]
+        _check(x.shape[1] == k and codes.dtype == torch.uint8 and codes.is_contiguous()
+               and scale.dtype == zero.dtype == torch.float32 and scale.is_contiguous() and zero.is_contiguous()
+               and scale.shape == zero.shape == (n, k // group), "quantized linear: W4A16 weight")  # fmt: skip
+        out = torch.empty(x.shape[0], n)
+        status = self._w4(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, x.shape[0], codes.data_ptr(),
+                          scale.data_ptr(), zero.data_ptr(), n, k, group, out.data_ptr(), n,
+                          torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
+        return out
+
+    def w4a16_dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
+                         dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """The weight [N, K] in `dtype` (fp32 or bf16)."""
+        n, k = codes.shape[0], 2 * codes.shape[1]
+        _check(dtype in (torch.float32, torch.bfloat16), "quantized linear: dequantize dtype")
+        out = torch.empty(n, k, dtype=dtype)
+        status = self._w4_dequantize(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, k, group,
+                                     out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
+        return out
+
+    def w8a8(self, x: torch.Tensor, weight: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [rows, K], quantized to int8 per row inside, times int8 `weight` [N, K] with its int32 `rowsum` [N]
+        and fp32 `scale` [N]: a new fp32 [rows, N]."""
+        x = self._rows(x)
+        n, k = weight.shape
+        _check(x.shape[1] == k and weight.dtype == torch.int8 and weight.is_contiguous()
+               and rowsum.dtype == torch.int32 and scale.dtype == torch.float32 and rowsum.shape == scale.shape == (n,),
+               "quantized linear: W8A8 weight")  # fmt: skip
+        out = torch.empty(x.shape[0], n)
+        status = self._w8a8(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), rowsum.data_ptr(),
+                            scale.data_ptr(), n, k, out.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W8A8 arguments the kernel does not take")
+        return out
+
+
 def _check(ok: bool, what: str) -> None:
     # The C code trusts its layouts; a mismatch would read or write the wrong memory, so check them (cheap).
     if not ok:
@@ -277,6 +347,19 @@ def packed_linear_kernel() -> PackedLinearKernel | None:
     if library is None or not library.overlap_linear_packed_dtypes():
         return None
     return PackedLinearKernel(library)
+
+
+@functools.cache
+def quant_linear_kernel(march: str | None = None) -> QuantLinearKernel | None:
+    """The quantized projection kernels, or None without a C compiler. `march` builds them for another instruction
+    set than this CPU's (`x86-64-v3`: AVX2, `x86-64`: plain C), so one machine tests every path it can run."""
+    name = "overlap_quant"
+    if march is None:
+        library = _library(name)
+        return None if library is None else QuantLinearKernel(library)
+    sources, flags = _LIBRARIES[name]
+    return QuantLinearKernel(ctypes.CDLL(str(_build(name, sources, [f"-march={march}" if f == "-march=native" else f
+                                                                     for f in flags]))))  # fmt: skip
 
 
 def _build(name: str, source_paths: list[Path], flags: list[str]) -> Path:

@@ -135,7 +135,8 @@ class ModelRunner(Runner):
                 weights = make_random_weights(shape, dtype, device, config.seed + rank)
             else:
                 weights = load_weights(spec, self.model_dir, dtype, device, self.shard)
-            self.weight_bytes = _weight_bytes(weights)  # the streaming floor of a decode step, with the K/V
+            # the streaming floor of a decode step (with the K/V), and the multiply-adds per row behind it
+            self.weight_bytes, self.weight_params = _weight_bytes(weights)
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
             weights, cos, sin = partial_rotary_layout(layer_spec, weights, cos, sin)
             rotary = Rotary(cos.to(device, dtype), sin.to(device, dtype), self.ops)
@@ -355,10 +356,14 @@ def run_rank(rank: int, config: EngineConfig, model_dir: str, random_weights: bo
         runner.close()
 
 
-def _weight_bytes(weights: ModelWeights) -> int:
-    """Bytes of weights a decode step streams: every tensor once, but the embedding table, of which a step reads
-    only its tokens' rows (unless it is tied to the LM head, which reads it all)."""
+def _weight_bytes(weights: ModelWeights) -> tuple[int, int]:
+    """Bytes of weights a decode step streams (every tensor once, but the embedding table, of which a step reads
+    only its tokens' rows, unless it is tied to the LM head, which reads it all; quantized ones as stored), and the
+    number of weights among them."""
     tensors = [weights.norm, weights.lm_head]
     tensors += [getattr(layer, f.name) for layer in weights.layers for f in dataclasses.fields(layer)]
     distinct = {id(t): t for t in tensors if isinstance(t, torch.Tensor | QuantizedWeight)}
-    return sum(t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size() for t in distinct.values())
+    quantized = [t for t in distinct.values() if isinstance(t, QuantizedWeight)]
+    plain = [t for t in distinct.values() if not isinstance(t, QuantizedWeight)]
+    nbytes = sum(t.nbytes for t in quantized) + sum(t.numel() * t.element_size() for t in plain)
+    return nbytes, sum(t.codes.numel() for t in quantized) + sum(t.numel() for t in plain)

@@ -5,6 +5,10 @@ vocabulary size); its weights are random (Normal(0, 0.02), unit norms, as transf
 is the tiny model's, padded with placeholder tokens up to the real vocabulary so that every id the LM head can pick
 decodes, and the embedding and the LM head cost what they cost. Nothing is downloaded. The folder is a complete
 Hugging Face checkpoint: `overlap serve`, transformers and vLLM load it alike. Built once into the cache and reused.
+
+With a quantization scheme (`QUANT_SCHEMES`: w4a16, w8a8), every decoder projection is written as llm-compressor
+writes that scheme in compressed-tensors' format (random codes, scales that give the same spread of weights); the
+embedding, the norms and the LM head stay bf16, as llm-compressor leaves them (`ignore: [lm_head]`).
 """
 
 from __future__ import annotations
@@ -48,18 +52,51 @@ SHAPES: dict[str, dict] = {
 _DTYPE = "bfloat16"  # what the real checkpoints ship; the engine casts to the dtype asked for at load
 _SEED = 4321
 
+# llm-compressor's presets, as its W4A16 and W8A8 schemes write them into config.json (compressed-tensors 0.19)
+_W4A16 = {
+    "format": "pack-quantized",
+    "input_activations": None,
+    "targets": ["Linear"],
+    "weights": {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": 128,
+        "dynamic": False,
+    },
+}
+_W8A8 = {
+    "format": "int-quantized",
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+}
+QUANT_SCHEMES = {"w4a16": _W4A16, "w8a8": _W8A8}
 
-def shape_config(name: str) -> dict:
-    """The config.json of shape `name`, with the tiny tokenizer's special token ids."""
+
+def shape_config(name: str, quantization: str | None = None) -> dict:
+    """The config.json of shape `name`, with the tiny tokenizer's special token ids (and `quantization`'s
+    quantization_config)."""
     if name not in SHAPES:
         raise ConfigError(f"unknown model shape {name!r}; choose from {', '.join(SHAPES)}")
-    return {**SHAPES[name], "torch_dtype": _DTYPE, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-            "initializer_range": 0.02}  # fmt: skip
+    config = {**SHAPES[name], "torch_dtype": _DTYPE, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+              "initializer_range": 0.02}  # fmt: skip
+    if quantization is not None:
+        if quantization not in QUANT_SCHEMES:
+            raise ConfigError(f"unknown quantization {quantization!r} for a shape; choose from "
+                              f"{', '.join(QUANT_SCHEMES)}")  # fmt: skip
+        group = QUANT_SCHEMES[quantization]
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": group["format"], "config_groups": {"group_0": group},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "quantization_status": "compressed",
+            "sparsity_config": {}, "version": "0.19.0"}  # fmt: skip
+    return config
 
 
-def shape_model_dir(name: str) -> Path:
-    """Where shape `name` is cached: `<cache_root>/shapes/<name>-<recipe>`."""
-    return builder.cache_root() / "shapes" / f"{name}-{RECIPE}"
+def shape_model_dir(name: str, quantization: str | None = None) -> Path:
+    """Where shape `name` is cached: `<cache_root>/shapes/<name>[-<quantization>]-<recipe>`."""
+    return builder.cache_root() / "shapes" / "-".join(filter(None, (name, quantization, RECIPE)))
 
 
 def num_parameters(config: dict) -> int:
@@ -67,17 +104,20 @@ def num_parameters(config: dict) -> int:
     return sum(math.prod(shape) for shape in _tensor_shapes(config).values())
 
 
-def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None) -> Path:
-    """The folder of shape `name`, built on first use (minutes for the larger shapes; safe when several processes
-    ask at once: `builder.build_model_folder` renames it into place whole)."""
-    target = shape_model_dir(name)
+def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None,
+                       quantization: str | None = None) -> Path:  # fmt: skip
+    """The folder of shape `name` (its projections in `quantization`'s format, if given), built on first use
+    (minutes for the larger shapes; safe when several processes ask at once: `builder.build_model_folder` renames it
+    into place whole)."""
+    target = shape_model_dir(name, quantization)
     if builder.is_complete(target):
         return target
-    config = shape_config(name)
+    config = shape_config(name, quantization)
     started = time.monotonic()
     if progress:
         params = num_parameters(config)
-        progress(f"building {name}: {params / 1e9:.2f}B parameters, {params * 2 / 1e9:.1f} GB, random weights")
+        progress(f"building {name}: {params / 1e9:.2f}B parameters, random weights"
+                 + (f" ({quantization})" if quantization else f", {params * 2 / 1e9:.1f} GB"))  # fmt: skip
 
     def write(folder: Path) -> None:
         _write_weights(folder, config)
@@ -125,15 +165,38 @@ def _write_weights(folder: Path, config: dict) -> None:
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(_SEED)
+    groups = (config.get("quantization_config") or {}).get("config_groups")
     tensors = {}
     for name, shape in _tensor_shapes(config).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
         elif name.endswith(".bias"):
             tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
+        elif groups and name.startswith("model.layers."):
+            module = name.removesuffix(".weight")
+            tensors |= {f"{module}.{k}": v for k, v in _quantized(shape, groups["group_0"], generator).items()}
         else:
             tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _quantized(shape: tuple[int, int], group: dict, generator) -> dict:
+    """Random codes of one projection in compressed-tensors' layout for `group`'s scheme, scaled so that the weights
+    spread as Normal(0, 0.02) does."""
+    import torch
+
+    n, k = shape
+    bits = group["weights"]["num_bits"]
+    codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), shape, generator=generator, dtype=torch.int32)
+    spread = 0.02 / float(codes.float().std())
+    if group["format"] == "int-quantized":
+        return {"weight": codes.to(torch.int8), "weight_scale": torch.full((n, 1), spread, dtype=torch.bfloat16)}
+    per_word = 32 // bits  # pack-quantized: codes + 2**(bits-1), little end first, along the inputs
+    unsigned = (codes + 2 ** (bits - 1)).to(torch.int64).view(n, k // per_word, per_word)
+    words = sum(unsigned[:, :, i] << (bits * i) for i in range(per_word))
+    packed = (words - ((words >> 31) << 32)).to(torch.int32)
+    scale = torch.full((n, k // group["weights"]["group_size"]), spread, dtype=torch.bfloat16)
+    return {"weight_packed": packed, "weight_scale": scale, "weight_shape": torch.tensor([n, k])}
 
 
 def _write_tokenizer(folder: Path, vocab_size: int) -> None:

@@ -1,13 +1,14 @@
 """The linear method a `QuantizedWeight` runs with, picked on this machine at load.
 
 On CPU (the runner's CPU paths), by what the weight is:
-- 4-bit codes in groups of 32..256: torch's int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which
-  dequantizes inside the matmul;
+- 4-bit codes in groups of a multiple of 32: the native kernel (`quant_linear.c`, AVX-512 / AVX2 / C as the CPU has)
+  for decode-sized steps, the weight dequantized into oneDNN's matmul for larger ones; without a C compiler, torch's
+  int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which dequantizes inside the matmul;
 - 8-bit codes, symmetric, one scale per row, 16-bit activations: torch's int8 weight-only kernel
   (`_weight_int8pack_mm`);
 - W8A8: activations quantized to int8 per token (scale = absmax / 127.5, as compressed-tensors computes it), an
-  int8 x int8 -> int32 matmul (`torch._int_mm`, oneDNN's VNNI / AMX-INT8 kernels where the CPU has them), then both
-  scales;
+  int8 x int8 -> int32 matmul, then both scales: the native kernel (AVX-512 VNNI / AVX2 / C) for decode-sized steps,
+  `torch._int_mm` (oneDNN, AMX-INT8 where the CPU has it) for larger ones;
 - anything else, and every weight on the device-generic paths (CUDA until its Triton kernels land): dequantized at
   load into a float weight that the float backend runs, said in the log.
 
@@ -21,7 +22,9 @@ import functools
 import logging
 
 import torch
+import torch.nn.functional as F
 
+from overlap.engine.model import native
 from overlap.engine.model.quant.weight import QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,60 @@ class QuantMethod:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+# Rows up to which the native kernels beat the alternative for larger steps (dequantize into oneDNN's matmul for
+# W4A16, torch._int_mm for W8A8); `overlap bench quant-linear` measures the crossover (docs/engine.md).
+NATIVE_W4A16_ROWS = 16
+NATIVE_W8A8_ROWS = 16
+
+
+def nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [N, K] two a byte, input 2i in the low nibble of byte i -> uint8 [N, K / 2]."""
+    pairs = codes.view(codes.shape[0], -1, 2)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).contiguous()
+
+
+class NativeW4A16(QuantMethod):
+    """4-bit weights: decode-sized steps through quant_linear.c's kernel, half a byte read a weight; larger steps
+    dequantize the weight into a scratch matrix for oneDNN's matmul (compute-bound there)."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.kernel = native.quant_linear_kernel()
+        isa = "AVX512-BF16" if self.kernel.w4a16_bf16 and dtype == torch.bfloat16 else self.kernel.isa.split()[0]
+        self.name = f"W4A16 native {isa} kernel (<= {NATIVE_W4A16_ROWS} rows; dequantized above)"
+        self.codes = nibbles(weight.codes)
+        self.scale, self.zero = weight.scale.float().contiguous(), weight.zero.float().contiguous()
+        self.group, self.perm = weight.group_size, weight.perm
+        self.nbytes = self.codes.numel() + 4 * (self.scale.numel() + self.zero.numel())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        if x.shape[0] <= NATIVE_W4A16_ROWS:
+            return self.kernel.w4a16(x, self.codes, self.scale, self.zero, self.group).to(x.dtype)
+        scratch = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        weight = self.kernel.w4a16_dequantize(self.codes, self.scale, self.zero, self.group, scratch)
+        return F.linear(x.to(scratch), weight).to(x.dtype)
+
+
+class NativeW8A8(QuantMethod):
+    """W8A8: decode-sized steps through quant_linear.c's kernel (VNNI where the CPU has it), x quantized per token
+    inside; larger steps through torch._int_mm (oneDNN; AMX-INT8 where the CPU has it) on the same weight."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.kernel = native.quant_linear_kernel()
+        self.name = f"W8A8 native {self.kernel.isa} kernel (<= {NATIVE_W8A8_ROWS} rows; torch _int_mm above)"
+        self.weight = (weight.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        self.rowsum = self.weight.sum(dim=1, dtype=torch.int32)
+        self.scale = weight.scale[:, 0].float().contiguous()
+        self.nbytes = self.weight.numel() + 8 * self.scale.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= NATIVE_W8A8_ROWS:
+            return self.kernel.w8a8(x, self.weight, self.rowsum, self.scale).to(x.dtype)
+        x_q, x_scale = quantize_per_token(x.float())
+        return (torch._int_mm(x_q, self.weight.t()) * x_scale * self.scale).to(x.dtype)
 
 
 class Int4WeightOnly(QuantMethod):
@@ -110,9 +167,13 @@ class Int8DynamicReference(QuantMethod):
 
 def _candidates(weight: QuantizedWeight) -> list[type[QuantMethod]]:
     n, k = weight.shape
+    native_kernel = native.quant_linear_kernel() is not None
     if weight.act_bits == 8:
-        return [Int8Dynamic, Int8DynamicReference] if weight.bits == 8 and weight.per_row and weight.symmetric \
-            else [Int8DynamicReference]  # fmt: skip
+        if weight.bits == 8 and weight.per_row and weight.symmetric:
+            return [*([NativeW8A8] if native_kernel else []), Int8Dynamic, Int8DynamicReference]
+        return [Int8DynamicReference]
+    if weight.bits == 4 and weight.group_size % 32 == 0 and k % weight.group_size == 0 and native_kernel:
+        return [NativeW4A16]
     if weight.bits == 4 and weight.group_size in INT4_GROUPS and k % weight.group_size == 0 and n % 16 == 0:
         return [Int4WeightOnly]
     if weight.bits == 8 and weight.per_row and weight.symmetric and weight.perm is None:
@@ -131,21 +192,23 @@ def _works(method: type[QuantMethod], bits: int, group: int | None, act_bits: in
     scale = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
     zero = torch.full_like(scale, 2.0 ** (bits - 1)) if symmetric else torch.randint(0, 2**bits, scale.shape).float()
     weight = QuantizedWeight(codes, scale, zero, bits, group, "check", act_bits=act_bits)
-    x = torch.randn(5, k, generator=gen).to(dtype)
     try:
         with torch.inference_mode():
+            x = torch.randn(5, k, generator=gen).to(dtype)
             got = method(weight, dtype)(x).float()
-            if act_bits == 8:
-                want = Int8DynamicReference(weight, torch.float32)(x.float())
-            else:
-                want = x.float() @ weight.dequantize(torch.float32).t()
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        log.info("%s not used: %s", method.name, exc)
+            x_big = torch.randn(40, k, generator=gen).to(dtype)  # past the native kernels' rows
+            got_big = method(weight, dtype)(x_big).float()
+            reference = Int8DynamicReference(weight, torch.float32) if act_bits == 8 else None
+            want, want_big = (reference(v.float()) if reference else v.float() @ weight.dequantize(torch.float32).t()
+                              for v in (x, x_big))  # fmt: skip
+    except (RuntimeError, AttributeError, NotImplementedError, ValueError) as exc:
+        log.info("%s not used: %s", method.__name__, exc)
         return False
     tolerance = 1e-3 if dtype == torch.float32 else 3e-2
-    ok = torch.allclose(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
+    ok = all(torch.allclose(a, b, atol=tolerance * float(b.abs().max()), rtol=tolerance)
+             for a, b in ((got, want), (got_big, want_big)))  # fmt: skip
     if not ok:
-        log.info("%s not used: its result differs from the dequantized weight's", method.name)
+        log.info("%s not used: its result differs from the dequantized weight's", method.__name__)
     return ok
 
 

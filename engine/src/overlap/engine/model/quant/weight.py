@@ -113,9 +113,10 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a kernel streams: the codes at `bits` each, scales and zero points at 2 bytes (bf16)."""
+        """Bytes a kernel streams: the codes at `bits` each, a scale and a zero point a group at 4 bytes (fp32, as
+        quant_linear.c reads them)."""
         n, k = self.codes.shape
-        return n * k * self.bits // 8 + 2 * self.scale.numel() * (1 if self.symmetric else 2)
+        return n * k * self.bits // 8 + 4 * (self.scale.numel() + self.zero.numel())
 
 
 def cat_rows(parts: list, dtype: torch.dtype):
