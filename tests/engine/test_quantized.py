@@ -401,21 +401,29 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
         pytest.skip("no C compiler")
     assert kernel.isa == {None: kernel.isa, "x86-64-v3": "AVX2", "x86-64": "C"}[march]
     gen = torch.Generator().manual_seed(5)
-    n, k, group = 72, 384, 64
+    n, k, group = 72, 384, 128
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale, zero = torch.rand(n, k // group, generator=gen) * 0.01, torch.randint(0, 16, (n, k // group)).float()
     w4 = QuantizedWeight(codes, scale, zero, 4, group, "test").dequantize(torch.float32)
     w8 = torch.randint(-128, 128, (n, k + 40), generator=gen, dtype=torch.int8)
     w8_scale = torch.rand(n, generator=gen) * 0.01
+    offset = scale * zero
     for rows in (1, 3, 8, 13, 20):
         x = torch.randn(rows, k, generator=gen)
-        torch.testing.assert_close(
-            kernel.w4a16(x, nibbles(codes), scale, zero, group), x @ w4.t(), atol=1e-4, rtol=1e-4
-        )
+        got = kernel.w4a16(x, nibbles(codes), scale, offset, group)
+        torch.testing.assert_close(got, x @ w4.t(), atol=1e-4, rtol=1e-4)
+        for bf16_group in (32, 64, 128):  # bf16 x: vdpbf16ps where the CPU has AVX512-BF16, else the fp32 path
+            bias = 128.0 if kernel.bf16_path(k, bf16_group) else 0.0
+            s, z = scale.repeat_interleave(group // bf16_group, 1), zero.repeat_interleave(group // bf16_group, 1)
+            xb = x.bfloat16()
+            got = kernel.w4a16(xb, nibbles(codes), s, s * (z + bias), bf16_group)
+            torch.testing.assert_close(got, xb.float() @ w4.t(), atol=1e-3, rtol=1e-3)
         x8 = torch.randn(rows, k + 40, generator=gen)
         x_q, x_scale = quantize_per_token(x8)
         want = (x_q.int() @ w8.int().t()).float() * x_scale * w8_scale
         got = kernel.w8a8(x8, w8, w8.sum(1, dtype=torch.int32), w8_scale)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    dense = kernel.w4a16_dequantize(nibbles(codes), scale, zero, group, torch.bfloat16)
-    torch.testing.assert_close(dense.float(), w4.bfloat16().float(), atol=0, rtol=0)
+    dense = kernel.w4a16_dequantize(nibbles(codes), scale, offset, 0.0, group, torch.bfloat16)
+    torch.testing.assert_close(dense.float(), w4.bfloat16().float(), atol=1e-6, rtol=1e-2)
+    dense = kernel.w4a16_dequantize(nibbles(codes), scale, scale * (zero + 128), 128.0, group, torch.float32)
+    torch.testing.assert_close(dense, w4, atol=1e-6, rtol=1e-4)

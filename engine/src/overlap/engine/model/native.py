@@ -247,45 +247,59 @@ class QuantLinearKernel:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self.isa = self.ISAS[library.overlap_quant_linear_isa()]
-        self.w4a16_bf16 = bool(library.overlap_w4a16_bf16_path())  # bf16 x through vdpbf16ps
+        self._bf16_path = library.overlap_w4a16_bf16_path
+        self._bf16_path.restype = ctypes.c_int
+        self._bf16_path.argtypes = [_i64, _i64]
         self._w4 = library.overlap_w4a16_rows
         self._w4.restype = ctypes.c_int
         self._w4.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32]
         self._w4_dequantize = library.overlap_w4a16_dequantize
         self._w4_dequantize.restype = ctypes.c_int
-        self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32, _i32]
+        self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _i64, _ptr, _i32, _i32]
         self._w8a8 = library.overlap_w8a8_rows
         self._w8a8.restype = ctypes.c_int
         self._w8a8.argtypes = [_ptr, _i64, _i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32]
+
+    def bf16_path(self, k: int, group: int) -> bool:
+        """Whether bf16 x of this width and group runs through vdpbf16ps (AVX512-BF16), which wants
+        offset = scale * (128 + zero) (else scale * zero)."""
+        return bool(self._bf16_path(k, group))
 
     @staticmethod
     def _rows(x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
         _check(x.dim() == 2 and 1 <= x.shape[0] <= QuantLinearKernel.MAX_ROWS, "quantized linear: x rows")
         return x.contiguous() if keep_bf16 and x.dtype == torch.bfloat16 else x.float().contiguous()
 
-    def w4a16(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+    def _check_w4(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> None:
+        n, k = codes.shape[0], 2 * codes.shape[1]
+        _check(codes.dtype == torch.uint8 and codes.is_contiguous() and scale.dtype == offset.dtype == torch.float32
+               and scale.is_contiguous() and offset.is_contiguous() and scale.shape == offset.shape == (n, k // group),
+               "quantized linear: W4A16 weight")  # fmt: skip
+
+    def w4a16(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
               group: int) -> torch.Tensor:  # fmt: skip
         """x [rows, K] (fp32 or bf16) times the weight of `codes` [N, K/2] (two inputs a byte, the first in the low
-        nibble), `scale` and `zero` [N, K/group] fp32: a new fp32 [rows, N]."""
+        nibble), `scale` and `offset` [N, K/group] fp32 (scale * zero; scale * (128 + zero) where `bf16_path` holds
+        for bf16 x): a new fp32 [rows, N]."""
         x = self._rows(x, keep_bf16=True)
         n, k = codes.shape[0], 2 * codes.shape[1]
-        _check(x.shape[1] == k and codes.dtype == torch.uint8 and codes.is_contiguous()
-               and scale.dtype == zero.dtype == torch.float32 and scale.is_contiguous() and zero.is_contiguous()
-               and scale.shape == zero.shape == (n, k // group), "quantized linear: W4A16 weight")  # fmt: skip
+        self._check_w4(codes, scale, offset, group)
+        _check(x.shape[1] == k, "quantized linear: x width")
         out = torch.empty(x.shape[0], n)
         status = self._w4(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, x.shape[0], codes.data_ptr(),
-                          scale.data_ptr(), zero.data_ptr(), n, k, group, out.data_ptr(), n,
+                          scale.data_ptr(), offset.data_ptr(), n, k, group, out.data_ptr(), n,
                           torch.get_num_threads())  # fmt: skip
         _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
         return out
 
-    def w4a16_dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                         dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        """The weight [N, K] in `dtype` (fp32 or bf16)."""
+    def w4a16_dequantize(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: float,
+                         group: int, dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """The weight [N, K] in `dtype` (fp32 or bf16): (code + bias) * scale - offset."""
         n, k = codes.shape[0], 2 * codes.shape[1]
+        self._check_w4(codes, scale, offset, group)
         _check(dtype in (torch.float32, torch.bfloat16), "quantized linear: dequantize dtype")
         out = torch.empty(n, k, dtype=dtype)
-        status = self._w4_dequantize(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), n, k, group,
+        status = self._w4_dequantize(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), bias, n, k, group,
                                      out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
         _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
         return out

@@ -44,9 +44,53 @@ int overlap_quant_linear_isa(void) {
 /* ---- W4A16 ------------------------------------------------------------------------------------------------------ */
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define W4_BF16 1
-/* bf16 bits of 0..15: vpermw turns each 16-bit code into its bf16 value */
-static const uint16_t BF16_OF[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+/* bf16 x, AVX512-BF16: 128 inputs a step, 64 bytes of codes read as 32 16-bit lanes, lane j holding the codes of
+ * inputs 4j .. 4j + 3. Shifting by 4t and masking gives, in every lane, the code of input 4j + t; OR-ing in 0x4300
+ * makes it the bf16 number 128 + code, exactly. So four vdpbf16ps a row cover the 128 inputs, against x reordered
+ * once per call to match (xp: per 128 inputs and per t, the pairs (8m + t, 8m + 4 + t)); sum((128 + c) x) over a
+ * group, less (128 + zero) * sum(x), is sum((c - zero) x). A lane's inputs 8m .. 8m + 7 share a group (groups are a
+ * multiple of 32), so a group of 32 or 64 is a run of lanes with their own scale. */
+static void w4_row_bf16(const uint16_t *xp, int64_t k, int R, const uint8_t *codes, const float *scale,
+                        const float *offset, int64_t group, const float *xsum, int64_t groups, float *out) {
+    const __m512i mask = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+    __m512 tot[ROW_TILE];
+    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    /* lane m's group within a step of 128 inputs, for groups under 128 */
+    const __m512i lane_group = _mm512_srli_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                                     6, 5, 4, 3, 2, 1, 0),
+                                                                    _mm512_set1_epi32(8)),
+                                                 group == 32 ? 5 : 6);
+    for (int64_t k0 = 0; k0 < k; k0 += 128) {
+        const __m512i w = _mm512_loadu_si512(codes + k0 / 2);
+        const __m512bh c0 = (__m512bh)_mm512_ternarylogic_epi32(w, mask, bias, 0xEA); /* (w & mask) | bias */
+        const __m512bh c1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), mask, bias, 0xEA);
+        const __m512bh c2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), mask, bias, 0xEA);
+        const __m512bh c3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12), mask, bias, 0xEA);
+        __m512 s;
+        if (group >= 128)
+            s = _mm512_set1_ps(scale[k0 / group]);
+        else
+            s = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((__mmask16)((1u << (128 / group)) - 1),
+                                                                        scale + k0 / group));
+        for (int r = 0; r < R; r++) {
+            const uint16_t *x = xp + r * k + k0;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), c0);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + 32), c1);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + 64), c2);
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + 96), c3);
+            tot[r] = _mm512_fmadd_ps(s, a, tot[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 c = _mm512_setzero_ps();
+        int64_t g = 0;
+        for (; g + 16 <= groups; g += 16)
+            c = _mm512_fmadd_ps(_mm512_loadu_ps(offset + g), _mm512_loadu_ps(xsum + r * groups + g), c);
+        float correction = _mm512_reduce_add_ps(c);
+        for (; g < groups; g++) correction += offset[g] * xsum[r * groups + g];
+        out[r] = _mm512_reduce_add_ps(tot[r]) - correction;
+    }
+}
 #else
 #define W4_BF16 0
 #endif
@@ -54,35 +98,21 @@ static const uint16_t BF16_OF[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x4
 /* Sum over one group of code * x, for R rows and one output row, into acc (per row, vector lanes or a float). The
  * codes are 2 a byte: input 2i in the low nibble of byte i, input 2i + 1 in the high one. fp32 x comes split into its
  * even and odd inputs (xe, xo: [R][K/2]) so that the low and high nibbles each meet a contiguous run of x. */
-static void w4_row(const float *xe, const float *xo, const uint16_t *xb, int64_t half_k, int R, const uint8_t *codes,
-                   const float *scale, const float *zero, int64_t k, int64_t group, const float *xsum, int64_t groups,
-                   float *out) {
+static void w4_row(const float *xe, const float *xo, int64_t half_k, int R, const uint8_t *codes, const float *scale,
+                   const float *offset, int64_t group, const float *xsum, int64_t groups, float *out) {
     float total[ROW_TILE], correction[ROW_TILE];
     for (int r = 0; r < R; r++) total[r] = correction[r] = 0.0f;
     for (int64_t g = 0; g < groups; g++)
-        for (int r = 0; r < R; r++) correction[r] += scale[g] * zero[g] * xsum[r * groups + g];
+        for (int r = 0; r < R; r++) correction[r] += offset[g] * xsum[r * groups + g];
 #if defined(__AVX512F__)
     __m512 tot[ROW_TILE];
     for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi32(0xF);
-#if W4_BF16
-    const __m512i table = _mm512_loadu_si512(BF16_OF);
-#endif
     for (int64_t g = 0; g < groups; g++) {
         __m512 acc[ROW_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
             const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + k0 / 2)));
-#if W4_BF16
-            if (xb) { /* bf16 x: each 32-bit lane a pair of inputs (2i, 2i + 1), one vdpbf16ps a row */
-                const __m512i pairs = _mm512_or_si512(_mm512_and_si512(v, low),
-                                                      _mm512_slli_epi32(_mm512_srli_epi32(v, 4), 16));
-                const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(pairs, table);
-                for (int r = 0; r < R; r++)
-                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(xb + r * k + k0), w);
-                continue;
-            }
-#endif
             const __m512 c0 = _mm512_cvtepi32_ps(_mm512_and_si512(v, low));
             const __m512 c1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
             for (int r = 0; r < R; r++) {
@@ -95,7 +125,6 @@ static void w4_row(const float *xe, const float *xo, const uint16_t *xb, int64_t
     }
     for (int r = 0; r < R; r++) total[r] = _mm512_reduce_add_ps(tot[r]);
 #elif defined(__AVX2__)
-    (void)xb;
     for (int r0 = 0; r0 < R; r0 += 4) { /* 16 ymm registers: 4 rows at a time */
         const int RR = R - r0 < 4 ? R - r0 : 4;
         __m256 tot[4];
@@ -125,7 +154,6 @@ static void w4_row(const float *xe, const float *xo, const uint16_t *xb, int64_t
         }
     }
 #else
-    (void)xb;
     for (int64_t g = 0; g < groups; g++)
         for (int r = 0; r < R; r++) {
             float acc = 0.0f;
@@ -144,21 +172,28 @@ static inline float bf16_value(uint16_t b) {
     return f;
 }
 
-int overlap_w4a16_bf16_path(void) { return W4_BF16; }
+/* Whether overlap_w4a16_rows takes bf16 x through vdpbf16ps for this k and group (the caller then passes
+ * offset = scale * (128 + zero); else offset = scale * zero). */
+int overlap_w4a16_bf16_path(int64_t k, int64_t group) {
+    return W4_BF16 && k % 128 == 0 && (group == 32 || group == 64 || group % 128 == 0);
+}
 
 /* out [rows][n] fp32 (row stride out_stride) = x [rows][k] times the W4A16 weight; x is fp32 (x_bf16 == 0) or bf16
- * (x_bf16 == 1, rows dense), its rows x_stride elements apart. 0, or -1 for bad arguments. */
+ * (x_bf16 == 1, rows dense), its rows x_stride elements apart. offset [n][k / group]: scale * zero, or on the bf16
+ * path scale * (128 + zero). 0, or -1 for bad arguments. */
 int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, const uint8_t *codes,
-                       const float *scale, const float *zero, int64_t n, int64_t k, int64_t group, float *out,
+                       const float *scale, const float *offset, int64_t n, int64_t k, int64_t group, float *out,
                        int64_t out_stride, int threads) {
     if (rows < 1 || rows > MAX_ROWS || k % 32 || group % 32 || k % group || n < 1 || threads < 1) return -1;
-    if (x_bf16 && x_stride != k) return -1;
+    const int bf16_path = x_bf16 && overlap_w4a16_bf16_path(k, group);
     const int64_t groups = k / group, half_k = k / 2;
     float *xsum = malloc(sizeof(float) * rows * groups); /* sum of x over each group, per row */
-    float *xe = malloc(sizeof(float) * rows * k);        /* fp32 x: its even inputs, then its odd ones */
-    if (!xsum || !xe) {
+    float *xe = malloc(sizeof(float) * rows * k);        /* x as fp32: its even inputs, then its odd ones */
+    uint16_t *xp = bf16_path ? malloc(sizeof(uint16_t) * rows * k) : NULL; /* bf16 x in w4_row_bf16's order */
+    if (!xsum || !xe || (bf16_path && !xp)) {
         free(xsum);
         free(xe);
+        free(xp);
         return -1;
     }
     float *xo = xe + rows * half_k;
@@ -176,20 +211,35 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
             for (int64_t i = g * group / 2; i < (g + 1) * group / 2; i++) s += xe[r * half_k + i] + xo[r * half_k + i];
             xsum[r * groups + g] = s;
         }
+        if (bf16_path) {
+            const uint16_t *xr = (const uint16_t *)x + r * x_stride;
+            for (int64_t k0 = 0; k0 < k; k0 += 128)
+                for (int t = 0; t < 4; t++)
+                    for (int m = 0; m < 16; m++) {
+                        xp[r * k + k0 + 32 * t + 2 * m] = xr[k0 + 8 * m + t];
+                        xp[r * k + k0 + 32 * t + 2 * m + 1] = xr[k0 + 8 * m + 4 + t];
+                    }
+        }
     }
-    const uint16_t *xb = (x_bf16 && W4_BF16) ? (const uint16_t *)x : NULL;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         float y[ROW_TILE];
         for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int R = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-            w4_row(xe + r0 * half_k, xo + r0 * half_k, xb ? xb + r0 * k : NULL, half_k, R, codes + j * half_k,
-                   scale + j * groups, zero + j * groups, k, group, xsum + r0 * groups, groups, y);
+#if W4_BF16
+            if (bf16_path)
+                w4_row_bf16(xp + r0 * k, k, R, codes + j * half_k, scale + j * groups, offset + j * groups, group,
+                            xsum + r0 * groups, groups, y);
+            else
+#endif
+                w4_row(xe + r0 * half_k, xo + r0 * half_k, half_k, R, codes + j * half_k, scale + j * groups,
+                       offset + j * groups, group, xsum + r0 * groups, groups, y);
             for (int r = 0; r < R; r++) out[(r0 + r) * out_stride + j] = y[r];
         }
     }
     free(xsum);
     free(xe);
+    free(xp);
     return 0;
 }
 
@@ -199,20 +249,21 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-/* The W4A16 weight as floats [n][k]: fp32 (bf16 == 0) or bf16 (bf16 == 1), for a matmul that takes many rows. */
-int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const float *zero, int64_t n, int64_t k,
-                             int64_t group, void *out, int bf16, int threads) {
+/* The W4A16 weight as floats [n][k]: fp32 (bf16 == 0) or bf16 (bf16 == 1), for a matmul that takes many rows;
+ * W = (code + bias) * scale - offset, with overlap_w4a16_rows' offset and bias 128 where it is the bf16 path's. */
+int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const float *offset, float bias, int64_t n,
+                             int64_t k, int64_t group, void *out, int bf16, int threads) {
     if (k % 32 || group % 32 || k % group || n < 1 || threads < 1) return -1;
     const int64_t groups = k / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         float row[64];
         for (int64_t k0 = 0; k0 < k; k0 += 32) {
-            const float s = scale[j * groups + k0 / group], z = zero[j * groups + k0 / group];
+            const float s = scale[j * groups + k0 / group], o = offset[j * groups + k0 / group];
             const uint8_t *b = codes + j * (k / 2) + k0 / 2;
             for (int i = 0; i < 16; i++) {
-                row[2 * i] = ((float)(b[i] & 0xF) - z) * s;
-                row[2 * i + 1] = ((float)(b[i] >> 4) - z) * s;
+                row[2 * i] = ((float)(b[i] & 0xF) + bias) * s - o;
+                row[2 * i + 1] = ((float)(b[i] >> 4) + bias) * s - o;
             }
             if (bf16)
                 for (int i = 0; i < 32; i++) ((uint16_t *)out)[j * k + k0 + i] = to_bf16(row[i]);
@@ -230,23 +281,71 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
 #define VNNI 0
 #endif
 
-static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
 #if VNNI
-    /* x + 128 as unsigned bytes; the caller takes 128 * sum(w) off */
+enum { W8_TILE_N = 4, W8_TILE_R = 4 };
+
+static inline __mmask64 tail_mask(int64_t left) { return left >= 64 ? ~0ULL : (__mmask64)(~0ULL >> (64 - left)); }
+
+/* sum(xu * w) over k, xu = x + 128 as unsigned bytes (the caller takes 128 * sum(w) off). */
+static int32_t dot_u8(const int8_t *xu, const int8_t *w, int64_t k) {
     __m512i acc = _mm512_setzero_si512();
-    const __m512i bias = _mm512_set1_epi8((char)0x80);
     int64_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        const __m512i xu = _mm512_xor_si512(_mm512_loadu_si512(x + i), bias);
-        acc = _mm512_dpbusd_epi32(acc, xu, _mm512_loadu_si512(w + i));
-    }
+    for (; i + 64 <= k; i += 64) acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(w + i));
     if (i < k) {
-        const __mmask64 m = (__mmask64)(~0ULL >> (64 - (k - i)));
-        const __m512i xu = _mm512_maskz_mov_epi8(m, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, x + i), bias));
-        acc = _mm512_dpbusd_epi32(acc, xu, _mm512_maskz_loadu_epi8(m, w + i)); /* zero bytes past k on both sides */
+        const __mmask64 m = tail_mask(k - i); /* bytes past k are zero on both sides */
+        acc = _mm512_dpbusd_epi32(acc, _mm512_maskz_loadu_epi8(m, xu + i), _mm512_maskz_loadu_epi8(m, w + i));
     }
     return _mm512_reduce_add_epi32(acc);
-#elif defined(__AVX2__)
+}
+
+/* 4 rows of x against 4 outputs: 16 accumulators in registers (named one by one: GCC keeps an array of them in
+ * memory), each 64 bytes of x and of w loaded once for 4 vpdpbusd. */
+#define MASKED(p) _mm512_maskz_loadu_epi8(m, p)
+#define W8_ROW(r, load)                                                                                               \
+    {                                                                                                                 \
+        const __m512i xv = load(xu + (r) * k + i);                                                                    \
+        a##r##0 = _mm512_dpbusd_epi32(a##r##0, xv, w0);                                                               \
+        a##r##1 = _mm512_dpbusd_epi32(a##r##1, xv, w1);                                                               \
+        a##r##2 = _mm512_dpbusd_epi32(a##r##2, xv, w2);                                                               \
+        a##r##3 = _mm512_dpbusd_epi32(a##r##3, xv, w3);                                                               \
+    }
+/* row r's 4 sums: lanes paired and added so that each 128-bit lane holds partial sums of outputs 0..3, then the
+ * four 128-bit lanes added (14 operations for 4 sums, against 4 full reductions) */
+#define W8_OUT(r)                                                                                                     \
+    {                                                                                                                 \
+        const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a##r##0, a##r##1),                                 \
+                                             _mm512_unpackhi_epi32(a##r##0, a##r##1));                                \
+        const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a##r##2, a##r##3),                                 \
+                                             _mm512_unpackhi_epi32(a##r##2, a##r##3));                                \
+        const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));       \
+        const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));               \
+        const __m128i q = _mm_sub_epi32(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)),    \
+                                        _mm_slli_epi32(_mm_loadu_si128((const __m128i *)rowsum), 7));                 \
+        const __m128 y = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(q), _mm_set1_ps(x_scale[r])), _mm_loadu_ps(w_scale)); \
+        _mm_storeu_ps(out + (r) * out_stride, y);                                                                     \
+    }
+static void w8_tile(const int8_t *xu, int64_t k, const int8_t *w, const int32_t *rowsum, const float *w_scale,
+                    const float *x_scale, float *out, int64_t out_stride) {
+    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512i a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) { /* plain loads: Zen 4 runs masked byte loads far slower */
+        const __m512i w0 = _mm512_loadu_si512(w + i), w1 = _mm512_loadu_si512(w + k + i);
+        const __m512i w2 = _mm512_loadu_si512(w + 2 * k + i), w3 = _mm512_loadu_si512(w + 3 * k + i);
+        W8_ROW(0, _mm512_loadu_si512) W8_ROW(1, _mm512_loadu_si512) W8_ROW(2, _mm512_loadu_si512)
+        W8_ROW(3, _mm512_loadu_si512)
+    }
+    if (i < k) { /* the last bytes, past k zero on both sides */
+        const __mmask64 m = tail_mask(k - i);
+        const __m512i w0 = _mm512_maskz_loadu_epi8(m, w + i), w1 = _mm512_maskz_loadu_epi8(m, w + k + i);
+        const __m512i w2 = _mm512_maskz_loadu_epi8(m, w + 2 * k + i), w3 = _mm512_maskz_loadu_epi8(m, w + 3 * k + i);
+        W8_ROW(0, MASKED) W8_ROW(1, MASKED) W8_ROW(2, MASKED) W8_ROW(3, MASKED)
+    }
+    W8_OUT(0) W8_OUT(1) W8_OUT(2) W8_OUT(3)
+}
+#else
+static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
+#if defined(__AVX2__)
     __m256i acc = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) { /* widened to int16: exact for every int8 pair, -128 included */
@@ -267,8 +366,7 @@ static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
 #endif
 }
 
-/* What dot_s8 adds to the true sum per unit of sum(w): 128 on the VNNI path (x + 128), 0 elsewhere. */
-static const int32_t X_OFFSET = VNNI ? 128 : 0;
+#endif
 
 /* out [rows][n] = x [rows][k] (fp32, quantized here per row) times the W8A8 weight. 0, or -1 for bad arguments. */
 int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *w, const int32_t *w_rowsum,
@@ -292,14 +390,31 @@ int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *
         }
         xs[r] = scale;
     }
+#if VNNI
+    /* x + 128 as unsigned bytes, once for every output (dot_s8 and the tiles take 128 * sum(w) off after) */
+    for (int64_t i = 0; i < (int64_t)rows * k; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
+    const int64_t full = n / W8_TILE_N * W8_TILE_N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < full; j += W8_TILE_N) {
+        int r = 0;
+        for (; r + W8_TILE_R <= rows; r += W8_TILE_R) w8_tile(xq + r * k, k, w + j * k, w_rowsum + j, w_scale + j, xs + r,
+                                                             out + r * out_stride + j, out_stride);
+        for (; r < rows; r++)
+            for (int jj = j; jj < j + W8_TILE_N; jj++)
+                out[r * out_stride + jj] =
+                    (float)(dot_u8(xq + r * k, w + jj * k, k) - 128 * w_rowsum[jj]) * xs[r] * w_scale[jj];
+    }
+    for (int64_t j = full; j < n; j++)
+        for (int r = 0; r < rows; r++)
+            out[r * out_stride + j] = (float)(dot_u8(xq + r * k, w + j * k, k) - 128 * w_rowsum[j]) * xs[r] * w_scale[j];
+#else
+    (void)w_rowsum;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         const int8_t *wj = w + j * k;
-        for (int r = 0; r < rows; r++) {
-            const int32_t sum = dot_s8(xq + r * k, wj, k) - X_OFFSET * w_rowsum[j];
-            out[r * out_stride + j] = (float)sum * xs[r] * w_scale[j];
-        }
+        for (int r = 0; r < rows; r++) out[r * out_stride + j] = (float)dot_s8(xq + r * k, wj, k) * xs[r] * w_scale[j];
     }
+#endif
     free(xq);
     free(xs);
     return 0;

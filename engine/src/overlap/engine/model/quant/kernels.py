@@ -43,8 +43,8 @@ class QuantMethod:
 
 
 # Rows up to which the native kernels beat the alternative for larger steps (dequantize into oneDNN's matmul for
-# W4A16, torch._int_mm for W8A8); `overlap bench quant-linear` measures the crossover (docs/engine.md).
-NATIVE_W4A16_ROWS = 16
+# W4A16, torch._int_mm for W8A8), measured on the 0.5B shape's MLP streamed from memory (docs/engine.md).
+NATIVE_W4A16_ROWS = 32
 NATIVE_W8A8_ROWS = 16
 
 
@@ -60,20 +60,24 @@ class NativeW4A16(QuantMethod):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.kernel = native.quant_linear_kernel()
-        isa = "AVX512-BF16" if self.kernel.w4a16_bf16 and dtype == torch.bfloat16 else self.kernel.isa.split()[0]
+        k = weight.shape[1]
+        # bf16 x through vdpbf16ps (AVX512-BF16): codes read as 128 + code, so the offset takes 128 more zero points
+        self.bias = 128.0 if dtype == torch.bfloat16 and self.kernel.bf16_path(k, weight.group_size) else 0.0
+        isa = "AVX512-BF16" if self.bias else self.kernel.isa.split()[0]
         self.name = f"W4A16 native {isa} kernel (<= {NATIVE_W4A16_ROWS} rows; dequantized above)"
         self.codes = nibbles(weight.codes)
-        self.scale, self.zero = weight.scale.float().contiguous(), weight.zero.float().contiguous()
+        self.scale = weight.scale.float().contiguous()
+        self.offset = (self.scale * (weight.zero.float() + self.bias)).contiguous()
         self.group, self.perm = weight.group_size, weight.perm
-        self.nbytes = self.codes.numel() + 4 * (self.scale.numel() + self.zero.numel())
+        self.nbytes = self.codes.numel() + 4 * (self.scale.numel() + self.offset.numel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         if x.shape[0] <= NATIVE_W4A16_ROWS:
-            return self.kernel.w4a16(x, self.codes, self.scale, self.zero, self.group).to(x.dtype)
+            return self.kernel.w4a16(x, self.codes, self.scale, self.offset, self.group).to(x.dtype)
         scratch = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        weight = self.kernel.w4a16_dequantize(self.codes, self.scale, self.zero, self.group, scratch)
+        weight = self.kernel.w4a16_dequantize(self.codes, self.scale, self.offset, self.bias, self.group, scratch)
         return F.linear(x.to(scratch), weight).to(x.dtype)
 
 
