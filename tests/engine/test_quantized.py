@@ -39,7 +39,6 @@ from tests.support import gptq_awq, quantized_models
 
 pytestmark = [pytest.mark.usefixtures("two_torch_threads"), pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
-REPO = Path(__file__).resolve().parents[2]
 VOCAB = 512
 # One family per scheme keeps `make test` short; `quantized_models.build` makes any other pair.
 COMPRESSED = [("llama", "W4A16"), ("qwen2", "W4A16_G32"), ("qwen3", "W8A16"), ("qwen2", "W8A8"), ("llama", "W8A8"),
@@ -174,8 +173,10 @@ def test_the_engine_names_the_format_and_its_kernels(compressed):
 
 # ---- GPTQ and AWQ, packed here, checked against the formats' reference unpacking ---------------------------------
 def _reference_sources() -> Path:
-    """AutoAWQ's and GPTQModel's released sources (sdists from PyPI, no install), once under .cache/tools."""
-    root = REPO / ".cache" / "tools" / "quant-references"
+    """AutoAWQ's and GPTQModel's released sources (sdists from PyPI, no install), once in Overlap's cache folder."""
+    from overlap.engine.model.builder import cache_root
+
+    root = cache_root() / "test-tools" / "quant-references"
     if not (root / ".done").exists():
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
@@ -427,3 +428,63 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
     torch.testing.assert_close(dense.float(), w4.bfloat16().float(), atol=1e-6, rtol=1e-2)
     dense = kernel.w4a16_dequantize(nibbles(codes), scale, scale * (zero + 128), 128.0, group, torch.float32)
     torch.testing.assert_close(dense, w4, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("bits", "group", "rows"), [(4, 128, 3), (4, 32, 20), (8, 64, 5)])
+def test_the_triton_kernel_equals_the_dequantized_weight_in_the_interpreter(monkeypatch, bits, group, rows):
+    """The GPU path's W4A16 / W8A16 kernel (dequantized inside the matmul), in Triton's interpreter on the CPU."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from overlap.engine.model.quant.triton_kernels import TritonWeightOnly
+
+    gen = torch.Generator().manual_seed(6)
+    n, k = 80, 256
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.01
+    zero = torch.randint(0, 2**bits, (n, k // group), generator=gen).float()
+    perm = torch.randperm(k, generator=gen) if group == 32 else None  # act-order: x read in the stored order
+    weight = QuantizedWeight(codes, scale, zero, bits, group, "test", perm=perm)
+    assert TritonWeightOnly.supports(weight)
+    x = torch.randn(rows, k, generator=gen)
+    torch.testing.assert_close(TritonWeightOnly(weight, torch.float32)(x), x @ weight.dequantize(torch.float32).t(),
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+def test_the_device_paths_run_a_quantized_checkpoint_through_triton(compressed, monkeypatch):
+    """The runner's device paths (what CUDA takes), Triton in its interpreter: the W4A16 projections go through the
+    Triton kernel and the greedy tokens equal the CPU paths'."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    folder = compressed[("llama", "W4A16")]
+    prompts = _prompts(17, count=2)
+    device = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, attention_backend="triton"), folder,
+                         cpu_paths=False)  # fmt: skip
+    assert "W4A16 Triton kernel" in device.kernels
+    try:
+        got = _greedy(device, prompts, 8)
+    finally:
+        device.close()
+    cpu = _runner(folder)
+    try:
+        assert got == _greedy(cpu, prompts, 8)
+    finally:
+        cpu.close()
+
+
+def test_random_weights_of_a_quantized_shape_are_codes_of_its_scheme(tmp_path):
+    """Benchmarks make a shape's weights on the device: a W4A16 config gives 4-bit codes, counted as such."""
+    from overlap.engine.model.shapes import shape_config
+
+    config = shape_config("qwen2.5-0.5b", "w4a16") | {"num_hidden_layers": 2, "vocab_size": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    runner = ModelRunner(EngineConfig(num_kv_blocks=16, max_seq_len=64, dtype="bfloat16"), tmp_path,
+                         random_weights=True)  # fmt: skip
+    try:
+        assert "W4A16 native" in runner.kernels
+        h, i = config["hidden_size"], config["intermediate_size"]
+        per_layer = h * (h + 2 * 128) + h * h + 3 * h * i  # q|k|v, o, gate|up, down weights
+        # every weight counted once as a weight (not as bytes / itemsize), the norms' few with them
+        assert 0 <= runner.weight_params - (2 * per_layer + config["vocab_size"] * h) <= 5 * h
+        assert runner.weight_bytes < 2 * per_layer * 0.6 + 2 * (config["vocab_size"] * h + h)
+    finally:
+        runner.close()

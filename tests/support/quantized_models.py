@@ -20,9 +20,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / ".cache" / "tools" / "llm-compressor"
-CACHE = REPO / ".cache" / "fixtures" / "quantized"
+from overlap.engine.model.builder import cache_root
+
+# Beside the tiny model in Overlap's cache ($OVERLAP_CACHE_DIR, default ~/.cache/overlap), not in the checkout: a
+# fresh clone on the same machine (CI's) finds them built.
+VENV = cache_root() / "test-tools" / "llm-compressor"
+CACHE = cache_root() / "test-fixtures" / "quantized"
 PRODUCER = Path(__file__).with_name("quant_producer.py")
 WHEELS = Path("/opt/wheels")
 # llmcompressor 0.14.0.1 requires compressed-tensors==0.19.0 exactly and transformers>=5.15,<=5.17 (pinned to the

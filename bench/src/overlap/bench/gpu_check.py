@@ -49,7 +49,7 @@ DRY_RUN_SHAPES = {
     "llama-dry-b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
-CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile")
+CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile", "quantized")
 
 
 def _progress(message: str) -> None:
@@ -105,14 +105,21 @@ class Check:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def model_dir(self, name: str) -> Path:
-        """A folder with only config.json: the runner makes the weights on the device (random_weights)."""
+    def model_dir(self, name: str, quantization: str | None = None) -> Path:
+        """A folder with only config.json: the runner makes the weights on the device (random_weights); with
+        `quantization` (w4a16), its projections are random codes of llm-compressor's scheme of that name."""
         from transformers import LlamaConfig
 
-        folder = self.tmp / name
+        folder = self.tmp / "-".join(filter(None, (name, quantization)))
         if not folder.exists():
             shape = self.shapes[name]
             LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16").save_pretrained(folder)
+            if quantization is not None:
+                from overlap.engine.model.shapes import shape_config
+
+                config = json.loads((folder / "config.json").read_text())
+                config["quantization_config"] = shape_config("qwen2.5-0.5b", quantization)["quantization_config"]
+                (folder / "config.json").write_text(json.dumps(config))
         return folder
 
     def engine_config(self, interpret: bool = True, **changes):
@@ -236,7 +243,8 @@ def case_correctness(check: Check) -> None:
         _progress(f"correctness {dtype} buffers={num_buffers} graphs={graphs}: {row['top1_agreement']:.4f}")
 
 
-def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bool = True):
+def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bool = True,
+            quantization: str | None = None):  # fmt: skip
     """A bf16 runner with random weights and a pool for `batch` sequences of `tokens_per_seq` tokens."""
     from overlap.engine.model.runner import ModelRunner
 
@@ -244,7 +252,7 @@ def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bo
     config = check.engine_config(dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch, max_seq_len=2048,
                                  cuda_graphs=graphs)  # fmt: skip
     started = time.perf_counter()
-    runner = ModelRunner(config, check.model_dir(name), random_weights=True, cpu_paths=not check.dry)
+    runner = ModelRunner(config, check.model_dir(name, quantization), random_weights=True, cpu_paths=not check.dry)
     return runner, time.perf_counter() - started
 
 
@@ -415,6 +423,60 @@ def case_tensor_parallel(check: Check) -> None:
                tokens_per_s_1=rates[1], tokens_per_s_2=rates[2])  # fmt: skip
 
 
+def case_quantized(check: Check) -> None:
+    """W4A16 (llm-compressor's scheme, random codes) at the largest shape through the Triton kernel that dequantizes
+    inside the matmul: decode steps against the streaming floor of the 4-bit bytes, and greedy tokens against the
+    same codes dequantized at load (OVERLAP_QUANTIZED_KERNELS=0) through the bf16 path."""
+    from overlap.bench.overlap_load import measure_overlap
+    from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
+
+    name = list(check.shapes)[-1]
+    warmup, batches = 3, ((1, 4) if check.dry else (1, 16, 64))
+    max_tokens = 2 * (warmup + check.steps) + 2
+    runner, load_s = _runner(check, name, check.prompt_len + max_tokens, max(batches), quantization="w4a16")
+    _progress(f"quantized {name}: runner ready in {load_s:.1f} s ({runner.kernels})")
+    for batch in batches:
+        result = measure_overlap(runner, 2, batch=batch, steps=check.steps, host_ms=0.0, warmup_steps=warmup,
+                                 prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
+        step_s = batch / result.tokens_per_s if result.tokens_per_s else float("inf")
+        context = check.prompt_len + warmup + check.steps / 2
+        floor_s = decode_floor_bytes(runner, batch, context) / check.bandwidth if check.bandwidth else None
+        check.emit("quantized", model=name, quantization="w4a16", batch=batch, step_ms=1000 * step_s,
+                   floor_ms=None if floor_s is None else 1000 * floor_s,
+                   step_over_floor=None if floor_s is None else step_s / floor_s, weight_bytes=runner.weight_bytes,
+                   kernels=runner.kernels)  # fmt: skip
+        _progress(f"quantized {name} batch {batch}: {1000 * step_s:.2f} ms a step")
+    runner.close()
+
+    def greedy(kernels: str) -> list[list[int]]:
+        previous = os.environ.get("OVERLAP_QUANTIZED_KERNELS")
+        os.environ["OVERLAP_QUANTIZED_KERNELS"] = kernels
+        try:
+            r, _ = _runner(check, name, 256, 4, graphs=False, quantization="w4a16")
+        finally:
+            os.environ.pop("OVERLAP_QUANTIZED_KERNELS") if previous is None else os.environ.update(
+                OVERLAP_QUANTIZED_KERNELS=previous)  # fmt: skip
+        prompts = [[5 + (7 * i + j) % 500 for j in range(24 + 8 * i)] for i in range(4)]
+        outs = [[] for _ in prompts]
+        seqs = [ScheduledSeq(f"q{i}", p, 0, list(range(16 * i, 16 * i + 16)), True, SamplingParams(temperature=0))
+                for i, p in enumerate(prompts)]  # fmt: skip
+        for step in range(8 if check.dry else 32):
+            for out, token in zip(outs, r.execute(ModelInput(seqs)).token_ids, strict=True):
+                out.append(token)
+            seqs = [ScheduledSeq(f"q{i}", [outs[i][-1]], len(p) + step, list(range(16 * i, 16 * i + 16)), True,
+                                 SamplingParams(temperature=0), step + 1) for i, p in enumerate(prompts)]  # fmt: skip
+        r.close()
+        return outs
+
+    kernel, reference = greedy("1"), greedy("0")
+    same = sum(a == b for x, y in zip(kernel, reference, strict=True) for a, b in zip(x, y, strict=True))
+    total = sum(len(x) for x in kernel)
+    check.emit("quantized_tokens", model=name, quantization="w4a16", tokens=total, equal=same,
+               first_divergence=[next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+                                 for x, y in zip(kernel, reference, strict=True)])  # fmt: skip
+    _progress(f"quantized {name}: {same} of {total} greedy tokens equal the dequantized reference's")
+
+
 def format_table(rows: list[dict]) -> str:
     """The decode rows as the README's table, then the other cases one line each."""
     env = next((r for r in rows if r["case"] == "env"), None)
@@ -452,6 +514,15 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"tensor parallel: skipped: {r['skipped']}" if "skipped" in r else
                          f"tensor parallel, 2 ranks: tokens {'equal to' if r['same_tokens'] else 'DIFFER from'} 1 "
                          f"rank's; {r['tokens_per_s_2']:.0f} tok/s vs {r['tokens_per_s_1']:.0f}")  # fmt: skip
+        elif r["case"] == "quantized":
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms floor ({r['step_over_floor']:.2f}x)"
+            lines.append(f"quantized {r['model']} {r['quantization']} batch {r['batch']}: {r['step_ms']:.2f} ms a "
+                         f"step, {floor}, {r['weight_bytes'] / 1e9:.2f} GB of weights")  # fmt: skip
+        elif r["case"] == "quantized_tokens":
+            lines.append(
+                f"quantized {r['model']} {r['quantization']}: {r['equal']} of {r['tokens']} greedy tokens "
+                f"equal the dequantized reference's (first divergence per prompt: {r['first_divergence']})"
+            )
         elif r["case"] == "error":
             lines.append(f"{r['failed']} FAILED: {r['error']}")
     return "\n".join(lines)

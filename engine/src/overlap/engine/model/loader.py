@@ -19,7 +19,7 @@ import torch
 
 from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.quant import formats as quant_formats
-from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows
+from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows, random_quantized
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -437,22 +437,32 @@ def _pad_rows(table: Projection, shard) -> Projection:
 def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
     """Random weights of the spec's shape, made on the device (no checkpoint, no host copy): for benchmarks of model
     shapes nobody needs the outputs of. Normal(0, 0.02) matrices and unit norms, as transformers initialises; no
-    biases, whatever config.json says (the bias add is noise next to the matmuls a benchmark measures)."""
+    biases, whatever config.json says (the bias add is noise next to the matmuls a benchmark measures). Where the
+    spec's quantization is an integer scheme, the decoder's projections are random codes of that scheme."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
+    quant = spec.quantization
 
     def normal(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+
+    def projection(module: str, n: int, k: int) -> Projection:
+        scheme = None if quant is None or quant.int_scheme is None else quant.int_scheme(module, n, k)
+        if scheme is None:
+            return normal(n, k)
+        return random_quantized(n, k, *scheme, quant.name, device, gen, dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
 
     layers = [
-        LayerWeights(input_norm=ones(h), qkv=normal(q_out + 2 * kv_out, h), qkv_bias=None, o=normal(h, q_out),
-                     post_norm=ones(h), gate_up=normal(2 * i, h), down=normal(h, i),
+        LayerWeights(input_norm=ones(h), qkv=projection(f"model.layers.{n}.self_attn.qkv_proj", q_out + 2 * kv_out, h),
+                     qkv_bias=None, o=projection(f"model.layers.{n}.self_attn.o_proj", h, q_out), post_norm=ones(h),
+                     gate_up=projection(f"model.layers.{n}.mlp.gate_up_proj", 2 * i, h),
+                     down=projection(f"model.layers.{n}.mlp.down_proj", h, i),
                      q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None)
-        for _ in range(spec.num_layers)
+        for n in range(spec.num_layers)
     ]  # fmt: skip
     embed = normal(spec.vocab_size, h)
     return ModelWeights(embed, layers, ones(h), embed if spec.tie_word_embeddings else normal(spec.vocab_size, h))

@@ -197,6 +197,7 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
         return -1;
     }
     float *xo = xe + rows * half_k;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) {
         for (int64_t i = 0; i < half_k; i++) {
             const float a = x_bf16 ? bf16_value(((const uint16_t *)x)[r * x_stride + 2 * i])
@@ -368,6 +369,33 @@ static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
 
 #endif
 
+/* One row of x as int8 codes, as compressed-tensors quantizes per token: scale = absmax / 127.5, x / scale rounded
+ * half to even (the default rounding mode), clamped to [-128, 127]. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale_out) {
+    float amax = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    amax = _mm512_reduce_max_ps(m);
+#endif
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = amax / 127.5f > 1.17549435e-38f ? amax / 127.5f : 1.17549435e-38f;
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; i + 16 <= k; i += 16) { /* cvtps rounds half to even; cvtsepi32 saturates to [-128, 127] */
+        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + i), s));
+        _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
+    }
+#endif
+    for (; i < k; i++) {
+        const float v = nearbyintf(x[i] / scale);
+        q[i] = (int8_t)(v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v);
+    }
+    *scale_out = scale;
+}
+
 /* out [rows][n] = x [rows][k] (fp32, quantized here per row) times the W8A8 weight. 0, or -1 for bad arguments. */
 int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *w, const int32_t *w_rowsum,
                       const float *w_scale, int64_t n, int64_t k, float *out, int64_t out_stride, int threads) {
@@ -379,19 +407,11 @@ int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *
         free(xs);
         return -1;
     }
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < k; i++) amax = fmaxf(amax, fabsf(xr[i]));
-        const float scale = amax / 127.5f > 1.17549435e-38f ? amax / 127.5f : 1.17549435e-38f;
-        for (int64_t i = 0; i < k; i++) {
-            const float q = nearbyintf(xr[i] / scale); /* round half to even, as torch.round */
-            xq[r * k + i] = (int8_t)(q > 127.0f ? 127.0f : q < -128.0f ? -128.0f : q);
-        }
-        xs[r] = scale;
-    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xs + r);
 #if VNNI
     /* x + 128 as unsigned bytes, once for every output (dot_s8 and the tiles take 128 * sum(w) off after) */
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < (int64_t)rows * k; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
     const int64_t full = n / W8_TILE_N * W8_TILE_N;
 #pragma omp parallel for num_threads(threads) schedule(static)

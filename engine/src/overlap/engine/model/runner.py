@@ -127,6 +127,7 @@ class ModelRunner(Runner):
         # RMSNorm, RoPE with the K/V write (and argmax): native on CPU, Triton kernels next to the Triton attention
         self.ops = native.cpu_ops() if use_native else (TritonOps() if triton is not None else None)
         self.linear: LinearBackend = pick_linear_backend(device, dtype) if self.cpu_paths else LinearBackend()
+        self.linear.quantized_triton = triton is not None
         self.helper = HelperThread()
         with torch.inference_mode():
             if random_weights:

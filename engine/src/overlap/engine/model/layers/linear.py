@@ -40,6 +40,7 @@ class LinearBackend:
     name = "torch linear"
     fuses_silu = False
     quantized_kernels = False  # quantized weights through the CPU's int kernels (else dequantized at load)
+    quantized_triton = False  # quantized weights through Triton kernels (the device paths with Triton)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
@@ -193,7 +194,7 @@ class Linear:
         self.rows, self.rows_max = None, 0  # (kernel, address, n, k) for x of at most rows_max rows
         self.quant: QuantMethod | None = None
         if isinstance(weight, QuantizedWeight):
-            self.quant = quantized_method(weight, weight.dtype, backend.quantized_kernels)
+            self.quant = quantized_method(weight, weight.dtype, backend.quantized_kernels, backend.quantized_triton)
             if self.quant is not None:
                 self.weight = None
                 return

@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from overlap.engine.model.layers.linear import Linear, LinearBackend
+from overlap.engine.model.quant.weight import QuantizedWeight
 
 
 class GatedMLP:
     """gate and up as one matmul (its output split), or, where the backend fuses SiLU into a matmul (oneDNN), as two:
-    SiLU rides on the gate's matmul, no separate pass over its output."""
+    SiLU rides on the gate's matmul, no separate pass over its output. A quantized gate|up stays one matmul: its
+    kernel prepares (and, W8A8, quantizes) the activations once for both."""
 
     __slots__ = ("down", "gate", "gate_up", "inter", "silu_mul", "up")
 
@@ -19,7 +21,7 @@ class GatedMLP:
         self.inter = gate_up.shape[0] // 2
         self.silu_mul = getattr(ops, "silu_mul", None)  # one kernel where the ops have it (TritonOps)
         self.gate = self.up = self.gate_up = None
-        if backend.fuses_silu:
+        if backend.fuses_silu and not isinstance(gate_up, QuantizedWeight):
             halves = [None, None] if gate_up_bias is None else gate_up_bias.split(self.inter)
             self.gate = Linear(gate_up[: self.inter], halves[0], backend)
             self.up = Linear(gate_up[self.inter :], halves[1], backend)

@@ -63,6 +63,8 @@ class QuantFormat:
     config: dict
     ignore: list[str] = field(default_factory=list)  # modules left in float ("lm_head", "re:...")
     read_projection: Callable = None  # (fetch, module, out_features, in_features, where) -> Tensor | QuantizedWeight
+    # (module, out_features, in_features) -> (bits, group size, act_bits) of an integer scheme, else None
+    int_scheme: Callable = None
 
     def quantizes(self, module: str) -> bool:
         return not any(_matches(pattern, module) for pattern in self.ignore)
@@ -238,6 +240,13 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
             return _ct_float(fetch, module, out_f, in_f, args, where)
         return _ct_int(fetch, module, out_f, in_f, args, group_fmt, where)
 
+    def int_scheme(module: str, out_f: int, in_f: int):
+        found = scheme_of(module)
+        if found is None or not isinstance(found[1], IntArgs):
+            return None
+        args = found[1]
+        return args.bits, args.group_size or in_f, args.act_bits
+
     described = []
     for _, group_fmt, args, acts in schemes:
         if isinstance(args, IntArgs):
@@ -247,7 +256,7 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
         else:
             described.append(f"FP8 W8A{8 if acts else 16} ({args.get('strategy')} scales, dequantized at load)")
     return QuantFormat("compressed-tensors", "compressed-tensors " + ", ".join(dict.fromkeys(described)), qc,
-                       ignore=list(qc.get("ignore") or []), read_projection=read)  # fmt: skip
+                       ignore=list(qc.get("ignore") or []), read_projection=read, int_scheme=int_scheme)  # fmt: skip
 
 
 def _ct_int(fetch: Fetch, module: str, out_f: int, in_f: int, args: IntArgs, group_fmt: str, where: Path):

@@ -9,8 +9,10 @@ On CPU (the runner's CPU paths), by what the weight is:
 - W8A8: activations quantized to int8 per token (scale = absmax / 127.5, as compressed-tensors computes it), an
   int8 x int8 -> int32 matmul, then both scales: the native kernel (AVX-512 VNNI / AVX2 / C) for decode-sized steps,
   `torch._int_mm` (oneDNN, AMX-INT8 where the CPU has it) for larger ones;
-- anything else, and every weight on the device-generic paths (CUDA until its Triton kernels land): dequantized at
-  load into a float weight that the float backend runs, said in the log.
+- anything else: dequantized at load into a float weight that the float backend runs.
+
+On the device paths with Triton (CUDA): W4A16 and W8A16 through a Triton kernel that dequantizes inside the matmul
+(`triton_kernels.py`); W8A8 and FP8 dequantized at load there for now.
 
 Each method is checked once against the dequantized reference on a small weight of its kind; a method that errs or
 differs is not used (the weight is dequantized instead), as `pick_linear_backend` does for oneDNN.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -216,8 +219,18 @@ def _works(method: type[QuantMethod], bits: int, group: int | None, act_bits: in
     return ok
 
 
-def quantized_method(weight: QuantizedWeight, dtype: torch.dtype, cpu_paths: bool) -> QuantMethod | None:
-    """The kernel for `weight` on this machine, or None: dequantize it at load and run the float backend."""
+def quantized_method(weight: QuantizedWeight, dtype: torch.dtype, cpu_paths: bool,
+                     triton: bool = False) -> QuantMethod | None:  # fmt: skip
+    """The kernel for `weight` on this machine, or None: dequantize it at load and run the float backend. `triton`:
+    the runner's device paths run Triton (CUDA, or its interpreter). OVERLAP_QUANTIZED_KERNELS=0 dequantizes every
+    weight at load (the reference the kernels are compared with)."""
+    if os.environ.get("OVERLAP_QUANTIZED_KERNELS", "1") == "0":
+        return Int8DynamicReference(weight, dtype) if weight.act_bits == 8 else None
+    if triton and not cpu_paths:
+        from overlap.engine.model.quant.triton_kernels import TritonWeightOnly
+
+        if TritonWeightOnly.supports(weight):
+            return TritonWeightOnly(weight, dtype)
     if cpu_paths and weight.device.type == "cpu":
         for method in _candidates(weight):
             group = None if weight.per_row else weight.group_size

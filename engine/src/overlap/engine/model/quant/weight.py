@@ -119,6 +119,17 @@ class QuantizedWeight:
         return n * k * self.bits // 8 + 4 * (self.scale.numel() + self.zero.numel())
 
 
+def random_quantized(n: int, k: int, bits: int, group: int, act_bits: int | None, fmt: str, device: torch.device,
+                     generator: torch.Generator, dtype: torch.dtype) -> QuantizedWeight:  # fmt: skip
+    """Random symmetric codes of an [n, k] weight, made on the device, scaled to spread as Normal(0, 0.02) does (for
+    benchmarks of model shapes, `loader.random_weights`)."""
+    codes = torch.randint(0, 2**bits, (n, k), generator=generator, device=device, dtype=torch.uint8)
+    spread = 0.02 / ((2**bits) / 12**0.5)  # a uniform code's standard deviation
+    scale = torch.full((n, k // group), spread, device=device)
+    zero = torch.full_like(scale, 2.0 ** (bits - 1))
+    return QuantizedWeight(codes, scale, zero, bits, group, fmt, act_bits=act_bits, dtype=dtype)
+
+
 def cat_rows(parts: list, dtype: torch.dtype):
     """q|k|v or gate|up as one weight: float tensors concatenated; quantized ones stacked where they share a layout,
     else (a part the format left unquantized, act-order parts with different column orders) dequantized to `dtype`."""
