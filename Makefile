@@ -70,6 +70,7 @@ test: venv model tools prometheus registry  ## lint, then the whole test suite
 bench: venv model  ## every benchmark, full size (prints tables; see README "Performance")
 	$(BIN)/overlap bench engine
 	$(BIN)/overlap bench overlap
+	$(BIN)/overlap bench quantized
 	$(BIN)/overlap bench http
 	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control

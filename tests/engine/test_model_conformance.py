@@ -22,7 +22,7 @@ from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import FinishReason, ModelInput, SamplingParams, ScheduledSeq
 from tests.support.engine import add_and_run, tokens_of
-from tests.support.hf_models import VARIANTS, VOCAB, edit_config, save_variant
+from tests.support.hf_models import VARIANTS, VOCAB, edit_config, save_variant, transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 PROMPT_LENS = (100, 37, 5, 64)  # 100 and 64 reach past the sliding windows (32)
@@ -78,18 +78,6 @@ def _hf_last_logits(hf, prompt: list[int]) -> torch.Tensor:
         return hf(torch.tensor([prompt])).logits[0, -1].float()
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' incremental greedy decode (its KV cache, its RoPE updates), with no logits processors: generate's
-    min_new_tokens would mask EOS, which the runner, told to ignore EOS, still may pick."""
-    out = []
-    with torch.inference_mode():
-        step = hf(torch.tensor([prompt]), use_cache=True)
-        for _ in range(n):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = hf(torch.tensor([[out[-1]]]), cache=step.past_key_values, use_cache=True)
-    return out
-
-
 def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int, chunk: int) -> list[list[int]]:
     """Prefill every prompt in chunks of `chunk` tokens, batched, then decode all together: n tokens each."""
     tables = _tables([len(p) + n for p in prompts], runner.block_size, runner.num_kv_blocks, seed=1)
@@ -134,7 +122,7 @@ def test_chunked_prompts_then_greedy_decode_equal_transformers_generate(built, n
     prompts = _prompts(seed=2)
     got = _greedy(_runner(folder, path), prompts, 10, chunk=24)  # chunks cross the sliding windows' edges
     for prompt, tokens in zip(prompts, got, strict=True):
-        assert tokens == _hf_greedy(hf, prompt, 10)
+        assert tokens == transformers_greedy(hf, prompt, 10)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -145,7 +133,7 @@ def test_engine_greedy_with_a_prefix_cache_hit_equals_transformers(built, name):
     sampling = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     first = add_and_run(engine, {"a": (prompt, sampling)})["a"]
     again = add_and_run(engine, {"b": (prompt, sampling)})["b"]
-    want = _hf_greedy(hf, prompt, 12)
+    want = transformers_greedy(hf, prompt, 12)
     assert tokens_of(first) == want and tokens_of(again) == want
     assert first[-1].num_cached_tokens == 0 and again[-1].num_cached_tokens >= 64  # served from the cache
 
@@ -174,7 +162,7 @@ def test_sliding_window_serves_a_prompt_far_past_it_and_matches(built):
     runner = _runner(folder, "cpu")
     assert runner.max_model_len == 512 and set(runner.spec.layer_windows) == {32}
     prompt = [random.Random(5).randrange(3, VOCAB) for _ in range(200)]
-    assert _greedy(runner, [prompt], 8, chunk=64)[0] == _hf_greedy(hf, prompt, 8)
+    assert _greedy(runner, [prompt], 8, chunk=64)[0] == transformers_greedy(hf, prompt, 8)
 
 
 def test_qwen2_sliding_layers_follow_layer_types(built):
@@ -206,7 +194,7 @@ def test_llama3_style_two_eos_ids_stop_at_either(built, tmp_path):
     """generation_config.json lists two EOS ids, as Llama 3 Instruct ships <|end_of_text|> and <|eot_id|>."""
     folder, hf = built("llama3-rope")
     prompt = _prompts(seed=6)[1]
-    free = _hf_greedy(hf, prompt, 24)
+    free = transformers_greedy(hf, prompt, 24)
     (i, a), (j, b) = _first_fresh_tokens(free, 2)
     for eos_list, stop_at in (([a, b], i), ([b, 2], j)):
         copy = shutil.copytree(folder, tmp_path / f"eos-{stop_at}")
@@ -222,7 +210,7 @@ def test_llama3_style_two_eos_ids_stop_at_either(built, tmp_path):
 def test_config_eos_and_request_stop_ids_add_to_generation_config_eos(built, tmp_path):
     folder, hf = built("llama")
     prompt = _prompts(seed=7)[1]
-    free = _hf_greedy(hf, prompt, 24)
+    free = transformers_greedy(hf, prompt, 24)
     (i, a), (j, b) = _first_fresh_tokens(free, 2)
     copy = edit_config(shutil.copytree(folder, tmp_path / "m"), eos_token_id=b)
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))

@@ -36,6 +36,7 @@ from overlap.engine.model.quant.weight import QuantizedWeight
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 from tests.support import gptq_awq, quantized_models
+from tests.support.hf_models import transformers_greedy
 
 pytestmark = [pytest.mark.usefixtures("two_torch_threads"), pytest.mark.slow]
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
@@ -71,16 +72,6 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[
     return outs
 
 
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = []
-    with torch.inference_mode():
-        step = hf(torch.tensor([prompt]), use_cache=True)
-        for _ in range(n):
-            out.append(int(step.logits[0, -1].argmax()))
-            step = hf(torch.tensor([[out[-1]]]), cache=step.past_key_values, use_cache=True)
-    return out
-
-
 def _assert_conforms(folder: Path, hf, seed: int, *, rtol: float, **config) -> None:
     """8 prompts x 32 greedy tokens equal, and each prompt's last logits within `rtol` of the largest logit."""
     prompts = _prompts(seed)
@@ -96,7 +87,7 @@ def _assert_conforms(folder: Path, hf, seed: int, *, rtol: float, **config) -> N
         with torch.inference_mode():
             ref = hf(torch.tensor([prompt])).logits[0, -1].float()
         torch.testing.assert_close(logits[i].float(), ref, atol=rtol * float(ref.abs().max()), rtol=0)
-        assert got[i] == _hf_greedy(hf, prompt, 32), f"prompt {i}"
+        assert got[i] == transformers_greedy(hf, prompt, 32), f"prompt {i}"
 
 
 # ---- compressed-tensors, from llm-compressor --------------------------------------------------------------------

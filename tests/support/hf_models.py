@@ -115,3 +115,17 @@ def edit_config(folder: Path, **changes) -> Path:
             config[key] = value
     path.write_text(json.dumps(config))
     return folder
+
+
+def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' incremental greedy decode (its KV cache, its RoPE updates), with no logits processors: generate's
+    min_new_tokens would mask EOS, which the runner, told to ignore EOS, still may pick."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        step = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            out.append(int(step.logits[0, -1].argmax()))
+            step = hf(torch.tensor([[out[-1]]]), cache=step.past_key_values, use_cache=True)
+    return out

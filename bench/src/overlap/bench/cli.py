@@ -16,6 +16,7 @@ _BENCH_MODULES = (
     "overlap.bench.control_replay",  # overlap bench control
     "overlap.bench.sampling_bench",  # overlap bench sampling
     "overlap.bench.routing",  # overlap bench routing
+    "overlap.bench.quant_bench",  # overlap bench quantized
 )
 
 
