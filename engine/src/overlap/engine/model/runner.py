@@ -12,6 +12,7 @@ Where each part lives:
 | device, dtype, attention backend, KV-pool size | `devices.py` |
 | a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3) | `models/` |
 | its layers: linear (oneDNN / torch), RMSNorm, RoPE with the K/V write, paged attention, MLP | `layers/` |
+| quantized checkpoints: each format read into one layout, the kernel picked per weight | `quant/`, `quant_linear.c` |
 | GPU kernels: attention, RMSNorm, RoPE + K/V write, SiLU-mul (Triton) | `triton_attention.py`, `triton_ops.py` |
 | input packing, the batch halves | `step_inputs.py` |
 | how each sequence attends (native / torch / Triton plans) | `attention_plan.py` |
