@@ -313,6 +313,20 @@ def test_each_cpu_kernel_computes_what_the_dequantized_weight_does(dtype, bits, 
     torch.testing.assert_close(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
+@pytest.mark.parametrize("rows", [3, 40, 300])  # the native kernel, torch._int_mm, the dequantized prefill
+def test_w8a8_takes_every_step_size_with_per_token_int8_activations(rows):
+    from overlap.engine.model.quant.kernels import NativeW8A8
+
+    gen = torch.Generator().manual_seed(8)
+    n, k = 96, 320
+    codes = torch.randint(1, 256, (n, k), generator=gen, dtype=torch.uint8)
+    weight = QuantizedWeight(codes, torch.rand(n, 1, generator=gen) * 0.01, torch.full((n, 1), 128.0), 8, k, "test",
+                             act_bits=8)  # fmt: skip
+    x = torch.randn(rows, k, generator=gen)
+    want = Int8DynamicReference(weight, torch.float32)(x)
+    torch.testing.assert_close(NativeW8A8(weight, torch.float32)(x), want, atol=1e-4, rtol=1e-4)
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 def _copy(folder: Path, tmp_path: Path) -> Path:
     dest = tmp_path / "copy"

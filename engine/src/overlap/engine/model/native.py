@@ -256,6 +256,9 @@ class QuantLinearKernel:
         self._w4_dequantize = library.overlap_w4a16_dequantize
         self._w4_dequantize.restype = ctypes.c_int
         self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _i64, _ptr, _i32, _i32]
+        self._w8_dequantize = library.overlap_w8_dequantize
+        self._w8_dequantize.restype = ctypes.c_int
+        self._w8_dequantize.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i32, _i32]
         self._w8a8 = library.overlap_w8a8_rows
         self._w8a8.restype = ctypes.c_int
         self._w8a8.argtypes = [_ptr, _i64, _i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32]
@@ -302,6 +305,18 @@ class QuantLinearKernel:
         status = self._w4_dequantize(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), bias, n, k, group,
                                      out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
         _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
+        return out
+
+    def w8_dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """An int8 `weight` [N, K] times its fp32 `scale` [N] per row, in `dtype` (fp32 or bf16)."""
+        n, k = weight.shape
+        _check(weight.dtype == torch.int8 and weight.is_contiguous() and scale.dtype == torch.float32
+               and scale.shape == (n,) and dtype in (torch.float32, torch.bfloat16),
+               "quantized linear: W8 weight")  # fmt: skip
+        out = torch.empty(n, k, dtype=dtype)
+        status = self._w8_dequantize(weight.data_ptr(), scale.data_ptr(), n, k, out.data_ptr(),
+                                     dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W8 arguments the kernel does not take")
         return out
 
     def w8a8(self, x: torch.Tensor, weight: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

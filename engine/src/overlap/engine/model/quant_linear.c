@@ -275,6 +275,23 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
     return 0;
 }
 
+/* An int8 weight per row as floats [n][k] (fp32, or bf16 when bf16 == 1), for a matmul that takes many rows. */
+int overlap_w8_dequantize(const int8_t *w, const float *scale, int64_t n, int64_t k, void *out, int bf16, int threads) {
+    if (n < 1 || k < 1 || threads < 1) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const float s = scale[j];
+        for (int64_t i = 0; i < k; i++) {
+            const float v = (float)w[j * k + i] * s;
+            if (bf16)
+                ((uint16_t *)out)[j * k + i] = to_bf16(v);
+            else
+                ((float *)out)[j * k + i] = v;
+        }
+    }
+    return 0;
+}
+
 /* ---- W8A8 ------------------------------------------------------------------------------------------------------- */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define VNNI 1

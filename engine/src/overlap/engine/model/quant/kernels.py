@@ -49,6 +49,9 @@ class QuantMethod:
 # W4A16, torch._int_mm for W8A8), measured on the 0.5B shape's MLP streamed from memory (docs/engine.md).
 NATIVE_W4A16_ROWS = 32
 NATIVE_W8A8_ROWS = 16
+# Rows from which a W8A8 step (a prefill) dequantizes the weight for oneDNN's bf16/fp32 matmul, whose prefill is
+# faster here than torch._int_mm's; the activations keep their per-token int8 rounding.
+DEQUANTIZED_W8A8_ROWS = 256
 
 
 def nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -90,7 +93,8 @@ class NativeW8A8(QuantMethod):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.kernel = native.quant_linear_kernel()
-        self.name = f"W8A8 native {self.kernel.isa} kernel (<= {NATIVE_W8A8_ROWS} rows; torch _int_mm above)"
+        self.name = (f"W8A8 native {self.kernel.isa} kernel (<= {NATIVE_W8A8_ROWS} rows; torch _int_mm above; "
+                     f"dequantized into oneDNN's matmul from {DEQUANTIZED_W8A8_ROWS})")  # fmt: skip
         self.weight = (weight.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
         self.rowsum = self.weight.sum(dim=1, dtype=torch.int32)
         self.scale = weight.scale[:, 0].float().contiguous()
@@ -100,6 +104,10 @@ class NativeW8A8(QuantMethod):
         if x.shape[0] <= NATIVE_W8A8_ROWS:
             return self.kernel.w8a8(x, self.weight, self.rowsum, self.scale).to(x.dtype)
         x_q, x_scale = quantize_per_token(x.float())
+        if x.shape[0] >= DEQUANTIZED_W8A8_ROWS:
+            scratch = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+            weight = self.kernel.w8_dequantize(self.weight, self.scale, scratch)
+            return F.linear((x_q.float() * x_scale).to(scratch), weight).to(x.dtype)
         return (torch._int_mm(x_q, self.weight.t()) * x_scale * self.scale).to(x.dtype)
 
 
