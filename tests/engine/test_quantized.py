@@ -152,6 +152,8 @@ def test_the_engine_names_the_format_and_its_kernels(compressed):
         assert runner.spec.quantization.method == "compressed-tensors"
         assert "W4A16 (pack-quantized, group 128, symmetric)" in runner.kernels
         assert "W4A16 native" in runner.kernels  # quant_linear.c, checked against the dequantized weight at load
+        # its kernels use every thread in each call: no step runs as two half-batch forwards side by side
+        assert "whole batch on all threads" in runner.kernels
         # the streaming floor counts 4-bit codes: well under the bf16 size of the same projections
         spec = runner.spec
         h, i, d = spec.hidden_size, spec.intermediate_size, spec.head_dim

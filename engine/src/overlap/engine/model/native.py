@@ -256,9 +256,9 @@ class QuantLinearKernel:
         self._w4_dequantize = library.overlap_w4a16_dequantize
         self._w4_dequantize.restype = ctypes.c_int
         self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _i64, _ptr, _i32, _i32]
-        self._w8_dequantize = library.overlap_w8_dequantize
-        self._w8_dequantize.restype = ctypes.c_int
-        self._w8_dequantize.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _i32, _i32]
+        self._w8a8_quantize = library.overlap_w8a8_quantize
+        self._w8a8_quantize.restype = ctypes.c_int
+        self._w8a8_quantize.argtypes = [_ptr, _i64, _i32, _i64, _ptr, _ptr, _i32]
         self._w8a8 = library.overlap_w8a8_rows
         self._w8a8.restype = ctypes.c_int
         self._w8a8.argtypes = [_ptr, _i64, _i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32]
@@ -307,17 +307,16 @@ class QuantLinearKernel:
         _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
         return out
 
-    def w8_dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """An int8 `weight` [N, K] times its fp32 `scale` [N] per row, in `dtype` (fp32 or bf16)."""
-        n, k = weight.shape
-        _check(weight.dtype == torch.int8 and weight.is_contiguous() and scale.dtype == torch.float32
-               and scale.shape == (n,) and dtype in (torch.float32, torch.bfloat16),
-               "quantized linear: W8 weight")  # fmt: skip
-        out = torch.empty(n, k, dtype=dtype)
-        status = self._w8_dequantize(weight.data_ptr(), scale.data_ptr(), n, k, out.data_ptr(),
-                                     dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
-        _check(status == 0, "quantized linear: W8 arguments the kernel does not take")
-        return out
+    def w8a8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, K] quantized per row as compressed-tensors does: (uint8 code + 128 [rows, K], fp32 scale
+        [rows, 1])."""
+        _check(x.dim() == 2 and x.shape[0] >= 1, "quantized linear: x rows")
+        x = x.float().contiguous()
+        codes, scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape[0], 1)
+        status = self._w8a8_quantize(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], codes.data_ptr(),
+                                     scales.data_ptr(), torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W8A8 quantize arguments")
+        return codes, scales
 
     def w8a8(self, x: torch.Tensor, weight: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x [rows, K], quantized to int8 per row inside, times int8 `weight` [N, K] with its int32 `rowsum` [N]

@@ -275,23 +275,6 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
     return 0;
 }
 
-/* An int8 weight per row as floats [n][k] (fp32, or bf16 when bf16 == 1), for a matmul that takes many rows. */
-int overlap_w8_dequantize(const int8_t *w, const float *scale, int64_t n, int64_t k, void *out, int bf16, int threads) {
-    if (n < 1 || k < 1 || threads < 1) return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const float s = scale[j];
-        for (int64_t i = 0; i < k; i++) {
-            const float v = (float)w[j * k + i] * s;
-            if (bf16)
-                ((uint16_t *)out)[j * k + i] = to_bf16(v);
-            else
-                ((float *)out)[j * k + i] = v;
-        }
-    }
-    return 0;
-}
-
 /* ---- W8A8 ------------------------------------------------------------------------------------------------------- */
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define VNNI 1
@@ -411,6 +394,20 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale_out)
         q[i] = (int8_t)(v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v);
     }
     *scale_out = scale;
+}
+
+/* x [rows][k] fp32 quantized per row as quantize_row does, stored as code + 128 (unsigned, for oneDNN's u8 x s8
+ * matmul), with each row's scale. 0, or -1 for bad arguments. */
+int overlap_w8a8_quantize(const float *x, int64_t x_stride, int rows, int64_t k, uint8_t *codes, float *scales,
+                          int threads) {
+    if (rows < 1 || k < 1 || threads < 1) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int r = 0; r < rows; r++) {
+        int8_t *q = (int8_t *)codes + r * k;
+        quantize_row(x + r * x_stride, k, q, scales + r);
+        for (int64_t i = 0; i < k; i++) codes[r * k + i] = (uint8_t)((int)q[i] + 128);
+    }
+    return 0;
 }
 
 /* out [rows][n] = x [rows][k] (fp32, quantized here per row) times the W8A8 weight. 0, or -1 for bad arguments. */

@@ -182,6 +182,10 @@ class ModelRunner(Runner):
         steps with enough arithmetic to hide the second read (prefill); docs/engine.md has the measurements."""
         if not self.cpu_paths or plan == "whole" or self.tp is not None:  # a rank's forward is one whole batch
             return None
+        if self.spec.quantization is not None and plan == "auto":
+            # quantized kernels run on all threads inside each call and a prefill dequantizes each weight once: two
+            # halves would run them on twice the cores there are and dequantize every weight twice
+            return None
         if plan == "halves" or self.weight_bytes <= HALVES_MAX_WEIGHT_BYTES:
             return 0
         return HALVES_MIN_TOKENS

@@ -8,7 +8,7 @@ On CPU (the runner's CPU paths), by what the weight is:
   (`_weight_int8pack_mm`);
 - W8A8: activations quantized to int8 per token (scale = absmax / 127.5, as compressed-tensors computes it), an
   int8 x int8 -> int32 matmul, then both scales: the native kernel (AVX-512 VNNI / AVX2 / C) for decode-sized steps,
-  `torch._int_mm` (oneDNN, AMX-INT8 where the CPU has it) for larger ones;
+  oneDNN's u8 x s8 matmul on the prepacked weight (VNNI, AMX-INT8 where the CPU has it) for larger ones;
 - anything else: dequantized at load into a float weight that the float backend runs.
 
 On the device paths with Triton (CUDA): W4A16 and W8A16 through a Triton kernel that dequantizes inside the matmul
@@ -49,9 +49,6 @@ class QuantMethod:
 # W4A16, torch._int_mm for W8A8), measured on the 0.5B shape's MLP streamed from memory (docs/engine.md).
 NATIVE_W4A16_ROWS = 32
 NATIVE_W8A8_ROWS = 16
-# Rows from which a W8A8 step (a prefill) dequantizes the weight for oneDNN's bf16/fp32 matmul, whose prefill is
-# faster here than torch._int_mm's; the activations keep their per-token int8 rounding.
-DEQUANTIZED_W8A8_ROWS = 256
 
 
 def nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -88,27 +85,40 @@ class NativeW4A16(QuantMethod):
 
 
 class NativeW8A8(QuantMethod):
-    """W8A8: decode-sized steps through quant_linear.c's kernel (VNNI where the CPU has it), x quantized per token
-    inside; larger steps through torch._int_mm (oneDNN; AMX-INT8 where the CPU has it) on the same weight."""
+    """W8A8: x quantized per token by quant_linear.c (VNNI-free, vectorized), then, for decode-sized steps, its int8
+    kernel; for larger ones oneDNN's u8 x s8 matmul on the weight prepacked once (`torch.ops.onednn.qlinear_*`, VNNI
+    or AMX-INT8 as the CPU has), its int32 sums times both scales. The x scale goes in per row after oneDNN's call
+    (which takes one scale for all of x), so the numbers are compressed-tensors' per-token ones."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.kernel = native.quant_linear_kernel()
-        self.name = (f"W8A8 native {self.kernel.isa} kernel (<= {NATIVE_W8A8_ROWS} rows; torch _int_mm above; "
-                     f"dequantized into oneDNN's matmul from {DEQUANTIZED_W8A8_ROWS})")  # fmt: skip
         self.weight = (weight.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
         self.rowsum = self.weight.sum(dim=1, dtype=torch.int32)
         self.scale = weight.scale[:, 0].float().contiguous()
+        self.onednn = _onednn_int8(self.weight)
+        above = "oneDNN u8s8 matmul" if self.onednn is not None else "torch _int_mm"
+        self.name = f"W8A8 native {self.kernel.isa} kernel (<= {NATIVE_W8A8_ROWS} rows; {above} above)"
         self.nbytes = self.weight.numel() + 8 * self.scale.numel()
+        self.zero_points = torch.zeros(self.scale.shape[0], dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= NATIVE_W8A8_ROWS:
             return self.kernel.w8a8(x, self.weight, self.rowsum, self.scale).to(x.dtype)
-        x_q, x_scale = quantize_per_token(x.float())
-        if x.shape[0] >= DEQUANTIZED_W8A8_ROWS:
-            scratch = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-            weight = self.kernel.w8_dequantize(self.weight, self.scale, scratch)
-            return F.linear((x_q.float() * x_scale).to(scratch), weight).to(x.dtype)
+        codes, x_scale = self.kernel.w8a8_quantize(x)
+        if self.onednn is not None:
+            sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.onednn, self.scale, self.zero_points,
+                                                      None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+            return torch.mul(sums, x_scale, out=torch.empty(sums.shape, dtype=x.dtype))  # scaled and cast in one pass
+        x_q = (codes.to(torch.int16) - 128).to(torch.int8)
         return (torch._int_mm(x_q, self.weight.t()) * x_scale * self.scale).to(x.dtype)
+
+
+def _onednn_int8(weight: torch.Tensor):
+    """The int8 weight prepacked for oneDNN's u8 x s8 matmul, or None where this torch build lacks it."""
+    try:
+        return torch.ops.onednn.qlinear_prepack(weight, None)
+    except (AttributeError, RuntimeError):
+        return None
 
 
 class Int4WeightOnly(QuantMethod):
