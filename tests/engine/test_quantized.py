@@ -437,8 +437,11 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
     torch.testing.assert_close(dense, w4, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("bits", "group", "rows"), [(4, 128, 3), (4, 32, 20), (8, 64, 5)])
-def test_the_triton_kernel_equals_the_dequantized_weight_in_the_interpreter(monkeypatch, bits, group, rows):
+@pytest.mark.parametrize(
+    ("bits", "group", "rows", "dtype"),
+    [(4, 128, 3, torch.float32), (4, 32, 20, torch.float32), (8, 64, 5, torch.float32), (4, 128, 70, torch.bfloat16)],
+)
+def test_the_triton_kernel_equals_the_dequantized_weight_in_the_interpreter(monkeypatch, bits, group, rows, dtype):
     """The GPU path's W4A16 / W8A16 kernel (dequantized inside the matmul), in Triton's interpreter on the CPU."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -452,9 +455,10 @@ def test_the_triton_kernel_equals_the_dequantized_weight_in_the_interpreter(monk
     perm = torch.randperm(k, generator=gen) if group == 32 else None  # act-order: x read in the stored order
     weight = QuantizedWeight(codes, scale, zero, bits, group, "test", perm=perm)
     assert TritonWeightOnly.supports(weight)
-    x = torch.randn(rows, k, generator=gen)
-    torch.testing.assert_close(TritonWeightOnly(weight, torch.float32)(x), x @ weight.dequantize(torch.float32).t(),
-                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    want = (x.float() @ weight.dequantize(dtype).float().t()).to(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(TritonWeightOnly(weight, dtype)(x), want, atol=tolerance, rtol=tolerance)
 
 
 def test_the_device_paths_run_a_quantized_checkpoint_through_triton(compressed, monkeypatch):

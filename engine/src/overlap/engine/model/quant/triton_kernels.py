@@ -9,17 +9,23 @@ GPU check (bench/gpu/check.sh, case `quantized`) runs it at the 8B shape against
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from overlap.engine.model.quant.weight import QuantizedWeight
 
+# Triton's interpreter (tests on the CPU) computes a bf16 tl.dot wrongly (values of 1e11 against a bf16 reference of
+# 1): there the dot takes fp32 operands, the same numbers widened.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @triton.jit
 def _wint_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, rows, n, k, x_stride, groups,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
     """out[rows, n] = x[rows, k] @ W^T, W[n, kk] = (code - zero[n, kk // GROUP]) * scale[n, kk // GROUP], the codes
     of row n packed 32 // BITS a word, the first in the low bits. BLOCK_K divides GROUP."""
     per_word: tl.constexpr = 32 // BITS
@@ -37,8 +43,11 @@ def _wint_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, rows, n, k, x_strid
         group = k0 // GROUP
         scale = tl.load(scale_ptr + cols * groups + group, mask=cols < n, other=0.0)
         zero = tl.load(zero_ptr + cols * groups + group, mask=cols < n, other=0.0)
-        w = ((codes.to(tl.float32) - zero[:, None]) * scale[:, None]).to(x.dtype)
-        acc += tl.dot(x, tl.trans(w))
+        w = (codes.to(tl.float32) - zero[:, None]) * scale[:, None]
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w))
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     tl.store(out_ptr + m[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(m[:, None] < rows) & (cols[None, :] < n))  # fmt: skip
 
@@ -74,5 +83,5 @@ class TritonWeightOnly:
         grid = (triton.cdiv(rows, block_m), triton.cdiv(self.n, 64))
         _wint_kernel[grid](x, self.words, self.scale, self.zero, out, rows, self.n, self.k, x.stride(0),
                            self.k // self.group, BITS=self.bits, GROUP=self.group, BLOCK_M=block_m, BLOCK_N=64,
-                           BLOCK_K=self.block_k)  # fmt: skip
+                           BLOCK_K=self.block_k, DOT_FP32=x.dtype == torch.float32 or INTERPRETED)  # fmt: skip
         return out
