@@ -197,8 +197,7 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
         return -1;
     }
     float *xo = xe + rows * half_k;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int r = 0; r < rows; r++) {
+    for (int r = 0; r < rows; r++) { /* on this thread, like W8A8's quantization: one parallel region a call */
         for (int64_t i = 0; i < half_k; i++) {
             const float a = x_bf16 ? bf16_value(((const uint16_t *)x)[r * x_stride + 2 * i])
                                    : ((const float *)x)[r * x_stride + 2 * i];
@@ -421,11 +420,11 @@ int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *
         free(xs);
         return -1;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
+    /* On this thread: at most 64 rows, vectorized, cheaper than waking the team twice more for it (one parallel
+     * region a call keeps a step's barriers few when the engine's host thread shares the cores). */
     for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xs + r);
 #if VNNI
     /* x + 128 as unsigned bytes, once for every output (dot_s8 and the tiles take 128 * sum(w) off after) */
-#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < (int64_t)rows * k; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
     const int64_t full = n / W8_TILE_N * W8_TILE_N;
 #pragma omp parallel for num_threads(threads) schedule(static)
