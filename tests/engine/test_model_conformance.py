@@ -21,7 +21,7 @@ from overlap.engine.core import Engine
 from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import FinishReason, ModelInput, SamplingParams, ScheduledSeq
-from tests.support.engine import add_and_run, tokens_of
+from tests.support.engine import add_and_run, greedy_tokens, scattered_tables, tokens_of
 from tests.support.hf_models import VARIANTS, VOCAB, edit_config, save_variant, transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
@@ -54,17 +54,6 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _tables(lengths: list[int], block_size: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
-    ids = list(range(num_blocks))
-    random.Random(seed).shuffle(ids)  # every table a scatter of blocks
-    tables, at = [], 0
-    for length in lengths:
-        need = -(-length // block_size)
-        tables.append(ids[at : at + need])
-        at += need
-    return tables
-
-
 def _runner(folder: Path, path: str, dtype: str = "float32") -> ModelRunner:
     if path == "triton":
         pytest.importorskip("triton")
@@ -78,29 +67,6 @@ def _hf_last_logits(hf, prompt: list[int]) -> torch.Tensor:
         return hf(torch.tensor([prompt])).logits[0, -1].float()
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int, chunk: int) -> list[list[int]]:
-    """Prefill every prompt in chunks of `chunk` tokens, batched, then decode all together: n tokens each."""
-    tables = _tables([len(p) + n for p in prompts], runner.block_size, runner.num_kv_blocks, seed=1)
-    done, outs = [0] * len(prompts), [[] for _ in prompts]
-    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
-        seqs = []
-        for i, p in enumerate(prompts):
-            if done[i] < len(p):
-                m = min(chunk, len(p) - done[i])
-                seqs.append(ScheduledSeq(f"r{i}", p[done[i] : done[i] + m], done[i], tables[i],
-                                         done[i] + m == len(p), GREEDY))  # fmt: skip
-                done[i] += m
-        sampled = runner.execute(ModelInput(seqs)).token_ids
-        for seq, token in zip([s for s in seqs if s.do_sample], sampled, strict=True):
-            outs[int(seq.request_id[1:])].append(token)
-    for step in range(1, n):
-        seqs = [ScheduledSeq(f"r{i}", [o[-1]], len(p) + step - 1, tables[i], True, GREEDY, step)
-                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
-        for o, token in zip(outs, runner.execute(ModelInput(seqs)).token_ids, strict=True):
-            o.append(token)
-    return outs
-
-
 # ---- the matrix -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", VARIANTS)
@@ -108,7 +74,7 @@ def test_packed_prefill_logits_match_transformers(built, name, path):
     folder, hf = built(name)
     runner = _runner(folder, path)
     prompts = _prompts()
-    tables = _tables([len(p) for p in prompts], runner.block_size, runner.num_kv_blocks)
+    tables = scattered_tables([len(p) for p in prompts], runner.block_size, runner.num_kv_blocks)
     seqs = [ScheduledSeq(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     logits = runner.compute_logits(ModelInput(seqs))
     for i, prompt in enumerate(prompts):
@@ -120,7 +86,7 @@ def test_packed_prefill_logits_match_transformers(built, name, path):
 def test_chunked_prompts_then_greedy_decode_equal_transformers_generate(built, name, path):
     folder, hf = built(name)
     prompts = _prompts(seed=2)
-    got = _greedy(_runner(folder, path), prompts, 10, chunk=24)  # chunks cross the sliding windows' edges
+    got = greedy_tokens(_runner(folder, path), prompts, 10, chunk=24)  # chunks cross the sliding windows' edges
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == transformers_greedy(hf, prompt, 10)
 
@@ -146,7 +112,7 @@ def test_bfloat16_picks_transformers_bf16_top_token(built, name):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     runner = _runner(folder, "cpu", dtype="bfloat16")
     prompts = _prompts(seed=4)
-    tables = _tables([len(p) for p in prompts], runner.block_size, runner.num_kv_blocks)
+    tables = scattered_tables([len(p) for p in prompts], runner.block_size, runner.num_kv_blocks)
     seqs = [ScheduledSeq(f"r{i}", p, 0, t, True, GREEDY) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
     logits = runner.compute_logits(ModelInput(seqs))
     for i, prompt in enumerate(prompts):
@@ -162,7 +128,7 @@ def test_sliding_window_serves_a_prompt_far_past_it_and_matches(built):
     runner = _runner(folder, "cpu")
     assert runner.max_model_len == 512 and set(runner.spec.layer_windows) == {32}
     prompt = [random.Random(5).randrange(3, VOCAB) for _ in range(200)]
-    assert _greedy(runner, [prompt], 8, chunk=64)[0] == transformers_greedy(hf, prompt, 8)
+    assert greedy_tokens(runner, [prompt], 8, chunk=64)[0] == transformers_greedy(hf, prompt, 8)
 
 
 def test_qwen2_sliding_layers_follow_layer_types(built):

@@ -36,6 +36,7 @@ from overlap.engine.model.quant.weight import QuantizedWeight
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 from tests.support import gptq_awq, quantized_models
+from tests.support.engine import greedy_tokens
 from tests.support.hf_models import transformers_greedy
 
 pytestmark = [pytest.mark.usefixtures("two_torch_threads"), pytest.mark.slow]
@@ -55,29 +56,12 @@ def _runner(folder: Path, **config) -> ModelRunner:
     return ModelRunner(EngineConfig(num_kv_blocks=160, max_seq_len=256, block_size=16, **config), folder)
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Every prompt prefilled in one step, then n - 1 decode steps of all together."""
-    tables, at = [], 0
-    for prompt in prompts:
-        need = -(-(len(prompt) + n) // runner.block_size)
-        tables.append(list(range(at, at + need)))
-        at += need
-    seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
-    outs = [[t] for t in runner.execute(ModelInput(seqs)).token_ids]
-    for step in range(1, n):
-        seqs = [ScheduledSeq(f"r{i}", [o[-1]], len(p) + step - 1, tables[i], True, GREEDY, step)
-                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
-        for o, token in zip(outs, runner.execute(ModelInput(seqs)).token_ids, strict=True):
-            o.append(token)
-    return outs
-
-
 def _assert_conforms(folder: Path, hf, seed: int, *, rtol: float, **config) -> None:
     """8 prompts x 32 greedy tokens equal, and each prompt's last logits within `rtol` of the largest logit."""
     prompts = _prompts(seed)
     runner = _runner(folder, **config)
     try:
-        got = _greedy(runner, prompts, 32)
+        got = greedy_tokens(runner, prompts, 32, chunk=256)
         tables = [list(range(8 * i, 8 * i + 5)) for i in range(len(prompts))]
         seqs = [ScheduledSeq(f"r{i}", p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)]
         logits = runner.compute_logits(ModelInput(seqs))
@@ -107,6 +91,30 @@ def test_compressed_tensors_checkpoint_equals_transformers_on_the_same_folder(co
         hf.apply(disable_quantization)
     # W8A8: int32 sums here, float sums of the same int8 codes there
     _assert_conforms(folder, hf, seed=len(pair[1]), rtol=1e-2 if pair[1] == "W8A8" else 1e-4)
+
+
+@pytest.mark.parametrize("pair", [("llama", "W4A16"), ("qwen2", "W8A8")], ids=lambda p: "-".join(p).lower())
+def test_overlap_serve_gives_transformers_tokens_on_a_folder_llm_compressor_wrote(compressed, pair):
+    """The folder as llm-compressor saved it (with a word tokenizer: token i is `t<i>`), served by `overlap serve`
+    over HTTP, the prompt given as token ids: the completion's tokens are transformers' greedy tokens on the same
+    folder."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.sidecar import http, overlap_serve
+
+    folder = compressed[pair]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompts = _prompts(21, count=3)
+    with overlap_serve(folder, "engine.yaml", "max_seq_len: 256\n", "--dtype", "float32") as served:
+        for prompt in prompts:
+            body = {"model": served["model"], "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True, "echo": True}  # fmt: skip
+            status, _, answer = http("POST", served["url"] + "/v1/completions", body, timeout=120)
+            assert status == 200, answer
+            # the prompt's and the completion's text, token i written `t<i>` (joined with or without spaces)
+            ids = [int(i) for i in re.findall(r"t(\d+)", answer["choices"][0]["text"])]
+            assert ids[: len(prompt)] == prompt
+            assert ids[len(prompt) :] == transformers_greedy(hf, prompt, 16)
 
 
 def _dense_reference(folder: Path, weights: dict[str, torch.Tensor]):
@@ -276,7 +284,7 @@ def test_gptq_under_tensor_parallelism_2_equals_one_rank(packed):
     prompts = _prompts(13, count=4)
     runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
     try:
-        one, two = (_greedy(r, prompts, 16) for r in runners)
+        one, two = (greedy_tokens(r, prompts, 16, chunk=256) for r in runners)
     finally:
         for r in runners:
             r.close()
@@ -472,12 +480,12 @@ def test_the_device_paths_run_a_quantized_checkpoint_through_triton(compressed, 
                          cpu_paths=False)  # fmt: skip
     assert "W4A16 Triton kernel" in device.kernels
     try:
-        got = _greedy(device, prompts, 8)
+        got = greedy_tokens(device, prompts, 8, chunk=256)
     finally:
         device.close()
     cpu = _runner(folder)
     try:
-        assert got == _greedy(cpu, prompts, 8)
+        assert got == greedy_tokens(cpu, prompts, 8, chunk=256)
     finally:
         cpu.close()
 

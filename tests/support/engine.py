@@ -10,6 +10,7 @@ serially on the plain token list.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 
 from overlap.engine.batching.block_manager import BlockManager
@@ -18,7 +19,7 @@ from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
 from overlap.engine.execution import StepResult
 from overlap.engine.requests.request import Request
-from overlap.engine.types import ModelInput, RequestTimes, Runner, RunnerOutput, SamplingParams
+from overlap.engine.types import ModelInput, RequestTimes, Runner, RunnerOutput, SamplingParams, ScheduledSeq
 
 VOCAB = 64
 EOS = 1
@@ -191,3 +192,41 @@ def add_and_run(engine: Engine, requests: dict[str, tuple[list[int], SamplingPar
 
 def tokens_of(outputs: list) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
+
+
+# ---- a model runner's greedy tokens ----------------------------------------------------------------------------
+_GREEDY = SamplingParams(temperature=0, max_tokens=64)
+
+
+def scattered_tables(lengths: list[int], block_size: int, num_blocks: int, seed: int = 0) -> list[list[int]]:
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)  # every table a scatter of blocks
+    tables, at = [], 0
+    for length in lengths:
+        need = -(-length // block_size)
+        tables.append(ids[at : at + need])
+        at += need
+    return tables
+
+
+def greedy_tokens(runner, prompts: list[list[int]], n: int, chunk: int) -> list[list[int]]:
+    """Prefill every prompt in chunks of `chunk` tokens, batched, then decode all together: n tokens each."""
+    tables = scattered_tables([len(p) + n for p in prompts], runner.block_size, runner.num_kv_blocks, seed=1)
+    done, outs = [0] * len(prompts), [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+        seqs = []
+        for i, p in enumerate(prompts):
+            if done[i] < len(p):
+                m = min(chunk, len(p) - done[i])
+                seqs.append(ScheduledSeq(f"r{i}", p[done[i] : done[i] + m], done[i], tables[i],
+                                         done[i] + m == len(p), _GREEDY))  # fmt: skip
+                done[i] += m
+        sampled = runner.execute(ModelInput(seqs)).token_ids
+        for seq, token in zip([s for s in seqs if s.do_sample], sampled, strict=True):
+            outs[int(seq.request_id[1:])].append(token)
+    for step in range(1, n):
+        seqs = [ScheduledSeq(f"r{i}", [o[-1]], len(p) + step - 1, tables[i], True, _GREEDY, step)
+                for i, (p, o) in enumerate(zip(prompts, outs, strict=True))]  # fmt: skip
+        for o, token in zip(outs, runner.execute(ModelInput(seqs)).token_ids, strict=True):
+            o.append(token)
+    return outs

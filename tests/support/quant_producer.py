@@ -98,6 +98,18 @@ def calibration(vocab_size: int, samples: int = 8, length: int = 32) -> dict:
     return {"dataset": DataLoader(batches, batch_size=None), "processor": tokenizer}
 
 
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer whose token i is the word `t<i>` (split on whitespace, decoded joined by spaces), so that
+    `overlap serve` can be asked in text for exact token ids and its answer read back as ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(
+        folder)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=FAMILIES, required=True)
@@ -113,6 +125,7 @@ def main() -> None:
     oneshot(model=model, recipe=recipe, **data)
     log(f"saving compressed to {args.out}")
     model.save_pretrained(args.out, save_compressed=True)
+    save_word_tokenizer(args.out, SIZE["vocab_size"])
     config = json.loads((args.out / "config.json").read_text())
     dense.cleanup()
     log(f"wrote format {config['quantization_config']['format']}: {sorted(p.name for p in args.out.iterdir())}")
