@@ -323,13 +323,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         if tuple(sl.get_shape()) != shape:
             raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(sl.get_shape())}, expected {shape}")
         used.add(name)
-        if rows is not None:
-            tensor = torch.cat([sl[a:b] for a, b in rows])
-        elif cols is not None:
-            tensor = torch.cat([sl[:, a:b] for a, b in cols], dim=1)
-        else:
-            tensor = sl[:]
-        return tensor.to(device=device, dtype=dtype)
+        return _select(sl, rows, cols).to(device=device, dtype=dtype)
 
     fmt = spec.quantization
 
@@ -345,11 +339,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         if weight is None:
             return take(module + ".weight", shape, rows, cols)
         if isinstance(weight, torch.Tensor):  # dequantized at load
-            if rows is not None:
-                weight = torch.cat([weight[a:b] for a, b in rows])
-            elif cols is not None:
-                weight = torch.cat([weight[:, a:b] for a, b in cols], dim=1)
-            return weight.to(device=device, dtype=dtype)
+            return _select(weight, rows, cols).to(device=device, dtype=dtype)
         if rows is not None:
             weight = cat_rows([weight[a:b] for a, b in rows], dtype)
         elif cols is not None:
@@ -419,6 +409,15 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         raise ModelLoadError(f"{model_dir}: the checkpoint has tensors {spec.architecture} does not use: {shown}; "
                              "is config.json the one these weights were saved with?")  # fmt: skip
     return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)
+
+
+def _select(tensor, rows: Ranges, cols: Ranges) -> torch.Tensor:
+    """`rows` (or `cols`) of a tensor or a safetensors slice, concatenated; all of it where both are None."""
+    if rows is not None:
+        return torch.cat([tensor[a:b] for a, b in rows])
+    if cols is not None:
+        return torch.cat([tensor[:, a:b] for a, b in cols], dim=1)
+    return tensor[:]
 
 
 def _shift(rows: tuple[int, int], by: int) -> tuple[int, int]:
