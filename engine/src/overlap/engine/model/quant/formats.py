@@ -60,7 +60,6 @@ class QuantFormat:
 
     method: str  # one of QUANTIZATION_METHODS
     name: str
-    config: dict
     ignore: list[str] = field(default_factory=list)  # modules left in float ("lm_head", "re:...")
     read_projection: Callable = None  # (fetch, module, out_features, in_features, where) -> Tensor | QuantizedWeight
     # (module, out_features, in_features) -> (bits, group size, act_bits) of an integer scheme, else None
@@ -255,7 +254,7 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
             described.append(f"{bits} ({group_fmt}, {layout}, {'symmetric' if args.symmetric else 'asymmetric'})")
         else:
             described.append(f"FP8 W8A{8 if acts else 16} ({args.get('strategy')} scales, dequantized at load)")
-    return QuantFormat("compressed-tensors", "compressed-tensors " + ", ".join(dict.fromkeys(described)), qc,
+    return QuantFormat("compressed-tensors", "compressed-tensors " + ", ".join(dict.fromkeys(described)),
                        ignore=list(qc.get("ignore") or []), read_projection=read, int_scheme=int_scheme)  # fmt: skip
 
 
@@ -352,7 +351,7 @@ def _fp8(qc: dict, config_path: Path) -> QuantFormat:
 
     ignore = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
     layout = f"{block[0]}x{block[1]} block scales" if block else "per-tensor scales"
-    return QuantFormat("fp8", f"fp8 ({layout})", qc, ignore=ignore, read_projection=read)
+    return QuantFormat("fp8", f"fp8 ({layout})", ignore=ignore, read_projection=read)
 
 
 # ---- GPTQ and AWQ -----------------------------------------------------------------------------------------------
@@ -403,7 +402,7 @@ def _gptq(qc: dict, config_path: Path) -> QuantFormat:
     order = "act-order" if qc.get("desc_act") else "in order"
     layout = f"group {group_size}" if group_size else "per row"
     symmetry = "symmetric" if qc.get("sym", True) else "asymmetric"
-    return QuantFormat("gptq", f"gptq W{bits}A16 ({layout}, {order}, {symmetry})", qc,
+    return QuantFormat("gptq", f"gptq W{bits}A16 ({layout}, {order}, {symmetry})",
                        ignore=_unconverted(qc), read_projection=read)  # fmt: skip
 
 
@@ -439,5 +438,5 @@ def _awq(qc: dict, config_path: Path) -> QuantFormat:
                                group_size=group, fmt="awq")  # fmt: skip
 
     layout = f"group {group_size}" if group_size else "per row"
-    return QuantFormat("awq", f"awq W4A16 ({layout}, GEMM packing)", qc, ignore=_unconverted(qc),
+    return QuantFormat("awq", f"awq W4A16 ({layout}, GEMM packing)", ignore=_unconverted(qc),
                        read_projection=read)  # fmt: skip
