@@ -6,10 +6,14 @@
   the same folder with the activations' FP8 rounding switched off; W8A8 keeps its int8 activations on both sides.
   W4A16 with zero points, which this transformers / compressed-tensors pair cannot load, is compared with a float
   model holding compressed-tensors' own decompressed weights.
-- GPTQ (in order and act-order, with and without zero points) and AWQ checkpoints packed by tests/support/gptq_awq.py,
-  whose packing is checked first against the formats' reference unpacking (AutoAWQ's `dequantize_gemm`,
-  GPTQModel's `unpack_rows` / `unpack_cols` and its v1 zero-point correction, read from their released sources);
-  then greedy tokens equal transformers on the weights the codes stand for; and under tensor parallelism 2.
+- GPTQ (in order and act-order, with and without zero points) and AWQ checkpoints packed by
+  tests/support/handwritten_checkpoints.py, whose packing is checked first against the formats' reference unpacking
+  (AutoAWQ's `dequantize_gemm`, GPTQModel's `unpack_rows` / `unpack_cols` and its v1 zero-point correction, read from
+  their released sources); then greedy tokens equal transformers on the weights the codes stand for; and under
+  tensor parallelism 2. Block-FP8 (`quant_method: fp8`, 128x128 `weight_scale_inv`) folders written there too equal
+  transformers loading the same folder (which dequantizes them on a CPU).
+- The GPU path's kernels (Triton's W4A16 / W8A16 / FP8, run in its interpreter; FP8 `torch._scaled_mm`, which torch
+  also runs on a CPU) against the dequantized weight.
 - Each bad input is refused with the tensor or field it trips on.
 """
 
@@ -35,7 +39,7 @@ from overlap.engine.model.quant.kernels import Int8DynamicReference, quantized_m
 from overlap.engine.model.quant.weight import QuantizedWeight
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
-from tests.support import gptq_awq, quantized_models
+from tests.support import handwritten_checkpoints, quantized_models
 from tests.support.engine import greedy_tokens
 from tests.support.hf_models import transformers_greedy
 
@@ -216,7 +220,7 @@ def references():
 def test_gptq_packing_equals_gptqmodels_unpacking(references, desc_act, symmetric):
     _, ref = references
     weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(1)) * 0.02
-    tensors, dequantized = gptq_awq.gptq_tensors(weight, 32, desc_act, symmetric)
+    tensors, dequantized = handwritten_checkpoints.gptq_tensors(weight, 32, desc_act, symmetric)
     # GPTQModel's convert_gptq_file: v1 zero points corrected, rows and columns unpacked, scale and zero per g_idx
     zeros = ref["unpack_cols"](ref["_correct_gptq_v1_qzeros"](tensors["qzeros"], 4), 4)
     codes = ref["unpack_rows"](tensors["qweight"], 4)
@@ -233,7 +237,7 @@ def test_gptq_packing_equals_gptqmodels_unpacking(references, desc_act, symmetri
 def test_awq_packing_equals_autoawqs_dequantize_gemm(references):
     ref, _ = references
     weight = torch.randn(96, 256, generator=torch.Generator().manual_seed(2)) * 0.02
-    tensors, dequantized = gptq_awq.awq_tensors(weight, 64)
+    tensors, dequantized = handwritten_checkpoints.awq_tensors(weight, 64)
     theirs = ref["dequantize_gemm"](tensors["qweight"], tensors["qzeros"], tensors["scales"].float(), 4, 64).t()
     torch.testing.assert_close(theirs, dequantized, atol=0, rtol=0)
     qc = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
@@ -269,7 +273,7 @@ def packed(dense_folder, tmp_path_factory):
     out = {}
     for name, args in GPTQ_AWQ.items():
         folder = tmp_path_factory.mktemp(name)
-        out[name] = folder, gptq_awq.write(dense_folder, folder, **args)
+        out[name] = folder, handwritten_checkpoints.write(dense_folder, folder, **args)
     return out
 
 
@@ -279,8 +283,31 @@ def test_gptq_and_awq_checkpoints_equal_transformers_on_their_dequantized_weight
     _assert_conforms(folder, _dense_reference(folder, weights), seed=11, rtol=1e-4)
 
 
-def test_gptq_under_tensor_parallelism_2_equals_one_rank(packed):
-    folder, _ = packed["gptq-g128-sym"]
+@pytest.fixture(scope="module")
+def block_fp8(dense_folder, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fp8-block")
+    handwritten_checkpoints.write(dense_folder, folder, method="fp8", group=128)
+    return folder
+
+
+def test_block_fp8_checkpoint_equals_transformers_on_the_same_folder(block_fp8):
+    """DeepSeek-V3 / Qwen3-FP8's layout: transformers' fine-grained FP8 loader dequantizes it on a CPU, as here."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(block_fp8, dtype=torch.float32).eval()
+    _assert_conforms(block_fp8, hf, seed=12, rtol=1e-4)
+    runner = _runner(block_fp8, dtype="bfloat16")
+    try:
+        assert "fp8 (128x128 block scales) through" in runner.kernels
+        assert "(dequantized at load)" in runner.kernels  # no CPU computes in FP8
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("name", ["gptq-g128-sym", "fp8-block"])
+def test_under_tensor_parallelism_2_equals_one_rank(packed, block_fp8, name):
+    """Codes, scales and zero points (act-order's column order, FP8's block scales) sharded with rows and groups."""
+    folder = block_fp8 if name == "fp8-block" else packed[name][0]
     prompts = _prompts(13, count=4)
     runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
     try:
@@ -469,16 +496,58 @@ def test_the_triton_kernel_equals_the_dequantized_weight_in_the_interpreter(monk
     torch.testing.assert_close(TritonWeightOnly(weight, dtype)(x), want, atol=tolerance, rtol=tolerance)
 
 
-def test_the_device_paths_run_a_quantized_checkpoint_through_triton(compressed, monkeypatch):
-    """The runner's device paths (what CUDA takes), Triton in its interpreter: the W4A16 projections go through the
-    Triton kernel and the greedy tokens equal the CPU paths'."""
+def _fp8_weight(n: int, k: int, group: int, seed: int) -> QuantizedWeight:
+    """Every finite FP8 byte (negative and subnormal ones too) at random, with a scale per row and group."""
+    gen = torch.Generator().manual_seed(seed)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite[torch.randint(0, len(finite), (n, k), generator=gen)]
+    scale = torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3
+    return QuantizedWeight(codes, scale, torch.zeros_like(scale), 8, group, "test fp8", float8=True)
+
+
+@pytest.mark.parametrize(("group", "rows", "dtype"), [(128, 3, torch.float32), (256, 20, torch.float32),
+                                                      (128, 70, torch.bfloat16)])  # fmt: skip
+def test_the_triton_fp8_kernel_decodes_every_byte_as_torch_does(monkeypatch, group, rows, dtype):
+    """FP8 weights with group or 128x128 block scales (a block's scale repeated per row), in the interpreter."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    folder = compressed[("llama", "W4A16")]
+    from overlap.engine.model.quant.triton_kernels import TritonWeightOnly
+
+    weight = _fp8_weight(80, 256, group, seed=8)
+    assert TritonWeightOnly.supports(weight)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(9)).to(dtype)
+    want = (x.float() @ weight.dequantize(torch.float32).t()).to(dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(TritonWeightOnly(weight, dtype)(x), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_scaled_mm_fp8_equals_per_token_fp8_activations_over_the_dequantized_weight(rows):
+    """The FP8 tensor-core path (per-row weight scales); torch runs `_scaled_mm` on a CPU too, slowly."""
+    from overlap.engine.model.quant.kernels import ScaledMmFp8, quantize_fp8_per_token
+
+    weight = _fp8_weight(64, 256, 256, seed=10)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(11)).bfloat16()
+    x_fp8, x_scale = quantize_fp8_per_token(x)
+    assert float(x_fp8.float().abs().max()) == 448.0  # each row's absmax lands on FP8's largest value
+    want = (x_fp8.float() * x_scale) @ weight.dequantize(torch.float32).t()
+    torch.testing.assert_close(ScaledMmFp8(weight, torch.bfloat16)(x).float(), want, atol=2e-2, rtol=1e-2)
+    assert not ScaledMmFp8.supports(weight, torch.bfloat16)  # only on a CUDA card with FP8 (compute capability 8.9+)
+
+
+@pytest.mark.parametrize(("pair", "kernel"), [(("llama", "W4A16"), "W4A16 Triton kernel"),
+                                              (("qwen3", "FP8_DYNAMIC"), "FP8 (16-bit activations) Triton kernel")],
+                         ids=["w4a16", "fp8"])  # fmt: skip
+def test_the_device_paths_run_a_quantized_checkpoint_through_triton(compressed, monkeypatch, pair, kernel):
+    """The runner's device paths (what CUDA takes), Triton in its interpreter: the projections go through the Triton
+    kernel and the greedy tokens equal the CPU paths'."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    folder = compressed[pair]
     prompts = _prompts(17, count=2)
     device = ModelRunner(EngineConfig(num_kv_blocks=64, max_seq_len=256, attention_backend="triton"), folder,
                          cpu_paths=False)  # fmt: skip
-    assert "W4A16 Triton kernel" in device.kernels
+    assert kernel in device.kernels
     try:
         got = greedy_tokens(device, prompts, 8, chunk=256)
     finally:
@@ -507,3 +576,21 @@ def test_random_weights_of_a_quantized_shape_are_codes_of_its_scheme(tmp_path):
         assert runner.weight_bytes < 2 * per_layer * 0.6 + 2 * (config["vocab_size"] * h + h)
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-block"])
+def test_a_shape_written_in_an_fp8_scheme_reads_back_as_the_random_weights_lay_it_out(tmp_path, scheme):
+    """`overlap model build-shape --quantization fp8|fp8-block` writes what the loader reads as FP8 weights, and the
+    benchmarks' random weights of the same config have the same layout (a scale per row and group of 128 columns)."""
+    from overlap.engine.model import loader, shapes
+
+    config = shapes.shape_config("qwen2.5-0.5b", scheme) | {"num_hidden_layers": 1, "vocab_size": 1024}
+    shapes._write_weights(tmp_path, config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = loader.read_spec(tmp_path)
+    read = loader.load_weights(spec, tmp_path, torch.bfloat16, torch.device("cpu")).layers[0].gate_up
+    made = loader.random_weights(spec, torch.bfloat16, torch.device("cpu")).layers[0].gate_up
+    for weight in (read, made):
+        assert weight.float8 and weight.shape == (2 * config["intermediate_size"], config["hidden_size"])
+        assert weight.group_size == (128 if scheme == "fp8-block" else config["hidden_size"])
+    assert 0.015 < float(read.dequantize(torch.float32).std()) < 0.025  # the spread of Normal(0, 0.02)

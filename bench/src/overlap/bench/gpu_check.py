@@ -107,7 +107,7 @@ class Check:
 
     def model_dir(self, name: str, quantization: str | None = None) -> Path:
         """A folder with only config.json: the runner makes the weights on the device (random_weights); with
-        `quantization` (w4a16), its projections are random codes of llm-compressor's scheme of that name."""
+        `quantization` (a name of shapes.QUANT_SCHEMES), its projections are random codes in that scheme's layout."""
         from transformers import LlamaConfig
 
         folder = self.tmp / "-".join(filter(None, (name, quantization)))
@@ -423,36 +423,46 @@ def case_tensor_parallel(check: Check) -> None:
                tokens_per_s_1=rates[1], tokens_per_s_2=rates[2])  # fmt: skip
 
 
+QUANTIZED_SCHEMES = ("w4a16", "fp8", "fp8-block")
+
+
 def case_quantized(check: Check) -> None:
-    """W4A16 (llm-compressor's scheme, random codes) at the largest shape through the Triton kernel that dequantizes
-    inside the matmul: decode steps against the streaming floor of the 4-bit bytes, and the last logits of 4 prompts
-    against the same codes dequantized at load (OVERLAP_QUANTIZED_KERNELS=0) through the bf16 path."""
+    """Each quantized scheme (random codes in its producer's layout) at the largest shape: W4A16 and block-FP8
+    through the Triton kernel that dequantizes inside the matmul, FP8 with a scale per row through
+    `torch._scaled_mm` (per-token FP8 activations) where the card has FP8. Decode steps against the streaming floor of
+    the stored bytes, and the last logits of 4 prompts against the same codes dequantized at load
+    (OVERLAP_QUANTIZED_KERNELS=0) through the bf16 path."""
+    for scheme in QUANTIZED_SCHEMES:
+        _quantized_scheme(check, scheme)
+
+
+def _quantized_scheme(check: Check, scheme: str) -> None:
     from overlap.bench.overlap_load import measure_overlap
     from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
     name = list(check.shapes)[-1]  # the largest shape
     warmup, batches = 3, ((1, 4) if check.dry else (1, 16, 64))
     max_tokens = 2 * (warmup + check.steps) + 2
-    runner, load_s = _runner(check, name, check.prompt_len + max_tokens, max(batches), quantization="w4a16")
-    _progress(f"quantized {name}: runner ready in {load_s:.1f} s ({runner.kernels})")
+    runner, load_s = _runner(check, name, check.prompt_len + max_tokens, max(batches), quantization=scheme)
+    _progress(f"quantized {name} {scheme}: runner ready in {load_s:.1f} s ({runner.kernels})")
     for batch in batches:
         result = measure_overlap(runner, 2, batch=batch, steps=check.steps, host_ms=0.0, warmup_steps=warmup,
                                  prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
         step_s = batch / result.tokens_per_s if result.tokens_per_s else float("inf")
         context = check.prompt_len + warmup + check.steps / 2
         floor_s = decode_floor_bytes(runner, batch, context) / check.bandwidth if check.bandwidth else None
-        check.emit("quantized", model=name, quantization="w4a16", batch=batch, step_ms=1000 * step_s,
+        check.emit("quantized", model=name, quantization=scheme, batch=batch, step_ms=1000 * step_s,
                    floor_ms=None if floor_s is None else 1000 * floor_s,
                    step_over_floor=None if floor_s is None else step_s / floor_s, weight_bytes=runner.weight_bytes,
                    kernels=runner.kernels)  # fmt: skip
-        _progress(f"quantized {name} batch {batch}: {1000 * step_s:.2f} ms a step")
+        _progress(f"quantized {name} {scheme} batch {batch}: {1000 * step_s:.2f} ms a step")
     runner.close()
 
     def last_logits(kernels: str):
         previous = os.environ.get("OVERLAP_QUANTIZED_KERNELS")
         os.environ["OVERLAP_QUANTIZED_KERNELS"] = kernels
         try:
-            r, _ = _runner(check, name, 256, 4, graphs=False, quantization="w4a16")
+            r, _ = _runner(check, name, 256, 4, graphs=False, quantization=scheme)
         finally:
             os.environ.pop("OVERLAP_QUANTIZED_KERNELS") if previous is None else os.environ.update(
                 OVERLAP_QUANTIZED_KERNELS=previous)  # fmt: skip
@@ -466,10 +476,11 @@ def case_quantized(check: Check) -> None:
     # Random weights give near-flat logits, where greedy tokens say little: the logits themselves are compared.
     kernel, reference = last_logits("1"), last_logits("0")
     diff = float((kernel - reference).abs().max())
-    check.emit("quantized_logits", model=name, quantization="w4a16", max_abs_diff=diff,
+    check.emit("quantized_logits", model=name, quantization=scheme, max_abs_diff=diff,
                reference_std=float(reference.std()), top1_equal=int((kernel.argmax(-1) == reference.argmax(-1)).sum()),
                prompts=kernel.shape[0])  # fmt: skip
-    _progress(f"quantized {name}: logits within {diff:.4f} of the dequantized reference's (std {reference.std():.4f})")
+    _progress(f"quantized {name} {scheme}: logits within {diff:.4f} of the dequantized reference's "
+              f"(std {reference.std():.4f})")  # fmt: skip
 
 
 def format_table(rows: list[dict]) -> str:
@@ -513,11 +524,10 @@ def format_table(rows: list[dict]) -> str:
             floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms floor ({r['step_over_floor']:.2f}x)"
             lines.append(f"quantized {r['model']} {r['quantization']} batch {r['batch']}: {r['step_ms']:.2f} ms a "
                          f"step, {floor}, {r['weight_bytes'] / 1e9:.2f} GB of weights")  # fmt: skip
-        elif r["case"] == "quantized_tokens":
-            lines.append(
-                f"quantized {r['model']} {r['quantization']}: {r['equal']} of {r['tokens']} greedy tokens "
-                f"equal the dequantized reference's (first divergence per prompt: {r['first_divergence']})"
-            )
+        elif r["case"] == "quantized_logits":
+            lines.append(f"quantized {r['model']} {r['quantization']}: last logits within {r['max_abs_diff']:.4f} of "
+                         f"the dequantized reference's (std {r['reference_std']:.4f}), top token equal in "
+                         f"{r['top1_equal']} of {r['prompts']} prompts")  # fmt: skip
         elif r["case"] == "error":
             lines.append(f"{r['failed']} FAILED: {r['error']}")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from overlap.engine.model.shapes import SHAPES
+from overlap.engine.model.shapes import QUANT_SCHEMES, SHAPES
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,9 +14,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help="model folder (default: the tiny default model)")
     model.add_argument("--model-shape", choices=list(SHAPES), help="a real family's shape with random weights, built "
                        "once into the cache (overlap model build-shape)")  # fmt: skip
-    parser.add_argument("--quantization", choices=("w4a16", "w8a8"),
-                        help="with --model-shape: the shape's projections in llm-compressor's scheme of that name "
-                        "(compressed-tensors, random codes)")  # fmt: skip
+    parser.add_argument("--quantization", choices=list(QUANT_SCHEMES),
+                        help="with --model-shape: the shape's projections in that scheme, as its producer writes it "
+                        "(random codes; see `overlap model build-shape --help`)")  # fmt: skip
 
 
 def model_folder(args: argparse.Namespace, progress: Callable[[str], None]) -> str | None:

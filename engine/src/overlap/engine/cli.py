@@ -19,9 +19,10 @@ def register(subparsers) -> None:
         help="build a random-weight model of a real family's shape (config, vocabulary; no download) into the cache",
     )
     shape.add_argument("name", help="the shape: " + ", ".join(_shape_names()))
-    shape.add_argument("--quantization", choices=("w4a16", "w8a8"),
-                       help="write the decoder's projections as llm-compressor's scheme of that name "
-                       "(compressed-tensors; random codes)")  # fmt: skip
+    shape.add_argument("--quantization", choices=_quant_schemes(),
+                       help="write the decoder's projections in that scheme, as its producer writes it (random "
+                       "codes): w4a16, w8a8 and fp8 as llm-compressor's compressed-tensors schemes, fp8-block as the "
+                       "DeepSeek-V3 / Qwen3 FP8 releases (128x128 block scales)")  # fmt: skip
     shape.set_defaults(func=_build_shape)
     fetch = model_sub.add_parser(
         "fetch",
@@ -69,6 +70,12 @@ def _shape_names() -> list[str]:
     from overlap.engine.model.shapes import SHAPES
 
     return list(SHAPES)
+
+
+def _quant_schemes() -> list[str]:
+    from overlap.engine.model.shapes import QUANT_SCHEMES
+
+    return list(QUANT_SCHEMES)
 
 
 def _build_shape(args: argparse.Namespace) -> int:

@@ -437,7 +437,7 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
     """Random weights of the spec's shape, made on the device (no checkpoint, no host copy): for benchmarks of model
     shapes nobody needs the outputs of. Normal(0, 0.02) matrices and unit norms, as transformers initialises; no
     biases, whatever config.json says (the bias add is noise next to the matmuls a benchmark measures). Where the
-    spec's quantization is an integer scheme, the decoder's projections are random codes of that scheme."""
+    spec's format quantizes them, the decoder's projections are random codes (or FP8 values) in its layout."""
     gen = torch.Generator(device=device).manual_seed(seed)
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
@@ -447,10 +447,10 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
         return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
 
     def projection(module: str, n: int, k: int) -> Projection:
-        scheme = None if quant is None or quant.int_scheme is None else quant.int_scheme(module, n, k)
+        scheme = None if quant is None or quant.weight_scheme is None else quant.weight_scheme(module, n, k)
         if scheme is None:
             return normal(n, k)
-        return random_quantized(n, k, *scheme, quant.name, device, gen, dtype)
+        return random_quantized(n, k, scheme, quant.name, device, gen, dtype)
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)

@@ -6,9 +6,11 @@ is the tiny model's, padded with placeholder tokens up to the real vocabulary so
 decodes, and the embedding and the LM head cost what they cost. Nothing is downloaded. The folder is a complete
 Hugging Face checkpoint: `overlap serve`, transformers and vLLM load it alike. Built once into the cache and reused.
 
-With a quantization scheme (`QUANT_SCHEMES`: w4a16, w8a8), every decoder projection is written as llm-compressor
-writes that scheme in compressed-tensors' format (random codes, scales that give the same spread of weights); the
-embedding, the norms and the LM head stay bf16, as llm-compressor leaves them (`ignore: [lm_head]`).
+With a quantization scheme (`QUANT_SCHEMES`), every decoder projection is written as its producer writes it (random
+codes, scales that give the same spread of weights): w4a16, w8a8 and fp8 (FP8_DYNAMIC: one scale per row, per-token
+FP8 activations) as llm-compressor writes them in compressed-tensors' format; fp8-block as the DeepSeek-V3 and Qwen3
+FP8 releases ship theirs (`quant_method: fp8`, a scale per 128x128 block). The embedding, the norms and the LM head
+stay bf16, as those producers leave them.
 """
 
 from __future__ import annotations
@@ -72,7 +74,33 @@ _W8A8 = {
     "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
     "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
 }
-QUANT_SCHEMES = {"w4a16": _W4A16, "w8a8": _W8A8}
+_FP8_DYNAMIC = {
+    "format": "float-quantized",
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+    "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True},
+}
+
+
+def _compressed_tensors(group: dict) -> dict:
+    return {"quant_method": "compressed-tensors", "format": group["format"], "config_groups": {"group_0": group},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "quantization_status": "compressed",
+            "sparsity_config": {}, "version": "0.19.0"}  # fmt: skip
+
+
+FP8_BLOCK = 128
+# name -> the quantization_config its producer writes
+QUANT_SCHEMES = {
+    "w4a16": _compressed_tensors(_W4A16),
+    "w8a8": _compressed_tensors(_W8A8),
+    "fp8": _compressed_tensors(_FP8_DYNAMIC),
+    "fp8-block": {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    },
+}
 
 
 def shape_config(name: str, quantization: str | None = None) -> dict:
@@ -86,11 +114,7 @@ def shape_config(name: str, quantization: str | None = None) -> dict:
         if quantization not in QUANT_SCHEMES:
             raise ConfigError(f"unknown quantization {quantization!r} for a shape; choose from "
                               f"{', '.join(QUANT_SCHEMES)}")  # fmt: skip
-        group = QUANT_SCHEMES[quantization]
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": group["format"], "config_groups": {"group_0": group},
-            "ignore": ["lm_head"], "kv_cache_scheme": None, "quantization_status": "compressed",
-            "sparsity_config": {}, "version": "0.19.0"}  # fmt: skip
+        config["quantization_config"] = QUANT_SCHEMES[quantization]
     return config
 
 
@@ -165,27 +189,34 @@ def _write_weights(folder: Path, config: dict) -> None:
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(_SEED)
-    groups = (config.get("quantization_config") or {}).get("config_groups")
+    quantization = config.get("quantization_config") or {}
     tensors = {}
     for name, shape in _tensor_shapes(config).items():
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
         elif name.endswith(".bias"):
             tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
-        elif groups and name.startswith("model.layers."):
+        elif quantization and name.startswith("model.layers."):
             module = name.removesuffix(".weight")
-            tensors |= {f"{module}.{k}": v for k, v in _quantized(shape, groups["group_0"], generator).items()}
+            tensors |= {f"{module}.{k}": v for k, v in _quantized(shape, quantization, generator).items()}
         else:
             tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def _quantized(shape: tuple[int, int], group: dict, generator) -> dict:
-    """Random codes of one projection in compressed-tensors' layout for `group`'s scheme, scaled so that the weights
-    spread as Normal(0, 0.02) does."""
+def _quantized(shape: tuple[int, int], quantization: dict, generator) -> dict:
+    """Random codes of one projection in the layout `quantization` names, scaled so that the weights spread as
+    Normal(0, 0.02) does."""
     import torch
 
     n, k = shape
+    if quantization["quant_method"] == "fp8":  # Normal(0, 1) in FP8, 0.02 each block's scale
+        values = torch.empty(shape).normal_(0.0, 1.0, generator=generator).to(torch.float8_e4m3fn)
+        return {"weight": values, "weight_scale_inv": torch.full((-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), 0.02)}
+    group = quantization["config_groups"]["group_0"]
+    if group["format"] == "float-quantized":
+        values = torch.empty(shape).normal_(0.0, 1.0, generator=generator).to(torch.float8_e4m3fn)
+        return {"weight": values, "weight_scale": torch.full((n, 1), 0.02, dtype=torch.bfloat16)}
     bits = group["weights"]["num_bits"]
     codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), shape, generator=generator, dtype=torch.int32)
     spread = 0.02 / float(codes.float().std())

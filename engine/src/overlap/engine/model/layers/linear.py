@@ -185,7 +185,7 @@ class Linear:
     kernel where it has one for this weight. A quantized W runs through the method picked for it on this machine
     (`quantized_method`), or is dequantized here once where none fits."""
 
-    __slots__ = ("backend", "bias", "quant", "rows", "rows_max", "weight")
+    __slots__ = ("backend", "bias", "dequantized", "quant", "rows", "rows_max", "weight")
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
                  backend: LinearBackend) -> None:  # fmt: skip
@@ -193,10 +193,11 @@ class Linear:
         self.bias = bias
         self.rows, self.rows_max = None, 0  # (kernel, address, n, k) for x of at most rows_max rows
         self.quant: QuantMethod | None = None
-        if isinstance(weight, QuantizedWeight):
+        self.dequantized = isinstance(weight, QuantizedWeight)
+        if self.dequantized:
             self.quant = quantized_method(weight, weight.dtype, backend.quantized_kernels, backend.quantized_triton)
             if self.quant is not None:
-                self.weight = None
+                self.weight, self.dequantized = None, False
                 return
             weight = weight.dequantize(weight.dtype)
         self.weight = backend.pack(weight)
@@ -209,7 +210,9 @@ class Linear:
     @property
     def kernel(self) -> str:
         """What computes this projection, for the engine's info."""
-        return self.backend.name if self.quant is None else self.quant.name
+        if self.quant is not None:
+            return self.quant.name
+        return f"{self.backend.name} (dequantized at load)" if self.dequantized else self.backend.name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:

@@ -3,9 +3,9 @@
 - compressed-tensors (llm-compressor): `pack-quantized` W4A16 / W8A16 (`weight_packed`, `weight_scale`,
   `weight_zero_point` when asymmetric, `weight_g_idx` for act-order) and `int-quantized` W8A8 INT8 (`weight` int8,
   dynamic per-token activations) as `QuantizedWeight`; `float-quantized` FP8 (`weight` float8_e4m3fn,
-  `weight_scale`) dequantized at load.
-- `fp8` with `weight_block_size` (DeepSeek-V3, the Qwen3 FP8 releases: `weight_scale_inv` per 128x128 block):
-  dequantized at load.
+  `weight_scale` per tensor, row, group or block) as a `QuantizedWeight` of FP8 codes.
+- `fp8` with `weight_block_size` (DeepSeek-V3, the Qwen3 FP8 releases: `weight_scale_inv` per 128x128 block) or
+  one scale per tensor: the same FP8 `QuantizedWeight`.
 - GPTQ (`qweight`, `qzeros`, `scales`, `g_idx`; checkpoint_format gptq stores zero points minus one, gptq_v2 not)
   and AWQ's GEMM packing (`qweight` [in, out / 8] in AWQ's column order) as `QuantizedWeight`.
 
@@ -24,7 +24,7 @@ import torch
 
 from overlap.engine.config import QUANTIZATION_METHODS
 from overlap.engine.errors import ModelLoadError
-from overlap.engine.model.quant.weight import QuantizedWeight
+from overlap.engine.model.quant.weight import QuantizedWeight, WeightScheme
 
 REFUSED_METHODS = {
     "bitsandbytes": "bitsandbytes (NF4 / LLM.int8) weights",
@@ -62,8 +62,9 @@ class QuantFormat:
     name: str
     ignore: list[str] = field(default_factory=list)  # modules left in float ("lm_head", "re:...")
     read_projection: Callable = None  # (fetch, module, out_features, in_features, where) -> Tensor | QuantizedWeight
-    # (module, out_features, in_features) -> (bits, group size, act_bits) of an integer scheme, else None
-    int_scheme: Callable = None
+    # (module, out_features, in_features) -> the WeightScheme a quantized module is stored in, else None (for random
+    # weights of this format's layout)
+    weight_scheme: Callable = None
 
     def quantizes(self, module: str) -> bool:
         return not any(_matches(pattern, module) for pattern in self.ignore)
@@ -154,18 +155,22 @@ def _act_order(codes, scale, g_idx, group, name: str, where: Path):
     return codes.index_select(1, perm), perm
 
 
-def _dequantize_float(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """A float8 weight times its scale: per tensor, per row ([N, 1]), per group ([N, K/G]) or per block."""
-    w = weight.float()
+def _float8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, fmt: str):
+    """A float8 weight and its scale (per tensor, per row [N, 1], per group [N, K/G], or per block) as FP8 codes
+    with a scale per row and group of columns: a block's scale repeated over its rows. Blocks that do not tile the
+    inputs (the last one cut short) have no such form: that weight is dequantized here."""
+    n, k = weight.shape
     s = scale.float()
-    n, k = w.shape
     if block is not None:
-        s = s.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
-    elif s.dim() == 2 and s.shape[1] not in (1, k):
-        s = s.repeat_interleave(k // s.shape[1], 1)
-    elif s.dim() == 1 and s.numel() == n:
-        s = s[:, None]
-    return w * s
+        s = s.repeat_interleave(block[0], 0)[:n]
+        if k % block[1]:
+            return weight.float() * s.repeat_interleave(block[1], 1)[:, :k]
+    elif s.numel() == 1:
+        s = s.reshape(1, 1).expand(n, 1)
+    s = s.reshape(n, -1).contiguous()
+    codes = weight.contiguous().view(torch.uint8)
+    return QuantizedWeight(codes=codes, scale=s, zero=torch.zeros_like(s), bits=8, group_size=k // s.shape[1],
+                           fmt=fmt, float8=True)  # fmt: skip
 
 
 # ---- compressed-tensors (llm-compressor) ----------------------------------------------------------------------
@@ -239,12 +244,15 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
             return _ct_float(fetch, module, out_f, in_f, args, where)
         return _ct_int(fetch, module, out_f, in_f, args, group_fmt, where)
 
-    def int_scheme(module: str, out_f: int, in_f: int):
+    def weight_scheme(module: str, out_f: int, in_f: int) -> WeightScheme | None:
         found = scheme_of(module)
-        if found is None or not isinstance(found[1], IntArgs):
+        if found is None:
             return None
         args = found[1]
-        return args.bits, args.group_size or in_f, args.act_bits
+        if isinstance(args, IntArgs):
+            return WeightScheme(args.bits, args.group_size or in_f, args.act_bits)
+        columns = {"group": args.get("group_size"), "block": (args.get("block_structure") or (128, 128))[1]}
+        return WeightScheme(8, int(columns.get(args.get("strategy")) or in_f), float8=True)
 
     described = []
     for _, group_fmt, args, acts in schemes:
@@ -253,9 +261,10 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
             layout = f"group {args.group_size}" if args.group_size else "per row"
             described.append(f"{bits} ({group_fmt}, {layout}, {'symmetric' if args.symmetric else 'asymmetric'})")
         else:
-            described.append(f"FP8 W8A{8 if acts else 16} ({args.get('strategy')} scales, dequantized at load)")
+            described.append(f"FP8 W8A{8 if acts else 16} ({args.get('strategy')} scales)")
     return QuantFormat("compressed-tensors", "compressed-tensors " + ", ".join(dict.fromkeys(described)),
-                       ignore=list(qc.get("ignore") or []), read_projection=read, int_scheme=int_scheme)  # fmt: skip
+                       ignore=list(qc.get("ignore") or []), read_projection=read,
+                       weight_scheme=weight_scheme)  # fmt: skip
 
 
 def _ct_int(fetch: Fetch, module: str, out_f: int, in_f: int, args: IntArgs, group_fmt: str, where: Path):
@@ -304,7 +313,7 @@ def _ct_int(fetch: Fetch, module: str, out_f: int, in_f: int, args: IntArgs, gro
                            act_bits=args.act_bits)  # fmt: skip
 
 
-def _ct_float(fetch: Fetch, module: str, out_f: int, in_f: int, weights: dict, where: Path) -> torch.Tensor:
+def _ct_float(fetch: Fetch, module: str, out_f: int, in_f: int, weights: dict, where: Path):
     weight = _need(fetch, f"{module}.weight", where)
     _check_dtype(weight, (torch.float8_e4m3fn,), f"{module}.weight", where)
     _check_shape(weight, (out_f, in_f), f"{module}.weight", where)
@@ -321,8 +330,8 @@ def _ct_float(fetch: Fetch, module: str, out_f: int, in_f: int, weights: dict, w
         _check_shape(scale, (out_f, in_f // group), f"{module}.weight_scale", where)
     else:
         _check_shape(scale.reshape(-1), (1,), f"{module}.weight_scale", where)
-    fetch(f"{module}.input_scale")  # a static activation scale: the dequantized weights compute in 16 bits
-    return _dequantize_float(weight, scale, block)
+    fetch(f"{module}.input_scale")  # a static activation scale: the kernels quantize activations per token, if at all
+    return _float8(weight, scale, block, "compressed-tensors FP8")
 
 
 # ---- fp8 with block scales (DeepSeek-V3, Qwen3 FP8) -------------------------------------------------------------
@@ -334,7 +343,7 @@ def _fp8(qc: dict, config_path: Path) -> QuantFormat:
     if fmt not in ("e4m3", "float8_e4m3fn"):
         raise ModelLoadError(f"{config_path}: fp8 format {fmt!r} is not supported (e4m3)")
 
-    def read(fetch: Fetch, module: str, out_f: int, in_f: int, where: Path) -> torch.Tensor:
+    def read(fetch: Fetch, module: str, out_f: int, in_f: int, where: Path):
         weight = _need(fetch, f"{module}.weight", where)
         _check_dtype(weight, (torch.float8_e4m3fn,), f"{module}.weight", where)
         _check_shape(weight, (out_f, in_f), f"{module}.weight", where)
@@ -347,11 +356,15 @@ def _fp8(qc: dict, config_path: Path) -> QuantFormat:
                 scale = _need(fetch, f"{module}.weight_scale", where)
             _check_shape(scale.reshape(-1), (1,), f"{module}.weight_scale", where)
         fetch(f"{module}.input_scale")
-        return _dequantize_float(weight, scale, None if block is None else tuple(block))
+        return _float8(weight, scale, None if block is None else tuple(block), "fp8")
 
-    ignore = list(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or [])
+    def weight_scheme(module: str, out_f: int, in_f: int) -> WeightScheme:
+        return WeightScheme(8, block[1] if block else in_f, float8=True)
+
+    # transformers (and the releases it loads) keep the LM head in 16 bits beside the listed modules
+    ignore = [*(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []), "lm_head"]
     layout = f"{block[0]}x{block[1]} block scales" if block else "per-tensor scales"
-    return QuantFormat("fp8", f"fp8 ({layout})", ignore=ignore, read_projection=read)
+    return QuantFormat("fp8", f"fp8 ({layout})", ignore=ignore, read_projection=read, weight_scheme=weight_scheme)
 
 
 # ---- GPTQ and AWQ -----------------------------------------------------------------------------------------------

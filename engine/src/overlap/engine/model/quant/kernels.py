@@ -11,8 +11,13 @@ On CPU (the runner's CPU paths), by what the weight is:
   oneDNN's u8 x s8 matmul on the prepacked weight (VNNI, AMX-INT8 where the CPU has it) for larger ones;
 - anything else: dequantized at load into a float weight that the float backend runs.
 
-On the device paths with Triton (CUDA): W4A16 and W8A16 through a Triton kernel that dequantizes inside the matmul
-(`triton_kernels.py`); W8A8 and FP8 dequantized at load there for now.
+FP8 weights on CPU are dequantized at load (no CPU has FP8 arithmetic; torch's CPU `_scaled_mm` is a slow reference),
+which the engine's info says ("... (dequantized at load)").
+
+On the device paths with Triton (CUDA): FP8 with one scale per row through `torch._scaled_mm` where the card has FP8
+tensor cores (compute capability 8.9+), the activations quantized to FP8 per token; W4A16, W8A16 and FP8 with group or
+block scales (or on older cards) through a Triton kernel that dequantizes inside the matmul (`triton_kernels.py`);
+W8A8 INT8 keeps its per-token rounding over the dequantized weight (`Int8DynamicReference`).
 
 Each method is checked once against the dequantized reference on a small weight of its kind; a method that errs or
 differs is not used (the weight is dequantized instead), as `pick_linear_backend` does for oneDNN.
@@ -113,6 +118,38 @@ class NativeW8A8(QuantMethod):
         return (torch._int_mm(x_q, self.weight.t()) * x_scale * self.scale).to(x.dtype)
 
 
+class ScaledMmFp8(QuantMethod):
+    """FP8 weights with one scale per row through `torch._scaled_mm` (FP8 tensor cores): x quantized to FP8 per token
+    (scale = absmax / 448, dynamic, as compressed-tensors' FP8_DYNAMIC scheme and vLLM compute it), the weight's
+    bytes used as they are, both scales applied to the fp32 sums."""
+
+    name = "FP8 torch._scaled_mm (per-token FP8 activations)"
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.weight_t = weight.codes.view(torch.float8_e4m3fn).t()  # [K, N], column-major as _scaled_mm wants
+        self.scale = weight.scale[:, 0].float().reshape(1, -1).contiguous()
+        self.nbytes = weight.codes.numel() + 4 * self.scale.numel()
+
+    @staticmethod
+    def supports(weight: QuantizedWeight, dtype: torch.dtype) -> bool:
+        n, k = weight.shape
+        on_fp8_card = weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) >= (8, 9)
+        return on_fp8_card and weight.float8 and weight.per_row and dtype == torch.bfloat16 and n % 16 == k % 16 == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp8, x_scale = quantize_fp8_per_token(x)
+        return torch._scaled_mm(x_fp8, self.weight_t, scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
+
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as float8_e4m3fn and an fp32 scale per row [M, 1]."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def _onednn_int8(weight: torch.Tensor):
     """The int8 weight prepacked for oneDNN's u8 x s8 matmul, or None where this torch build lacks it."""
     try:
@@ -193,6 +230,8 @@ class Int8DynamicReference(QuantMethod):
 def _candidates(weight: QuantizedWeight) -> list[type[QuantMethod]]:
     n, k = weight.shape
     native_kernel = native.quant_linear_kernel() is not None
+    if weight.float8:
+        return []
     if weight.act_bits == 8:
         if weight.bits == 8 and weight.per_row and weight.symmetric:
             return [*([NativeW8A8] if native_kernel else []), Int8Dynamic, Int8DynamicReference]
@@ -247,6 +286,8 @@ def quantized_method(weight: QuantizedWeight, dtype: torch.dtype, cpu_paths: boo
     if triton and not cpu_paths:
         from overlap.engine.model.quant.triton_kernels import TritonWeightOnly
 
+        if ScaledMmFp8.supports(weight, dtype):
+            return ScaledMmFp8(weight, dtype)
         if TritonWeightOnly.supports(weight):
             return TritonWeightOnly(weight, dtype)
     if cpu_paths and weight.device.type == "cpu":

@@ -1,7 +1,9 @@
-"""Quantized projections on the GPU path, as Triton kernels that dequantize inside the matmul: W4A16 and W8A16 codes
-are read packed (8 or 4 a 32-bit word along the inputs) with their group's scale and zero point, widened to the
+"""Quantized projections on the GPU path, as Triton kernels that dequantize inside the matmul: W4A16, W8A16 and FP8
+codes are read packed (8 or 4 a 32-bit word along the inputs) with their group's scale and zero point, widened to the
 activations' dtype in registers, and fed to `tl.dot`; nothing dequantized ever goes back to memory. One kernel serves
-decode (a few rows: the weight's bytes bound it) and prefill (many rows: the dot).
+decode (a few rows: the weight's bytes bound it) and prefill (many rows: the dot). FP8 codes are decoded by their
+bits (sign, 4-bit exponent, 3-bit mantissa), which any GPU and the interpreter compute alike; a 128x128 block's scale
+arrives repeated per row (`QuantizedWeight`), read once per row and group like an integer group's.
 
 Tests run it on the CPU in Triton's interpreter against the dequantized weight (tests/engine/test_quantized.py); the
 GPU check (bench/gpu/check.sh, case `quantized`) runs it at the 8B shape against its streaming floor.
@@ -25,9 +27,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _wint_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, rows, n, k, x_stride, groups,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):  # fmt: skip
+                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
     """out[rows, n] = x[rows, k] @ W^T, W[n, kk] = (code - zero[n, kk // GROUP]) * scale[n, kk // GROUP], the codes
-    of row n packed 32 // BITS a word, the first in the low bits. BLOCK_K divides GROUP."""
+    of row n packed 32 // BITS a word, the first in the low bits; with FP8, code is the float8_e4m3fn value of the
+    byte. BLOCK_K divides GROUP."""
     per_word: tl.constexpr = 32 // BITS
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -43,7 +46,14 @@ def _wint_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, rows, n, k, x_strid
         group = k0 // GROUP
         scale = tl.load(scale_ptr + cols * groups + group, mask=cols < n, other=0.0)
         zero = tl.load(zero_ptr + cols * groups + group, mask=cols < n, other=0.0)
-        w = (codes.to(tl.float32) - zero[:, None]) * scale[:, None]
+        if FP8:  # e4m3: 1.mmm * 2**(e - 7), or 0.mmm * 2**-6 where e = 0
+            exponent, mantissa = (codes >> 3) & 15, (codes & 7).to(tl.float32)
+            magnitude = tl.where(exponent == 0, mantissa * 0.001953125,
+                                 (mantissa + 8.0) * tl.exp2(exponent.to(tl.float32) - 10.0))  # fmt: skip
+            values = tl.where((codes >> 7) != 0, -magnitude, magnitude)
+        else:
+            values = codes.to(tl.float32)
+        w = (values - zero[:, None]) * scale[:, None]
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w))
         else:
@@ -53,8 +63,8 @@ def _wint_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, rows, n, k, x_strid
 
 
 class TritonWeightOnly:
-    """W4A16 / W8A16 on the GPU path (`quantized_method` picks it where Triton runs): the codes packed into int32
-    words at load, a scale and a zero point per group in fp32."""
+    """W4A16 / W8A16 / FP8 weights with 16-bit activations on the GPU path (`quantized_method` picks it where Triton
+    runs): the codes packed into int32 words at load, a scale and a zero point per group in fp32."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         n, k = weight.shape
@@ -65,7 +75,9 @@ class TritonWeightOnly:
         self.scale, self.zero = weight.scale.float().contiguous(), weight.zero.float().contiguous()
         self.bits, self.group, self.perm, self.n, self.k = weight.bits, weight.group_size, weight.perm, n, k
         self.block_k = next(b for b in (64, 32, 16) if self.group % b == 0)
-        self.name = f"W{weight.bits}A16 Triton kernel (dequantized inside the matmul)"
+        self.float8 = weight.float8
+        kind = "FP8 (16-bit activations)" if self.float8 else f"W{weight.bits}A16"
+        self.name = f"{kind} Triton kernel (dequantized inside the matmul)"
         self.nbytes = self.words.numel() * 4 + 4 * (self.scale.numel() + self.zero.numel())
 
     @staticmethod
@@ -83,5 +95,6 @@ class TritonWeightOnly:
         grid = (triton.cdiv(rows, block_m), triton.cdiv(self.n, 64))
         _wint_kernel[grid](x, self.words, self.scale, self.zero, out, rows, self.n, self.k, x.stride(0),
                            self.k // self.group, BITS=self.bits, GROUP=self.group, BLOCK_M=block_m, BLOCK_N=64,
-                           BLOCK_K=self.block_k, DOT_FP32=x.dtype == torch.float32 or INTERPRETED)  # fmt: skip
+                           BLOCK_K=self.block_k, DOT_FP32=x.dtype == torch.float32 or INTERPRETED,
+                           FP8=self.float8)  # fmt: skip
         return out

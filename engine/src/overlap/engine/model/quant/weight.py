@@ -2,7 +2,9 @@
 
 A weight W [N, K] (N outputs, K inputs) is stored as unsigned codes with a scale and a zero point per group of
 `group_size` consecutive input columns: W[n, k] = (codes[n, k] - zero[n, k // G]) * scale[n, k // G]. Symmetric
-formats have zero = 2**(bits - 1); a format with one scale per output row has G = K. GPTQ's act-order (`g_idx`)
+formats have zero = 2**(bits - 1); a format with one scale per output row has G = K. FP8 weights (`float8`) keep
+their float8_e4m3fn bytes as the codes, read as the float they encode, with zero 0: W = fp8(codes) * scale (a
+per-tensor scale repeated per row, a 128x128 block's scale repeated over its 128 rows). GPTQ's act-order (`g_idx`)
 puts a column's group anywhere: its columns are sorted by group at load, so groups are runs again, and `perm` says
 which input column each stored column is (the kernels read x[:, perm]). With one scale per row the order does not
 matter, and such weights keep the inputs' own order (no `perm`).
@@ -33,6 +35,7 @@ class QuantizedWeight:
     perm: torch.Tensor | None = None  # int64 [K]: stored column j is input column perm[j] (act-order)
     act_bits: int | None = None  # 8: activations are quantized to int8 per token at run time (W8A8); None: 16-bit
     dtype: torch.dtype = torch.float32  # the model's dtype: what the kernels take and return
+    float8: bool = False  # the codes are float8_e4m3fn bytes (zero 0), not integers
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -44,7 +47,7 @@ class QuantizedWeight:
 
     @property
     def symmetric(self) -> bool:
-        return bool((self.zero == 2 ** (self.bits - 1)).all())
+        return bool((self.zero == (0 if self.float8 else 2 ** (self.bits - 1))).all())
 
     @property
     def per_row(self) -> bool:
@@ -56,8 +59,8 @@ class QuantizedWeight:
         same_perm = (self.perm is None and other.perm is None) or (
             self.perm is not None and other.perm is not None and torch.equal(self.perm, other.perm)
         )
-        return (self.bits, self.group_size, self.act_bits, self.fmt) == (
-            other.bits, other.group_size, other.act_bits, other.fmt) and same_perm  # fmt: skip
+        return (self.bits, self.group_size, self.act_bits, self.fmt, self.float8) == (
+            other.bits, other.group_size, other.act_bits, other.fmt, other.float8) and same_perm  # fmt: skip
 
     def to(self, device: torch.device, dtype: torch.dtype) -> QuantizedWeight:
         """On `device`, computing in `dtype` (codes, scales and zero points keep their own types)."""
@@ -106,7 +109,8 @@ class QuantizedWeight:
         """W [N, K] in the input columns' own order (the reference every kernel is checked against)."""
         scale = self.scale.repeat_interleave(self.group_size, dim=1)
         zero = self.zero.repeat_interleave(self.group_size, dim=1)
-        w = (self.codes.float() - zero) * scale
+        values = self.codes.view(torch.float8_e4m3fn).float() if self.float8 else self.codes.float()
+        w = (values - zero) * scale
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm.to(w.device), w)
         return w.to(dtype)
@@ -119,15 +123,31 @@ class QuantizedWeight:
         return n * k * self.bits // 8 + 4 * (self.scale.numel() + self.zero.numel())
 
 
-def random_quantized(n: int, k: int, bits: int, group: int, act_bits: int | None, fmt: str, device: torch.device,
+def random_quantized(n: int, k: int, scheme: WeightScheme, fmt: str, device: torch.device,
                      generator: torch.Generator, dtype: torch.dtype) -> QuantizedWeight:  # fmt: skip
     """Random symmetric codes of an [n, k] weight, made on the device, scaled to spread as Normal(0, 0.02) does (for
     benchmarks of model shapes, `loader.random_weights`)."""
-    codes = torch.randint(0, 2**bits, (n, k), generator=generator, device=device, dtype=torch.uint8)
-    spread = 0.02 / ((2**bits) / 12**0.5)  # a uniform code's standard deviation
+    group = scheme.group_size
+    if scheme.float8:  # Normal(0, 1) rounded to FP8, scaled by 0.02
+        values = torch.empty(n, k, device=device).normal_(0.0, 1.0, generator=generator)
+        codes, spread, zero = values.to(torch.float8_e4m3fn).view(torch.uint8), 0.02, 0.0
+    else:
+        codes = torch.randint(0, 2**scheme.bits, (n, k), generator=generator, device=device, dtype=torch.uint8)
+        spread = 0.02 / ((2**scheme.bits) / 12**0.5)  # a uniform code's standard deviation
+        zero = 2.0 ** (scheme.bits - 1)
     scale = torch.full((n, k // group), spread, device=device)
-    zero = torch.full_like(scale, 2.0 ** (bits - 1))
-    return QuantizedWeight(codes, scale, zero, bits, group, fmt, act_bits=act_bits, dtype=dtype)
+    return QuantizedWeight(codes, scale, torch.full_like(scale, zero), scheme.bits, group, fmt,
+                           act_bits=scheme.act_bits, dtype=dtype, float8=scheme.float8)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WeightScheme:
+    """How a format stores one projection (for random weights of its layout)."""
+
+    bits: int
+    group_size: int
+    act_bits: int | None = None
+    float8: bool = False
 
 
 def cat_rows(parts: list, dtype: torch.dtype):

@@ -1,12 +1,14 @@
-"""GPTQ and AWQ checkpoints written by hand, for the loader's tests: a float model's projections quantized to 4-bit
-codes (round to nearest, min-max per group; no calibration: the tests check the layout, not the quantizer), packed as
-AutoGPTQ / GPTQModel and AutoAWQ pack them, and saved with their `quantization_config`.
+"""GPTQ, AWQ and block-FP8 checkpoints written by hand, for the loader's tests: a float model's projections quantized
+to 4-bit codes (round to nearest, min-max per group; no calibration: the tests check the layout, not the quantizer),
+packed as AutoGPTQ / GPTQModel and AutoAWQ pack them, or to FP8 with a scale per 128x128 block as the DeepSeek-V3 and
+Qwen3 FP8 releases ship them (`quant_method: fp8`, `weight_scale_inv`; the GPU tools that write those do not run on a
+CPU), and saved with their `quantization_config`.
 
 Each writer returns, beside the folder, the weights its codes stand for (`dequantized`), so transformers can run the
 same model in float as the reference. The packing is written from the formats' own unpacking rules (GPTQ: 8 codes a
 word along the inputs, zero points minus one in checkpoint_format "gptq"; AWQ: 8 codes a word along the outputs in
 the order 0 2 4 6 1 3 5 7) and is checked against the formats' reference dequantizers in
-tests/engine/test_quantized.py.
+tests/engine/test_quantized.py; transformers itself loads the block-FP8 folders (dequantized on a CPU).
 """
 
 from __future__ import annotations
@@ -85,10 +87,22 @@ def awq_tensors(weight: torch.Tensor, group: int):
     return tensors, dequantize(codes, scale, zero, g_idx)
 
 
+def block_fp8_tensors(weight: torch.Tensor, block: int):
+    """(tensors by suffix, dequantized weight): float8_e4m3fn weights, each block x block tile scaled to its absmax
+    (scale = absmax / 448, stored as `weight_scale_inv`, the factor that dequantizes)."""
+    n, k = weight.shape
+    tiles = weight.float().view(n // block, block, k // block, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / 448).clamp_min(1e-12)
+    fp8 = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    dequantized = (fp8.float() * scale[:, None, :, None]).view(n, k)
+    return {"weight": fp8.view(n, k), "weight_scale_inv": scale}, dequantized
+
+
 def write(dense_folder: Path, out: Path, method: str, group: int = 128, desc_act: bool = False,
           symmetric: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
-    """`dense_folder` (a float HF checkpoint, one safetensors file) as a GPTQ or AWQ checkpoint in `out`; returns
-    the float state dict its codes stand for (the reference model's weights)."""
+    """`dense_folder` (a float HF checkpoint, one safetensors file) as a GPTQ, AWQ or block-FP8 (`method` "fp8",
+    `group` the block) checkpoint in `out`; returns the float state dict its codes stand for (the reference model's
+    weights)."""
     out.mkdir(parents=True, exist_ok=True)
     state = load_file(str(dense_folder / "model.safetensors"))
     saved, reference = {}, {}
@@ -100,6 +114,8 @@ def write(dense_folder: Path, out: Path, method: str, group: int = 128, desc_act
             continue
         if method == "gptq":
             packed, deq = gptq_tensors(tensor, group, desc_act, symmetric, seed=len(saved))
+        elif method == "fp8":
+            packed, deq = block_fp8_tensors(tensor, group)
         else:
             packed, deq = awq_tensors(tensor, group)
         saved.update({f"{module}.{suffix}": t for suffix, t in packed.items()})
@@ -109,6 +125,9 @@ def write(dense_folder: Path, out: Path, method: str, group: int = 128, desc_act
     if method == "gptq":
         config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
                                          "sym": symmetric, "checkpoint_format": "gptq"}  # fmt: skip
+    elif method == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [group, group]}  # fmt: skip
     else:
         config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                                          "version": "gemm"}  # fmt: skip
