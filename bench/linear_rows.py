@@ -4,6 +4,10 @@ they stream from memory as in a step) and the LM head, best of 3 passes, the mac
 It is how the kernel's row limits (`PackedLinearKernel.ROWS`) were chosen; docs/engine.md ("Real sizes") has a run.
 
     .venv/bin/python -m bench.linear_rows qwen2.5-0.5b bfloat16 1,16,64    # from the repository root
+    .venv/bin/python -m bench.linear_rows qwen2.5-0.5b float32 1,16 avx2   # both as on an AVX2-only CPU
+
+`avx2`: the kernel's AVX2 build against oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), what an AVX2-only machine
+runs, measured on this one.
 """
 
 from __future__ import annotations
@@ -12,7 +16,11 @@ import sys
 import time
 
 
-def main(shape: str, dtype_name: str, row_counts: list[int], threads: int = 2) -> None:
+def main(shape: str, dtype_name: str, row_counts: list[int], avx2: bool = False, threads: int = 2) -> None:
+    import os
+
+    if avx2:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read by oneDNN at its first use, below
     import torch
 
     from overlap.engine.model import native
@@ -20,9 +28,9 @@ def main(shape: str, dtype_name: str, row_counts: list[int], threads: int = 2) -
 
     torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
-    kernel = native.packed_linear_kernel()
+    kernel = native.packed_linear_kernel("x86-64-v3" if avx2 else None)
     if kernel is None or dtype not in kernel.dtypes:
-        sys.exit(f"no native {dtype_name} kernel on this CPU ({native.cpu_isa()})")
+        sys.exit(f"no native {dtype_name} kernel {'built for AVX2 ' if avx2 else ''}on this CPU ({native.cpu_isa()})")
     config = shape_config(shape)
     h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     head_dim = config.get("head_dim") or h // config["num_attention_heads"]
@@ -31,7 +39,8 @@ def main(shape: str, dtype_name: str, row_counts: list[int], threads: int = 2) -
     mats = [(name, n, k, layers) for name, (n, k) in per_layer.items()] + [("lm_head", config["vocab_size"], h, 1)]
     onednn = torch.ops.mkldnn._linear_pointwise
     totals = {(rows, who): 0.0 for rows in row_counts for who in ("oneDNN", "native")}
-    print(f"{shape} {dtype_name}, {threads} threads, CPU {native.cpu_isa()}: the projections of one decode step")
+    isa = f"{kernel.isa} kernel" + (", oneDNN limited to AVX2" if avx2 else "")
+    print(f"{shape} {dtype_name}, {threads} threads, CPU {native.cpu_isa()}, {isa}: the projections of one decode step")
     for name, n, k, copies in mats:
         packed = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(dtype), 32) for _ in range(copies)]
         addresses = [torch.ops.mkldnn.data_ptr(w) for w in packed]
@@ -59,7 +68,7 @@ def _best(run, *args) -> float:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[1] in ("-h", "--help"):
+    if len(sys.argv) not in (4, 5) or sys.argv[1] in ("-h", "--help") or sys.argv[4:] not in ([], ["avx2"]):
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
-    main(sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3].split(",")])
+    main(sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3].split(",")], avx2=sys.argv[4:] == ["avx2"])

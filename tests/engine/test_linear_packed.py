@@ -1,8 +1,15 @@
 """The native projection kernel for decode-sized steps (`linear_packed.c`): it reads oneDNN's packed weights and must
 compute what oneDNN computes, in fp32 and bf16, at every row count it takes and on every shape edge of the packed
-layout; in bf16 it is picked only where the CPU has AVX512-BF16 and no AMX."""
+layout; in bf16 it is picked only where the CPU has AVX512-BF16 and no AMX. Its AVX2 path (fp32) is built and checked
+on every machine that has AVX2, against oneDNN limited to AVX2 too."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -24,7 +31,7 @@ def _backend(dtype: torch.dtype) -> OneDnnBackend:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("n", "k"), [(130, 98), (64, 32), (200, 896), (16, 34)])
+@pytest.mark.parametrize(("n", "k"), [(258, 98), (64, 32), (200, 896), (16, 34)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_rows_kernel_computes_what_onednn_does(dtype, n, k, with_bias):
     backend = _backend(dtype)
@@ -66,3 +73,57 @@ def test_rows_kernel_takes_strided_rows_and_hands_the_rest_to_onednn(dtype, monk
 def test_amx_cpus_keep_onednn_in_bf16(monkeypatch):
     monkeypatch.setattr(native, "cpu_isa", lambda: "AMX-BF16")
     assert linear_module._rows_kernel(OneDnnBackend(), torch.bfloat16) is None
+
+
+def _avx2_kernel() -> native.PackedLinearKernel:
+    if native.cpu_isa() not in ("AVX2", "AVX-512", "AVX512-BF16", "AMX-BF16"):
+        pytest.skip(f"this CPU ({native.cpu_isa()}) has no AVX2")
+    kernel = native.packed_linear_kernel("x86-64-v3")
+    assert kernel is not None and kernel.dtypes == (torch.float32,)  # AVX2 has no bf16 arithmetic
+    return kernel
+
+
+@pytest.mark.parametrize(("n", "k"), [(258, 98), (64, 32), (16, 34)])
+def test_the_avx2_path_computes_what_onednn_does(monkeypatch, n, k):
+    """The AVX2 build against this CPU's oneDNN: fp32 weights are packed in the same layout on AVX-512 and AVX2."""
+    avx2 = _avx2_kernel()
+    monkeypatch.setattr(native, "packed_linear_kernel", lambda: avx2)
+    backend = pick_linear_backend(CPU, torch.float32)
+    assert backend.rows_kernel is not None
+    gen = torch.Generator().manual_seed(n + k)
+    weight, bias = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    layer = Linear(weight, bias, backend)
+    assert layer.rows is not None
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 4, 7, layer.rows_max):
+            x = torch.randn(rows, k, generator=gen)
+            expected = F.linear(x, weight, bias)
+            torch.testing.assert_close(layer(x), expected, **CLOSE[torch.float32])
+            torch.testing.assert_close(layer.silu(x), F.silu(expected), **CLOSE[torch.float32])
+
+
+def test_onednn_limited_to_avx2_packs_what_the_avx2_path_reads():
+    """On an AVX2-only CPU oneDNN picks its AVX2 kernels and layouts; ONEDNN_MAX_CPU_ISA=AVX2 makes it do so here
+    (in a process of its own: oneDNN reads it once). The runner takes the AVX2 kernel for the 0.5B shape's
+    projections and leaves the narrow shapes oneDNN blocks by 16 columns to oneDNN."""
+    _avx2_kernel()
+    script = textwrap.dedent("""
+        import json, torch
+        from overlap.engine.model import native
+        from overlap.engine.model.layers.linear import Linear, pick_linear_backend
+        avx2 = native.packed_linear_kernel("x86-64-v3")
+        native.packed_linear_kernel = lambda: avx2
+        backend = pick_linear_backend(torch.device("cpu"), torch.float32)
+        taken = {}
+        for n, k in ((1152, 896), (9728, 896), (896, 4864), (160, 98)):
+            weight, x = torch.randn(n, k), torch.randn(4, k)
+            layer = Linear(weight, None, backend)
+            torch.testing.assert_close(layer(x), x @ weight.t(), atol=1e-3, rtol=1e-4)
+            taken[f"{n}x{k}"] = layer.rows is not None
+        print(json.dumps({"kernel": backend.rows_kernel is not None, "taken": taken}))
+    """)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"kernel": True, "taken": {"1152x896": True, "9728x896": True, "896x4864": True, "160x98": False}}

@@ -1,6 +1,6 @@
-/* Projections at decode sizes (1-64 rows) on CPUs with AVX-512, fp32 or bf16 (with AVX512-BF16), reading the weight
- * in the blocked layout oneDNN packs it into, so the runner keeps one copy of every weight and oneDNN serves the larger
- * (prefill) steps.
+/* Projections at decode sizes (1-64 rows) on CPUs with AVX-512, fp32 or bf16 (with AVX512-BF16), and in fp32 on CPUs
+ * with AVX2 alone, reading the weight in the blocked layout oneDNN packs it into, so the runner keeps one copy of every
+ * weight and oneDNN serves the larger (prefill) steps.
  *
  * At these sizes oneDNN streams an out-of-cache weight at 50-75% of the read bandwidth. Here every thread streams one
  * contiguous run of the packed weight, once per call, asking for it in L2 ahead of use, and each 16 KiB chunk of it
@@ -11,7 +11,9 @@
  * 512-bit load holds 16 outputs x 2 inputs, what `vdpbf16ps` multiplies against a broadcast pair of x; in fp32, for
  * each input the 64 columns' values. K is padded with zeros (to 32 in bf16, 16 in fp32), N to a multiple of 64. Sums
  * are fp32 (in bf16, of pairs of products, as oneDNN's kernels on this ISA); the bias is added and SiLU applied in fp32,
- * and a bf16 output is rounded once.
+ * and a bf16 output is rounded once. oneDNN limited to AVX2 packs fp32 weights the same way for most shapes (a few
+ * narrow ones in blocks of 16 columns, which the runner's one-row check sends back to oneDNN); there a 256-bit register
+ * holds 8 outputs, so a tile covers half a block, 3 rows x 32 columns, and each chunk is read twice, from L1.
  *
  * Built into its own library with -fopenmp: the shared object names libgomp.so.1, which resolves to the copy torch has
  * already loaded, so this kernel's threads are torch's OpenMP threads.
@@ -163,6 +165,7 @@ static inline __attribute__((always_inline)) void store_block(const float *acc, 
 }
 
 int overlap_linear_packed_dtypes(void) { return 1 | (HAVE_BF16 << 1); } /* 1: fp32, 2: bf16 */
+int overlap_linear_packed_isa(void) { return 512; }
 
 /* y[m][0..N) = x[m] W^T (+ bias) (then SiLU if `silu`), m < rows <= 64, over `threads` OpenMP threads, all of one
  * dtype: bf16 (`bf16` = 1; K even, x rows an even number of elements apart) or fp32. W is oneDNN's packed layout,
@@ -204,9 +207,118 @@ int overlap_linear_packed(const void *x, int64_t x_stride, int64_t rows, const v
     return 0;
 }
 
-#else /* no AVX-512 on the CPU this was built for: the runner keeps oneDNN */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+enum { BLOCK_COLS = 64, HALF_COLS = 32, CHUNK_STEPS = 64, TILE_ROWS = 3, MAX_ROWS = 64 };
+enum { PREFETCH_AHEAD = 16384 }; /* fp32 elements: 64 KiB ahead, as on AVX-512 */
+
+/* acc[r][h*32 .. h*32+31] (+)= sum over inputs k0..k1-1 of x[r][k] times the block's half h: R rows, 4 x 8 columns. */
+static inline __attribute__((always_inline)) void tile_avx2(const int R, const float *x, int64_t x_stride,
+                                                            const float *w, int64_t k0, int64_t k1, float *acc,
+                                                            int first_chunk, int prefetch) {
+    __m256 a[TILE_ROWS][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++)
+            a[r][c] = first_chunk ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * BLOCK_COLS + 8 * c);
+    for (int64_t k = k0; k < k1; k++) {
+        const float *wk = w + k * BLOCK_COLS;
+        if (prefetch)
+            for (int line = 0; line < 4; line++) _mm_prefetch((const char *)(wk + PREFETCH_AHEAD + 16 * line), _MM_HINT_T1);
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        const __m256 w2 = _mm256_loadu_ps(wk + 16), w3 = _mm256_loadu_ps(wk + 24);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * x_stride + k);
+            a[r][0] = _mm256_fmadd_ps(xv, w0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(xv, w1, a[r][1]);
+            a[r][2] = _mm256_fmadd_ps(xv, w2, a[r][2]);
+            a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) _mm256_store_ps(acc + r * BLOCK_COLS + 8 * c, a[r][c]);
+}
+
+static void run_tile_avx2(int R, const float *x, int64_t x_stride, const float *w, int64_t k0, int64_t k1, float *acc,
+                          int first_chunk, int prefetch) {
+    switch (R) {
+    case 1: tile_avx2(1, x, x_stride, w, k0, k1, acc, first_chunk, prefetch); break;
+    case 2: tile_avx2(2, x, x_stride, w, k0, k1, acc, first_chunk, prefetch); break;
+    default: tile_avx2(3, x, x_stride, w, k0, k1, acc, first_chunk, prefetch); break;
+    }
+}
+
+/* exp(v) as on AVX-512, 2^n put into the exponent bits (n stays within -127..127 for |v| <= 88). */
+static inline __m256 exp_ps(__m256 v) {
+    v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), v);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+int overlap_linear_packed_dtypes(void) { return 1; } /* fp32 */
+int overlap_linear_packed_isa(void) { return 256; }
+
+/* As the AVX-512 build's, fp32 only (`bf16` must be 0). */
+int overlap_linear_packed(const void *x, int64_t x_stride, int64_t rows, const void *w, int64_t N, int64_t K,
+                          int64_t K_padded, const void *bias, int32_t silu, void *y, int64_t y_stride, int32_t threads,
+                          int32_t bf16) {
+    if (rows < 1 || rows > MAX_ROWS || K_padded < K || bf16)
+        return -1;
+    const int64_t blocks = (N + BLOCK_COLS - 1) / BLOCK_COLS;
+    const float *xf = (const float *)x;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        float acc[MAX_ROWS * BLOCK_COLS] __attribute__((aligned(32)));
+        const float *wb = (const float *)w + b * K_padded * BLOCK_COLS;
+        for (int64_t k0 = 0; k0 < K; k0 += CHUNK_STEPS) {
+            const int64_t k1 = k0 + CHUNK_STEPS < K ? k0 + CHUNK_STEPS : K;
+            for (int64_t m = 0; m < rows; m += TILE_ROWS) {
+                const int R = rows - m < TILE_ROWS ? (int)(rows - m) : TILE_ROWS;
+                for (int h = 0; h < 2; h++)
+                    run_tile_avx2(R, xf + m * x_stride, x_stride, wb + h * HALF_COLS, k0, k1,
+                                  acc + m * BLOCK_COLS + h * HALF_COLS, k0 == 0, m == 0 && h == 0);
+            }
+        }
+        const int64_t n0 = b * BLOCK_COLS, cols = N - n0 < BLOCK_COLS ? N - n0 : BLOCK_COLS;
+        for (int64_t m = 0; m < rows; m++) {
+            float *out = (float *)y + m * y_stride + n0;
+            int64_t c = 0;
+            for (; c + 8 <= cols; c += 8) {
+                __m256 v = _mm256_load_ps(acc + m * BLOCK_COLS + c);
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)bias + n0 + c));
+                if (silu) /* v * sigmoid(v) */
+                    v = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+                _mm256_storeu_ps(out + c, v);
+            }
+            for (; c < cols; c++) { /* a block cut short by N */
+                float v = acc[m * BLOCK_COLS + c] + (bias ? ((const float *)bias)[n0 + c] : 0.0f);
+                if (silu) {
+                    float e[8] __attribute__((aligned(32)));
+                    _mm256_store_ps(e, exp_ps(_mm256_set1_ps(-v)));
+                    v = v / (1.0f + e[0]);
+                }
+                out[c] = v;
+            }
+        }
+    }
+    return 0;
+}
+
+#else /* neither AVX-512 nor AVX2 on the CPU this was built for: the runner keeps oneDNN */
 
 int overlap_linear_packed_dtypes(void) { return 0; }
+int overlap_linear_packed_isa(void) { return 0; }
 
 int overlap_linear_packed(const void *x, int64_t x_stride, int64_t rows, const void *w, int64_t N, int64_t K,
                           int64_t K_padded, const void *bias, int32_t silu, void *y, int64_t y_stride, int32_t threads,

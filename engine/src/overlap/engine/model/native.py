@@ -208,6 +208,7 @@ class PackedLinearKernel:
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i64, _i32, _i32]
         available = library.overlap_linear_packed_dtypes()
         self.dtypes = tuple(dtype for bit, dtype in ((1, torch.float32), (2, torch.bfloat16)) if available & bit)
+        self.isa = "AVX-512" if library.overlap_linear_packed_isa() == 512 else "AVX2"
 
     def padded_k(self, k: int, dtype: torch.dtype) -> int:
         return -(-k // self.K_ALIGN[dtype]) * self.K_ALIGN[dtype]
@@ -369,9 +370,16 @@ def cpu_ops() -> CpuOps | None:
 
 
 @functools.cache
-def packed_linear_kernel() -> PackedLinearKernel | None:
-    """The decode-size projection kernel, or None without the library or AVX-512 on this CPU."""
-    library = _library("overlap_linear")
+def packed_linear_kernel(march: str | None = None) -> PackedLinearKernel | None:
+    """The decode-size projection kernel, or None without the library or AVX2 on this CPU. `march` builds it for
+    another instruction set than this CPU's (`x86-64-v3`: the AVX2 path), as `quant_linear_kernel` does."""
+    name = "overlap_linear"
+    if march is None:
+        library = _library(name)
+    else:
+        sources, flags = _LIBRARIES[name]
+        library = ctypes.CDLL(str(_build(name, sources, [f"-march={march}" if f == "-march=native" else f
+                                                         for f in flags])))  # fmt: skip
     if library is None or not library.overlap_linear_packed_dtypes():
         return None
     return PackedLinearKernel(library)

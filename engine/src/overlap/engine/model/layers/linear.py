@@ -66,7 +66,7 @@ class OneDnnBackend(LinearBackend):
 
     @property
     def name(self) -> str:
-        rows = "" if self.rows_kernel is None else f", native AVX-512 kernel for <= {self.rows_max} rows"
+        rows = "" if self.rows_kernel is None else f", native {self.rows_kernel.isa} kernel for <= {self.rows_max} rows"
         return f"oneDNN linear, weights prepacked{rows}"
 
     def rows_handle(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
@@ -138,7 +138,8 @@ def _rows_kernel(onednn: OneDnnBackend, dtype: torch.dtype) -> native.PackedLine
     if kernel is None or dtype not in kernel.dtypes or (dtype == torch.bfloat16 and native.cpu_isa() == "AMX-BF16"):
         return None
     # Each value's output and input column, written into a weight and read back from oneDNN's packed copy.
-    n, k = 130, 98  # a partial block of columns, a partial run of inputs
+    # a partial block of columns, a partial run of inputs (oneDNN limited to AVX2 packs 129-192 outputs in blocks of 16)
+    n, k = 200, 98
     cols, ins = torch.arange(n).view(n, 1).expand(n, k), torch.arange(k).view(1, k).expand(n, k)
     block_cols, paired, size = kernel.BLOCK_COLS, kernel.PAIRED[dtype], kernel.packed_bytes(n, k, dtype)
     pos = torch.arange(size // dtype.itemsize)
