@@ -59,3 +59,30 @@ def cpu_matmul_peak(dtype, rounds: int = 5) -> float:
                 backend.linear(x, weight)
             best = min(best, (time.perf_counter() - start) / 4)
     return 2 * rows * width * width / best
+
+
+def cpu_int8_matmul_peak(rounds: int = 5) -> float:
+    """Operations/s (two a multiply-add) of a large int8 x int8 -> int32 matmul through the W8A8 kernel the runner
+    picks above the native kernel's rows (oneDNN's u8 x s8 on VNNI / AMX-INT8), activations quantized per token, on
+    the same sizes as `cpu_matmul_peak`; 0 where no int8 matmul runs here."""
+    import torch
+
+    from overlap.engine.model.quant.kernels import NativeW8A8, quantized_method
+    from overlap.engine.model.quant.weight import WeightScheme, random_quantized
+
+    rows, width = 256, 2048
+    weight = random_quantized(width, width, WeightScheme(8, width, act_bits=8), "peak", torch.device("cpu"),
+                              torch.Generator().manual_seed(0), torch.bfloat16)  # fmt: skip
+    method = quantized_method(weight, torch.bfloat16, cpu_paths=True)
+    if not isinstance(method, NativeW8A8) or method.onednn is None:
+        return 0.0
+    x = torch.randn(rows, width).bfloat16()
+    best = float("inf")
+    with torch.inference_mode():
+        method(x)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(4):
+                method(x)
+            best = min(best, (time.perf_counter() - start) / 4)
+    return 2 * rows * width * width / best

@@ -4,9 +4,10 @@ The shape is built once per format (`overlap model build-shape NAME [--quantizat
 projections written as llm-compressor's scheme writes them), every runner loaded in this process, and the decode
 steps measured in alternating rounds (each round: every batch size, every format in turn), so that the ratios to bf16
 come from the same minutes of the same machine. Each step is quoted against its floor: the bytes it must read (the
-weights as stored, the K/V) over the read bandwidth measured here, and its multiply-adds over the bf16 matmul peak
-measured here (the int8 kernels' own peak is not measured: on a CPU whose VNNI is no faster per cycle than its
-bf16 dot, that is the same floor).
+weights as stored, the K/V) over the read bandwidth measured here, and its multiply-adds over the peak of the
+instruction that computes them, measured here: a large bf16 matmul's for bf16 and W4A16 (whose codes become bf16 for
+the dot), and for W8A8's decoder projections a large int8 matmul's (VNNI's vpdpbusd does twice vdpbf16ps's
+multiply-adds a cycle), its LM head and attention staying at the bf16 peak.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import statistics
 import sys
 import time
 
-from overlap.bench.floor import cpu_matmul_peak, cpu_read_bandwidth, decode_floor_bytes, decode_flops
+from overlap.bench.floor import (
+    cpu_int8_matmul_peak,
+    cpu_matmul_peak,
+    cpu_read_bandwidth,
+    decode_floor_bytes,
+    decode_flops,
+)
 
 SCHEMES = ("none", "w8a8", "w4a16")
 
@@ -70,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
                               max_num_seqs=max(batches), num_kv_blocks=blocks)  # fmt: skip
         runners[scheme] = ModelRunner(config, folder)
         _progress(f"{scheme}: {runners[scheme].weight_bytes / 1e6:.0f} MB of weights; {runners[scheme].kernels}")
-    bandwidth, peak = cpu_read_bandwidth(), cpu_matmul_peak(torch.bfloat16)
-    _progress(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    bandwidth, peak, int8_peak = cpu_read_bandwidth(), cpu_matmul_peak(torch.bfloat16), cpu_int8_matmul_peak()
+    _progress(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul peak {peak / 1e9:.0f} GFLOP/s, int8 matmul "
+              f"peak {int8_peak / 1e9:.0f} GOP/s")  # fmt: skip
     steps = {(s, b): [] for s in schemes for b in batches}
     started = time.perf_counter()
     for round_ in range(args.rounds):
@@ -86,7 +94,12 @@ def run(args: argparse.Namespace) -> int:
             runner, step_s = runners[scheme], statistics.median(steps[scheme, batch])
             context = args.context + args.steps / 2
             memory_s = decode_floor_bytes(runner, batch, context) / bandwidth
-            compute_s = decode_flops(runner, batch, context) / peak
+            flops = decode_flops(runner, batch, context)
+            if scheme == "w8a8" and int8_peak:  # the decoder's projections at the int8 rate, the rest at bf16's
+                int8_ops = 2 * batch * _projection_params(runner.spec)
+                compute_s = int8_ops / int8_peak + (flops - int8_ops) / peak
+            else:
+                compute_s = flops / peak
             rows.append({"scheme": scheme, "batch": batch, "step_ms": 1000 * step_s,
                          "rounds_ms": [1000 * s for s in steps[scheme, batch]],
                          "over_bf16": None if base is None else step_s / base,
@@ -95,11 +108,20 @@ def run(args: argparse.Namespace) -> int:
                          "step_over_floor": step_s / max(memory_s, compute_s)})  # fmt: skip
     result = {"model_shape": args.model_shape, "threads": args.threads, "context": args.context,
               "read_bandwidth_gb_s": bandwidth / 1e9, "bf16_peak_gflop_s": peak / 1e9,
+              "int8_peak_gop_s": int8_peak / 1e9,
               "kernels": {s: r.kernels for s, r in runners.items()}, "rows": rows}  # fmt: skip
     for runner in runners.values():
         runner.close()
     print(json.dumps(result, indent=2) if args.json else _table(result))
     return 0
+
+
+def _projection_params(spec) -> int:
+    """Weights of the decoder's projections (q, k, v, o, gate, up, down of every layer): what a W8A8 format makes
+    int8."""
+    h, d = spec.hidden_size, spec.head_dim
+    attention = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
+    return spec.num_layers * (attention + 3 * h * spec.intermediate_size)
 
 
 def _decode_step(runner, batch: int, context: int, steps: int) -> float:
@@ -121,7 +143,8 @@ def _decode_step(runner, batch: int, context: int, steps: int) -> float:
 def _table(result: dict) -> str:
     lines = [f"overlap bench quantized: {result['model_shape']}, bf16 activations, {result['threads']} threads, "
              f"context {result['context']}; read bandwidth {result['read_bandwidth_gb_s']:.1f} GB/s, bf16 matmul "
-             f"peak {result['bf16_peak_gflop_s']:.0f} GFLOP/s (measured here)"]  # fmt: skip
+             f"peak {result['bf16_peak_gflop_s']:.0f} GFLOP/s, int8 matmul peak {result['int8_peak_gop_s']:.0f} GOP/s "
+             "(measured here)"]  # fmt: skip
     lines += [f"  {scheme}: {kernels}" for scheme, kernels in result["kernels"].items()]
     lines += ["", "batch | format | weights MB | step ms (median of rounds) | / bf16 | memory floor | compute floor | "
               "step / floor", "-" * 110]  # fmt: skip
