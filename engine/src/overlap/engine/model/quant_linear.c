@@ -50,46 +50,88 @@ int overlap_quant_linear_isa(void) {
  * once per call to match (xp: per 128 inputs and per t, the pairs (8m + t, 8m + 4 + t)); sum((128 + c) x) over a
  * group, less (128 + zero) * sum(x), is sum((c - zero) x). A lane's inputs 8m .. 8m + 7 share a group (groups are a
  * multiple of 32), so a group of 32 or 64 is a run of lanes with their own scale. */
-static void w4_row_bf16(const uint16_t *xp, int64_t k, int R, const uint8_t *codes, const float *scale,
-                        const float *offset, int64_t group, const float *xsum, int64_t groups, float *out) {
+enum { BF16_ROWS = 6 }; /* rows of x a tile, against 2 outputs: 12 sums, 8 code vectors, 4 of x in 32 registers */
+
+/* out[r][jj] for R rows of x and J (1 or 2) outputs, both compile-time constants at each call (w4_tile_bf16_any), so
+ * the sums stay in registers; the two outputs' codes share each load of x. */
+static inline __attribute__((always_inline)) void w4_tile_bf16(const int R, const int J, const uint16_t *xp, int64_t k,
+                                                               const uint8_t *codes, int64_t half_k, const float *scale,
+                                                               const float *offset, int64_t group, const float *xsum,
+                                                               int64_t groups, float *out, int64_t out_stride) {
     const __m512i mask = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
-    __m512 tot[ROW_TILE];
-    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    __m512 tot[BF16_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int jj = 0; jj < J; jj++) tot[r][jj] = _mm512_setzero_ps();
     /* lane m's group within a step of 128 inputs, for groups under 128 */
     const __m512i lane_group = _mm512_srli_epi32(_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
                                                                                      6, 5, 4, 3, 2, 1, 0),
                                                                     _mm512_set1_epi32(8)),
                                                  group == 32 ? 5 : 6);
     for (int64_t k0 = 0; k0 < k; k0 += 128) {
-        const __m512i w = _mm512_loadu_si512(codes + k0 / 2);
-        const __m512bh c0 = (__m512bh)_mm512_ternarylogic_epi32(w, mask, bias, 0xEA); /* (w & mask) | bias */
-        const __m512bh c1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), mask, bias, 0xEA);
-        const __m512bh c2 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), mask, bias, 0xEA);
-        const __m512bh c3 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12), mask, bias, 0xEA);
-        __m512 s;
-        if (group >= 128)
-            s = _mm512_set1_ps(scale[k0 / group]);
-        else
-            s = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((__mmask16)((1u << (128 / group)) - 1),
-                                                                        scale + k0 / group));
+        __m512bh c[2][4];
+        __m512 s[2];
+        for (int jj = 0; jj < J; jj++) {
+            const __m512i w = _mm512_loadu_si512(codes + jj * half_k + k0 / 2);
+            c[jj][0] = (__m512bh)_mm512_ternarylogic_epi32(w, mask, bias, 0xEA); /* (w & mask) | bias */
+            c[jj][1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), mask, bias, 0xEA);
+            c[jj][2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), mask, bias, 0xEA);
+            c[jj][3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12), mask, bias, 0xEA);
+            const float *sj = scale + jj * groups;
+            if (group >= 128)
+                s[jj] = _mm512_set1_ps(sj[k0 / group]);
+            else
+                s[jj] = _mm512_permutexvar_ps(lane_group, _mm512_maskz_loadu_ps((__mmask16)((1u << (128 / group)) - 1),
+                                                                                sj + k0 / group));
+        }
         for (int r = 0; r < R; r++) {
             const uint16_t *x = xp + r * k + k0;
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), c0);
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + 32), c1);
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + 64), c2);
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + 96), c3);
-            tot[r] = _mm512_fmadd_ps(s, a, tot[r]);
+            const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x), x1 = (__m512bh)_mm512_loadu_si512(x + 32);
+            const __m512bh x2 = (__m512bh)_mm512_loadu_si512(x + 64), x3 = (__m512bh)_mm512_loadu_si512(x + 96);
+            for (int jj = 0; jj < J; jj++) {
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), x0, c[jj][0]);
+                a = _mm512_dpbf16_ps(a, x1, c[jj][1]);
+                a = _mm512_dpbf16_ps(a, x2, c[jj][2]);
+                a = _mm512_dpbf16_ps(a, x3, c[jj][3]);
+                tot[r][jj] = _mm512_fmadd_ps(s[jj], a, tot[r][jj]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) {
-        __m512 c = _mm512_setzero_ps();
-        int64_t g = 0;
-        for (; g + 16 <= groups; g += 16)
-            c = _mm512_fmadd_ps(_mm512_loadu_ps(offset + g), _mm512_loadu_ps(xsum + r * groups + g), c);
-        float correction = _mm512_reduce_add_ps(c);
-        for (; g < groups; g++) correction += offset[g] * xsum[r * groups + g];
-        out[r] = _mm512_reduce_add_ps(tot[r]) - correction;
+    for (int r = 0; r < R; r++)
+        for (int jj = 0; jj < J; jj++) {
+            const float *oj = offset + jj * groups, *xs = xsum + r * groups;
+            __m512 c = _mm512_setzero_ps();
+            int64_t g = 0;
+            for (; g + 16 <= groups; g += 16) c = _mm512_fmadd_ps(_mm512_loadu_ps(oj + g), _mm512_loadu_ps(xs + g), c);
+            float correction = _mm512_reduce_add_ps(c);
+            for (; g < groups; g++) correction += oj[g] * xs[g];
+            out[r * out_stride + jj] = _mm512_reduce_add_ps(tot[r][jj]) - correction;
+        }
+}
+
+static void w4_tile_bf16_any(int R, int J, const uint16_t *xp, int64_t k, const uint8_t *codes, int64_t half_k,
+                             const float *scale, const float *offset, int64_t group, const float *xsum, int64_t groups,
+                             float *out, int64_t out_stride) {
+#define W4_TILE(r, j) w4_tile_bf16(r, j, xp, k, codes, half_k, scale, offset, group, xsum, groups, out, out_stride)
+    if (J == 2) {
+        switch (R) {
+        case 1: W4_TILE(1, 2); break;
+        case 2: W4_TILE(2, 2); break;
+        case 3: W4_TILE(3, 2); break;
+        case 4: W4_TILE(4, 2); break;
+        case 5: W4_TILE(5, 2); break;
+        default: W4_TILE(6, 2); break;
+        }
+    } else {
+        switch (R) {
+        case 1: W4_TILE(1, 1); break;
+        case 2: W4_TILE(2, 1); break;
+        case 3: W4_TILE(3, 1); break;
+        case 4: W4_TILE(4, 1); break;
+        case 5: W4_TILE(5, 1); break;
+        default: W4_TILE(6, 1); break;
+        }
     }
+#undef W4_TILE
 }
 #else
 #define W4_BF16 0
@@ -221,19 +263,27 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
                     }
         }
     }
+#if W4_BF16
+    if (bf16_path) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t j = 0; j < n; j += 2) /* two outputs a tile */
+            for (int r0 = 0; r0 < rows; r0 += BF16_ROWS)
+                w4_tile_bf16_any(rows - r0 < BF16_ROWS ? rows - r0 : BF16_ROWS, n - j < 2 ? 1 : 2, xp + r0 * k, k,
+                                 codes + j * half_k, half_k, scale + j * groups, offset + j * groups, group,
+                                 xsum + r0 * groups, groups, out + r0 * out_stride + j, out_stride);
+        free(xsum);
+        free(xe);
+        free(xp);
+        return 0;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j++) {
         float y[ROW_TILE];
         for (int r0 = 0; r0 < rows; r0 += ROW_TILE) {
             const int R = rows - r0 < ROW_TILE ? rows - r0 : ROW_TILE;
-#if W4_BF16
-            if (bf16_path)
-                w4_row_bf16(xp + r0 * k, k, R, codes + j * half_k, scale + j * groups, offset + j * groups, group,
-                            xsum + r0 * groups, groups, y);
-            else
-#endif
-                w4_row(xe + r0 * half_k, xo + r0 * half_k, half_k, R, codes + j * half_k, scale + j * groups,
-                       offset + j * groups, group, xsum + r0 * groups, groups, y);
+            w4_row(xe + r0 * half_k, xo + r0 * half_k, half_k, R, codes + j * half_k, scale + j * groups,
+                   offset + j * groups, group, xsum + r0 * groups, groups, y);
             for (int r = 0; r < R; r++) out[(r0 + r) * out_stride + j] = y[r];
         }
     }
@@ -261,6 +311,30 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
         for (int64_t k0 = 0; k0 < k; k0 += 32) {
             const float s = scale[j * groups + k0 / group], o = offset[j * groups + k0 / group];
             const uint8_t *b = codes + j * (k / 2) + k0 / 2;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            /* 16 bytes: the low nibbles are inputs 0, 2, ..., the high ones 1, 3, ...: each to (code + bias) * s - o,
+             * then interleaved back into input order (and to bf16, rounded to nearest even, as to_bf16 does) */
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+            const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o), vb = _mm512_set1_ps(bias);
+            const __m512 lo = _mm512_fmsub_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), vb), vs, vo);
+            const __m512 hi = _mm512_fmsub_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), vb), vs, vo);
+#if defined(__AVX512BF16__)
+            if (bf16) { /* cvtne2ps puts lo in the low 16 lanes and hi in the high 16: interleave them */
+                const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                       22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                _mm512_storeu_si512((uint16_t *)out + j * k + k0,
+                                    _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+                continue;
+            }
+#endif
+            if (!bf16) {
+                const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+                const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+                _mm512_storeu_ps((float *)out + j * k + k0, _mm512_permutex2var_ps(lo, first, hi));
+                _mm512_storeu_ps((float *)out + j * k + k0 + 16, _mm512_permutex2var_ps(lo, second, hi));
+                continue;
+            }
+#endif
             for (int i = 0; i < 16; i++) {
                 row[2 * i] = ((float)(b[i] & 0xF) + bias) * s - o;
                 row[2 * i + 1] = ((float)(b[i] >> 4) + bias) * s - o;

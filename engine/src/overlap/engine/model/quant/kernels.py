@@ -52,7 +52,7 @@ class QuantMethod:
 
 # Rows up to which the native kernels beat the alternative for larger steps (dequantize into oneDNN's matmul for
 # W4A16, torch._int_mm for W8A8), measured on the 0.5B shape's MLP streamed from memory (docs/engine.md).
-NATIVE_W4A16_ROWS = 32
+NATIVE_W4A16_ROWS = 16
 NATIVE_W8A8_ROWS = 16
 
 
