@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: correctness against transformers on the GPU, decode and prefill speed of ~1B and ~8B Llama shapes
 # (random bf16 weights made on the device) against the memory-streaming floor, busy share by CUDA events and by
-# kernel time; W4A16 through its Triton kernel at the 8B shape against its floor and a dequantized reference. One JSON
-# line per case goes to --out as it runs; a table at the end. Under 8 minutes on an H200.
+# kernel time; W4A16, W8A8, FP8 and block-FP8 at the 8B shape (case quantized) against their floor and a dequantized
+# reference. One JSON line per case goes to --out as it runs; a table at the end. Under 8 minutes on an H200.
 #
 # Nothing is installed: it runs with the python3 that has a CUDA build of torch, Triton and transformers, and puts
 # the components' sources on PYTHONPATH (the engine needs no other package for this).

@@ -535,6 +535,24 @@ def test_scaled_mm_fp8_equals_per_token_fp8_activations_over_the_dequantized_wei
     assert not ScaledMmFp8.supports(weight, torch.bfloat16)  # only on a CUDA card with FP8 (compute capability 8.9+)
 
 
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_the_int8_gemm_path_pads_the_rows_cublas_wants_and_equals_the_reference(rows):
+    """W8A8 on CUDA goes through torch._int_mm, which takes more than 16 rows there: fewer are padded with zero
+    rows (exercised here on the CPU, where torch runs the same op) and cut off again."""
+    from overlap.engine.model.quant.kernels import Int8Dynamic
+
+    gen = torch.Generator().manual_seed(12)
+    codes = torch.randint(0, 256, (64, 256), generator=gen, dtype=torch.uint8)
+    weight = QuantizedWeight(codes, torch.rand(64, 1, generator=gen) * 0.01, torch.full((64, 1), 128.0), 8, 256,
+                             "test", act_bits=8)  # fmt: skip
+    assert Int8Dynamic.supports(weight)
+    method = Int8Dynamic(weight, torch.float32)
+    method.min_rows = 17  # as on CUDA
+    x = torch.randn(rows, 256, generator=gen)
+    want = Int8DynamicReference(weight, torch.float32)(x)
+    torch.testing.assert_close(method(x), want, atol=1e-3 * float(want.abs().max()), rtol=1e-3)
+
+
 @pytest.mark.parametrize(("pair", "kernel"), [(("llama", "W4A16"), "W4A16 Triton kernel"),
                                               (("qwen3", "FP8_DYNAMIC"), "FP8 (16-bit activations) Triton kernel")],
                          ids=["w4a16", "fp8"])  # fmt: skip

@@ -423,15 +423,15 @@ def case_tensor_parallel(check: Check) -> None:
                tokens_per_s_1=rates[1], tokens_per_s_2=rates[2])  # fmt: skip
 
 
-QUANTIZED_SCHEMES = ("w4a16", "fp8", "fp8-block")
+QUANTIZED_SCHEMES = ("w4a16", "w8a8", "fp8", "fp8-block")
 
 
 def case_quantized(check: Check) -> None:
     """Each quantized scheme (random codes in its producer's layout) at the largest shape: W4A16 and block-FP8
-    through the Triton kernel that dequantizes inside the matmul, FP8 with a scale per row through
-    `torch._scaled_mm` (per-token FP8 activations) where the card has FP8. Decode steps against the streaming floor of
-    the stored bytes, and the last logits of 4 prompts against the same codes dequantized at load
-    (OVERLAP_QUANTIZED_KERNELS=0) through the bf16 path."""
+    through the Triton kernel that dequantizes inside the matmul, W8A8 through `torch._int_mm` (cuBLASLt int8), FP8
+    with a scale per row through `torch._scaled_mm` (per-token FP8 activations) where the card has FP8. Decode steps
+    against the streaming floor of the stored bytes, and the last logits of 4 prompts against the same codes
+    dequantized at load (OVERLAP_QUANTIZED_KERNELS=0) through the bf16 path."""
     for scheme in QUANTIZED_SCHEMES:
         _quantized_scheme(check, scheme)
 

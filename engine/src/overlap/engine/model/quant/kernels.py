@@ -17,7 +17,8 @@ which the engine's info says ("... (dequantized at load)").
 On the device paths with Triton (CUDA): FP8 with one scale per row through `torch._scaled_mm` where the card has FP8
 tensor cores (compute capability 8.9+), the activations quantized to FP8 per token; W4A16, W8A16 and FP8 with group or
 block scales (or on older cards) through a Triton kernel that dequantizes inside the matmul (`triton_kernels.py`);
-W8A8 INT8 keeps its per-token rounding over the dequantized weight (`Int8DynamicReference`).
+W8A8 INT8 with one scale per row through `torch._int_mm` (cuBLASLt's int8 GEMM) on CUDA, else its per-token
+rounding over the dequantized weight (`Int8DynamicReference`).
 
 Each method is checked once against the dequantized reference on a small weight of its kind; a method that errs or
 differs is not used (the weight is dequantized instead), as `pick_linear_backend` does for oneDNN.
@@ -190,18 +191,31 @@ class Int8WeightOnly(QuantMethod):
 
 
 class Int8Dynamic(QuantMethod):
-    """W8A8: int8 activations per token (dynamic), int8 weights per row, int32 sums."""
+    """W8A8: int8 activations per token (dynamic), int8 weights per row, int32 sums (`torch._int_mm`: cuBLASLt's
+    int8 GEMM on CUDA, which takes more than 16 rows: fewer are padded with zero rows)."""
 
     name = "W8A8 int8 (dynamic per-token activations, torch _int_mm)"
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        self.min_rows = 17 if weight.device.type == "cuda" else 1
         self.weight_t = (weight.codes.to(torch.int16) - 128).to(torch.int8).t().contiguous()  # [K, N]
         self.scale = weight.scale[:, 0].float().contiguous()
         self.nbytes = self.weight_t.numel() + 4 * self.scale.numel()
 
+    @staticmethod
+    def supports(weight: QuantizedWeight) -> bool:
+        """On CUDA: cuBLASLt's int8 GEMM wants inputs and outputs in multiples of 8."""
+        n, k = weight.shape
+        return weight.act_bits == 8 and weight.bits == 8 and weight.per_row and weight.symmetric and (
+            n % 8 == 0 and k % 8 == 0)  # fmt: skip
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x_q, x_scale = quantize_per_token(x)
-        return (torch._int_mm(x_q, self.weight_t) * x_scale * self.scale).to(x.dtype)
+        rows = x_q.shape[0]
+        if rows < self.min_rows:
+            x_q = torch.cat([x_q, x_q.new_zeros(self.min_rows - rows, x_q.shape[1])])
+        sums = torch._int_mm(x_q, self.weight_t)[:rows]
+        return (sums * x_scale * self.scale).to(x.dtype)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,6 +302,8 @@ def quantized_method(weight: QuantizedWeight, dtype: torch.dtype, cpu_paths: boo
 
         if ScaledMmFp8.supports(weight, dtype):
             return ScaledMmFp8(weight, dtype)
+        if weight.device.type == "cuda" and Int8Dynamic.supports(weight):
+            return Int8Dynamic(weight, dtype)
         if TritonWeightOnly.supports(weight):
             return TritonWeightOnly(weight, dtype)
     if cpu_paths and weight.device.type == "cpu":
