@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError
+from overlap.engine.model import experts as moe_experts
 from overlap.engine.model.quant import formats as quant_formats
 from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows, random_quantized
 
@@ -27,12 +28,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # Families people try that this runner would compute wrongly: refused by name, with the reason.
 REFUSED_FAMILIES = {
     "gemma": "Gemma models (scaled embeddings, GeGLU, soft-capping, extra norms) are not implemented",
-    "mixtral": "mixture-of-experts models are not implemented",
-    "moe": "mixture-of-experts models are not implemented",
+    "moe": "this mixture-of-experts family is not implemented (Qwen3-MoE, Qwen2-MoE and Mixtral are)",
     "deepseek": "DeepSeek models (mixture of experts, multi-head latent attention) are not implemented",
     "vl": "multimodal models are not implemented (text-only causal LMs are)",
     "llava": "multimodal models are not implemented (text-only causal LMs are)",
@@ -43,7 +46,10 @@ ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 # Parameter names that only quantized checkpoints have (AWQ, GPTQ, bitsandbytes, FP8 scales).
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale", "weight_scale_inv", "SCB")
-_ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # attention_bias: q, k, v and o biases
+# attention_bias: q, k, v and o biases
+_ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Windows only with use_sliding_window (transformers drops sliding_window without it)
+_USE_SLIDING_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _FLOAT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names for float32, bfloat16 and float16
 # safetensors' names of the others, as torch names them (for the refusal's words)
 _TORCH_NAMES = {"F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -78,6 +84,7 @@ class ModelSpec:
     sampling_defaults: dict = field(default_factory=dict)
     raw: dict = field(default_factory=dict)  # the whole config.json
     quantization: quant_formats.QuantFormat | None = None  # None: float weights
+    moe: moe_experts.MoeSpec | None = None  # a mixture of experts' routing and sparse layers (None: dense)
 
     @property
     def sliding_window(self) -> int | None:
@@ -102,6 +109,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [D], Qwen3
     k_norm: torch.Tensor | None = None
+    moe: moe_experts.ExpertWeights | None = None  # a sparse layer's experts (gate_up and down are then None)
 
 
 @dataclass(slots=True)
@@ -148,7 +156,7 @@ def _architecture(cfg: dict, config_path: Path) -> str:
 
 def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> list[int | None]:
     window = cfg.get("sliding_window")
-    if arch == "LlamaForCausalLM" or not window:
+    if arch == "LlamaForCausalLM" or not window or (arch in _USE_SLIDING_ARCHS and not cfg.get("use_sliding_window")):
         return [None] * num_layers
     window = int(window)
     types = cfg.get("layer_types")
@@ -157,7 +165,10 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> 
             first_sliding = int(cfg.get("max_window_layers", num_layers)) if cfg.get("use_sliding_window") else None
             types = ["sliding_attention" if first_sliding is not None and i >= first_sliding else "full_attention"
                      for i in range(num_layers)]  # fmt: skip
-        else:  # Mistral, Phi-3: every layer slides
+        elif arch == "Qwen2MoeForCausalLM":  # its own rule: every other layer below max_window_layers
+            below = int(cfg.get("max_window_layers", 28))
+            types = ["sliding_attention" if i % 2 == 0 and i < below else "full_attention" for i in range(num_layers)]
+        else:  # Mistral, Phi-3, Mixtral, Qwen3-MoE: every layer slides
             types = ["sliding_attention"] * num_layers
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"{config_path}: layer_types {types!r} must name full_attention or sliding_attention "
@@ -204,6 +215,7 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
         eos_ids = list(dict.fromkeys(_ids(cfg.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
         defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
         attention_bias = bool(cfg.get("attention_bias", False))
+        moe_qkv_bias = arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))  # Qwen2-MoE's own key
         rope_type, rope_cap = _rope(cfg, config_path)
         return ModelSpec(
             architecture=arch,
@@ -218,10 +230,10 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # What each family's transformers module builds: Mistral and Phi-3 ignore attention_bias.
-            qkv_bias=arch == "Qwen2ForCausalLM" or (attention_bias and arch in _ATTENTION_BIAS_ARCHS),
+            qkv_bias=arch == "Qwen2ForCausalLM" or (attention_bias and arch in _ATTENTION_BIAS_ARCHS) or moe_qkv_bias,
             o_bias=attention_bias and arch in _ATTENTION_BIAS_ARCHS,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             layer_windows=_layer_windows(cfg, arch, num_layers, config_path),
             rope_type=rope_type,
             rope_context_cap=rope_cap,
@@ -230,6 +242,7 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
             sampling_defaults=defaults,
             raw=cfg,
             quantization=quant,
+            moe=moe_experts.read_moe_spec(cfg, arch, num_layers, config_path, quant),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path} lacks or mangles a required field: {exc!r}") from exc
@@ -316,13 +329,17 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
           shard) -> ModelWeights:  # fmt: skip
     used: set[str] = set()
 
-    def take(name: str, shape: tuple[int, ...], rows: Ranges = None, cols: Ranges = None) -> torch.Tensor:
+    def take(name: str, shape: tuple[int, ...], rows: Ranges = None, cols: Ranges = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The tensor `name` (its `rows` or `cols`) on the device in the model dtype; read into `out` if given."""
         sl = slices.get(name)
         if sl is None:
             raise ModelLoadError(f"{model_dir}: weight {name!r} is missing")
         if tuple(sl.get_shape()) != shape:
             raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(sl.get_shape())}, expected {shape}")
         used.add(name)
+        if out is not None:
+            return out.copy_(_select(sl, rows, cols))
         return _select(sl, rows, cols).to(device=device, dtype=dtype)
 
     fmt = spec.quantization
@@ -360,6 +377,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
     layers = []
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
+        dense = spec.moe is None or not spec.moe.sparse[n]
         if fused:
             qkv = proj(p + "self_attn.qkv_proj", (q_out + 2 * kv_out, h), rows=[
                 q_rows, _shift(kv_rows, q_out), _shift(kv_rows, q_out + kv_out)])  # fmt: skip
@@ -369,7 +387,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
                             proj(p + "self_attn.k_proj", (kv_out, h), rows=[kv_rows]),
                             proj(p + "self_attn.v_proj", (kv_out, h), rows=[kv_rows])], dtype)  # fmt: skip
             gate_up = cat_rows([proj(p + "mlp.gate_proj", (i, h), rows=[inter]),
-                                proj(p + "mlp.up_proj", (i, h), rows=[inter])], dtype)  # fmt: skip
+                                proj(p + "mlp.up_proj", (i, h), rows=[inter])], dtype) if dense else None  # fmt: skip
         lw = LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (h,)),
             qkv=qkv,
@@ -377,8 +395,10 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
             o=proj(p + "self_attn.o_proj", (h, q_out), cols=[q_rows]),
             post_norm=take(p + "post_attention_layernorm.weight", (h,)),
             gate_up=gate_up,
-            down=proj(p + "mlp.down_proj", (h, i), cols=[inter]),
+            down=proj(p + "mlp.down_proj", (h, i), cols=[inter]) if dense else None,
         )
+        if not dense:
+            lw.moe = moe_experts.read_experts(spec.moe, p, take, h, dtype, device, shard)
         if spec.qkv_bias:
             lw.qkv_bias = torch.cat([take(p + "self_attn.q_proj.bias", (q_out,), rows=[q_rows]),
                                      take(p + "self_attn.k_proj.bias", (kv_out,), rows=[kv_rows]),
@@ -455,12 +475,14 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
 
+    sparse = spec.moe.sparse if spec.moe is not None else (False,) * spec.num_layers
     layers = [
         LayerWeights(input_norm=ones(h), qkv=projection(f"model.layers.{n}.self_attn.qkv_proj", q_out + 2 * kv_out, h),
                      qkv_bias=None, o=projection(f"model.layers.{n}.self_attn.o_proj", h, q_out), post_norm=ones(h),
-                     gate_up=projection(f"model.layers.{n}.mlp.gate_up_proj", 2 * i, h),
-                     down=projection(f"model.layers.{n}.mlp.down_proj", h, i),
-                     q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None)
+                     gate_up=None if sparse[n] else projection(f"model.layers.{n}.mlp.gate_up_proj", 2 * i, h),
+                     down=None if sparse[n] else projection(f"model.layers.{n}.mlp.down_proj", h, i),
+                     q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None,
+                     moe=moe_experts.random_experts(spec.moe, h, normal) if sparse[n] else None)
         for n in range(spec.num_layers)
     ]  # fmt: skip
     embed = normal(spec.vocab_size, h)

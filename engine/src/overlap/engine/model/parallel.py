@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError, RankLost
+from overlap.engine.model.experts import check_divides, shard_moe
 
 COLLECTIVE_TIMEOUT_S = 10.0  # a rank that has not joined a collective by then is lost (the others wait as long)
 START_TIMEOUT_S = 600.0  # every rank loaded and in the process group within this
@@ -63,6 +64,8 @@ def plan_shard(spec, rank: int, size: int) -> Shard:
         raise ModelLoadError(f"tensor_parallel_size {size} neither divides the {kv} KV heads nor is a multiple of them")
     if inter % size:
         raise ModelLoadError(f"tensor_parallel_size {size} does not divide the MLP's intermediate size {inter}")
+    if spec.moe is not None:  # every rank holds every expert, a share of each one's width
+        check_divides(spec.moe, size)
     per_q, per_inter = heads // size, inter // size
     if kv % size == 0:
         kv_heads = (rank * kv // size, (rank + 1) * kv // size)
@@ -75,12 +78,14 @@ def plan_shard(spec, rank: int, size: int) -> Shard:
 
 
 def shard_spec(spec, shard: Shard):
-    """The spec as one rank's layers see it: its heads and intermediate width (the vocabulary stays whole)."""
+    """The spec as one rank's layers see it: its heads and intermediate width (the vocabulary stays whole), and its
+    share of each expert's."""
     return dataclasses.replace(
         spec,
         num_heads=shard.q_heads[1] - shard.q_heads[0],
         num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0],
         intermediate_size=shard.inter[1] - shard.inter[0],
+        moe=None if spec.moe is None else shard_moe(spec.moe, shard),
     )
 
 

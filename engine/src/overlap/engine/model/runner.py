@@ -368,6 +368,7 @@ def _weight_bytes(weights: ModelWeights) -> tuple[int, int]:
     number of weights among them."""
     tensors = [weights.norm, weights.lm_head]
     tensors += [getattr(layer, f.name) for layer in weights.layers for f in dataclasses.fields(layer)]
+    tensors += [t for layer in weights.layers if layer.moe is not None for t in layer.moe.tensors()]  # every expert
     distinct = {id(t): t for t in tensors if isinstance(t, torch.Tensor | QuantizedWeight)}
     quantized = [t for t in distinct.values() if isinstance(t, QuantizedWeight)]
     plain = [t for t in distinct.values() if not isinstance(t, QuantizedWeight)]

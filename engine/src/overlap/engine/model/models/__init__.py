@@ -14,6 +14,10 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen2ForCausalLM": LlamaModel,
     "Phi3ForCausalLM": LlamaModel,
     "Qwen3ForCausalLM": Qwen3Model,
+    # Mixtures of experts: the same decoders, a layer's MLP a sparse block where its weights hold experts
+    "Qwen3MoeForCausalLM": Qwen3Model,
+    "Qwen2MoeForCausalLM": LlamaModel,
+    "MixtralForCausalLM": LlamaModel,
 }
 
 

@@ -20,6 +20,7 @@ import torch
 from overlap.engine.model.layers.attention import PagedAttention
 from overlap.engine.model.layers.linear import Linear, LinearBackend
 from overlap.engine.model.layers.mlp import GatedMLP
+from overlap.engine.model.layers.moe import SparseMoE
 from overlap.engine.model.layers.norm import RMSNorm
 from overlap.engine.model.layers.rotary import Rotary, StepRotary
 from overlap.engine.model.loader import LayerWeights, ModelSpec, ModelWeights
@@ -55,7 +56,10 @@ class LlamaDecoderLayer:
         self.qkv = Linear(lw.qkv, lw.qkv_bias, linear)
         self.o = Linear(lw.o, lw.o_bias, linear)
         self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops)
-        self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear, ops)
+        if lw.moe is None:
+            self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear, ops)
+        else:  # a mixture of experts' sparse layer (Qwen3-MoE, Qwen2-MoE, Mixtral): the same place, the same reduce
+            self.mlp = SparseMoE(lw.moe, spec.moe, linear, ops)
         self.k_pool, self.v_pool = parts.k_pool[index], parts.v_pool[index]
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:

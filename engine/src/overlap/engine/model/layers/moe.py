@@ -1,0 +1,102 @@
+"""A sparse mixture-of-experts block: the router picks each token's top-k experts, each active expert runs its gated
+MLP over the tokens routed to it, and their outputs come back weighted and summed per token.
+
+Routing is transformers' to the op: router logits in the model dtype (F.linear, as transformers computes them), a
+softmax in fp32, `torch.topk` (so ties between experts break as transformers breaks them), the top-k renormalised
+where the family does (Mixtral always, Qwen with `norm_topk_prob`), the weights cast to the model dtype (Qwen) or
+kept in fp32 (Mixtral), each expert's output multiplied by its weight and the k of a token summed in top-k order.
+
+The experts (model/experts.py: gate|up [E, 2 I, H], down [E, H, I]):
+
+- On the CPU paths each expert is a `GatedMLP` of its own, so its weights are packed once for oneDNN (and decode-
+  sized steps go through the native kernel): a step sorts its (token, expert) pairs by expert, gathers each active
+  expert's rows and runs that expert once over them, so every active expert's weights stream once per step and an
+  inactive one's not at all (a one-token decode step touches top-k experts a layer).
+- On CUDA with Triton, one fused kernel pair over the sorted pairs (model/triton_moe.py), with no host sync, so
+  decode steps can be captured in CUDA graphs. Elsewhere (the device-generic paths on the CPU) the grouped torch path
+  above, over F.linear; tests run the kernels on the CPU in Triton's interpreter by setting `FUSED_ON_CPU`.
+
+Under tensor parallelism each rank's experts hold a share of their intermediate width: the block's output is a
+partial sum that the decoder all-reduces with the attention's, as a dense MLP's. Qwen2-MoE's shared expert runs over
+every token, scaled by sigmoid(x . shared_gate) (a whole vector on every rank: the scale distributes over the sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from overlap.engine.model.experts import ExpertWeights, MoeSpec
+from overlap.engine.model.layers.linear import LinearBackend
+from overlap.engine.model.layers.mlp import GatedMLP
+
+# The Triton kernels on the CPU too, where the step runs Triton (tests: in Triton's interpreter, about 10 ms a program)
+FUSED_ON_CPU = False
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, weights_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top-k experts [T, k] and their weights [T, k] from the router's logits [T, E], as transformers'
+    TopKRouter computes them (fp32 weights for Mixtral, the logits' dtype for Qwen)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        top /= top.sum(dim=-1, keepdim=True)
+    return (top if weights_fp32 else top.to(logits.dtype)), ids
+
+
+class SparseMoE:
+    """The sparse block of one layer (the `mlp` of its decoder layer)."""
+
+    def __init__(self, weights: ExpertWeights, moe: MoeSpec, backend: LinearBackend, ops=None) -> None:
+        self.top_k, self.renormalise, self.weights_fp32 = moe.top_k, moe.norm_topk_prob, moe.weights_fp32
+        self.num_experts = weights.gate_up.shape[0]
+        self.router = weights.router
+        self.fused = None  # the Triton kernels (device paths with Triton), else one GatedMLP per expert
+        self.experts: list[GatedMLP] = []
+        # quantized_triton: set where the step runs Triton kernels (the device paths with Triton)
+        if backend.quantized_triton and (weights.gate_up.is_cuda or FUSED_ON_CPU):
+            from overlap.engine.model.triton_moe import FusedMoE
+
+            self.fused = FusedMoE(weights.gate_up, weights.down)
+        else:
+            # torch's SiLU-mul: the ops' Triton one (the device paths on a CPU, in the interpreter) per active expert
+            # would cost more than the step's attention
+            self.experts = [GatedMLP(weights.gate_up[e], None, weights.down[e], None, backend)
+                            for e in range(self.num_experts)]  # fmt: skip
+            if backend.fuses_silu:  # oneDNN packed a copy of each: the stacked tensors go now, not after the model
+                weights.gate_up = weights.down = None  # is built (a layer's experts in memory once, not all twice)
+        self.shared = None
+        if weights.shared_gate_up is not None:
+            self.shared = GatedMLP(weights.shared_gate_up, None, weights.shared_down, None, backend, ops)
+        self.shared_gate = weights.shared_gate
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) of each row of x."""
+        return route(F.linear(x, self.router), self.top_k, self.renormalise, self.weights_fp32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        out = self.fused(x, weights, ids) if self.fused is not None else self.grouped(x, weights, ids)
+        if self.shared is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+        return out
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H]: the (token, expert) pairs sorted by expert, each active expert
+        once over its rows."""
+        rows, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pair indices (token * k + slot), grouped by expert
+        tokens = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        gathered = x.index_select(0, tokens)
+        out = torch.empty_like(gathered)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                out[start : start + count] = self.experts[expert](gathered[start : start + count])
+                start += count
+        # Weighted in transformers' dtype (fp32 for Mixtral), put back in (token, slot) order, summed over the slots.
+        weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        pairs = torch.empty_like(weighted).index_copy_(0, order, weighted)
+        return pairs.view(rows, k, -1).sum(dim=1).to(x.dtype)
