@@ -62,6 +62,7 @@ class OneDnnBackend(LinearBackend):
         self._op = torch.ops.mkldnn._linear_pointwise
         self._reorder = torch.ops.mkldnn._reorder_linear_weight
         self.rows_kernel: native.PackedLinearKernel | None = None
+        self._layouts: dict[tuple[int, int, torch.dtype], bool] = {}  # (n, k, dtype): the kernel reads oneDNN's
         self.rows_max = 0  # the most rows of x the native kernel takes in this backend's dtype
 
     @property
@@ -72,7 +73,7 @@ class OneDnnBackend(LinearBackend):
     def rows_handle(self, weight: torch.Tensor) -> tuple[int, int, int] | None:
         """(address, n, k) of a packed weight the native kernel reads, or None: it keeps oneDNN. oneDNN picks the
         layout per shape (a plain one for some small ones, of the same size at times), so one row through both says
-        whether this weight's is the kernel's."""
+        whether this weight's is the kernel's; once per shape (a mixture of experts has hundreds of one shape)."""
         kernel = self.rows_kernel
         if kernel is None or weight.layout != torch._mkldnn or weight.dtype not in kernel.dtypes:
             return None
@@ -81,10 +82,12 @@ class OneDnnBackend(LinearBackend):
         if (dtype == torch.bfloat16 and k % 2) or torch.ops.mkldnn._nbytes(weight) != kernel.packed_bytes(n, k, dtype):
             return None
         handle = torch.ops.mkldnn.data_ptr(weight), n, k
-        x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(dtype)
-        with torch.inference_mode():
-            ours, theirs = kernel(x, *handle, None, False).float(), self.linear(x, weight).float()
-        return handle if torch.allclose(ours, theirs, **_CLOSE[dtype]) else None
+        if (n, k, dtype) not in self._layouts:
+            x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+            with torch.inference_mode():
+                ours, theirs = kernel(x, *handle, None, False).float(), self.linear(x, weight).float()
+            self._layouts[n, k, dtype] = torch.allclose(ours, theirs, **_CLOSE[dtype])
+        return handle if self._layouts[n, k, dtype] else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._op(x, weight, bias, "none", [], "")
