@@ -19,12 +19,14 @@ from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 @pytest.mark.parametrize("name", list(shapes.SHAPES))
 def test_each_shape_has_the_tensors_transformers_builds_for_its_config(name):
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     config = shapes.shape_config(name)
     hf_config = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # the names save_pretrained writes (a mixture of experts' fused expert parameters split back per expert)
+    expected = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, model.state_dict()).items()}
     if config["tie_word_embeddings"]:
         expected.pop("lm_head.weight")
     assert shapes._tensor_shapes(config) == expected
@@ -53,6 +55,36 @@ def test_a_built_shape_loads_alike_in_transformers_and_the_engine(tmp_path, monk
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.decode([8999]) == "<|extra_8999|>"  # a padded id decodes
     ids = tokenizer("def f(x): return x")["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+    runner = ModelRunner(EngineConfig(model=str(folder), max_seq_len=128, num_kv_blocks=8), folder)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        logits = runner.compute_logits(ModelInput([ScheduledSeq("a", ids, 0, [0, 1], True, greedy, 0)]))[0]
+    finally:
+        runner.close()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_mixture_of_experts_shape_is_written_in_shards_and_loads_alike(tmp_path, monkeypatch):
+    """Qwen3-30B-A3B's recipe at a small width, written in shards with their index (as its 61 GB must be): the
+    engine's logits equal transformers' on the same folder."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(shapes, "SHARD_BYTES", 300_000)
+    small = {**shapes.SHAPES["qwen3-30b-a3b"], "vocab_size": 600, "hidden_size": 64, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "num_experts": 8, "num_experts_per_tok": 2}  # fmt: skip
+    monkeypatch.setitem(shapes.SHAPES, "test-qwen3-moe", small)
+    folder = shapes.ensure_shape_model("test-qwen3-moe")
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and not (folder / "model.safetensors").exists()
+    assert shapes.ensure_shape_model("test-qwen3-moe") == folder  # complete: its index counts as the weights
+    with pytest.raises(ConfigError, match="mixture of experts: quantized experts are not supported"):
+        shapes.shape_config("qwen3-30b-a3b", "w4a16")
+
+    ids = [5, 17, 300, 2, 44, 599]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0, -1]

@@ -24,8 +24,9 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-# The files whose presence means "this folder holds a complete model".
-_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# The files whose presence means "this folder holds a complete model" (the weights: one file, or an index of shards).
+_REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
 
 
 def cache_root() -> Path:
@@ -39,7 +40,8 @@ def default_model_dir() -> Path:
 
 
 def is_complete(model_dir: Path) -> bool:
-    return all((Path(model_dir) / name).is_file() for name in _REQUIRED_FILES)
+    folder = Path(model_dir)
+    return all((folder / name).is_file() for name in _REQUIRED_FILES) and any((folder / w).is_file() for w in _WEIGHTS)
 
 
 def ensure_default_model() -> Path:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.model import builder
+from overlap.engine.model.experts import read_moe_spec
 
 RECIPE = "v1"  # bump when the recipe changes, so cached folders rebuild
 
@@ -36,6 +37,18 @@ _LLAMA32 = dict(
     mlp_bias=False, rope_scaling={"rope_type": "llama3", "factor": 32.0, "high_freq_factor": 4.0,
                                   "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
 )  # fmt: skip
+# Mixtures of experts: every expert's weights are written, so these folders are as large as the real ones (Qwen3-30B-
+# A3B: 61 GB in bf16, Mixtral-8x7B: 93 GB), in shards of SHARD_BYTES.
+_QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, max_position_embeddings=40960,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+    use_sliding_window=False, sliding_window=None, max_window_layers=48, decoder_sparse_step=1, mlp_only_layers=[],
+)  # fmt: skip
+_MIXTRAL = dict(
+    architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, max_position_embeddings=32768,
+    rope_theta=1000000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, sliding_window=None,
+)  # fmt: skip
+SHARD_BYTES = 4 << 30
 
 # name -> the config.json fields of the real checkpoint that shape the compute (Qwen2 has q/k/v biases by design).
 SHAPES: dict[str, dict] = {
@@ -49,6 +62,12 @@ SHAPES: dict[str, dict] = {
                      "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
     "llama-3.2-3b": {**_LLAMA32, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
                      "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128},
+    "qwen3-30b-a3b": {**_QWEN3_MOE, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True},
+    "mixtral-8x7b": {**_MIXTRAL, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+                     "num_experts_per_tok": 2},
 }  # fmt: skip
 
 _DTYPE = "bfloat16"  # what the real checkpoints ship; the engine casts to the dtype asked for at load
@@ -111,6 +130,8 @@ def shape_config(name: str, quantization: str | None = None) -> dict:
     config = {**SHAPES[name], "torch_dtype": _DTYPE, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
               "initializer_range": 0.02}  # fmt: skip
     if quantization is not None:
+        if "num_experts_per_tok" in config:
+            raise ConfigError(f"shape {name!r} is a mixture of experts: quantized experts are not supported yet")
         if quantization not in QUANT_SCHEMES:
             raise ConfigError(f"unknown quantization {quantization!r} for a shape; choose from "
                               f"{', '.join(QUANT_SCHEMES)}")  # fmt: skip
@@ -156,13 +177,16 @@ def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None,
 
 
 def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a Llama-family checkpoint of this config."""
+    """Hugging Face tensor names and shapes of a Llama-family checkpoint of this config (a mixture of experts' as the
+    Hub's files hold them: one tensor per expert and projection)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
+    layers = config["num_hidden_layers"]
+    moe = read_moe_spec(config, config["architectures"][0], layers, Path("config.json"))
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
-    for i in range(config["num_hidden_layers"]):
+    for i in range(layers):
         p = f"model.layers.{i}."
         shapes |= {
             p + "input_layernorm.weight": (h,),
@@ -171,10 +195,18 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         }
+        if moe is not None and moe.sparse[i]:
+            m, width, (gate, up, down) = f"{p}{moe.prefix}.", moe.intermediate_size, moe.names
+            shapes[m + "gate.weight"] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                shapes |= {f"{m}experts.{e}.{gate}.weight": (width, h), f"{m}experts.{e}.{up}.weight": (width, h),
+                           f"{m}experts.{e}.{down}.weight": (h, width)}  # fmt: skip
+        else:
+            shapes |= {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)}  # fmt: skip
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
         if config["model_type"] == "qwen2":
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}  # fmt: skip
@@ -190,18 +222,39 @@ def _write_weights(folder: Path, config: dict) -> None:
 
     generator = torch.Generator().manual_seed(_SEED)
     quantization = config.get("quantization_config") or {}
-    tensors = {}
-    for name, shape in _tensor_shapes(config).items():
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
-        elif name.endswith(".bias"):
-            tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
-        elif quantization and name.startswith("model.layers."):
-            module = name.removesuffix(".weight")
-            tensors |= {f"{module}.{k}": v for k, v in _quantized(shape, quantization, generator).items()}
-        else:
-            tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    shapes = _tensor_shapes(config)
+    # Shards of at most SHARD_BYTES (bf16 sizes), each written as soon as it is made: a large model is never whole
+    # in memory. One shard: model.safetensors; more: model-0000N-of-0000M.safetensors and their index.
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = 2 * math.prod(shape)
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for index, names in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            shape = shapes[name]
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            elif name.endswith(".bias"):
+                tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
+            elif quantization and name.startswith("model.layers."):
+                module = name.removesuffix(".weight")
+                tensors |= {f"{module}.{k}": v for k, v in _quantized(shape, quantization, generator).items()}
+            else:
+                tensors[name] = torch.empty(shape, dtype=torch.bfloat16).normal_(0.0, 0.02, generator=generator)
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+        total += sum(t.nbytes for t in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _quantized(shape: tuple[int, int], quantization: dict, generator) -> dict:
