@@ -220,8 +220,7 @@ def _refused(folder: Path, match: str) -> None:
     ("architecture", "model_type", "reason"),
     [
         ("Gemma2ForCausalLM", "gemma2", "Gemma models"),
-        ("MixtralForCausalLM", "mixtral", "mixture-of-experts"),
-        ("Qwen2MoeForCausalLM", "qwen2_moe", "mixture-of-experts"),
+        ("OlmoeForCausalLM", "olmoe", "mixture-of-experts family is not implemented"),
         ("DeepseekV3ForCausalLM", "deepseek_v3", "DeepSeek"),
         ("LlavaForConditionalGeneration", "llava", "multimodal"),
         ("Qwen2VLForConditionalGeneration", "qwen2_vl", "multimodal"),

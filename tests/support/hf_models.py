@@ -75,6 +75,24 @@ def _variants() -> dict[str, Callable]:
         "phi3-partial-rotary": lambda: Phi3Config(
             **COMMON, pad_token_id=0, rope_parameters=_rope("default", partial_rotary_factor=0.5)
         ),
+        **_moe_variants(),
+    }
+
+
+def _moe_variants() -> dict[str, Callable]:
+    """Mixtures of experts (the experts' widths differ from COMMON's intermediate_size, the dense layers')."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return {
+        # top-2 of 8 experts renormalised (norm_topk_prob), q/k norms
+        "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, **experts, head_dim=32, norm_topk_prob=True),
+        # top-2 of 8 not renormalised, a shared expert with its sigmoid gate, layer 1 a dense MLP (mlp_only_layers)
+        "qwen2-moe": lambda: Qwen2MoeConfig(
+            **COMMON, **experts, shared_expert_intermediate_size=48, mlp_only_layers=[1]
+        ),
+        # 4 experts of width 128 (intermediate_size), top-2 (a softmax over the two), every layer sliding (window 32)
+        "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=32),
     }
 
 
@@ -82,6 +100,7 @@ VARIANTS = (
     "llama", "llama-linear-rope", "llama-dynamic-rope", "llama-yarn-rope", "llama3-rope", "llama-longrope",
     "llama-biases-head-dim", "mistral-sliding-window", "qwen2", "qwen2-sliding-layers", "qwen3", "phi3",
     "phi3-partial-rotary",
+    "qwen3-moe", "qwen2-moe", "mixtral",
 )  # fmt: skip
 
 
