@@ -22,6 +22,7 @@ import torch
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ModelLoadError
+from overlap.engine.model.experts import MoeSpec
 from overlap.engine.model.loader import read_spec
 from overlap.engine.model.parallel import plan_shard
 from overlap.engine.model.runner import ModelRunner
@@ -32,9 +33,10 @@ from tests.support.sidecar import http, overlap_serve, wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 # Every family and what tells it apart: tied embeddings, biases (row-parallel ones added once), a sliding window,
-# q/k norms, fused q|k|v and gate|up checkpoints, partial rotary.
+# q/k norms, fused q|k|v and gate|up checkpoints, partial rotary; mixtures of experts (every rank holds every expert,
+# a share of each one's width; a shared expert and a dense layer; Mixtral's fp32 routing weights).
 FAMILIES = ("llama", "llama-biases-head-dim", "mistral-sliding-window", "qwen2", "qwen3", "phi3",
-            "phi3-partial-rotary")  # fmt: skip
+            "phi3-partial-rotary", "qwen3-moe", "qwen2-moe", "mixtral")  # fmt: skip
 
 
 def _runner(folder: Path, size: int) -> ModelRunner:
@@ -82,7 +84,7 @@ def test_two_ranks_compute_what_one_does(family, tmp_path):
         got, collectives = _generate(two, prompts, 64)
         assert got == expected
         layers = read_spec(folder).num_layers
-        assert set(collectives) == {2 * layers + 2}  # o and down per layer, the embedding, the LM head's gather
+        assert set(collectives) == {2 * layers + 2}  # o and down (or experts) per layer, the embedding, LM head
     finally:
         two.close()
         one.close()
@@ -125,6 +127,10 @@ def test_a_size_the_heads_do_not_divide_is_refused_with_the_reason(tiny_model_di
         plan_shard(odd, 0, 4)
     with pytest.raises(ModelLoadError, match="does not divide the 12 attention heads"):
         plan_shard(odd, 0, 8)
+    experts = MoeSpec(8, 2, 30, norm_topk_prob=True, weights_fp32=False, shared_intermediate_size=64,
+                      sparse=(True,), prefix="mlp")  # fmt: skip
+    with pytest.raises(ModelLoadError, match="does not divide each expert's intermediate size 30"):
+        plan_shard(dataclasses.replace(spec, moe=experts), 0, 4)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 2, 4 or 8"):
         EngineConfig(tensor_parallel_size=3)
 
