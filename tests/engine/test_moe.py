@@ -63,6 +63,44 @@ def _prefill_logits(runner: ModelRunner, prompts: list[list[int]]) -> torch.Tens
     return runner.compute_logits(ModelInput(seqs))
 
 
+# ---- config.json -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("model_type", "fields"),
+    [
+        # Qwen2-MoE's own sliding rule (every other layer below max_window_layers) where layer_types is absent, as
+        # on the Hub; a dense layer every other one and one more by mlp_only_layers
+        ("qwen2_moe", dict(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3], use_sliding_window=True,
+                           sliding_window=32, max_window_layers=4)),
+        ("qwen2_moe", dict(num_hidden_layers=3, sliding_window=4096)),  # no use_sliding_window: no window
+        ("qwen3_moe", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=32, mlp_only_layers=[1])),
+        ("qwen3_moe", dict(num_hidden_layers=2, sliding_window=4096, num_experts=6, num_experts_per_tok=3)),
+        ("mixtral", dict(num_hidden_layers=2, sliding_window=64, num_local_experts=3)),
+    ],
+)  # fmt: skip
+def test_moe_config_fields_are_read_as_transformers_reads_them(model_type, fields, tmp_path):
+    """Sparse and dense layers, sliding windows, the expert count under either of its names, top-k."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from overlap.engine.model.loader import read_spec
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    config = AutoConfig.for_model(model_type, **shape, **fields)
+    config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("layer_types", None)  # the Hub's Qwen2-MoE configs predate it
+    if "num_local_experts" in raw and model_type == "qwen3_moe":
+        raw["num_experts"] = raw.pop("num_local_experts")  # the Hub's spelling (transformers 5 saves the other)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    spec = read_spec(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert spec.moe.sparse == tuple(type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in model.model.layers)
+    assert (spec.moe.num_experts, spec.moe.top_k) == (config.num_experts, config.num_experts_per_tok)
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    expected = [config.sliding_window if t == "sliding_attention" and config.sliding_window else None for t in types]
+    assert spec.layer_windows == expected
+
+
 # ---- router ties ----------------------------------------------------------------------------------------------
 def _record_engine_routes(runner: ModelRunner) -> list[list[torch.Tensor]]:
     """Per sparse layer, the expert ids [T, k] each of its calls picked."""
