@@ -53,7 +53,7 @@ class SparseMoE:
         self.router = weights.router
         self.fused = None  # the Triton kernels (device paths with Triton), else one GatedMLP per expert
         self.experts: list[GatedMLP] = []
-        # quantized_triton: set where the step runs Triton kernels (the device paths with Triton)
+        # quantized_triton: set where the step runs Triton kernels (the device paths with the Triton attention)
         if backend.quantized_triton and (weights.gate_up.is_cuda or FUSED_ON_CPU):
             from overlap.engine.model.triton_moe import FusedMoE
 
@@ -63,8 +63,10 @@ class SparseMoE:
             # would cost more than the step's attention
             self.experts = [GatedMLP(weights.gate_up[e], None, weights.down[e], None, backend)
                             for e in range(self.num_experts)]  # fmt: skip
-            if backend.fuses_silu:  # oneDNN packed a copy of each: the stacked tensors go now, not after the model
-                weights.gate_up = weights.down = None  # is built (a layer's experts in memory once, not all twice)
+            if backend.fuses_silu:
+                # oneDNN packed a copy of every expert: the stacked tensors go now, not once the whole model is built,
+                # so that loading holds the experts once (a layer's twice), not twice over
+                weights.gate_up = weights.down = None
         self.shared = None
         if weights.shared_gate_up is not None:
             self.shared = GatedMLP(weights.shared_gate_up, None, weights.shared_down, None, backend, ops)
@@ -99,4 +101,4 @@ class SparseMoE:
         # Weighted in transformers' dtype (fp32 for Mixtral), put back in (token, slot) order, summed over the slots.
         weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         pairs = torch.empty_like(weighted).index_copy_(0, order, weighted)
-        return pairs.view(rows, k, -1).sum(dim=1).to(x.dtype)
+        return pairs.view(rows, k, x.shape[1]).sum(dim=1).to(x.dtype)
