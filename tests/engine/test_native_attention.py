@@ -20,7 +20,8 @@ kernel = native.decode_attention_kernel()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the runner uses torch ops")
 
 
-def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
     """q [H, D], k/v [L, KV, D] -> [H, D] by the textbook formula, in float64. In bf16 the softmax weights are
     rounded to bf16 before they multiply V, as transformers casts its fp32 softmax to the value dtype (the kernel
     rounds the unnormalised exponentials and divides by their exact sum at the end: the same weights up to the
@@ -29,6 +30,8 @@ def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     k = k.double().repeat_interleave(group, dim=1)  # [L, H, D]
     v_wide = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("hd,lhd->hl", q_row.double(), k) * scale
+    if softcap is not None:  # Gemma 2
+        scores = torch.tanh(scores / softcap) * softcap
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
     total = weights.sum(-1, keepdim=True)
     if v.dtype == torch.bfloat16:
@@ -84,6 +87,25 @@ def test_kernel_matches_reference_on_scattered_blocks(heads, kv_heads, head_dim,
         expected = _reference(q[rows[i]], k_pool[slots], v_pool[slots], scale)  # exact, on the same bf16 inputs
         torch.testing.assert_close(out[rows[i]].float(), expected, **TOLERANCE[dtype])
     assert torch.isnan(out[0::2]).all()  # rows that are not decodes stay untouched
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 256])  # the AVX-512 path where the CPU has it; the portable one (Gemma's)
+def test_kernel_soft_caps_the_scores(dtype, head_dim):
+    """Gemma 2: scaled scores s become cap * tanh(s / cap) before the softmax (a cap small enough to bend them)."""
+    gen = torch.Generator().manual_seed(3)
+    k_pool, v_pool = (torch.randn(64 * 16, 2, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = (torch.randn(2, 8, head_dim, generator=gen) * 3).to(dtype)
+    lens, tables = [37, 70], [[5, 1, 9], [0, 2, 3, 4, 6]]
+    out = torch.empty_like(q)
+    kernel(q, k_pool, v_pool, native.DecodePlan(tables, lens, [0, 1], 16), out, 0, 2, 0.0625, softcap=2.0)
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n)])
+        expected = _reference(q[i], k_pool[slots], v_pool[slots], 0.0625, softcap=2.0)
+        torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
+        uncapped = _reference(q[i], k_pool[slots], v_pool[slots], 0.0625)
+        assert (uncapped - expected).abs().max() > 0.1  # the cap changes the result
 
 
 @needs_kernel

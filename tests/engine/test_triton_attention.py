@@ -16,8 +16,9 @@ import torch
 from overlap.engine.model import triton_attention as ta
 
 
-def reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window=None):
-    """float64 attention per sequence from the block tables, lower-right aligned causal (and windowed)."""
+def reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window=None, softcap=None):
+    """float64 attention per sequence from the block tables, lower-right aligned causal (and windowed, and
+    soft-capped)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     heads, kv_heads = q.shape[1], k_pool.shape[1]
     group = heads // kv_heads
@@ -29,6 +30,8 @@ def reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block
         v = v_pool[slots].double().repeat_interleave(group, dim=1)
         qs = q[q0 : q0 + n].double()  # [n, H, D]
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(kv - n, kv)[:, None]
         k_pos = torch.arange(kv)[None, :]
         allowed = k_pos <= q_pos
@@ -62,15 +65,15 @@ def make_step(specs, *, heads, kv_heads, head_dim, block_size, dtype, fragmented
 
 
 def run_and_compare(specs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                    fragmented=True, window=None, seed=0):  # fmt: skip
+                    fragmented=True, window=None, seed=0, softcap=None):  # fmt: skip
     q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens = make_step(
         specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
         fragmented=fragmented, seed=seed,
     )  # fmt: skip
     scale = head_dim**-0.5
     plan = ta.build_plan(tables, q_starts, q_lens, kv_lens, heads // kv_heads, torch.device("cpu"))
-    got = ta.paged_attention(q, k_pool, v_pool, plan, scale, block_size, window)
-    want = reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window)
+    got = ta.paged_attention(q, k_pool, v_pool, plan, scale, block_size, window, softcap=softcap)
+    want = reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window, softcap)
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2  # bf16 rounds p before P.V, and the output once
     torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
@@ -109,6 +112,11 @@ def test_head_size_that_is_no_power_of_two():
 @pytest.mark.parametrize("window", [1, 16, 50])
 def test_sliding_window(window):
     run_and_compare([(1, 120), (33, 100), (70, 70)], window=window)
+
+
+def test_soft_capping():
+    """Gemma 2: scores capped at cap * tanh(s / cap); a cap of 0.5 bends the scale-0.125 scores of randn inputs."""
+    run_and_compare([(1, 70), (20, 90)], softcap=0.5, window=48)
 
 
 def test_long_context():

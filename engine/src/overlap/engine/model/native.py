@@ -57,7 +57,7 @@ class DecodeAttentionKernel:
             fn = getattr(library, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
-            fn.argtypes += [_i32, _f32, _i32]
+            fn.argtypes += [_i32, _f32, _f32, _i32]
             self._fns[dtype] = fn
 
     def __call__(
@@ -71,10 +71,11 @@ class DecodeAttentionKernel:
         end: int,
         scale: float,
         threads: int = 1,
+        softcap: float | None = None,
     ) -> None:
         """q [rows, heads, D] (rows may be strided, heads and D dense); k/v pool [slots, kv_heads, D] contiguous;
         out [rows, heads, D] contiguous. All of one dtype, fp32 or bf16, on CPU. `threads` OpenMP threads share the
-        sequences."""
+        sequences. `softcap` (Gemma 2): scaled scores s become softcap * tanh(s / softcap) before the softmax."""
         heads, head_dim = q.shape[1], q.shape[2]
         fn = self._fns.get(q.dtype)
         if fn is None or not (k_pool.dtype == v_pool.dtype == out.dtype == q.dtype):
@@ -105,6 +106,7 @@ class DecodeAttentionKernel:
             head_dim,
             plan.block_size,
             scale,
+            softcap or 0.0,
             threads,
         )
         if status != 0:

@@ -17,7 +17,8 @@
  *   out       row r, head h at out[r * out_row_stride + h * head_dim]
  * Sequence s (seq_begin <= s < seq_end) reads its query from row q_rows[s], attends to positions 0 .. ctx_lens[s]-1
  * through the blocks block_tables[table_starts[s] ...], and writes its output to row q_rows[s].
- * Query heads h share KV head h / (num_heads / num_kv_heads) (grouped-query attention).
+ * Query heads h share KV head h / (num_heads / num_kv_heads) (grouped-query attention). A softcap > 0 (Gemma 2)
+ * caps each scaled score s at softcap * tanh(s / softcap) before the softmax, as transformers does.
  *
  * Returns 0, or -1 when scratch memory cannot be allocated (the caller then raises).
  */
@@ -30,6 +31,18 @@
 #endif
 
 #include "bf16.h"
+
+/* Gemma 2's soft-capping of the attention logits, in place over each head's scores row: s -> cap * tanh(s / cap).
+ * Scalar tanhf: only soft-capped models pay for it, once per score. */
+static inline __attribute__((always_inline)) void softcap_scores(float *scores, int32_t num_heads, int32_t max_len,
+                                                                 int32_t len, float softcap) {
+    if (softcap <= 0.0f) return;
+    for (int32_t h = 0; h < num_heads; h++)
+        for (int32_t p = 0; p < len; p++) {
+            float *s = scores + (int64_t)h * max_len + p;
+            *s = softcap * tanhf(*s / softcap);
+        }
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -158,7 +171,7 @@ static inline __attribute__((always_inline)) void v_pass_pairs_heads(int N, cons
 static inline __attribute__((always_inline)) void attend_one_avx512(
     const void *q_row, const void *k_pool, const void *v_pool, const int32_t *table, int32_t len, float *o,
     float *scores, int32_t max_len, float *inv_sums, uint16_t *weights, int32_t num_heads, int32_t num_kv_heads,
-    const int32_t head_dim, int32_t block_size, float scale, const int bf16) {
+    const int32_t head_dim, int32_t block_size, float scale, float softcap, const int bf16) {
     enum { MAX_VECS = 8 }; /* head_dim <= 128 */
     const int32_t group = num_heads / num_kv_heads, vecs = head_dim / 16;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
@@ -226,6 +239,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
         }
     }
 
+    softcap_scores(scores, num_heads, max_len, len, softcap);
     /* softmax per head, 16 positions at a time (the tail under a mask); the 1 / sum is applied to the output */
     for (int32_t h = 0; h < num_heads; h++) {
         float *row = scores + (int64_t)h * max_len;
@@ -321,7 +335,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q_row, 
                                                              float *o, float *scores, int32_t max_len,
                                                              float *q_scaled, int32_t num_heads, int32_t num_kv_heads,
                                                              const int32_t head_dim, int32_t block_size, float scale,
-                                                             const int bf16) {
+                                                             float softcap, const int bf16) {
     const int32_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = load(q_row, i, bf16) * scale;
@@ -343,6 +357,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q_row, 
         }
     }
 
+    softcap_scores(scores, num_heads, max_len, len, softcap);
     /* softmax per head */
     for (int32_t h = 0; h < num_heads; h++) {
         float *row = scores + (int64_t)h * max_len;
@@ -383,7 +398,7 @@ static inline __attribute__((always_inline)) int decode_attention(
     const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
     const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows, void *out, int64_t out_row_stride,
     int32_t seq_begin, int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    float scale, int32_t threads, const int bf16) {
+    float scale, float softcap, int32_t threads, const int bf16) {
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t width = (size_t)num_heads * head_dim;
     int32_t max_len = 1;
@@ -422,21 +437,21 @@ static inline __attribute__((always_inline)) int decode_attention(
 #if defined(__AVX512F__)
         if (head_dim == 64) {
             attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, weights,
-                              num_heads, num_kv_heads, 64, block_size, scale, bf16);
+                              num_heads, num_kv_heads, 64, block_size, scale, softcap, bf16);
         } else if (head_dim == 128) {
             attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, weights,
-                              num_heads, num_kv_heads, 128, block_size, scale, bf16);
+                              num_heads, num_kv_heads, 128, block_size, scale, softcap, bf16);
         } else
 #endif
         if (head_dim == 64)
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 64,
-                       block_size, scale, bf16);
+                       block_size, scale, softcap, bf16);
         else if (head_dim == 128)
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 128,
-                       block_size, scale, bf16);
+                       block_size, scale, softcap, bf16);
         else
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads,
-                       head_dim, block_size, scale, bf16);
+                       head_dim, block_size, scale, softcap, bf16);
         if (bf16)
             for (size_t i = 0; i < width; i++) ((uint16_t *)out_row)[i] = f32_to_bf16(o_f32[i]);
     }
@@ -449,10 +464,10 @@ int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const f
                                    const int32_t *block_tables, const int32_t *table_starts, const int32_t *ctx_lens,
                                    const int32_t *q_rows, float *out, int64_t out_row_stride, int32_t seq_begin,
                                    int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                                   int32_t block_size, float scale, int32_t threads) {
+                                   int32_t block_size, float scale, float softcap, int32_t threads) {
     return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
                             out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            threads, 0);
+                            softcap, threads, 0);
 }
 
 /* The same with q, the pools and out in bf16 (uint16_t bit patterns); strides count elements, as above. */
@@ -461,8 +476,8 @@ int overlap_paged_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride,
                                         const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows,
                                         uint16_t *out, int64_t out_row_stride, int32_t seq_begin, int32_t seq_end,
                                         int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                                        float scale, int32_t threads) {
+                                        float scale, float softcap, int32_t threads) {
     return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
                             out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            threads, 1);
+                            softcap, threads, 1);
 }

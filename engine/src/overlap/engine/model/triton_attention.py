@@ -17,6 +17,9 @@ Sizes: `tl.dot` needs every side >= 16, so a decode-only step runs one query per
 to 16 rows, and a step with prompt chunks runs 64-row tiles. A mixed step uses the chunk tiles for its decodes too:
 their padded rows cost tensor-core arithmetic, not memory traffic, which is what a decode is bound by.
 
+Soft-capping (Gemma 2) caps each scaled score s at softcap * tanh(s / softcap) before the online softmax; the kernel
+works in log2 units (exp2), so it caps s * log2(e) at softcap * log2(e), which is the same.
+
 Not here yet: split-K over the context for a small batch of long sequences (a batch-1 decode runs one program per
 KV head), and fp8 KV.
 
@@ -41,6 +44,7 @@ BLOCK_N = 64  # key positions per inner iteration
 # Set before this module loads (tests on CPU); read once, as triton.jit does when it decorates the kernels.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: past any position
+LOG2E = 1.4426950408889634  # the kernel's softmax is in powers of 2: scores are scaled by log2(e)
 
 
 @triton.jit
@@ -55,14 +59,23 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh as (1 - e) / (1 + e) of e = exp(-2|x|), signed: no cancellation near 0, no overflow for large |x| (Triton
+    has no tanh of its own that its interpreter runs)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     tables_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, prog_seq_ptr, prog_q_ptr,
-    scale_log2, window,
+    scale_log2, window, softcap_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     prog = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,6 +120,8 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [D, N]
         s = _dot(q, k, IEEE, UPCAST) * scale_log2
+        if SOFTCAP:
+            s = _tanh(s / softcap_log2) * softcap_log2
         keep = n_ok[None, :] & (n[None, :] <= pos[:, None]) & (n[None, :] > pos[:, None] - window)
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -186,10 +201,12 @@ def paged_attention(
     block_size: int,
     window: int | None = None,
     out: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k_pool / v_pool [slots, KV, D] (one layer, D contiguous) -> out [T, H, D] in q's dtype. `window`:
     a query at position p sees keys p - window < k <= p (sliding-window layers); None sees every earlier key.
-    Rows of q that no sequence owns are left as they were in `out`."""
+    `softcap`: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2). Rows of q that no
+    sequence owns are left as they were in `out`."""
     heads, head_dim = q.shape[1:]
     kv_heads = k_pool.shape[1]
     if heads % kv_heads or k_pool.shape[2] != head_dim or v_pool.shape != k_pool.shape:
@@ -206,11 +223,11 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out,
         plan.tables, plan.q_starts, plan.q_lens, plan.kv_lens, plan.prog_seq, plan.prog_q,
-        scale * 1.4426950408889634, window or NO_WINDOW,
+        scale * LOG2E, window or NO_WINDOW, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), plan.tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, BLOCK_Q=plan.block_q, BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
-        IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype != torch.float32,
+        IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype != torch.float32, SOFTCAP=softcap is not None,
     )  # fmt: skip
     return out

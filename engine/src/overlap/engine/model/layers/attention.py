@@ -9,6 +9,9 @@
   kernel a decode loop of a few tensor ops per sequence.
 
 What each sequence attends over this step is decided once per step (`attention_plan.py`); this module only runs it.
+Every path scales the scores by the model's `scale` and, for a soft-capping model (Gemma 2), caps them at
+softcap * tanh(scores / softcap) before the softmax, as transformers' eager attention does (SDPA cannot: capped prompt
+chunks take explicit matmuls).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ class PagedAttention:
     """q [T, H, D] and one layer's pools [slots, KV, D] -> [T, H * D], by the backend picked for this runner."""
 
     def __init__(self, *, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 decode_kernel: DecodeAttentionKernel | None, triton, cpu_paths: bool,
-                 helper: HelperThread) -> None:  # fmt: skip
-        self.scale = head_dim**-0.5
+                 decode_kernel: DecodeAttentionKernel | None, triton, cpu_paths: bool, helper: HelperThread,
+                 scale: float | None = None, softcap: float | None = None) -> None:  # fmt: skip
+        self.scale = scale or head_dim**-0.5
+        self.softcap = softcap
         self.gqa = kv_heads != heads
         self.block_size = block_size
         self.dtype = dtype
@@ -51,14 +55,16 @@ class PagedAttention:
         """`plan`: the Triton PagedPlan of the whole step, or the native DecodePlan of its decodes (None: no decode
         goes to the kernel); `seqs`: the sequences for torch ops (their plans already hold the window)."""
         if self.triton is not None:
-            out = self.triton.paged_attention(q, k_pool, v_pool, plan, self.scale, self.block_size, window)
+            out = self.triton.paged_attention(
+                q, k_pool, v_pool, plan, self.scale, self.block_size, window, softcap=self.softcap
+            )
             return out.view(q.shape[0], -1)
         if plan is None:
             return self._torch(q, k_pool, v_pool, seqs)
         num_tokens, heads, head_dim = q.shape
         out = q.new_empty(num_tokens, heads, head_dim)
         threads = torch.get_num_threads() if self._shares(plan.num_seqs) else 1  # torch's OpenMP threads share them
-        self.decode_kernel(q, k_pool, v_pool, plan, out, 0, plan.num_seqs, self.scale, threads)
+        self.decode_kernel(q, k_pool, v_pool, plan, out, 0, plan.num_seqs, self.scale, threads, self.softcap)
         for s in seqs:
             out[s.q_start : s.q_start + s.q_len] = self._sdpa(q, k_pool, v_pool, s)
         return out.view(num_tokens, -1)
@@ -75,6 +81,8 @@ class PagedAttention:
             k, v = k_pool[s.kv_start : s.kv_start + s.kv_len], v_pool[s.kv_start : s.kv_start + s.kv_len]
         else:  # gather whole rows (KV * D contiguous values each)
             k, v = k_pool.index_select(0, s.kv_index), v_pool.index_select(0, s.kv_index)
+        if self.softcap is not None:
+            return self._softcapped(q[s.q_start : s.q_start + s.q_len], k, v, s)
         # Head-major views with a batch dimension of one: with 4-D inputs CPU SDPA takes its flash kernel (3-D ones
         # take the math path, ~30% slower for a 128-token chunk).
         return F.scaled_dot_product_attention(
@@ -83,8 +91,24 @@ class PagedAttention:
             v.transpose(0, 1)[None],
             attn_mask=s.mask,
             is_causal=s.is_causal,
+            scale=self.scale,
             enable_gqa=self.gqa,
         )[0].transpose(0, 1)
+
+    def _softcapped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: SeqAttention) -> torch.Tensor:
+        """Soft-capped attention of one sequence as transformers' eager attention computes it: q [n, H, D] and its
+        K/V rows [L, KV, D] -> [n, H, D]."""
+        group = q.shape[1] // k.shape[1]
+        k_h, v_h = (t.transpose(0, 1).repeat_interleave(group, 0) for t in (k, v))  # [H, L, D]
+        scores = torch.matmul(q.transpose(0, 1), k_h.transpose(1, 2)) * self.scale  # [H, n, L]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        keep = s.mask
+        if s.is_causal:  # a chunk from position 0: query i sees keys 0 .. i
+            keep = torch.ones(s.q_len, s.kv_len, dtype=torch.bool, device=q.device).tril()
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        probs = scores.softmax(-1, dtype=torch.float32).to(v.dtype)
+        return torch.matmul(probs, v_h).transpose(0, 1)
 
     def _torch(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, seqs) -> torch.Tensor:
         """Per-sequence attention reading the pool in place. The path of CUDA without Triton, of CPUs without the
@@ -109,7 +133,7 @@ class PagedAttention:
 
             def attend_decodes(indices: list[int]) -> None:
                 torch.set_num_threads(1)  # this thread's own OpenMP setting; the global one is 1 meanwhile
-                attend(q_g, k_pool, v_pool, seqs, indices, outs)
+                attend(q_g, k_pool, v_pool, seqs, indices, outs, self.softcap)
 
             threads = torch.get_num_threads()
             share = self._shares(len(decodes))
@@ -130,7 +154,7 @@ class PagedAttention:
         return torch.cat(outs).view(num_tokens, -1)
 
     @staticmethod
-    def _decodes_fp32(q_g, k_pool, v_pool, seqs, indices, outs) -> None:
+    def _decodes_fp32(q_g, k_pool, v_pool, seqs, indices, outs, softcap) -> None:
         """Multiply-and-sum over the slot-major K/V rows ([L, KV, D], contiguous) instead of two matmuls on
         head-major views: one streaming pass over each (1.5x faster than the matmuls, docs/engine.md)."""
         q_e = q_g.unsqueeze(1)  # [T, 1, KV, group, D]
@@ -140,11 +164,14 @@ class PagedAttention:
                 k, v = k_pool[s.kv_start : s.kv_start + s.kv_len], v_pool[s.kv_start : s.kv_start + s.kv_len]
             else:
                 k, v = k_pool.index_select(0, s.kv_index), v_pool.index_select(0, s.kv_index)
-            probs = (k.unsqueeze(2) * q_e[s.q_start]).sum(-1).softmax(0)  # [L, KV, group]
+            scores = (k.unsqueeze(2) * q_e[s.q_start]).sum(-1)  # [L, KV, group]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            probs = scores.softmax(0)
             outs[i] = (probs.unsqueeze(-1) * v.unsqueeze(2)).sum(0)  # [KV, group, D]
 
     @staticmethod
-    def _decodes_upcast(q_g, k_pool, v_pool, seqs, indices, outs) -> None:
+    def _decodes_upcast(q_g, k_pool, v_pool, seqs, indices, outs, softcap) -> None:
         """bf16 / fp16: two matmuls over head-major views, the softmax in fp32."""
         k_tt = k_pool.permute(1, 2, 0)  # [KV, D, slots]: K transposed, still a view
         v_t = v_pool.transpose(0, 1)  # [KV, slots, D]
@@ -156,4 +183,6 @@ class PagedAttention:
                 k_T = k_pool.index_select(0, s.kv_index).permute(1, 2, 0)
                 v = v_pool.index_select(0, s.kv_index).transpose(0, 1)
             scores = torch.matmul(q_g[s.q_start], k_T)  # [KV, group, L]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             outs[i] = torch.matmul(scores.softmax(-1, dtype=torch.float32).to(v.dtype), v)  # [KV, group, D]
