@@ -31,6 +31,17 @@ def test_rms_norm_matches_torch_on_strided_rows(dtype):
     torch.testing.assert_close(got, F.rms_norm(x, (512,), weight, 1e-5), **CLOSE[dtype])
 
 
+def test_rms_norm_of_bf16_rows_takes_an_fp32_weight():
+    """Gemma's 1 + w stays fp32 (transformers adds it in fp32): the norm is computed in fp32 and rounded once."""
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 256, generator=gen) * 3).bfloat16()
+    weight = 1.0 + torch.randn(256, generator=gen) * 0.3
+    got = ops.rms_norm(x, weight, 1e-6)
+    expected = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * weight).bfloat16()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), **CLOSE[torch.bfloat16])
+
+
 @DTYPES
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 8, 64), (8, 2, 128), (4, 1, 80)])
 def test_rope_rotates_q_and_k_in_place_and_writes_k_v_to_their_slots(dtype, heads, kv_heads, head_dim):

@@ -15,7 +15,8 @@
 
 static inline __attribute__((always_inline)) void rms_norm(const void *x, int64_t x_stride, const void *weight,
                                                            void *out, int64_t out_stride, int32_t rows,
-                                                           int32_t hidden, float eps, const int bf16) {
+                                                           int32_t hidden, float eps, const int bf16,
+                                                           const int weight_bf16) {
     for (int32_t r = 0; r < rows; r++) {
         const int64_t in_row = (int64_t)r * x_stride, out_row = (int64_t)r * out_stride;
         float sum = 0.0f;
@@ -27,18 +28,21 @@ static inline __attribute__((always_inline)) void rms_norm(const void *x, int64_
         const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
 #pragma omp simd
         for (int32_t i = 0; i < hidden; i++)
-            store(out, out_row + i, load(x, in_row + i, bf16) * inv * load(weight, i, bf16), bf16);
+            store(out, out_row + i, load(x, in_row + i, bf16) * inv * load(weight, i, weight_bf16), bf16);
     }
 }
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight for rows 0 .. rows - 1 (torch's rms_norm); strides count
- * elements. */
+ * elements. The weight is x's dtype, or fp32 beside bf16 rows (Gemma's 1 + w, kept in fp32 as transformers adds
+ * it). */
 void overlap_rms_norm(const void *x, int64_t x_stride, const void *weight, void *out, int64_t out_stride,
-                      int32_t rows, int32_t hidden, float eps, int32_t bf16) {
-    if (bf16)
-        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 1);
+                      int32_t rows, int32_t hidden, float eps, int32_t bf16, int32_t weight_bf16) {
+    if (bf16 && weight_bf16)
+        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 1, 1);
+    else if (bf16)
+        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 1, 0);
     else
-        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 0);
+        rms_norm(x, x_stride, weight, out, out_stride, rows, hidden, eps, 0, 0);
 }
 
 static inline __attribute__((always_inline)) void rope_store_kv(

@@ -137,7 +137,7 @@ class CpuOps:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rms_norm = library.overlap_rms_norm
         self._rms_norm.restype = None
-        self._rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i32, _i32, _f32, _i32]
+        self._rms_norm.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i32, _i32, _f32, _i32, _i32]
         self._rope = library.overlap_rope_store_kv
         self._rope.restype = None
         self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
@@ -156,13 +156,15 @@ class CpuOps:
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """torch's rms_norm over the last dim of x [rows, hidden] (rows may be strided), one rounding: a new tensor."""
+        """torch's rms_norm over the last dim of x [rows, hidden] (rows may be strided), one rounding: a new tensor.
+        The weight is x's dtype, or fp32 (Gemma's 1 + w) beside bf16 x."""
         rows, hidden = x.shape
-        _check(x.dtype in DecodeAttentionKernel.DTYPES and weight.dtype == x.dtype, "rms_norm: fp32 or bf16 throughout")
+        _check(x.dtype in DecodeAttentionKernel.DTYPES and weight.dtype in (x.dtype, torch.float32),
+               "rms_norm: x fp32 or bf16, the weight x's dtype or fp32")  # fmt: skip
         _check(x.stride(1) == 1 and weight.is_contiguous() and weight.shape == (hidden,), "rms_norm: layouts")
         out = torch.empty(rows, hidden, dtype=x.dtype)
         self._rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), hidden, rows, hidden, eps,
-                       x.dtype == torch.bfloat16)  # fmt: skip
+                       x.dtype == torch.bfloat16, weight.dtype == torch.bfloat16)  # fmt: skip
         return out
 
     def rope_store_kv(

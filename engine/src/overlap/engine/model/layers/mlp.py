@@ -1,4 +1,5 @@
-"""The gated MLP of the Llama family: down(silu(gate(x)) * up(x))."""
+"""The gated MLP of the Llama family, down(silu(gate(x)) * up(x)), and Gemma's GeGLU: gelu (tanh approximation)
+in place of silu."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from overlap.engine.model.quant.weight import QuantizedWeight
 class GatedMLP:
     """gate and up as one matmul (its output split), or, where the backend fuses SiLU into a matmul (oneDNN), as two:
     SiLU rides on the gate's matmul, no separate pass over its output. A quantized gate|up stays one matmul: its
-    kernel prepares (and, W8A8, quantizes) the activations once for both."""
+    kernel prepares (and, W8A8, quantizes) the activations once for both. GeGLU (`hidden_act` gelu_pytorch_tanh)
+    is always one gate|up matmul, its activation a torch op."""
 
-    __slots__ = ("down", "gate", "gate_up", "inter", "silu_mul", "up")
+    __slots__ = ("down", "gate", "gate_up", "gelu", "inter", "silu_mul", "up")
 
     def __init__(self, gate_up: torch.Tensor, gate_up_bias: torch.Tensor | None, down: torch.Tensor,
-                 down_bias: torch.Tensor | None, backend: LinearBackend, ops=None) -> None:  # fmt: skip
+                 down_bias: torch.Tensor | None, backend: LinearBackend, ops=None,
+                 hidden_act: str = "silu") -> None:  # fmt: skip
         self.inter = gate_up.shape[0] // 2
-        self.silu_mul = getattr(ops, "silu_mul", None)  # one kernel where the ops have it (TritonOps)
+        self.gelu = hidden_act == "gelu_pytorch_tanh"
+        self.silu_mul = None if self.gelu else getattr(ops, "silu_mul", None)  # one kernel where the ops have it
         self.gate = self.up = self.gate_up = None
-        if backend.fuses_silu and not isinstance(gate_up, QuantizedWeight):
+        if backend.fuses_silu and not isinstance(gate_up, QuantizedWeight) and not self.gelu:
             halves = [None, None] if gate_up_bias is None else gate_up_bias.split(self.inter)
             self.gate = Linear(gate_up[: self.inter], halves[0], backend)
             self.up = Linear(gate_up[self.inter :], halves[1], backend)
@@ -36,5 +40,6 @@ class GatedMLP:
             gate_up = self.gate_up(x)
             if self.silu_mul is not None:
                 return self.down(self.silu_mul(gate_up))
-            act = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+            gate = gate_up[:, : self.inter]
+            act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * gate_up[:, self.inter :]
         return self.down(act)
