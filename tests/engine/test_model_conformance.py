@@ -219,8 +219,9 @@ def _refused(folder: Path, match: str) -> None:
 @pytest.mark.parametrize(
     ("architecture", "model_type", "reason"),
     [
-        ("Gemma2ForCausalLM", "gemma2", "Gemma models"),
         ("OlmoeForCausalLM", "olmoe", "mixture-of-experts family is not implemented"),
+        ("Gemma3nForCausalLM", "gemma3n_text", "Gemma 3n"),
+        ("Gemma3ForConditionalGeneration", "gemma3", "multimodal"),
         ("DeepseekV3ForCausalLM", "deepseek_v3", "DeepSeek"),
         ("LlavaForConditionalGeneration", "llava", "multimodal"),
         ("Qwen2VLForConditionalGeneration", "qwen2_vl", "multimodal"),
@@ -248,6 +249,17 @@ def test_unsupported_families_are_refused_by_name(built, tmp_path, architecture,
 def test_configs_the_runner_would_compute_wrongly_are_refused(built, tmp_path, changes, match):
     folder = edit_config(shutil.copytree(built("mistral-sliding-window")[0], tmp_path / "m"), **changes)
     _refused(folder, match)
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"hidden_activation": "gelu"}, r"hidden_activation 'gelu' is not supported \(Gemma's MLP is GeGLU"),
+        ({"use_bidirectional_attention": True}, r"use_bidirectional_attention .* is not supported"),
+    ],
+)
+def test_gemma_configs_the_runner_would_compute_wrongly_are_refused(built, tmp_path, changes, match):
+    _refused(edit_config(shutil.copytree(built("gemma2")[0], tmp_path / "m"), **changes), match)
 
 
 def _with_tensors(src: Path, dst: Path, put: dict[str, torch.Tensor] | None = None, drop: str | None = None) -> Path:

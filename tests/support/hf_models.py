@@ -36,7 +36,15 @@ def _rope(rope_type: str, **params) -> dict:
 
 
 def _variants() -> dict[str, Callable]:
-    from transformers import MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     return {
         "llama": lambda: _llama(tie_word_embeddings=True),
@@ -75,6 +83,28 @@ def _variants() -> dict[str, Callable]:
         "phi3-partial-rotary": lambda: Phi3Config(
             **COMMON, pad_token_id=0, rope_parameters=_rope("default", partial_rotary_factor=0.5)
         ),
+        # Gemma: head_dim set (their configs default to 256); caps small enough to bend these scores and logits
+        "gemma": lambda: GemmaConfig(**COMMON, head_dim=16),
+        "gemma2": lambda: Gemma2Config(
+            **COMMON,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=32,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+        # layers: sliding, full (pattern 2); a linear-scaled RoPE on the full layer, base 1e4 on the sliding one
+        "gemma3": lambda: Gemma3TextConfig(
+            **COMMON,
+            head_dim=32,
+            query_pre_attn_scalar=48,
+            sliding_window=32,
+            sliding_window_pattern=2,
+            rope_parameters={
+                "full_attention": _rope("linear", rope_theta=1e6, factor=2.0),
+                "sliding_attention": _rope("default"),
+            },
+        ),
         **_moe_variants(),
     }
 
@@ -101,6 +131,7 @@ VARIANTS = (
     "llama-biases-head-dim", "mistral-sliding-window", "qwen2", "qwen2-sliding-layers", "qwen3", "phi3",
     "phi3-partial-rotary",
     "qwen3-moe", "qwen2-moe", "mixtral",
+    "gemma", "gemma2", "gemma3",
 )  # fmt: skip
 
 

@@ -1,11 +1,12 @@
 """Read a local Hugging Face model folder (config.json, generation_config.json, *.safetensors) into plain tensors.
 
-Supported: the Llama family as transformers defines it (see `SUPPORTED_ARCHITECTURES`), in float weights or in the
-quantized formats of `quant/formats.py` (a projection's weight then comes back as a `QuantizedWeight`, or
-dequantized where the format is). Everything else, and every checkpoint the runner would compute wrongly (an unknown
-quantization, an activation other than SiLU, tensors it would not use), raises ModelLoadError saying why. The
-weights come back already fused for the runner: one q|k|v matrix and one gate|up matrix per layer, so each layer
-runs four matmuls. docs/models.md tables what loads and what is refused, and the test covering each.
+Supported: the Llama family and Gemma 1-3 (text) as transformers defines them (see `SUPPORTED_ARCHITECTURES`), in
+float weights or in the quantized formats of `quant/formats.py` (a projection's weight then comes back as a
+`QuantizedWeight`, or dequantized where the format is). Everything else, and every checkpoint the runner would
+compute wrongly (an unknown quantization, an activation other than SiLU, or Gemma's gelu_pytorch_tanh, tensors it
+would not use), raises ModelLoadError saying why. The weights come back already fused for the runner: one q|k|v
+matrix and one gate|up matrix per layer, so each layer runs four matmuls. docs/models.md tables what loads and what
+is refused, and the test covering each.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 # Families people try that this runner would compute wrongly: refused by name, with the reason.
 REFUSED_FAMILIES = {
-    "gemma": "Gemma models (scaled embeddings, GeGLU, soft-capping, extra norms) are not implemented",
+    "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not implemented",
+    "recurrent": "recurrent models (RecurrentGemma's Griffin blocks) are not implemented",
     "moe": "this mixture-of-experts family is not implemented (Qwen3-MoE, Qwen2-MoE and Mixtral are)",
     "deepseek": "DeepSeek models (mixture of experts, multi-head latent attention) are not implemented",
     "vl": "multimodal models are not implemented (text-only causal LMs are)",
@@ -50,6 +55,7 @@ _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "
 _ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Windows only with use_sliding_window (transformers drops sliding_window without it)
 _USE_SLIDING_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_GEMMA_ARCHS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _FLOAT_DTYPES = ("F32", "BF16", "F16")  # safetensors' names for float32, bfloat16 and float16
 # safetensors' names of the others, as torch names them (for the refusal's words)
 _TORCH_NAMES = {"F64": "float64", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -85,6 +91,20 @@ class ModelSpec:
     raw: dict = field(default_factory=dict)  # the whole config.json
     quantization: quant_formats.QuantFormat | None = None  # None: float weights
     moe: moe_experts.MoeSpec | None = None  # a mixture of experts' routing and sparse layers (None: dense)
+    # What Gemma's decoder computes differently from Llama's (the defaults are Llama's): see models/gemma.py.
+    hidden_act: str = "silu"  # the gated MLP's activation, transformers' name: silu or gelu_pytorch_tanh (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's 1 + w
+    feedforward_norms: bool = False  # Gemma 2/3: a norm before and after the MLP, and one on the attention's output
+    query_pre_attn_scalar: float | None = None  # Gemma 2/3: scores scaled by its -1/2 power (None: head_dim's)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcapping: float | None = None  # Gemma 2/3: the same on the logits
+    # Gemma 3: the RoPE parameters of each layer type ("full_attention", "sliding_attention"); None: one for all
+    rope_by_layer_type: dict[str, dict] | None = None
+
+    @property
+    def attention_scale(self) -> float:
+        """What q.k is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def sliding_window(self) -> int | None:
@@ -101,7 +121,7 @@ class LayerWeights:
     qkv: Projection  # [(H + 2*KV) * D, hidden]
     qkv_bias: torch.Tensor | None
     o: Projection
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # post_attention_layernorm: the MLP's input norm (Gemma 2/3: the attention output's)
     gate_up: Projection  # [2 * intermediate, hidden]
     down: Projection
     o_bias: torch.Tensor | None = None
@@ -110,6 +130,8 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [D], Qwen3
     k_norm: torch.Tensor | None = None
     moe: moe_experts.ExpertWeights | None = None  # a sparse layer's experts (gate_up and down are then None)
+    pre_mlp_norm: torch.Tensor | None = None  # [hidden], Gemma 2/3 (post_norm then norms the attention's output)
+    post_mlp_norm: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -156,7 +178,8 @@ def _architecture(cfg: dict, config_path: Path) -> str:
 
 def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> list[int | None]:
     window = cfg.get("sliding_window")
-    if arch == "LlamaForCausalLM" or not window or (arch in _USE_SLIDING_ARCHS and not cfg.get("use_sliding_window")):
+    if arch in ("LlamaForCausalLM", "GemmaForCausalLM") or not window or (
+            arch in _USE_SLIDING_ARCHS and not cfg.get("use_sliding_window")):  # fmt: skip
         return [None] * num_layers
     window = int(window)
     types = cfg.get("layer_types")
@@ -168,6 +191,9 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> 
         elif arch == "Qwen2MoeForCausalLM":  # its own rule: every other layer below max_window_layers
             below = int(cfg.get("max_window_layers", 28))
             types = ["sliding_attention" if i % 2 == 0 and i < below else "full_attention" for i in range(num_layers)]
+        elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # every pattern-th layer attends fully
+            pattern = int(cfg.get("sliding_window_pattern") or 6) if arch == "Gemma3ForCausalLM" else 2
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         else:  # Mistral, Phi-3, Mixtral, Qwen3-MoE: every layer slides
             types = ["sliding_attention"] * num_layers
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
@@ -176,19 +202,86 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> 
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def _rope(cfg: dict, config_path: Path) -> tuple[str, int | None]:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(f"{config_path}: RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
-    cap = None
-    if rope_type in ("dynamic", "longrope"):
-        # transformers recomputes these frequencies per forward once a sequence outgrows the original context (and
-        # keeps the K already cached); up to that length both equal their static tables, so the served context stops
-        # there.
-        cap = int(params.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-                  or cfg.get("max_position_embeddings", 2048))  # fmt: skip
-    return rope_type, cap
+def _rope(cfg: dict, arch: str, config_path: Path) -> tuple[str, int | None, dict[str, dict] | None]:
+    """The RoPE type (of the full-attention layers, where each layer type has its own: Gemma 3's parameters by layer
+    type come third) and the context it caps serving at (None: no cap)."""
+    by_layer_type = _gemma3_rope(cfg) if arch == "Gemma3ForCausalLM" else None
+    one = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kinds = [one] if by_layer_type is None else list(by_layer_type.values())  # the full-attention layers' first
+    types, caps = [], []
+    for params in kinds:
+        rope_type = params.get("rope_type") or params.get("type") or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ModelLoadError(f"{config_path}: RoPE type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+        types.append(rope_type)
+        if rope_type in ("dynamic", "longrope"):
+            # transformers recomputes these frequencies per forward once a sequence outgrows the original context
+            # (and keeps the K already cached); up to that length both equal their static tables, so the served
+            # context stops there.
+            caps.append(int(params.get("original_max_position_embeddings")
+                            or cfg.get("original_max_position_embeddings")
+                            or cfg.get("max_position_embeddings", 2048)))  # fmt: skip
+    return types[0], min(caps, default=None), by_layer_type
+
+
+def _gemma3_rope(cfg: dict) -> dict[str, dict]:
+    """Gemma 3's RoPE per layer type, as transformers 5 reads config.json (Gemma3TextConfig): rope_parameters by
+    layer type, or a 4.x config's rope_theta and rope_scaling for the full-attention layers and rope_local_base_freq
+    for the sliding ones."""
+    params = cfg.get("rope_parameters") or {}
+    full = {"rope_type": "default", **(params.get("full_attention") or {}), **(cfg.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 1_000_000.0)
+    sliding = {"rope_type": "default", **(params.get("sliding_attention") or {})}
+    sliding.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10_000.0)
+    for kind in (full, sliding):  # 4.x spelled the type "type"
+        kind["rope_type"] = kind.pop("type", None) or kind["rope_type"]
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
+def _hidden_act(cfg: dict, arch: str, config_path: Path) -> str:
+    """The gated MLP's activation by transformers' name: SwiGLU's silu, or Gemma's GeGLU (gelu_pytorch_tanh)."""
+    if arch not in _GEMMA_ARCHS:
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"{config_path}: hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
+        return "silu"
+    # Gemma 1 reads hidden_act (GemmaConfig turns its legacy "gelu" into the tanh approximation); 2 and 3 read
+    # hidden_activation
+    if arch == "GemmaForCausalLM":
+        key, act = "hidden_act", cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        act = "gelu_pytorch_tanh" if act == "gelu" else act
+    else:
+        key, act = "hidden_activation", cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{config_path}: {key} {act!r} is not supported (Gemma's MLP is GeGLU: "
+                             "gelu_pytorch_tanh)")  # fmt: skip
+    return act
+
+
+def _gemma_fields(cfg: dict, arch: str, config_path: Path) -> dict:
+    """The ModelSpec fields in which Gemma 1, 2 and 3 differ from Llama (none for the other families)."""
+    if arch not in _GEMMA_ARCHS:
+        return {}
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{config_path}: use_bidirectional_attention (an encoder, e.g. EmbeddingGemma) is not "
+                             "supported: this engine serves causal LMs")  # fmt: skip
+    if arch == "GemmaForCausalLM":
+        return {"norm_weight_offset": 1.0}
+    if arch == "Gemma3ForCausalLM" and not cfg.get("sliding_window"):
+        # transformers would still give its sliding layers their own RoPE, with attention that does not slide
+        raise ModelLoadError(f"{config_path}: Gemma 3 without a sliding_window is not supported")
+
+    def cap(key: str) -> float | None:
+        return float(cfg[key]) if cfg.get(key) else None
+
+    return {
+        "norm_weight_offset": 1.0,
+        "feedforward_norms": True,
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        # transformers' Gemma 3 attention never passes attn_logit_softcapping on: its scores are not capped
+        "attn_logit_softcapping": cap("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+        "final_logit_softcapping": cap("final_logit_softcapping"),
+    }
 
 
 def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
@@ -202,9 +295,7 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
     cfg = _read_json(config_path)
     arch = _architecture(cfg, config_path)
     quant = quant_formats.parse(cfg, config_path, quantization)
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelLoadError(f"{config_path}: hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
+    act = _hidden_act(cfg, arch, config_path)
     gen_path = model_dir / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     try:
@@ -216,7 +307,7 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
         defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
         attention_bias = bool(cfg.get("attention_bias", False))
         moe_qkv_bias = arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))  # Qwen2-MoE's own key
-        rope_type, rope_cap = _rope(cfg, config_path)
+        rope_type, rope_cap, rope_by_layer_type = _rope(cfg, arch, config_path)
         return ModelSpec(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -228,12 +319,14 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in _GEMMA_ARCHS)),  # their configs' default
             # What each family's transformers module builds: Mistral and Phi-3 ignore attention_bias.
-            qkv_bias=arch == "Qwen2ForCausalLM" or (attention_bias and arch in _ATTENTION_BIAS_ARCHS) or moe_qkv_bias,
-            o_bias=attention_bias and arch in _ATTENTION_BIAS_ARCHS,
+            qkv_bias=arch == "Qwen2ForCausalLM"
+            or (attention_bias and arch in _ATTENTION_BIAS_ARCHS + _GEMMA_ARCHS)
+            or moe_qkv_bias,
+            o_bias=attention_bias and arch in _ATTENTION_BIAS_ARCHS + _GEMMA_ARCHS,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             layer_windows=_layer_windows(cfg, arch, num_layers, config_path),
             rope_type=rope_type,
             rope_context_cap=rope_cap,
@@ -243,18 +336,25 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
             raw=cfg,
             quantization=quant,
             moe=moe_experts.read_moe_spec(cfg, arch, num_layers, config_path, quant),
+            hidden_act=act,
+            rope_by_layer_type=rope_by_layer_type,
+            **_gemma_fields(cfg, arch, config_path),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path} lacks or mangles a required field: {exc!r}") from exc
 
 
-def rope_tables(spec: ModelSpec, max_len: int, model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(spec: ModelSpec, max_len: int, model_dir: Path,
+                layer_type: str = "full_attention") -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """cos and sin, [max_len, rotary_dim] in fp32 in transformers' rotate-half layout, computed as transformers does
-    (fp32 frequencies times fp32 positions, then its attention scaling). rotary_dim < head_dim: partial rotary."""
-    params = spec.raw.get("rope_parameters") or spec.raw.get("rope_scaling") or {}
+    (fp32 frequencies times fp32 positions, then its attention scaling). rotary_dim < head_dim: partial rotary.
+    `layer_type` picks the table of that kind of layer where kinds have their own (`spec.rope_by_layer_type`)."""
+    by_type = spec.rope_by_layer_type
+    params = by_type[layer_type] if by_type else spec.raw.get("rope_parameters") or spec.raw.get("rope_scaling") or {}
+    rope_type = params["rope_type"] if by_type else spec.rope_type
     partial = float(params.get("partial_rotary_factor") or spec.raw.get("partial_rotary_factor") or 1.0)
     scaling = 1.0
-    if spec.rope_type == "default":
+    if rope_type == "default":
         theta = float(params.get("rope_theta") or spec.raw.get("rope_theta") or 10000.0)
         dim = int(spec.head_dim * partial)
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -263,9 +363,10 @@ def rope_tables(spec: ModelSpec, max_len: int, model_dir: Path) -> tuple[torch.T
             from transformers import AutoConfig
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[spec.rope_type](AutoConfig.from_pretrained(model_dir), "cpu")
+            kind = {"layer_type": layer_type} if by_type else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(model_dir), "cpu", **kind)
         except Exception as exc:
-            raise ModelLoadError(f"cannot compute RoPE type {spec.rope_type!r}: {exc}") from exc
+            raise ModelLoadError(f"cannot compute RoPE type {rope_type!r}: {exc}") from exc
     angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq.float()[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
@@ -413,6 +514,9 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
             lw.down_bias = down_bias if bias_of_rows else None
         if spec.qk_norm:
             lw.q_norm, lw.k_norm = take(p + "self_attn.q_norm.weight", (d,)), take(p + "self_attn.k_norm.weight", (d,))
+        if spec.feedforward_norms:
+            lw.pre_mlp_norm = take(p + "pre_feedforward_layernorm.weight", (h,))
+            lw.post_mlp_norm = take(p + "post_feedforward_layernorm.weight", (h,))
         layers.append(lw)
     vocab = None if shard is None else [shard.vocab]
     embed = _pad_rows(take("model.embed_tokens.weight", (spec.vocab_size, h), rows=vocab), shard)
@@ -472,8 +576,8 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
             return normal(n, k)
         return random_quantized(n, k, scheme, quant.name, device, gen, dtype)
 
-    def ones(n: int) -> torch.Tensor:
-        return torch.ones(n, dtype=dtype, device=device)
+    def ones(n: int) -> torch.Tensor:  # a norm's weight that scales by 1 (Gemma's: 0, its norms scale by 1 + w)
+        return torch.full((n,), 1.0 - spec.norm_weight_offset, dtype=dtype, device=device)
 
     sparse = spec.moe.sparse if spec.moe is not None else (False,) * spec.num_layers
     layers = [
@@ -482,7 +586,9 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
                      gate_up=None if sparse[n] else projection(f"model.layers.{n}.mlp.gate_up_proj", 2 * i, h),
                      down=None if sparse[n] else projection(f"model.layers.{n}.mlp.down_proj", h, i),
                      q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None,
-                     moe=moe_experts.random_experts(spec.moe, h, normal) if sparse[n] else None)
+                     moe=moe_experts.random_experts(spec.moe, h, normal) if sparse[n] else None,
+                     pre_mlp_norm=ones(h) if spec.feedforward_norms else None,
+                     post_mlp_norm=ones(h) if spec.feedforward_norms else None)
         for n in range(spec.num_layers)
     ]  # fmt: skip
     embed = normal(spec.vocab_size, h)

@@ -10,7 +10,7 @@ Where each part lives:
 | part | module |
 |---|---|
 | device, dtype, attention backend, KV-pool size | `devices.py` |
-| a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3; their mixtures of experts) | `models/` |
+| a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3; Gemma 1-3; their mixtures of experts) | `models/` |
 | its layers: linear (oneDNN / torch), RMSNorm, RoPE with the K/V write, paged attention, MLP, experts | `layers/` |
 | a mixture of experts' config fields and expert weights | `experts.py` |
 | quantized checkpoints: each format read into one layout, the kernel picked per weight | `quant/`, `quant_linear.c` |
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.config import EngineConfig
-from overlap.engine.errors import ConfigError, RankLost
+from overlap.engine.errors import ConfigError, ModelLoadError, RankLost
 from overlap.engine.model import graphs, native, sampler
 from overlap.engine.model.devices import kv_pool_blocks, pick_attention, pick_device, pick_dtype
 from overlap.engine.model.helper import HelperThread
@@ -144,6 +144,12 @@ class ModelRunner(Runner):
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
             weights, cos, sin = partial_rotary_layout(layer_spec, weights, cos, sin)
             rotary = Rotary(cos.to(device, dtype), sin.to(device, dtype), self.ops)
+            sliding_rotary = None
+            if spec.rope_by_layer_type:  # Gemma 3: the sliding layers' own RoPE base
+                cos, sin = rope_tables(spec, self.max_model_len, self.model_dir, "sliding_attention")
+                if cos.shape[1] != spec.head_dim:
+                    raise ModelLoadError("partial rotary in a model whose layer types have their own RoPE")
+                sliding_rotary = Rotary(cos.to(device, dtype), sin.to(device, dtype), self.ops)
             self.num_kv_blocks = kv_pool_blocks(config, layer_spec, dtype, device, self.max_model_len)
             if self.tp is not None:  # every rank's pool holds the same blocks: the fewest any rank has room for
                 self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
@@ -158,9 +164,10 @@ class ModelRunner(Runner):
                 heads=layer_spec.num_heads, kv_heads=layer_spec.num_kv_heads, head_dim=spec.head_dim,
                 block_size=self.block_size,
                 dtype=dtype, decode_kernel=decode_kernel, triton=triton, cpu_paths=self.cpu_paths, helper=self.helper,
+                scale=spec.attention_scale, softcap=spec.attn_logit_softcapping,
             )  # fmt: skip
             parts = ModelParts(layer_spec, weights, self.linear, self.ops, self.attention, rotary, self.k_pool,
-                               self.v_pool, self.tp)  # fmt: skip
+                               self.v_pool, self.tp, sliding_rotary)  # fmt: skip
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
         halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)

@@ -3,6 +3,7 @@ architecture."""
 
 from __future__ import annotations
 
+from overlap.engine.model.models.gemma import Gemma2Model, GemmaModel
 from overlap.engine.model.models.llama import LlamaModel, ModelParts
 from overlap.engine.model.models.qwen3 import Qwen3Model
 
@@ -18,6 +19,10 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "Qwen3MoeForCausalLM": Qwen3Model,
     "Qwen2MoeForCausalLM": LlamaModel,
     "MixtralForCausalLM": LlamaModel,
+    # Gemma: the same decoder with Gemma's norms, GeGLU, scaled embeddings and soft-capping (models/gemma.py)
+    "GemmaForCausalLM": GemmaModel,
+    "Gemma2ForCausalLM": Gemma2Model,
+    "Gemma3ForCausalLM": Gemma2Model,
 }
 
 

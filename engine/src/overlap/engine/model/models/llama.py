@@ -45,6 +45,7 @@ class ModelParts:
     k_pool: torch.Tensor  # [layers, slots, kv_heads, head_dim]
     v_pool: torch.Tensor
     tp: Collectives | None = None  # this rank's collectives under tensor parallelism; None on one device
+    sliding_rotary: Rotary | None = None  # the sliding layers' own RoPE (Gemma 3); None: `rotary` serves every layer
 
 
 class LlamaDecoderLayer:
@@ -52,12 +53,13 @@ class LlamaDecoderLayer:
         spec, linear, ops = parts.spec, parts.linear, parts.ops
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.window = spec.layer_windows[index]
-        self.input_norm = RMSNorm(lw.input_norm, spec.rms_norm_eps, ops)
+        self.rotary = parts.sliding_rotary if self.window is not None and parts.sliding_rotary else parts.rotary
+        self.input_norm = RMSNorm(lw.input_norm, spec.rms_norm_eps, ops, spec.norm_weight_offset)
         self.qkv = Linear(lw.qkv, lw.qkv_bias, linear)
         self.o = Linear(lw.o, lw.o_bias, linear)
-        self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops)
+        self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops, spec.norm_weight_offset)
         if lw.moe is None:
-            self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear, ops)
+            self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear, ops, spec.hidden_act)
         else:  # a mixture of experts' sparse layer (Qwen3-MoE, Qwen2-MoE, Mixtral): the same place, the same reduce
             self.mlp = SparseMoE(lw.moe, spec.moe, linear, ops)
         self.k_pool, self.v_pool = parts.k_pool[index], parts.v_pool[index]
@@ -66,6 +68,17 @@ class LlamaDecoderLayer:
         """[T, (heads + 2 kv_heads) * head_dim]: q, k and v of every row, before RoPE."""
         return self.qkv(h)
 
+    # Around the two blocks: the MLP's input norm, and what each block's (reduced) output passes through before the
+    # residual add: nothing in Llama; Gemma 2/3 norm it (models/gemma.py).
+    def before_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(x)
+
+    def after_attention(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def after_mlp(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
 
 class LlamaModel:
     layer_class = LlamaDecoderLayer
@@ -73,11 +86,11 @@ class LlamaModel:
     def __init__(self, parts: ModelParts) -> None:
         self.spec = parts.spec
         self.attention = parts.attention
-        self.rotary = parts.rotary
         w = parts.weights
         self.layers = [self.layer_class(i, lw, parts) for i, lw in enumerate(w.layers)]
+        self.rotaries = list(dict.fromkeys(layer.rotary for layer in self.layers))  # each one's rows once a step
         self.embed = w.embed
-        self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops)
+        self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops, parts.spec.norm_weight_offset)
         self.head = Linear(w.lm_head, None, parts.linear)
         self.tp = parts.tp
 
@@ -85,22 +98,25 @@ class LlamaModel:
         """A row-parallel projection's output: the ranks' partial sums added (as it is on one device)."""
         return partial if self.tp is None else self.tp.all_reduce(partial)
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed.index_select(0, input_ids)
+        return self.tp.embed(self.embed, input_ids)
+
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.head(x)
         return logits if self.tp is None else self.tp.gather_logits(logits, self.spec.vocab_size)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampled seqs, vocab] (model dtype); writes the step's K/V into the pool."""
-        rotary: StepRotary = self.rotary.at(inputs.positions)
-        if self.tp is None:
-            x = self.embed.index_select(0, inputs.input_ids)
-        else:
-            x = self.tp.embed(self.embed, inputs.input_ids)
+        steps: dict[Rotary, StepRotary] = {rotary: rotary.at(inputs.positions) for rotary in self.rotaries}
+        x = self.embed_tokens(inputs.input_ids)
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             plan = inputs.plan_for(layer.window)
             qkv = layer.project_qkv(layer.input_norm(x))
-            q = self.rotary.apply_and_store(qkv, rotary, inputs.slots, layer.k_pool, layer.v_pool, layer.heads)
+            q = layer.rotary.apply_and_store(qkv, steps[layer.rotary], inputs.slots, layer.k_pool, layer.v_pool,
+                                             layer.heads)  # fmt: skip
             if index == last and plan.last_layer is not None:
                 # Past its K/V, the last layer only feeds the logits: skip the rows nobody samples (every token of a
                 # prompt chunk but the last one, and all of a non-final chunk).
@@ -110,8 +126,9 @@ class LlamaModel:
                 attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window)
             else:
                 attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window)
-            x = self.reduce(layer.o(attn)).add_(x)  # the residual added in place into the projection's fresh output
-            x = self.reduce(layer.mlp(layer.post_norm(x))).add_(x)
+            # the residual added in place into the block's fresh output
+            x = layer.after_attention(self.reduce(layer.o(attn))).add_(x)
+            x = layer.after_mlp(self.reduce(layer.mlp(layer.before_mlp(x)))).add_(x)
         if inputs.plan.last_layer is None:  # every row went through; else x holds the sampled rows already
             if inputs.prompt_rows is not None:
                 inputs.prompt_logits = self.lm_head(self.norm(x.index_select(0, inputs.prompt_rows)))
