@@ -93,13 +93,15 @@ def _variants() -> dict[str, Callable]:
             attn_logit_softcapping=5.0,
             final_logit_softcapping=3.0,
         ),
-        # layers: sliding, full (pattern 2); a linear-scaled RoPE on the full layer, base 1e4 on the sliding one
+        # layers: sliding, full (pattern 2); a linear-scaled RoPE on the full layer, base 1e4 on the sliding one; the
+        # final soft-capping real Gemma 3 leaves off, which transformers applies when set
         "gemma3": lambda: Gemma3TextConfig(
             **COMMON,
             head_dim=32,
             query_pre_attn_scalar=48,
             sliding_window=32,
             sliding_window_pattern=2,
+            final_logit_softcapping=3.0,
             rope_parameters={
                 "full_attention": _rope("linear", rope_theta=1e6, factor=2.0),
                 "sliding_attention": _rope("default"),
