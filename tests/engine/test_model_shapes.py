@@ -95,3 +95,40 @@ def test_a_mixture_of_experts_shape_is_written_in_shards_and_loads_alike(tmp_pat
     finally:
         runner.close()
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_1b_at_its_real_width_gives_transformers_logits_and_greedy_tokens(tmp_path, monkeypatch):
+    """Gemma 3 1B's widths (hidden 1152, MLP 6912, 4 heads of 256 over 1 KV head, window 512) from its hub config.json
+    (4.x spelling: rope_local_base_freq, sliding_window_pattern), the depth cut to one sliding and one full layer and
+    the vocabulary to 9000. On a 600-token prompt (past the window), in fp32: the last position's logits, and greedy
+    tokens after a prefill in chunks, equal transformers'."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.engine import greedy_tokens
+    from tests.support.hf_models import transformers_greedy
+
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
+    cut = {**shapes.SHAPES["gemma-3-1b"], "num_hidden_layers": 2, "sliding_window_pattern": 2, "vocab_size": 9000}
+    monkeypatch.setitem(shapes.SHAPES, "test-gemma3", cut)
+    folder = shapes.ensure_shape_model("test-gemma3")
+    # Norm weights drawn wide: with the shape's unit norms this random model greedily repeats one token
+    tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith("norm.weight")]:
+        tensors[name] = (torch.randn(tensors[name].shape, generator=gen) * 2).bfloat16()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt = [int(t) for t in torch.randint(3, 9000, (600,), generator=gen)]
+    runner = ModelRunner(EngineConfig(model=str(folder), max_seq_len=640, num_kv_blocks=48, dtype="float32"), folder)
+    try:
+        assert runner.spec.layer_windows == [512, None]
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        logits = runner.compute_logits(ModelInput([ScheduledSeq("a", prompt, 0, list(range(38)), True, greedy)]))[0]
+        tokens = greedy_tokens(runner, [prompt], 8, chunk=256)[0]
+    finally:
+        runner.close()
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == transformers_greedy(reference, prompt, 8)

@@ -1,7 +1,8 @@
 """Models of real families' shapes with random weights, for measuring speed at the sizes people serve.
 
 Each shape is the published config.json of a real checkpoint (layer counts, widths, heads, GQA, RoPE, tying, the
-vocabulary size); its weights are random (Normal(0, 0.02), unit norms, as transformers initialises) and its tokenizer
+vocabulary size); its weights are random (Normal(0, 0.02), norms that scale by 1, as transformers initialises: Gemma's
+store 0, they scale by 1 + w) and its tokenizer
 is the tiny model's, padded with placeholder tokens up to the real vocabulary so that every id the LM head can pick
 decodes, and the embedding and the LM head cost what they cost. Nothing is downloaded. The folder is a complete
 Hugging Face checkpoint: `overlap serve`, transformers and vLLM load it alike. Built once into the cache and reused.
@@ -68,6 +69,16 @@ SHAPES: dict[str, dict] = {
     "mixtral-8x7b": {**_MIXTRAL, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
                      "num_experts_per_tok": 2},
+    # google/gemma-3-1b-pt's config.json as the hub ships it (transformers 4.50's spelling): 5 sliding layers (window
+    # 512, RoPE base 1e4) to 1 full one (base 1e6), q/k norms, no soft-capping
+    "gemma-3-1b": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+        intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, attention_bias=False, query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+        attn_logit_softcapping=None, final_logit_softcapping=None,
+    ),
 }  # fmt: skip
 
 _DTYPE = "bfloat16"  # what the real checkpoints ship; the engine casts to the dtype asked for at load
@@ -177,8 +188,8 @@ def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None,
 
 
 def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a Llama-family checkpoint of this config (a mixture of experts' as the
-    Hub's files hold them: one tensor per expert and projection)."""
+    """Hugging Face tensor names and shapes of a Llama-family (or Gemma 3) checkpoint of this config (a mixture of
+    experts' as the Hub's files hold them: one tensor per expert and projection)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -210,6 +221,10 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if config["model_type"] == "qwen2":
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}  # fmt: skip
+        if config["model_type"] == "gemma3_text":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,),
+                       p + "self_attn.q_norm.weight": (head_dim,),
+                       p + "self_attn.k_norm.weight": (head_dim,)}  # fmt: skip
     shapes["model.norm.weight"] = (h,)
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], h)
@@ -223,6 +238,7 @@ def _write_weights(folder: Path, config: dict) -> None:
     generator = torch.Generator().manual_seed(_SEED)
     quantization = config.get("quantization_config") or {}
     shapes = _tensor_shapes(config)
+    unit_norm = 0.0 if config["model_type"].startswith("gemma") else 1.0  # Gemma's norms scale by 1 + w
     # Shards of at most SHARD_BYTES (bf16 sizes), each written as soon as it is made: a large model is never whole
     # in memory. One shard: model.safetensors; more: model-0000N-of-0000M.safetensors and their index.
     shards: list[list[str]] = [[]]
@@ -241,7 +257,7 @@ def _write_weights(folder: Path, config: dict) -> None:
         for name in names:
             shape = shapes[name]
             if name.endswith("norm.weight"):
-                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+                tensors[name] = torch.full(shape, unit_norm, dtype=torch.bfloat16)
             elif name.endswith(".bias"):
                 tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
             elif quantization and name.startswith("model.layers."):
