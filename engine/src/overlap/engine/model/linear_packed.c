@@ -42,8 +42,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const uint32
                                                        int first_chunk, int prefetch) {
     __m512 a[TILE_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++)
-            a[r][c] = first_chunk ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * BLOCK_COLS + 16 * c);
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
     for (int64_t p = p0; p < p1; p++) {
         const uint16_t *wp = w + p * 2 * BLOCK_COLS;
         if (prefetch)
@@ -58,8 +57,11 @@ static inline __attribute__((always_inline)) void tile(const int R, const uint32
             a[r][3] = _mm512_dpbf16_ps(a[r][3], xv, w3);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm512_store_ps(acc + r * BLOCK_COLS + 16 * c, a[r][c]);
+    for (int r = 0; r < R; r++) /* each chunk summed on its own, then added: rounding grows with chunks, not inputs */
+        for (int c = 0; c < 4; c++) {
+            float *to = acc + r * BLOCK_COLS + 16 * c;
+            _mm512_store_ps(to, first_chunk ? a[r][c] : _mm512_add_ps(a[r][c], _mm512_load_ps(to)));
+        }
 }
 
 #endif
@@ -70,8 +72,7 @@ static inline __attribute__((always_inline)) void tile_f32(const int R, const fl
                                                            int first_chunk, int prefetch) {
     __m512 a[TILE_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++)
-            a[r][c] = first_chunk ? _mm512_setzero_ps() : _mm512_load_ps(acc + r * BLOCK_COLS + 16 * c);
+        for (int c = 0; c < 4; c++) a[r][c] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k++) {
         const float *wk = w + k * BLOCK_COLS;
         if (prefetch)
@@ -87,8 +88,11 @@ static inline __attribute__((always_inline)) void tile_f32(const int R, const fl
             a[r][3] = _mm512_fmadd_ps(xv, w3, a[r][3]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm512_store_ps(acc + r * BLOCK_COLS + 16 * c, a[r][c]);
+    for (int r = 0; r < R; r++) /* each chunk summed on its own, then added: rounding grows with chunks, not inputs */
+        for (int c = 0; c < 4; c++) {
+            float *to = acc + r * BLOCK_COLS + 16 * c;
+            _mm512_store_ps(to, first_chunk ? a[r][c] : _mm512_add_ps(a[r][c], _mm512_load_ps(to)));
+        }
 }
 
 #if HAVE_BF16
@@ -219,8 +223,7 @@ static inline __attribute__((always_inline)) void tile_avx2(const int R, const f
                                                             int first_chunk, int prefetch) {
     __m256 a[TILE_ROWS][4];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++)
-            a[r][c] = first_chunk ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * BLOCK_COLS + 8 * c);
+        for (int c = 0; c < 4; c++) a[r][c] = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; k++) {
         const float *wk = w + k * BLOCK_COLS;
         if (prefetch)
@@ -235,8 +238,11 @@ static inline __attribute__((always_inline)) void tile_avx2(const int R, const f
             a[r][3] = _mm256_fmadd_ps(xv, w3, a[r][3]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < 4; c++) _mm256_store_ps(acc + r * BLOCK_COLS + 8 * c, a[r][c]);
+    for (int r = 0; r < R; r++) /* each chunk summed on its own, then added, as on AVX-512 */
+        for (int c = 0; c < 4; c++) {
+            float *to = acc + r * BLOCK_COLS + 8 * c;
+            _mm256_store_ps(to, first_chunk ? a[r][c] : _mm256_add_ps(a[r][c], _mm256_load_ps(to)));
+        }
 }
 
 static void run_tile_avx2(int R, const float *x, int64_t x_stride, const float *w, int64_t k0, int64_t k1, float *acc,

@@ -86,7 +86,9 @@ class OneDnnBackend(LinearBackend):
             x = torch.randn(1, k, generator=torch.Generator().manual_seed(0)).to(dtype)
             with torch.inference_mode():
                 ours, theirs = kernel(x, *handle, None, False).float(), self.linear(x, weight).float()
-            self._layouts[n, k, dtype] = torch.allclose(ours, theirs, **_CLOSE[dtype])
+            # within rounding of the largest output (a long sum's error grows with its terms, not with each output)
+            tolerance = _CLOSE[dtype]["atol"] * max(1.0, float(theirs.abs().max()))
+            self._layouts[n, k, dtype] = torch.allclose(ours, theirs, atol=tolerance, rtol=_CLOSE[dtype]["rtol"])
         return handle if self._layouts[n, k, dtype] else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
