@@ -227,7 +227,10 @@ LACKING = {
     "inferenceservice-fp8.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-hpa.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-pvc-autoscaling.yaml": ("Ready", 'persistentvolumeclaim "model-weights" not found'),
-    "inferenceservice-qwen3-moe.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
+    "inferenceservice-qwen3-moe.yaml": (
+        "Ready",
+        "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu",
+    ),
     "inferenceservice-routed.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-scale-to-zero.yaml": (
         "Scaling",
