@@ -17,6 +17,7 @@ _BENCH_MODULES = (
     "overlap.bench.sampling_bench",  # overlap bench sampling
     "overlap.bench.routing",  # overlap bench routing
     "overlap.bench.quant_bench",  # overlap bench quantized
+    "overlap.bench.moe_bench",  # overlap bench moe
 )
 
 

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     for round_ in range(args.rounds):
         for batch in batches:
             for scheme in schemes:
-                steps[scheme, batch].append(_decode_step(runners[scheme], batch, args.context, args.steps))
+                steps[scheme, batch].append(decode_step(runners[scheme], batch, args.context, args.steps))
         _progress(f"round {round_ + 1} of {args.rounds} ({time.perf_counter() - started:.0f} s)")
     rows = []
     for batch in batches:
@@ -124,7 +124,7 @@ def _projection_params(spec) -> int:
     return spec.num_layers * (attention + 3 * h * spec.intermediate_size)
 
 
-def _decode_step(runner, batch: int, context: int, steps: int) -> float:
+def decode_step(runner, batch: int, context: int, steps: int) -> float:
     """Seconds of the median of `steps` decode steps of `batch` sequences at `context` (after one warm-up)."""
     from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 

@@ -71,6 +71,7 @@ class SparseMoE:
         if weights.shared_gate_up is not None:
             self.shared = GatedMLP(weights.shared_gate_up, None, weights.shared_down, None, backend, ops)
         self.shared_gate = weights.shared_gate
+        self.expert_runs = 0  # experts run so far, summed over steps (the grouped path; benchmarks read it)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each row of x."""
@@ -91,6 +92,7 @@ class SparseMoE:
         order = torch.argsort(flat, stable=True)  # pair indices (token * k + slot), grouped by expert
         tokens = order // k
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        self.expert_runs += sum(1 for count in counts if count)
         gathered = x.index_select(0, tokens)
         out = torch.empty_like(gathered)
         start = 0
