@@ -21,7 +21,7 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler: the run
 
 
 def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """q [H, D], k/v [L, KV, D] -> [H, D] by the textbook formula, in float64. In bf16 the softmax weights are
     rounded to bf16 before they multiply V, as transformers casts its fp32 softmax to the value dtype (the kernel
     rounds the unnormalised exponentials and divides by their exact sum at the end: the same weights up to the
@@ -32,8 +32,13 @@ def _reference(q_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     scores = torch.einsum("hd,lhd->hl", q_row.double(), k) * scale
     if softcap is not None:  # Gemma 2
         scores = torch.tanh(scores / softcap) * softcap
-    weights = (scores - scores.amax(-1, keepdim=True)).exp()
+    top = scores.amax(-1, keepdim=True)
+    if sinks is not None:  # gpt-oss: each head's sink in the denominator only
+        top = torch.maximum(top, sinks.double().unsqueeze(-1))
+    weights = (scores - top).exp()
     total = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        total = total + (sinks.double().unsqueeze(-1) - top).exp()
     if v.dtype == torch.bfloat16:
         weights = weights.to(torch.bfloat16).double()
     return torch.einsum("hl,lhd->hd", weights / total, v_wide).float()
@@ -106,6 +111,30 @@ def test_kernel_soft_caps_the_scores(dtype, head_dim):
         torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
         uncapped = _reference(q[i], k_pool[slots], v_pool[slots], 0.0625)
         assert (uncapped - expected).abs().max() > 0.1  # the cap changes the result
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80])  # the AVX-512 path where the CPU has it; the portable one
+def test_kernel_adds_each_heads_sink_to_its_softmax_denominator(dtype, head_dim):
+    """gpt-oss: a logit per query head joins the denominator (and no value); sinks far above the scores (most of the
+    weight goes to the sink), among them and below them, one of a context's first token."""
+    gen = torch.Generator().manual_seed(4)
+    k_pool, v_pool = (torch.randn(64 * 16, 2, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(3, 8, head_dim, generator=gen).to(dtype)
+    sinks = torch.tensor([6.0, -3.0, 0.5, 1.0, 0.0, -0.7, 2.5, 40.0])
+    lens, tables = [1, 37, 70], [[7], [5, 1, 9], [0, 2, 3, 4, 6]]
+    out = torch.empty_like(q)
+    kernel(q, k_pool, v_pool, native.DecodePlan(tables, lens, [0, 1, 2], 16), out, 0, 3, 0.125, sinks=sinks)
+    for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+        slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(n)])
+        expected = _reference(q[i], k_pool[slots], v_pool[slots], 0.125, sinks=sinks)
+        torch.testing.assert_close(out[i].float(), expected, **TOLERANCE[dtype])
+        plain = _reference(q[i], k_pool[slots], v_pool[slots], 0.125)
+        assert (plain - expected).abs().max() > 0.3  # the sinks change the result
+    with pytest.raises(ValueError, match="sinks must be fp32"):
+        kernel(q, k_pool, v_pool, native.DecodePlan(tables, lens, [0, 1, 2], 16), out, 0, 3, 0.125,
+               sinks=sinks.to(torch.bfloat16))  # fmt: skip
 
 
 @needs_kernel

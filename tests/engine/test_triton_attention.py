@@ -16,9 +16,10 @@ import torch
 from overlap.engine.model import triton_attention as ta
 
 
-def reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window=None, softcap=None):
+def reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window=None, softcap=None,
+              sinks=None):  # fmt: skip
     """float64 attention per sequence from the block tables, lower-right aligned causal (and windowed, and
-    soft-capped)."""
+    soft-capped, and with each head's sink as one more column of scores whose weight is dropped)."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     heads, kv_heads = q.shape[1], k_pool.shape[1]
     group = heads // kv_heads
@@ -38,7 +39,12 @@ def reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block
         if window:
             allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[q0 : q0 + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        out[q0 : q0 + n] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
 
@@ -65,15 +71,15 @@ def make_step(specs, *, heads, kv_heads, head_dim, block_size, dtype, fragmented
 
 
 def run_and_compare(specs, *, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-                    fragmented=True, window=None, seed=0, softcap=None):  # fmt: skip
+                    fragmented=True, window=None, seed=0, softcap=None, sinks=None):  # fmt: skip
     q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens = make_step(
         specs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
         fragmented=fragmented, seed=seed,
     )  # fmt: skip
     scale = head_dim**-0.5
     plan = ta.build_plan(tables, q_starts, q_lens, kv_lens, heads // kv_heads, torch.device("cpu"))
-    got = ta.paged_attention(q, k_pool, v_pool, plan, scale, block_size, window, softcap=softcap)
-    want = reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window, softcap)
+    got = ta.paged_attention(q, k_pool, v_pool, plan, scale, block_size, window, softcap=softcap, sinks=sinks)
+    want = reference(q, k_pool, v_pool, tables, q_starts, q_lens, kv_lens, scale, block_size, window, softcap, sinks)
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2  # bf16 rounds p before P.V, and the output once
     torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance)
@@ -117,6 +123,14 @@ def test_sliding_window(window):
 def test_soft_capping():
     """Gemma 2: scores capped at cap * tanh(s / cap); a cap of 0.5 bends the scale-0.125 scores of randn inputs."""
     run_and_compare([(1, 70), (20, 90)], softcap=0.5, window=48)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_sinks(dtype):
+    """gpt-oss: each head's sink joins its softmax's denominator, over decodes and chunks, windowed; sinks above,
+    among and below the scores (and one a query's only key cannot outweigh)."""
+    sinks = torch.tensor([6.0, -3.0, 0.5, 1.0, 0.0, -0.7, 2.5, 40.0])
+    run_and_compare([(1, 1), (1, 70), (20, 90), (33, 33)], sinks=sinks, window=48, dtype=dtype)
 
 
 def test_long_context():

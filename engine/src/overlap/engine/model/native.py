@@ -57,7 +57,7 @@ class DecodeAttentionKernel:
             fn = getattr(library, name)
             fn.restype = ctypes.c_int
             fn.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32, _i32, _i32, _i32]
-            fn.argtypes += [_i32, _f32, _f32, _i32]
+            fn.argtypes += [_i32, _f32, _f32, _ptr, _i32]
             self._fns[dtype] = fn
 
     def __call__(
@@ -72,10 +72,12 @@ class DecodeAttentionKernel:
         scale: float,
         threads: int = 1,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """q [rows, heads, D] (rows may be strided, heads and D dense); k/v pool [slots, kv_heads, D] contiguous;
         out [rows, heads, D] contiguous. All of one dtype, fp32 or bf16, on CPU. `threads` OpenMP threads share the
-        sequences. `softcap` (Gemma 2): scaled scores s become softcap * tanh(s / softcap) before the softmax."""
+        sequences. `softcap` (Gemma 2): scaled scores s become softcap * tanh(s / softcap) before the softmax.
+        `sinks` (gpt-oss): fp32 [heads], one logit per head that joins its softmax's denominator."""
         heads, head_dim = q.shape[1], q.shape[2]
         fn = self._fns.get(q.dtype)
         if fn is None or not (k_pool.dtype == v_pool.dtype == out.dtype == q.dtype):
@@ -83,6 +85,9 @@ class DecodeAttentionKernel:
         # The C code trusts these layouts; a mismatch would read or write the wrong memory, so check them (cheap).
         if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
             raise ValueError("paged decode attention: q rows must be dense [heads, head_dim], the pools contiguous")
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (heads,) or not sinks.is_contiguous()):
+            raise ValueError(f"paged decode attention: sinks must be fp32 [{heads}], got {sinks.dtype} "
+                             f"{tuple(sinks.shape)}")  # fmt: skip
         if not out.is_contiguous() or out.shape[1:] != q.shape[1:] or k_pool.shape[2] != head_dim:
             raise ValueError(
                 f"paged decode attention: shapes q {tuple(q.shape)}, out {tuple(out.shape)}, "
@@ -107,6 +112,7 @@ class DecodeAttentionKernel:
             plan.block_size,
             scale,
             softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
             threads,
         )
         if status != 0:

@@ -18,7 +18,10 @@
  * Sequence s (seq_begin <= s < seq_end) reads its query from row q_rows[s], attends to positions 0 .. ctx_lens[s]-1
  * through the blocks block_tables[table_starts[s] ...], and writes its output to row q_rows[s].
  * Query heads h share KV head h / (num_heads / num_kv_heads) (grouped-query attention). A softcap > 0 (Gemma 2)
- * caps each scaled score s at softcap * tanh(s / softcap) before the softmax, as transformers does.
+ * caps each scaled score s at softcap * tanh(s / softcap) before the softmax, as transformers does. `sinks` (gpt-oss),
+ * where not NULL, holds one learned logit per query head that joins each head's softmax denominator and nothing else:
+ * weights exp(s_p - m) / (sum_p exp(s_p - m) + exp(sink - m)), m the largest of the scores and the sink, as
+ * transformers' eager attention computes them.
  *
  * Returns 0, or -1 when scratch memory cannot be allocated (the caller then raises).
  */
@@ -171,7 +174,7 @@ static inline __attribute__((always_inline)) void v_pass_pairs_heads(int N, cons
 static inline __attribute__((always_inline)) void attend_one_avx512(
     const void *q_row, const void *k_pool, const void *v_pool, const int32_t *table, int32_t len, float *o,
     float *scores, int32_t max_len, float *inv_sums, uint16_t *weights, int32_t num_heads, int32_t num_kv_heads,
-    const int32_t head_dim, int32_t block_size, float scale, float softcap, const int bf16) {
+    const int32_t head_dim, int32_t block_size, float scale, float softcap, const float *sinks, const int bf16) {
     enum { MAX_VECS = 8 }; /* head_dim <= 128 */
     const int32_t group = num_heads / num_kv_heads, vecs = head_dim / 16;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
@@ -248,7 +251,9 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             const __mmask16 m = len - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - p)) - 1u);
             top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, row + p));
         }
-        const __m512 top_all = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        float top_h = _mm512_reduce_max_ps(top);
+        if (sinks && sinks[h] > top_h) top_h = sinks[h];
+        const __m512 top_all = _mm512_set1_ps(top_h);
         __m512 sum = _mm512_setzero_ps();
         for (int32_t p = 0; p < len; p += 16) {
             const __mmask16 m = len - p >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - p)) - 1u);
@@ -263,7 +268,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512(
             if (bf16) e = round16_bf16(e);
             _mm512_mask_storeu_ps(row + p, m, e);
         }
-        inv_sums[h] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv_sums[h] = 1.0f / (_mm512_reduce_add_ps(sum) + (sinks ? expf(sinks[h] - top_h) : 0.0f));
     }
 
     /* o_h = sum_p w_hp v_p / sum_p w_hp, streaming V rows block by block like K */
@@ -335,7 +340,7 @@ static inline __attribute__((always_inline)) void attend_one(const void *q_row, 
                                                              float *o, float *scores, int32_t max_len,
                                                              float *q_scaled, int32_t num_heads, int32_t num_kv_heads,
                                                              const int32_t head_dim, int32_t block_size, float scale,
-                                                             float softcap, const int bf16) {
+                                                             float softcap, const float *sinks, const int bf16) {
     const int32_t group = num_heads / num_kv_heads;
     const int64_t slot_stride = (int64_t)num_kv_heads * head_dim;
     for (int32_t i = 0; i < num_heads * head_dim; i++) q_scaled[i] = load(q_row, i, bf16) * scale;
@@ -363,7 +368,8 @@ static inline __attribute__((always_inline)) void attend_one(const void *q_row, 
         float *row = scores + (int64_t)h * max_len;
         float top = row[0];
         for (int32_t p = 1; p < len; p++) top = row[p] > top ? row[p] : top;
-        float sum = 0.0f;
+        if (sinks && sinks[h] > top) top = sinks[h];
+        float sum = sinks ? expf(sinks[h] - top) : 0.0f;
         for (int32_t p = 0; p < len; p++) {
             row[p] = expf(row[p] - top);
             sum += row[p];
@@ -398,7 +404,7 @@ static inline __attribute__((always_inline)) int decode_attention(
     const void *q, int64_t q_row_stride, const void *k_pool, const void *v_pool, const int32_t *block_tables,
     const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows, void *out, int64_t out_row_stride,
     int32_t seq_begin, int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-    float scale, float softcap, int32_t threads, const int bf16) {
+    float scale, float softcap, const float *sinks, int32_t threads, const int bf16) {
     const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float);
     const size_t width = (size_t)num_heads * head_dim;
     int32_t max_len = 1;
@@ -437,21 +443,21 @@ static inline __attribute__((always_inline)) int decode_attention(
 #if defined(__AVX512F__)
         if (head_dim == 64) {
             attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, weights,
-                              num_heads, num_kv_heads, 64, block_size, scale, softcap, bf16);
+                              num_heads, num_kv_heads, 64, block_size, scale, softcap, sinks, bf16);
         } else if (head_dim == 128) {
             attend_one_avx512(q_row, k_pool, v_pool, table, len, o, scores, max_len, inv_sums, weights,
-                              num_heads, num_kv_heads, 128, block_size, scale, softcap, bf16);
+                              num_heads, num_kv_heads, 128, block_size, scale, softcap, sinks, bf16);
         } else
 #endif
         if (head_dim == 64)
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 64,
-                       block_size, scale, softcap, bf16);
+                       block_size, scale, softcap, sinks, bf16);
         else if (head_dim == 128)
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads, 128,
-                       block_size, scale, softcap, bf16);
+                       block_size, scale, softcap, sinks, bf16);
         else
             attend_one(q_row, k_pool, v_pool, table, len, o, scores, max_len, q_scaled, num_heads, num_kv_heads,
-                       head_dim, block_size, scale, softcap, bf16);
+                       head_dim, block_size, scale, softcap, sinks, bf16);
         if (bf16)
             for (size_t i = 0; i < width; i++) ((uint16_t *)out_row)[i] = f32_to_bf16(o_f32[i]);
     }
@@ -464,20 +470,21 @@ int overlap_paged_decode_attention(const float *q, int64_t q_row_stride, const f
                                    const int32_t *block_tables, const int32_t *table_starts, const int32_t *ctx_lens,
                                    const int32_t *q_rows, float *out, int64_t out_row_stride, int32_t seq_begin,
                                    int32_t seq_end, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,
-                                   int32_t block_size, float scale, float softcap, int32_t threads) {
+                                   int32_t block_size, float scale, float softcap, const float *sinks,
+                                   int32_t threads) {
     return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
                             out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            softcap, threads, 0);
+                            softcap, sinks, threads, 0);
 }
 
-/* The same with q, the pools and out in bf16 (uint16_t bit patterns); strides count elements, as above. */
+/* The same with q, the pools and out in bf16 (uint16_t bit patterns; `sinks` fp32); strides count elements, as above. */
 int overlap_paged_decode_attention_bf16(const uint16_t *q, int64_t q_row_stride, const uint16_t *k_pool,
                                         const uint16_t *v_pool, const int32_t *block_tables,
                                         const int32_t *table_starts, const int32_t *ctx_lens, const int32_t *q_rows,
                                         uint16_t *out, int64_t out_row_stride, int32_t seq_begin, int32_t seq_end,
                                         int32_t num_heads, int32_t num_kv_heads, int32_t head_dim, int32_t block_size,
-                                        float scale, float softcap, int32_t threads) {
+                                        float scale, float softcap, const float *sinks, int32_t threads) {
     return decode_attention(q, q_row_stride, k_pool, v_pool, block_tables, table_starts, ctx_lens, q_rows, out,
                             out_row_stride, seq_begin, seq_end, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            softcap, threads, 1);
+                            softcap, sinks, threads, 1);
 }

@@ -20,6 +20,11 @@ their padded rows cost tensor-core arithmetic, not memory traffic, which is what
 Soft-capping (Gemma 2) caps each scaled score s at softcap * tanh(s / softcap) before the online softmax; the kernel
 works in log2 units (exp2), so it caps s * log2(e) at softcap * log2(e), which is the same.
 
+Attention sinks (gpt-oss): one learned logit per query head joins each row's softmax denominator and nothing else
+(transformers' eager attention appends it as one more column and drops that column's weight). The kernel folds it in
+once after the last K/V tile, as one more step of the online softmax with no value: the running max and sum rescaled
+to max(m, sink), the sum gaining exp(sink - max).
+
 Not here yet: split-K over the context for a small batch of long sequences (a batch-1 decode runs one program per
 KV head), and fp8 KV.
 
@@ -70,12 +75,12 @@ def _tanh(x):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
-    tables_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, prog_seq_ptr, prog_q_ptr,
+    tables_ptr, q_starts_ptr, q_lens_ptr, kv_lens_ptr, prog_seq_ptr, prog_q_ptr, sinks_ptr,
     scale_log2, window, softcap_log2,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_table,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     prog = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,6 +141,12 @@ def _paged_attention_kernel(
         )  # [N, D]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
         m = m_new
+    if SINKS:  # each head's sink joins the denominator: one more online-softmax step, with no value
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m, sink)
+        alpha = tl.exp2(m - m_new)
+        denom = denom * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -202,11 +213,13 @@ def paged_attention(
     window: int | None = None,
     out: torch.Tensor | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D], k_pool / v_pool [slots, KV, D] (one layer, D contiguous) -> out [T, H, D] in q's dtype. `window`:
     a query at position p sees keys p - window < k <= p (sliding-window layers); None sees every earlier key.
-    `softcap`: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2). Rows of q that no
-    sequence owns are left as they were in `out`."""
+    `softcap`: scaled scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2). `sinks` [H] (gpt-oss):
+    a logit per query head that joins its softmax's denominator. Rows of q that no sequence owns are left as they
+    were in `out`."""
     heads, head_dim = q.shape[1:]
     kv_heads = k_pool.shape[1]
     if heads % kv_heads or k_pool.shape[2] != head_dim or v_pool.shape != k_pool.shape:
@@ -214,6 +227,8 @@ def paged_attention(
     if q.stride(2) != 1 or k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
         raise ValueError("paged attention: head_dim must be the innermost, contiguous dimension")
     group = heads // kv_heads
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"paged attention: sinks {tuple(sinks.shape)} are not one per head of q {tuple(q.shape)}")
     if out is None:
         out = torch.empty_like(q)
     group_p2 = triton.next_power_of_2(group)
@@ -223,11 +238,12 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_pool, v_pool, out,
         plan.tables, plan.q_starts, plan.q_lens, plan.kv_lens, plan.prog_seq, plan.prog_q,
-        scale * LOG2E, window or NO_WINDOW, (softcap or 1.0) * LOG2E,
+        plan.q_lens if sinks is None else sinks, scale * LOG2E, window or NO_WINDOW, (softcap or 1.0) * LOG2E,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         out.stride(0), out.stride(1), plan.tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, BLOCK_Q=plan.block_q, BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim, HEAD_DIM_P2=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size,
         IEEE=q.dtype == torch.float32, UPCAST=_INTERPRETED and q.dtype != torch.float32, SOFTCAP=softcap is not None,
+        SINKS=sinks is not None,
     )  # fmt: skip
     return out
