@@ -1,7 +1,8 @@
-"""Mixtures of experts beyond the conformance matrix (which runs qwen3-moe, qwen2-moe and mixtral like every family):
-router ties break as transformers breaks them; the Triton fused-MoE kernels, in Triton's interpreter, compute what
-the grouped torch path does and, inside the runner, what transformers does; and a Qwen3-MoE at Qwen3-30B-A3B's real
-width (hidden 2048, 128 experts of 768, top-8), one layer deep, gives transformers' greedy tokens in fp32."""
+"""Mixtures of experts beyond the conformance matrix (which runs qwen3-moe, qwen2-moe, mixtral and gpt-oss like every
+family; gpt-oss's own checks are in test_gpt_oss.py): router ties break as transformers breaks them; the Triton
+fused-MoE kernels (gpt-oss's biases and clamped SwiGLU too), in Triton's interpreter, compute what the grouped torch
+path does and, inside the runner, what transformers does; and a Qwen3-MoE at Qwen3-30B-A3B's real width (hidden
+2048, 128 experts of 768, top-8), one layer deep, gives transformers' greedy tokens in fp32."""
 
 from __future__ import annotations
 
@@ -187,7 +188,39 @@ def test_fused_moe_kernels_equal_the_grouped_torch_path(dtype, weights_fp32):
         torch.testing.assert_close(got.float(), expected.float(), **tolerance)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_kernels_with_biases_and_the_clamped_swiglu_equal_the_grouped_torch_path(dtype):
+    """gpt-oss's experts: gate|up and down biases (down's on one rank only: none here for half the cases) and the
+    clamped SwiGLU with a limit that clamps about a third of the values; routing top-k first."""
+    pytest.importorskip("triton")
+    from overlap.engine.model.triton_moe import FusedMoE
+
+    gen = torch.Generator().manual_seed(1)
+    experts, hidden, inter, top_k = 4, 80, 48, 2
+    for with_down_bias in (True, False):
+        weights = ExpertWeights(router=(torch.randn(experts, hidden, generator=gen) * 0.3).to(dtype),
+                                gate_up=(torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2).to(dtype),
+                                down=(torch.randn(experts, hidden, inter, generator=gen) * 0.1).to(dtype),
+                                router_bias=torch.randn(experts, generator=gen).to(dtype),
+                                gate_up_bias=torch.randn(experts, 2 * inter, generator=gen).to(dtype),
+                                down_bias=torch.randn(experts, hidden, generator=gen).to(dtype)
+                                if with_down_bias else None)  # fmt: skip
+        spec = MoeSpec(experts, top_k, inter, norm_topk_prob=False, weights_fp32=False, shared_intermediate_size=0,
+                       sparse=(True,), prefix="mlp", topk_first=True, biases=True, fused=True,
+                       activation="clamped_swiglu", swiglu=(1.702, 1.5))  # fmt: skip
+        grouped = moe_layer.SparseMoE(weights, spec, LinearBackend())
+        fused = FusedMoE(weights.gate_up, weights.down, weights.gate_up_bias, weights.down_bias, spec.swiglu)
+        tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+        for rows in (1, 9, 70):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            routing, ids = grouped.route(x)
+            assert routing.dtype == dtype  # a softmax over the top-k logits, in their dtype
+            torch.testing.assert_close(routing.sum(-1).float(), torch.ones(rows), atol=1e-2, rtol=0)
+            got, expected = fused(x, routing, ids), grouped.grouped(x, routing, ids)
+            torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "gpt-oss"])
 def test_fused_moe_kernels_in_the_runner_match_transformers(built, name, monkeypatch):
     """The device paths with Triton (attention and experts), on the CPU in the interpreter: prefill logits of a
     packed batch equal transformers' in fp32."""

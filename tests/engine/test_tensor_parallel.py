@@ -36,9 +36,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64)
 # q/k norms, fused q|k|v and gate|up checkpoints, partial rotary; mixtures of experts (every rank holds every expert,
 # a share of each one's width; a shared expert and a dense layer; Mixtral's fp32 routing weights); Gemma 3's scaled
 # embeddings over the vocabulary slices, soft-capped logits after the gather, sandwich norms after the all-reduces, a
-# RoPE per layer type.
+# RoPE per layer type; gpt-oss's attention sinks sharded with their heads, its fused experts (gate and up
+# interleaved) sharded along their width, their down biases added once.
 FAMILIES = ("llama", "llama-biases-head-dim", "mistral-sliding-window", "qwen2", "qwen3", "phi3",
-            "phi3-partial-rotary", "qwen3-moe", "qwen2-moe", "mixtral", "gemma3")  # fmt: skip
+            "phi3-partial-rotary", "qwen3-moe", "qwen2-moe", "mixtral", "gemma3", "gpt-oss")  # fmt: skip
 
 
 def _runner(folder: Path, size: int) -> ModelRunner:

@@ -24,6 +24,9 @@ COMMON = dict(
     initializer_range=0.2,
 )
 
+# gpt-oss's sinks: N(0, SINK_SPREAD) logits, in the range of the scaled scores they join (checked to matter)
+SINK_SPREAD = 2.0
+
 
 def _llama(**kw):
     from transformers import LlamaConfig
@@ -113,9 +116,13 @@ def _variants() -> dict[str, Callable]:
 
 def _moe_variants() -> dict[str, Callable]:
     """Mixtures of experts (the experts' widths differ from COMMON's intermediate_size, the dense layers')."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import GptOssConfig, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    yarn = _rope("yarn", rope_theta=150000.0, factor=8.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                 original_max_position_embeddings=64)  # fmt: skip
+    gpt_oss = dict(head_dim=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=32, swiglu_limit=2.0,
+                   rope_parameters=yarn)  # fmt: skip
     return {
         # top-2 of 8 experts renormalised (norm_topk_prob), q/k norms
         "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, **experts, head_dim=32, norm_topk_prob=True),
@@ -125,6 +132,11 @@ def _moe_variants() -> dict[str, Callable]:
         ),
         # 4 experts of width 128 (intermediate_size), top-2 (a softmax over the two), every layer sliding (window 32)
         "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=32),
+        # 4 experts of width 128 top-2 (a biased router, top-k then softmax), biased experts with the clamped SwiGLU
+        # (a limit of 2 so that the clamps bite), attention sinks (save_variant draws them wide), biases on q, k, v
+        # and o, a sliding layer (window 32) then a full one, gpt-oss's YaRN (truncate false) over 64 positions x 8,
+        # head size 64 as released
+        "gpt-oss": lambda: GptOssConfig(**COMMON, **gpt_oss),
     }
 
 
@@ -132,14 +144,15 @@ VARIANTS = (
     "llama", "llama-linear-rope", "llama-dynamic-rope", "llama-yarn-rope", "llama3-rope", "llama-longrope",
     "llama-biases-head-dim", "mistral-sliding-window", "qwen2", "qwen2-sliding-layers", "qwen3", "phi3",
     "phi3-partial-rotary",
-    "qwen3-moe", "qwen2-moe", "mixtral",
+    "qwen3-moe", "qwen2-moe", "mixtral", "gpt-oss",
     "gemma", "gemma2", "gemma3",
 )  # fmt: skip
 
 
 def save_variant(name: str, folder: Path, *, generation_config: dict | None = None) -> Path:
     """Build variant `name` with seeded random weights (biases and norm weights perturbed too: transformers
-    initialises them to 0 and 1, which would leave them untested) and save it to `folder`."""
+    initialises them to 0 and 1, which would leave them untested; gpt-oss's attention sinks drawn as wide as the
+    scores they join) and save it to `folder`."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,6 +163,8 @@ def save_variant(name: str, folder: Path, *, generation_config: dict | None = No
         for param_name, param in model.named_parameters():
             if param_name.endswith("bias") or "norm" in param_name:
                 param.add_(torch.randn_like(param) * 0.3)
+            elif param_name.endswith("sinks"):
+                param.copy_(torch.randn_like(param) * SINK_SPREAD)
     model.save_pretrained(folder)
     if generation_config is not None:
         (folder / "generation_config.json").write_text(json.dumps(generation_config))

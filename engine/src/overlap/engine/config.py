@@ -13,7 +13,7 @@ from overlap.engine.errors import ConfigError
 LIVE_KNOBS = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_buffers", "aging_s", "default_timeout_s"})
 CPU_STEP_PLANS = ("auto", "halves", "whole")  # EngineConfig.cpu_step_plan
 # EngineConfig.quantization (vLLM's names); model/quant/formats.py reads each
-QUANTIZATION_METHODS = ("compressed-tensors", "fp8", "gptq", "awq")
+QUANTIZATION_METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "mxfp4")
 
 
 @dataclass(slots=True)
@@ -32,8 +32,8 @@ class EngineConfig:
     cpu_step_plan: str = "auto"
     # Ranks of one model split by tensor parallelism: a process each (NCCL on CUDA, gloo on CPU), rank 0 the engine.
     tensor_parallel_size: int = 1
-    # The checkpoint's quantization format as vLLM names it (compressed-tensors | fp8 | gptq | awq): None reads it from
-    # config.json; a name refuses a checkpoint of another format (or of float weights).
+    # The checkpoint's quantization format as vLLM names it (compressed-tensors | fp8 | gptq | awq | mxfp4): None reads
+    # it from config.json; a name refuses a checkpoint of another format (or of float weights).
     quantization: str | None = None
     seed: int = 0
 
@@ -155,7 +155,7 @@ ENGINE_FLAGS = (
     ("--block-size", "block_size", int, "tokens per KV block (8..128, a power of two)"),
     ("--seed", "seed", int, "seed of the sampling generator"),
     ("--quantization", "quantization", str,
-     "compressed-tensors | fp8 | gptq | awq: the checkpoint's format, refusing one that does not match "
+     "compressed-tensors | fp8 | gptq | awq | mxfp4: the checkpoint's format, refusing one that does not match "
      "(default: read from config.json)"),
     ("--tensor-parallel-size", "tensor_parallel_size", int,
      "ranks the model is split across (1, 2, 4, 8): one process each, NCCL on CUDA, gloo on CPU"),

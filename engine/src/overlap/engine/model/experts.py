@@ -10,18 +10,27 @@ Families, as transformers 5 computes them:
   scaled by sigmoid(`mlp.shared_expert_gate`).
 - `MixtralForCausalLM`: softmax in fp32, top-k, always renormalised (the softmax over the top-k logits), the weights
   kept in fp32; experts `block_sparse_moe.experts.E.w1` (gate), `w3` (up), `w2` (down); every layer sparse.
+- `GptOssForCausalLM`: a biased router (`mlp.router.weight`, `.bias`); top-k of its logits first, then a softmax over
+  those k in the model dtype; experts with biases on gate|up and down and the clamped SwiGLU: gate clamped to at most
+  `swiglu_limit`, up to [-limit, limit], (up + 1) * gate * sigmoid(`swiglu_alpha` * gate); every layer sparse.
 
-The checkpoint holds one tensor per expert and projection, as the Hub's files do and as transformers 5's
+Qwen and Mixtral checkpoints hold one tensor per expert and projection, as the Hub's files do and as transformers 5's
 `save_pretrained` writes them (it fuses them into 3-D `gate_up_proj` / `down_proj` parameters only in memory, and
-reverts that on save). Here each sparse layer's experts are stacked at load: `gate_up` [E, 2 I, H] (each expert's
-gate rows, then its up rows) and `down` [E, H, I], the router [E, H] in the model dtype.
+reverts that on save). gpt-oss's hold each layer's experts fused, as its parameters are: `mlp.experts.gate_up_proj`
+[E, H, 2 I] (input-major, each expert's gate and up columns interleaved: gate at the even ones, up at the odd ones),
+`gate_up_proj_bias` [E, 2 I] interleaved alike, `down_proj` [E, I, H], `down_proj_bias` [E, H]; or, in the released
+checkpoints (quant_method mxfp4), gate|up and down as MXFP4 `*_blocks` / `*_scales` (`dequantize_mxfp4`), dequantized
+here at load on whatever device the weights load to. Either way each sparse layer's experts are stacked at load into
+one layout: `gate_up` [E, 2 I, H] (each expert's gate rows, then its up rows; biases [E, 2 I] alike) and `down`
+[E, H, I], the router [E, H] in the model dtype; the expert path (layers/moe.py) never sees the checkpoint's format.
 
 Under tensor parallelism every rank holds every expert, each sharded along its intermediate width (its gate and up
 rows, its down columns), as a dense MLP is; the router and the shared expert's gate are whole on every rank, the
 shared expert is sharded like the experts. A sparse layer's output is then a partial sum like a dense MLP's: one
 all-reduce per layer.
 
-Quantized expert weights are not read yet: a quantized MoE checkpoint is refused with its format's name.
+Quantized expert weights are not read yet except gpt-oss's MXFP4 (dequantized at load): any other quantized MoE
+checkpoint is refused with its format's name.
 """
 
 from __future__ import annotations
@@ -34,7 +43,10 @@ import torch
 
 from overlap.engine.errors import ModelLoadError
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+# e2m1: the 16 values of an MXFP4 code, sign in the high bit (transformers' integrations/mxfp4.py FP4_VALUES)
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # values sharing one scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +63,13 @@ class MoeSpec:
     sparse: tuple[bool, ...]
     prefix: str  # the sparse block's module under the layer: "mlp" or "block_sparse_moe"
     names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # each expert's gate, up and down
+    # gpt-oss (the defaults are the other families'):
+    topk_first: bool = False  # top-k of the router's logits, then a softmax over those k (else softmax, then top-k)
+    biases: bool = False  # the router, each expert's gate|up and down have biases
+    fused: bool = False  # the checkpoint holds each layer's experts fused, gate and up interleaved (see above)
+    activation: str = "silu"  # "silu": silu(gate) * up; "clamped_swiglu": gpt-oss's, with `swiglu`
+    swiglu: tuple[float, float] = (1.702, 7.0)  # (alpha, limit) of the clamped SwiGLU
+    mxfp4: bool = False  # the fused experts' gate|up and down are stored as MXFP4 blocks and scales
 
     @property
     def active_intermediate(self) -> int:
@@ -68,10 +87,14 @@ class ExpertWeights:
     shared_gate_up: torch.Tensor | None = None  # [2 S, H]
     shared_down: torch.Tensor | None = None  # [H, S]
     shared_gate: torch.Tensor | None = None  # [1, H]: sigmoid(x . w) scales the shared expert's output
+    router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
+    gate_up_bias: torch.Tensor | None = None  # [E, 2 I], gate then up like gate_up's rows
+    down_bias: torch.Tensor | None = None  # [E, H]; under tensor parallelism only on rank 0 (added once)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
-                            self.shared_gate) if t is not None]  # fmt: skip
+                            self.shared_gate, self.router_bias, self.gate_up_bias, self.down_bias)
+                if t is not None]  # fmt: skip
 
 
 def read_moe_spec(cfg: dict, arch: str, num_layers: int, config_path: Path, quantization=None) -> MoeSpec | None:
@@ -79,11 +102,19 @@ def read_moe_spec(cfg: dict, arch: str, num_layers: int, config_path: Path, quan
     absent), None for a dense one. A quantized one is refused: its expert weights would not be read."""
     if arch not in MOE_ARCHITECTURES:
         return None
-    if quantization is not None:
+    if quantization is not None and not (arch == "GptOssForCausalLM" and quantization.method == "mxfp4"):
         raise ModelLoadError(f"{config_path}: {arch} quantized as {quantization.name} is not supported: the experts of "
-                             "a mixture-of-experts model load from float weights only, for now")  # fmt: skip
+                             "a mixture-of-experts model load from float weights only, for now (and gpt-oss's from "
+                             "MXFP4)")  # fmt: skip
     try:
-        if arch == "MixtralForCausalLM":
+        if arch == "GptOssForCausalLM":
+            experts, top_k = _num_experts(cfg, 128), int(cfg.get("num_experts_per_tok", 4))
+            swiglu = (float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+            spec = MoeSpec(experts, top_k, int(cfg["intermediate_size"]), norm_topk_prob=False, weights_fp32=False,
+                           shared_intermediate_size=0, sparse=(True,) * num_layers, prefix="mlp", topk_first=True,
+                           biases=True, fused=True, activation="clamped_swiglu", swiglu=swiglu,
+                           mxfp4=quantization is not None)  # fmt: skip
+        elif arch == "MixtralForCausalLM":
             experts, top_k = _num_experts(cfg, 8), int(cfg.get("num_experts_per_tok", 2))
             spec = MoeSpec(experts, top_k, int(cfg["intermediate_size"]), norm_topk_prob=True, weights_fp32=True,
                            shared_intermediate_size=0, sparse=(True,) * num_layers, prefix="block_sparse_moe",
@@ -129,6 +160,8 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, hidden: int, dtype: torch
                  shard=None) -> ExpertWeights:  # fmt: skip
     """Layer `layer`'s ("model.layers.N.") router, experts and shared expert, each expert's gate|up and down stacked;
     with a tensor-parallel `shard`, only its share of every expert's intermediate width is read."""
+    if moe.fused:
+        return _read_fused(moe, layer, take, hidden, dtype, shard)
     h, i, p = hidden, moe.intermediate_size, f"{layer}{moe.prefix}."
     first, last = rank_range(i, shard)
     own = None if shard is None else [(first, last)]
@@ -151,6 +184,64 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, hidden: int, dtype: torch
         weights.shared_down = take(p + "shared_expert.down_proj.weight", (h, s), cols=own)
         weights.shared_gate = take(p + "shared_expert_gate.weight", (1, h))
     return weights
+
+
+def _read_fused(moe: MoeSpec, layer: str, take: Take, h: int, dtype: torch.dtype, shard) -> ExpertWeights:
+    """gpt-oss's fused experts (float or MXFP4) into the stacked layout: gate and up de-interleaved into gate rows
+    then up rows, each made [out, in]. A rank reads its own columns of gate|up (interleaved: 2 first .. 2 last) and
+    rows of down (first .. last); only rank 0 keeps the down biases, which the all-reduce would add size times."""
+    e, i, p = moe.num_experts, moe.intermediate_size, f"{layer}{moe.prefix}."
+    first, last = rank_range(i, shard)
+    x, every, own = p + "experts.", slice(None), slice(2 * first, 2 * last)
+    if moe.mxfp4:  # blocks [E, out, in / 32, 16], scales [E, out, in / 32]: out-major already
+        if h % MXFP4_BLOCK or i % MXFP4_BLOCK:
+            raise ModelLoadError(f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes that are multiples of "
+                                 f"{MXFP4_BLOCK}")  # fmt: skip
+        g_h, g_i = h // MXFP4_BLOCK, i // MXFP4_BLOCK
+        # [E, 2 w, H], gate and up rows interleaved
+        gate_up = dequantize_mxfp4(take(x + "gate_up_proj_blocks", (e, 2 * i, g_h, 16), index=(every, own), raw=True),
+                                   take(x + "gate_up_proj_scales", (e, 2 * i, g_h), index=(every, own), raw=True),
+                                   dtype, x + "gate_up_proj")  # fmt: skip
+        g0, g1 = first // MXFP4_BLOCK, -(-last // MXFP4_BLOCK)  # the blocks holding this rank's columns
+        blocks = (every, every, slice(g0, g1))
+        down = dequantize_mxfp4(take(x + "down_proj_blocks", (e, h, g_i, 16), index=blocks, raw=True),
+                                take(x + "down_proj_scales", (e, h, g_i), index=blocks, raw=True),
+                                dtype, x + "down_proj")  # fmt: skip
+        down = down[:, :, first - g0 * MXFP4_BLOCK : last - g0 * MXFP4_BLOCK]
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    else:  # gate_up_proj [E, H, 2 I] and down_proj [E, I, H]: input-major
+        gate_up = take(x + "gate_up_proj", (e, h, 2 * i), index=(every, every, own))
+        gate, up = gate_up[..., 0::2].transpose(1, 2), gate_up[..., 1::2].transpose(1, 2)
+        down = take(x + "down_proj", (e, i, h), index=(every, slice(first, last))).transpose(1, 2)
+    gate_up_bias = take(x + "gate_up_proj_bias", (e, 2 * i), index=(every, own))
+    down_bias = take(x + "down_proj_bias", (e, h))
+    return ExpertWeights(
+        router=take(p + "router.weight", (e, h)),
+        gate_up=torch.cat([gate, up], dim=1).contiguous(),
+        down=down.contiguous(),
+        router_bias=take(p + "router.bias", (e,)),
+        gate_up_bias=torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1).contiguous(),
+        down_bias=down_bias if shard is None or shard.keeps_biases else None,
+    )
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str = "") -> torch.Tensor:
+    """MXFP4 as the gpt-oss checkpoints store it (transformers' integrations/mxfp4.py, convert_moe_packed_tensors):
+    blocks uint8 [..., G, 16] hold 32 e2m1 codes each, value 2j in the low nibble and 2j + 1 in the high one; scales
+    uint8 [..., G] the power of two shared by a block's 32, biased by 127. -> [..., G * 32] in `dtype` (exact in fp32
+    and bf16: a code has two significant bits), computed one expert (leading index) at a time."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ModelLoadError(f"MXFP4 {name}: blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ModelLoadError(f"MXFP4 {name}: blocks {tuple(blocks.shape)} do not fit scales {tuple(scales.shape)}")
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    out = torch.empty(*blocks.shape[:-1], MXFP4_BLOCK, dtype=dtype, device=blocks.device)
+    for e in range(blocks.shape[0]):
+        codes, values = blocks[e], out[e]
+        values[..., 0::2] = lut[(codes & 0x0F).int()]
+        values[..., 1::2] = lut[(codes >> 4).int()]
+        torch.ldexp(values, scales[e].int().sub_(127).unsqueeze(-1), out=values)
+    return out.flatten(-2)
 
 
 def random_experts(moe: MoeSpec, hidden: int, normal: Callable[..., torch.Tensor]) -> ExpertWeights:

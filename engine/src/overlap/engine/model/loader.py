@@ -35,12 +35,13 @@ SUPPORTED_ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # Families people try that this runner would compute wrongly: refused by name, with the reason.
 REFUSED_FAMILIES = {
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp, LAuReL) is not implemented",
     "recurrent": "recurrent models (RecurrentGemma's Griffin blocks) are not implemented",
-    "moe": "this mixture-of-experts family is not implemented (Qwen3-MoE, Qwen2-MoE and Mixtral are)",
+    "moe": "this mixture-of-experts family is not implemented (Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss are)",
     "deepseek": "DeepSeek models (mixture of experts, multi-head latent attention) are not implemented",
     "vl": "multimodal models are not implemented (text-only causal LMs are)",
     "llava": "multimodal models are not implemented (text-only causal LMs are)",
@@ -52,7 +53,7 @@ _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
 # Parameter names that only quantized checkpoints have (AWQ, GPTQ, bitsandbytes, FP8 scales).
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_scale", "input_scale", "weight_scale_inv", "SCB")
 # attention_bias: q, k, v and o biases
-_ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_ATTENTION_BIAS_ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 # Windows only with use_sliding_window (transformers drops sliding_window without it)
 _USE_SLIDING_ARCHS = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 _GEMMA_ARCHS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -100,6 +101,9 @@ class ModelSpec:
     final_logit_softcapping: float | None = None  # Gemma 2/3: the same on the logits
     # Gemma 3: the RoPE parameters of each layer type ("full_attention", "sliding_attention"); None: one for all
     rope_by_layer_type: dict[str, dict] | None = None
+    # gpt-oss: a learned logit per query head in each attention softmax's denominator (`self_attn.sinks`)
+    attention_sinks: bool = False
+    norm_fp32: bool = False  # gpt-oss: RMSNorm multiplies by its weight in fp32 and rounds once (Gemma's do too)
 
     @property
     def attention_scale(self) -> float:
@@ -132,6 +136,7 @@ class LayerWeights:
     moe: moe_experts.ExpertWeights | None = None  # a sparse layer's experts (gate_up and down are then None)
     pre_mlp_norm: torch.Tensor | None = None  # [hidden], Gemma 2/3 (post_norm then norms the attention's output)
     post_mlp_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [heads] in fp32, gpt-oss's attention sinks
 
 
 @dataclass(slots=True)
@@ -191,7 +196,7 @@ def _layer_windows(cfg: dict, arch: str, num_layers: int, config_path: Path) -> 
         elif arch == "Qwen2MoeForCausalLM":  # its own rule: every other layer below max_window_layers
             below = int(cfg.get("max_window_layers", 28))
             types = ["sliding_attention" if i % 2 == 0 and i < below else "full_attention" for i in range(num_layers)]
-        elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # every pattern-th layer attends fully
+        elif arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM"):  # every pattern-th one full
             pattern = int(cfg.get("sliding_window_pattern") or 6) if arch == "Gemma3ForCausalLM" else 2
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
         else:  # Mistral, Phi-3, Mixtral, Qwen3-MoE: every layer slides
@@ -295,6 +300,8 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
     cfg = _read_json(config_path)
     arch = _architecture(cfg, config_path)
     quant = quant_formats.parse(cfg, config_path, quantization)
+    if quant is not None and quant.method == "mxfp4" and arch != "GptOssForCausalLM":
+        raise ModelLoadError(f"{config_path}: MXFP4 weights are supported for gpt-oss's experts only, not {arch}")
     act = _hidden_act(cfg, arch, config_path)
     gen_path = model_dir / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
@@ -305,7 +312,8 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
         # Every EOS id either file declares stops generation (Llama 3 Instruct lists two in generation_config.json).
         eos_ids = list(dict.fromkeys(_ids(cfg.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
         defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
-        attention_bias = bool(cfg.get("attention_bias", False))
+        # GptOssConfig's default is True (its q, k, v and o always have biases in the released checkpoints)
+        attention_bias = bool(cfg.get("attention_bias", arch == "GptOssForCausalLM"))
         moe_qkv_bias = arch == "Qwen2MoeForCausalLM" and bool(cfg.get("qkv_bias", True))  # Qwen2-MoE's own key
         rope_type, rope_cap, rope_by_layer_type = _rope(cfg, arch, config_path)
         return ModelSpec(
@@ -338,6 +346,8 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
             moe=moe_experts.read_moe_spec(cfg, arch, num_layers, config_path, quant),
             hidden_act=act,
             rope_by_layer_type=rope_by_layer_type,
+            attention_sinks=arch == "GptOssForCausalLM",
+            norm_fp32=arch == "GptOssForCausalLM",
             **_gemma_fields(cfg, arch, config_path),
         )
     except (KeyError, TypeError, ValueError) as exc:
@@ -431,17 +441,20 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
     used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...], rows: Ranges = None, cols: Ranges = None,
-             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """The tensor `name` (its `rows` or `cols`) on the device in the model dtype; read into `out` if given."""
+             out: torch.Tensor | None = None, index: tuple[slice, ...] | None = None,
+             raw: bool = False) -> torch.Tensor:  # fmt: skip
+        """The tensor `name` (its `rows` or `cols`, or the part `index` slices out) on the device in the model dtype
+        (`raw`: in the checkpoint's own); read into `out` if given."""
         sl = slices.get(name)
         if sl is None:
             raise ModelLoadError(f"{model_dir}: weight {name!r} is missing")
         if tuple(sl.get_shape()) != shape:
             raise ModelLoadError(f"{model_dir}: weight {name!r} has shape {tuple(sl.get_shape())}, expected {shape}")
         used.add(name)
+        tensor = sl[index] if index is not None else _select(sl, rows, cols)
         if out is not None:
-            return out.copy_(_select(sl, rows, cols))
-        return _select(sl, rows, cols).to(device=device, dtype=dtype)
+            return out.copy_(tensor)
+        return tensor.to(device=device) if raw else tensor.to(device=device, dtype=dtype)
 
     fmt = spec.quantization
 
@@ -517,6 +530,9 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         if spec.feedforward_norms:
             lw.pre_mlp_norm = take(p + "pre_feedforward_layernorm.weight", (h,))
             lw.post_mlp_norm = take(p + "post_feedforward_layernorm.weight", (h,))
+        if spec.attention_sinks:  # this rank's heads' sinks, in fp32 for every kernel (bf16 ones widen exactly)
+            heads = None if shard is None else [shard.q_heads]
+            lw.sinks = take(p + "self_attn.sinks", (spec.num_heads,), rows=heads).float().contiguous()
         layers.append(lw)
     vocab = None if shard is None else [shard.vocab]
     embed = _pad_rows(take("model.embed_tokens.weight", (spec.vocab_size, h), rows=vocab), shard)
@@ -588,7 +604,8 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
                      q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None,
                      moe=moe_experts.random_experts(spec.moe, h, normal) if sparse[n] else None,
                      pre_mlp_norm=ones(h) if spec.feedforward_norms else None,
-                     post_mlp_norm=ones(h) if spec.feedforward_norms else None)
+                     post_mlp_norm=ones(h) if spec.feedforward_norms else None,
+                     sinks=normal(spec.num_heads).float() if spec.attention_sinks else None)
         for n in range(spec.num_layers)
     ]  # fmt: skip
     embed = normal(spec.vocab_size, h)

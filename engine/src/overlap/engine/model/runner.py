@@ -243,7 +243,8 @@ class ModelRunner(Runner):
         if quant is None:
             return self.linear.name
         layer, mlp = self.model.layers[0], self.model.layers[0].mlp
-        linears = [layer.qkv, layer.o, mlp.gate_up, mlp.gate, mlp.up, mlp.down, self.model.head]
+        mlp_linears = [getattr(mlp, name, None) for name in ("gate_up", "gate", "up", "down")]  # none in an MoE layer
+        linears = [layer.qkv, layer.o, *mlp_linears, self.model.head]
         kernels = dict.fromkeys(lin.kernel for lin in linears if lin is not None)
         return f"{quant.name} through {' and '.join(kernels)}"
 

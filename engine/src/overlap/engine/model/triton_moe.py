@@ -3,8 +3,9 @@ device paths (CUDA); layers/moe.py calls it after routing.
 
 A step has T tokens and k experts a token: T * k (token, expert) pairs. They are sorted by expert and each expert's
 run is padded to a multiple of BLOCK_M rows (`align`), so that every block of BLOCK_M rows belongs to one expert.
-The first kernel computes a block's SiLU(gate) * up from that expert's gate|up rows; the second its down projection,
-scaled by each pair's routing weight, into the pair's row. Each program reads one tile of one expert's weights: a
+The first kernel computes a block's SiLU(gate) * up from that expert's gate|up rows (gpt-oss: its biases added and
+its clamped SwiGLU, layers/mlp.py); the second its down projection (plus its bias), scaled by each pair's routing
+weight, into the pair's row. Each program reads one tile of one expert's weights: a
 step reads each active expert's weights once per block of its tokens, and an inactive expert's never. The token sum
 over the k pairs is one torch sum, in the order transformers sums them.
 
@@ -29,11 +30,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, act_ptr, num_pairs, hidden, inter, x_stride,
-                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_FP32: tl.constexpr):  # fmt: skip
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, pairs_ptr, block_expert_ptr, act_ptr, num_pairs, hidden, inter,
+                    x_stride, alpha, limit, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, BIAS: tl.constexpr,
+                    SWIGLU: tl.constexpr):  # fmt: skip
     """act[row, n] = silu(x[token] . gate[e, n]) * (x[token] . up[e, n]) for the rows of block program_id(0), whose
-    pairs all go to expert e; gate and up rounded to the model dtype first, as torch's matmul output is."""
+    pairs all go to expert e; gate and up rounded to the model dtype first, as torch's matmul output is. BIAS adds
+    the expert's gate and up biases (rounded again, as transformers adds them after the matmul); SWIGLU is gpt-oss's
+    clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = min(gate, limit), rounded op by
+    op."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -62,17 +67,31 @@ def _gate_up_kernel(x_ptr, w_ptr, pairs_ptr, block_expert_ptr, act_ptr, num_pair
                 up += tl.dot(a, wu)
         dtype = act_ptr.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)
-        silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        act = silu * up.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        if BIAS:
+            b = bias_ptr + expert.to(tl.int64) * (2 * inter)
+            gate = (gate + tl.load(b + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+            up = (up + tl.load(b + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]).to(dtype)
+            up = up.to(tl.float32)
+        if SWIGLU:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            sig = tl.sigmoid((gate * alpha).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            glu = (gate * sig).to(dtype).to(tl.float32)
+            act = (up + 1.0).to(dtype).to(tl.float32) * glu
+        else:
+            silu = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+            act = silu * up
         tl.store(act_ptr + rows[:, None].to(tl.int64) * inter + cols[None, :], act.to(dtype),
                  mask=valid[:, None] & col_ok[None, :])  # fmt: skip
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, out_ptr, num_pairs, hidden, inter,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_FP32: tl.constexpr):  # fmt: skip
-    """out[pair, n] = (act[row] . down[e, n]) * weight[pair], the product rounded to the model dtype first."""
+def _down_kernel(act_ptr, w_ptr, bias_ptr, pairs_ptr, block_expert_ptr, weight_ptr, out_ptr, num_pairs, hidden,
+                 inter, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                 BIAS: tl.constexpr):  # fmt: skip
+    """out[pair, n] = (act[row] . down[e, n] (+ bias[e, n])) * weight[pair], the product (and the sum with the bias)
+    rounded to the model dtype first."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
@@ -94,7 +113,11 @@ def _down_kernel(act_ptr, w_ptr, pairs_ptr, block_expert_ptr, weight_ptr, out_pt
             else:
                 acc += tl.dot(a, wd)
         scale = tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+        y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
+        if BIAS:
+            bias = tl.load(bias_ptr + expert.to(tl.int64) * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = (y + bias[None, :]).to(act_ptr.dtype.element_ty).to(tl.float32)
+        y = y * scale[:, None]
         tl.store(out_ptr + pair[:, None].to(tl.int64) * hidden + cols[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & col_ok[None, :])  # fmt: skip
 
@@ -121,10 +144,15 @@ def align(ids: torch.Tensor, num_experts: int, block: int) -> tuple[torch.Tensor
 
 
 class FusedMoE:
-    """One sparse layer's routed experts: gate|up [E, 2 I, H] and down [E, H, I], used in place."""
+    """One sparse layer's routed experts: gate|up [E, 2 I, H] and down [E, H, I], used in place; optionally their
+    biases [E, 2 I] and [E, H] and gpt-oss's clamped SwiGLU, `swiglu` = (alpha, limit)."""
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, swiglu: tuple[float, float] | None = None) -> None:  # fmt: skip
         self.gate_up, self.down = gate_up.contiguous(), down.contiguous()
+        self.gate_up_bias = None if gate_up_bias is None else gate_up_bias.contiguous()
+        self.down_bias = None if down_bias is None else down_bias.contiguous()
+        self.swiglu = swiglu
         self.num_experts, self.inter, self.hidden = down.shape[0], down.shape[2], down.shape[1]
 
     def blocks(self, pairs: int, dtype: torch.dtype) -> tuple[int, int, int, bool]:
@@ -149,12 +177,17 @@ class FusedMoE:
         # the product's dtype as transformers multiplies: fp32 with Mixtral's fp32 weights, else the model's
         out = torch.empty(pairs, hidden, dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
         grid_m = block_expert.numel()
+        alpha, limit = self.swiglu or (1.0, 0.0)
+        gate_up_bias = self.gate_up if self.gate_up_bias is None else self.gate_up_bias  # unread without BIAS
+        down_bias = self.down if self.down_bias is None else self.down_bias
         _gate_up_kernel[(grid_m, triton.cdiv(inter, block_n))](
-            x, self.gate_up, sorted_pairs, block_expert, act, pairs, hidden, inter, x.stride(0),
-            TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, num_warps=4,
+            x, self.gate_up, gate_up_bias, sorted_pairs, block_expert, act, pairs, hidden, inter, x.stride(0), alpha,
+            limit, TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+            BIAS=self.gate_up_bias is not None, SWIGLU=self.swiglu is not None, num_warps=4,
         )  # fmt: skip
         _down_kernel[(grid_m, triton.cdiv(hidden, block_n))](
-            act, self.down, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(), out, pairs, hidden,
-            inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, num_warps=4,
+            act, self.down, down_bias, sorted_pairs, block_expert, weights.reshape(-1).float().contiguous(), out,
+            pairs, hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32,
+            BIAS=self.down_bias is not None, num_warps=4,
         )  # fmt: skip
         return out.view(rows, k, hidden).sum(dim=1).to(x.dtype)

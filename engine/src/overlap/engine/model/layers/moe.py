@@ -5,6 +5,8 @@ Routing is transformers' to the op: router logits in the model dtype (F.linear, 
 softmax in fp32, `torch.topk` (so ties between experts break as transformers breaks them), the top-k renormalised
 where the family does (Mixtral always, Qwen with `norm_topk_prob`), the weights cast to the model dtype (Qwen) or
 kept in fp32 (Mixtral), each expert's output multiplied by its weight and the k of a token summed in top-k order.
+gpt-oss's router has a bias and takes the top-k of the logits first, then a softmax over those k in the logits' dtype;
+its experts add biases to gate|up and down and apply the clamped SwiGLU (layers/mlp.py).
 
 The experts (model/experts.py: gate|up [E, 2 I, H], down [E, H, I]):
 
@@ -17,7 +19,8 @@ The experts (model/experts.py: gate|up [E, 2 I, H], down [E, H, I]):
   above, over F.linear; tests run the kernels on the CPU in Triton's interpreter by setting `FUSED_ON_CPU`.
 
 Under tensor parallelism each rank's experts hold a share of their intermediate width: the block's output is a
-partial sum that the decoder all-reduces with the attention's, as a dense MLP's. Qwen2-MoE's shared expert runs over
+partial sum that the decoder all-reduces with the attention's, as a dense MLP's (down biases, weighted, on rank 0
+only). Qwen2-MoE's shared expert runs over
 every token, scaled by sigmoid(x . shared_gate) (a whole vector on every rank: the scale distributes over the sum).
 """
 
@@ -34,9 +37,14 @@ from overlap.engine.model.layers.mlp import GatedMLP
 FUSED_ON_CPU = False
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool, weights_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, weights_fp32: bool,
+          topk_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Each row's top-k experts [T, k] and their weights [T, k] from the router's logits [T, E], as transformers'
-    TopKRouter computes them (fp32 weights for Mixtral, the logits' dtype for Qwen)."""
+    TopKRouter computes them (fp32 weights for Mixtral, the logits' dtype for Qwen); `topk_first` (gpt-oss): the
+    top-k logits, then their softmax in the logits' dtype."""
+    if topk_first:
+        top, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, ids = torch.topk(probs, top_k, dim=-1)
     if renormalise:
@@ -49,19 +57,24 @@ class SparseMoE:
 
     def __init__(self, weights: ExpertWeights, moe: MoeSpec, backend: LinearBackend, ops=None) -> None:
         self.top_k, self.renormalise, self.weights_fp32 = moe.top_k, moe.norm_topk_prob, moe.weights_fp32
+        self.topk_first = moe.topk_first
         self.num_experts = weights.gate_up.shape[0]
-        self.router = weights.router
+        self.router, self.router_bias = weights.router, weights.router_bias
         self.fused = None  # the Triton kernels (device paths with Triton), else one GatedMLP per expert
         self.experts: list[GatedMLP] = []
+        swiglu = moe.swiglu if moe.activation == "clamped_swiglu" else None
+        gate_up_bias, down_bias = weights.gate_up_bias, weights.down_bias
         # quantized_triton: set where the step runs Triton kernels (the device paths with the Triton attention)
         if backend.quantized_triton and (weights.gate_up.is_cuda or FUSED_ON_CPU):
             from overlap.engine.model.triton_moe import FusedMoE
 
-            self.fused = FusedMoE(weights.gate_up, weights.down)
+            self.fused = FusedMoE(weights.gate_up, weights.down, gate_up_bias, down_bias, swiglu)
         else:
             # torch's SiLU-mul: the ops' Triton one (the device paths on a CPU, in the interpreter) per active expert
             # would cost more than the step's attention
-            self.experts = [GatedMLP(weights.gate_up[e], None, weights.down[e], None, backend)
+            self.experts = [GatedMLP(weights.gate_up[e], None if gate_up_bias is None else gate_up_bias[e],
+                                     weights.down[e], None if down_bias is None else down_bias[e], backend,
+                                     hidden_act=moe.activation, swiglu=swiglu)
                             for e in range(self.num_experts)]  # fmt: skip
             if backend.fuses_silu:
                 # oneDNN packed a copy of every expert: the stacked tensors go now, not once the whole model is built,
@@ -75,7 +88,8 @@ class SparseMoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each row of x."""
-        return route(F.linear(x, self.router), self.top_k, self.renormalise, self.weights_fp32)
+        logits = F.linear(x, self.router, self.router_bias)
+        return route(logits, self.top_k, self.renormalise, self.weights_fp32, self.topk_first)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -3,6 +3,7 @@ next to the Triton attention (`triton_ops.py`), F.rms_norm elsewhere.
 
 Gemma's norms scale by (1 + weight) and compute in fp32 whatever the model's dtype, rounding once at the end
 (`offset`): their weight is kept as 1 + w in fp32, and every kernel here takes an fp32 weight beside bf16 rows.
+gpt-oss's multiply by the weight in fp32 too (`fp32`): transformers' GptOssRMSNorm rounds once, after the weight.
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ if TYPE_CHECKING:
     from overlap.engine.model.triton_ops import TritonOps
 
 
-def offset_weight(weight: torch.Tensor, offset: float) -> torch.Tensor:
+def offset_weight(weight: torch.Tensor, offset: float, fp32: bool = False) -> torch.Tensor:
     """The weight a norm multiplies by: `weight` itself, or offset + weight in fp32 (Gemma: 1 + w, as transformers
-    adds it in fp32 on every call)."""
-    return weight if not offset else offset + weight.float()
+    adds it in fp32 on every call; gpt-oss: w in fp32)."""
+    return weight if not (offset or fp32) else offset + weight.float()
 
 
 class RMSNorm:
     __slots__ = ("eps", "ops", "shape", "weight")
 
-    def __init__(self, weight: torch.Tensor, eps: float, ops: CpuOps | TritonOps | None, offset: float = 0.0) -> None:
-        self.weight = offset_weight(weight, offset)
+    def __init__(self, weight: torch.Tensor, eps: float, ops: CpuOps | TritonOps | None, offset: float = 0.0,
+                 fp32: bool = False) -> None:  # fmt: skip
+        self.weight = offset_weight(weight, offset, fp32)
         self.eps = eps
         self.shape = (weight.shape[0],)
         self.ops = ops

@@ -23,6 +23,9 @@ MODEL_CLASSES: dict[str, type[LlamaModel]] = {
     "GemmaForCausalLM": GemmaModel,
     "Gemma2ForCausalLM": Gemma2Model,
     "Gemma3ForCausalLM": Gemma2Model,
+    # gpt-oss: the Llama decoder with attention sinks, biases, alternating sliding layers and a biased sparse block
+    # (its differences are the spec's and the weights', models/llama.py and layers/moe.py compute them)
+    "GptOssForCausalLM": LlamaModel,
 }
 
 

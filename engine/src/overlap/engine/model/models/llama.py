@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Phi-3): pre-norm layers of GQA attention with RoPE over the paged
-KV pool and a SwiGLU MLP, then the final norm and the LM head.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Phi-3; gpt-oss with its sinks and experts): pre-norm layers of
+GQA attention with RoPE over the paged KV pool and a SwiGLU MLP, then the final norm and the LM head.
 
 A prompt row that is not sampled matters to later tokens only through the K/V it leaves in each layer, so the last
 layer, past its K/V writes, runs only the sampled rows (its output projection and MLP are ~12% of a prompt token's
@@ -54,13 +54,14 @@ class LlamaDecoderLayer:
         self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.window = spec.layer_windows[index]
         self.rotary = parts.sliding_rotary if self.window is not None and parts.sliding_rotary else parts.rotary
-        self.input_norm = RMSNorm(lw.input_norm, spec.rms_norm_eps, ops, spec.norm_weight_offset)
+        self.input_norm = RMSNorm(lw.input_norm, spec.rms_norm_eps, ops, spec.norm_weight_offset, spec.norm_fp32)
         self.qkv = Linear(lw.qkv, lw.qkv_bias, linear)
         self.o = Linear(lw.o, lw.o_bias, linear)
-        self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops, spec.norm_weight_offset)
+        self.sinks = lw.sinks  # gpt-oss: fp32 [heads], a logit per head in its softmax's denominator (else None)
+        self.post_norm = RMSNorm(lw.post_norm, spec.rms_norm_eps, ops, spec.norm_weight_offset, spec.norm_fp32)
         if lw.moe is None:
             self.mlp = GatedMLP(lw.gate_up, lw.gate_up_bias, lw.down, lw.down_bias, linear, ops, spec.hidden_act)
-        else:  # a mixture of experts' sparse layer (Qwen3-MoE, Qwen2-MoE, Mixtral): the same place, the same reduce
+        else:  # a mixture of experts' sparse layer (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss): the same place and reduce
             self.mlp = SparseMoE(lw.moe, spec.moe, linear, ops)
         self.k_pool, self.v_pool = parts.k_pool[index], parts.v_pool[index]
 
@@ -90,7 +91,8 @@ class LlamaModel:
         self.layers = [self.layer_class(i, lw, parts) for i, lw in enumerate(w.layers)]
         self.rotaries = list(dict.fromkeys(layer.rotary for layer in self.layers))  # each one's rows once a step
         self.embed = w.embed
-        self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops, parts.spec.norm_weight_offset)
+        self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops, parts.spec.norm_weight_offset,
+                            parts.spec.norm_fp32)  # fmt: skip
         self.head = Linear(w.lm_head, None, parts.linear)
         self.tp = parts.tp
 
@@ -123,9 +125,10 @@ class LlamaModel:
                 if inputs.sample_rows.numel() == 0:
                     return x.new_empty(0, self.spec.vocab_size)
                 q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
-                attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window)
+                attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window, layer.sinks)
             else:
-                attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window)
+                attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window,
+                                      layer.sinks)  # fmt: skip
             # the residual added in place into the block's fresh output
             x = layer.after_attention(self.reduce(layer.o(attn))).add_(x)
             x = layer.after_mlp(self.reduce(layer.mlp(layer.before_mlp(x)))).add_(x)

@@ -8,6 +8,8 @@
   one scale per tensor: the same FP8 `QuantizedWeight`.
 - GPTQ (`qweight`, `qzeros`, `scales`, `g_idx`; checkpoint_format gptq stores zero points minus one, gptq_v2 not)
   and AWQ's GEMM packing (`qweight` [in, out / 8] in AWQ's column order) as `QuantizedWeight`.
+- `mxfp4` (the gpt-oss releases): only the experts are MXFP4, and experts.py dequantizes them at load; every
+  projection here reads as a float weight. The loader refuses it for any other architecture.
 
 Anything else (bitsandbytes, HQQ, EXL2, GGUF, ...) is refused by name. A reader checks every tensor's shape and
 dtype against the projection's and names the tensor or field that is wrong. docs/models.md has the table.
@@ -36,7 +38,6 @@ REFUSED_METHODS = {
     "quanto": "optimum-quanto weights",
     "eetq": "EETQ weights",
     "torchao": "torchao weights",
-    "mxfp4": "MXFP4 weights",
     "bitnet": "BitNet weights",
     "fbgemm_fp8": "FBGEMM FP8 weights",
 }
@@ -93,16 +94,22 @@ def parse(cfg: dict, config_path: Path, requested: str | None = None) -> QuantFo
     if not isinstance(qc, dict):
         raise ModelLoadError(f"{config_path}: quantization_config must be an object, got {type(qc).__name__}")
     method = str(qc.get("quant_method", "")).lower().replace("_", "-")
-    if method in ("compressed-tensors", "fp8", "gptq", "awq") and requested not in (None, method):
+    if method in QUANTIZATION_METHODS and requested not in (None, method):
         raise ModelLoadError(f"--quantization {requested} was asked for, but {config_path} holds a {method} "
                              "checkpoint")  # fmt: skip
-    readers = {"compressed-tensors": _compressed_tensors, "fp8": _fp8, "gptq": _gptq, "awq": _awq}
+    readers = {"compressed-tensors": _compressed_tensors, "fp8": _fp8, "gptq": _gptq, "awq": _awq, "mxfp4": _mxfp4}
     if method in readers:
         return readers[method](qc, config_path)
     refused = REFUSED_METHODS.get(method.replace("-", "_")) or REFUSED_METHODS.get(method)
     what = refused or f"quant_method {method or '(none)'!r}"
     raise ModelLoadError(f"{config_path}: {what} are not supported; quantized formats that load: "
                          f"{', '.join(QUANTIZATION_METHODS)} (docs/models.md, 'Quantized checkpoints')")  # fmt: skip
+
+
+def _mxfp4(qc: dict, config_path: Path) -> QuantFormat:
+    """gpt-oss's MXFP4: the experts' `*_blocks` / `*_scales`, read and dequantized by experts.py; the attention, the
+    router, the embedding and the LM head (modules_to_not_convert) stay float, so no projection reads through here."""
+    return QuantFormat("mxfp4", "MXFP4 (experts dequantized at load)", read_projection=lambda *_: None)
 
 
 # ---- shared helpers ---------------------------------------------------------------------------------------------
