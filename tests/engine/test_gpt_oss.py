@@ -195,3 +195,46 @@ def test_other_quantized_formats_and_mxfp4_elsewhere_are_refused(variant, tmp_pa
     with pytest.raises(ModelLoadError, match=r"--quantization fp8 was asked for, but .* holds a mxfp4 checkpoint"):
         read_spec(edit_config(shutil.copytree(variant, tmp_path / "asked"), quantization_config={
             "quant_method": "mxfp4"}), "fp8")  # fmt: skip
+
+
+# ---- a real width ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # 15-25 s on 2 cores: 230M parameters written, read by both, run in fp32
+def test_gpt_oss_20b_at_its_real_width_gives_transformers_logits_and_greedy_tokens(tmp_path, monkeypatch):
+    """gpt-oss-20b's widths (hidden 2880, 64 heads of 64 over 8 KV heads, experts of 2880, top-4, window 128, its
+    YaRN) from `overlap model build-shape`'s recipe, cut to one sliding layer, 8 experts and a vocabulary of 2048;
+    biases, sinks and norms drawn wide (the recipe's zeros and ones leave them untested). On a 160-token prompt (past
+    the window), in fp32: the last position's logits, and greedy tokens after a prefill in chunks, equal
+    transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    from overlap.engine.model import shapes
+
+    monkeypatch.setenv("OVERLAP_CACHE_DIR", str(tmp_path))
+    cut = {**shapes.SHAPES["gpt-oss-20b"], "num_hidden_layers": 1, "layer_types": ["sliding_attention"],
+           "num_local_experts": 8, "vocab_size": 2048}  # fmt: skip
+    monkeypatch.setitem(shapes.SHAPES, "test-gpt-oss", cut)
+    folder = shapes.ensure_shape_model("test-gpt-oss")
+    tensors = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        spread = 2.0 if name.endswith(("norm.weight", "sinks")) else 0.5 if name.endswith("bias") else None
+        if spread is not None:
+            tensors[name] = (torch.randn(tensor.shape, generator=gen) * spread).bfloat16()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    prompt = [int(t) for t in torch.randint(3, 2048, (160,), generator=gen)]
+    reference = _hf(folder)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    want = transformers_greedy(reference, prompt, 4)
+    del reference
+    runner = ModelRunner(EngineConfig(model=str(folder), max_seq_len=256, num_kv_blocks=16, dtype="float32"), folder)
+    try:
+        assert runner.spec.layer_windows == [128] and runner.spec.moe.top_k == 4
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        logits = runner.compute_logits(ModelInput([ScheduledSeq("a", prompt, 0, list(range(13)), True, greedy)]))[0]
+        tokens = greedy_tokens(runner, [prompt], 4, chunk=64)[0]
+    finally:
+        runner.close()
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == want

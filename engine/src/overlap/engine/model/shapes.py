@@ -49,6 +49,15 @@ _MIXTRAL = dict(
     architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, max_position_embeddings=32768,
     rope_theta=1000000.0, rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, sliding_window=None,
 )  # fmt: skip
+# openai/gpt-oss-20b as transformers 5 saves it in bf16 (its experts fused, gate and up interleaved; the released
+# checkpoint's MXFP4 experts dequantized): 24 layers alternating sliding (window 128) and full, sinks, biases
+_GPT_OSS = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, hidden_act="silu", tie_word_embeddings=False, attention_bias=True, attention_dropout=0.0,
+    sliding_window=128, swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss_coef=0.9, output_router_logits=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+)  # fmt: skip
 SHARD_BYTES = 4 << 30
 
 # name -> the config.json fields of the real checkpoint that shape the compute (Qwen2 has q/k/v biases by design).
@@ -69,6 +78,10 @@ SHAPES: dict[str, dict] = {
     "mixtral-8x7b": {**_MIXTRAL, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
                      "num_experts_per_tok": 2},
+    "gpt-oss-20b": {**_GPT_OSS, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 24,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+                    "num_experts_per_tok": 4,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12},
     # google/gemma-3-1b-pt's config.json as the hub ships it (transformers 4.50's spelling): 5 sliding layers (window
     # 512, RoPE base 1e4) to 1 full one (base 1e6), q/k norms, no soft-capping
     "gemma-3-1b": dict(
@@ -188,8 +201,8 @@ def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None,
 
 
 def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of a Llama-family (or Gemma 3) checkpoint of this config (a mixture of
-    experts' as the Hub's files hold them: one tensor per expert and projection)."""
+    """Hugging Face tensor names and shapes of a Llama-family (or Gemma 3, or gpt-oss) checkpoint of this config (a
+    mixture of experts' as the Hub's files hold them: one tensor per expert and projection; gpt-oss's fused)."""
     h, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -207,7 +220,15 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
         }
-        if moe is not None and moe.sparse[i]:
+        if moe is not None and moe.fused:  # gpt-oss
+            m, e, width = f"{p}mlp.", moe.num_experts, moe.intermediate_size
+            shapes |= {m + "router.weight": (e, h), m + "router.bias": (e,),
+                       m + "experts.gate_up_proj": (e, h, 2 * width), m + "experts.gate_up_proj_bias": (e, 2 * width),
+                       m + "experts.down_proj": (e, width, h), m + "experts.down_proj_bias": (e, h),
+                       p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,),
+                       p + "self_attn.sinks": (heads,)}  # fmt: skip
+        elif moe is not None and moe.sparse[i]:
             m, width, (gate, up, down) = f"{p}{moe.prefix}.", moe.intermediate_size, moe.names
             shapes[m + "gate.weight"] = (moe.num_experts, h)
             for e in range(moe.num_experts):
@@ -258,7 +279,7 @@ def _write_weights(folder: Path, config: dict) -> None:
             shape = shapes[name]
             if name.endswith("norm.weight"):
                 tensors[name] = torch.full(shape, unit_norm, dtype=torch.bfloat16)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
             elif quantization and name.startswith("model.layers."):
                 module = name.removesuffix(".weight")
