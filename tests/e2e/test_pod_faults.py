@@ -225,6 +225,10 @@ def test_the_cpu_example_serves_as_written(node):
 LACKING = {
     "inferenceservice.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-fp8.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
+    "inferenceservice-gpt-oss-20b.yaml": (
+        "Ready",
+        "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu",
+    ),
     "inferenceservice-hpa.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-pvc-autoscaling.yaml": ("Ready", 'persistentvolumeclaim "model-weights" not found'),
     "inferenceservice-qwen3-moe.yaml": (
