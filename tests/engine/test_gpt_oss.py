@@ -72,6 +72,31 @@ def test_the_variants_sinks_and_clamps_change_what_transformers_computes(variant
         assert (_last_logits(hf, prompt) - expected).abs().max() > 0.5
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decodes_through_the_cpu_torch_ops_add_the_sinks(variant, dtype):
+    """The CPU paths without the native kernel (attention_backend torch: no C compiler, or asked for) attend decodes
+    with torch ops of their own (fp32: one streaming pass; bf16: two matmuls, the softmax in fp32): a decode step's
+    logits there equal transformers' (fp32) and the native kernel's (bf16), at contexts inside and past the window."""
+    prompts = _prompts((100, 37, 5), seed=2)
+    logits = {}
+    for backend in ("torch", "native"):
+        runner = ModelRunner(EngineConfig(num_kv_blocks=96, max_seq_len=512, block_size=16, dtype=dtype,
+                                          attention_backend=backend), variant)  # fmt: skip
+        assert (runner.attention.decode_kernel is None) == (backend == "torch")
+        tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+        runner.execute(ModelInput([ScheduledSeq(f"r{i}", p, 0, t, True, GREEDY)
+                                   for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]))  # fmt: skip
+        decodes = [ScheduledSeq(f"r{i}", [7], len(p), t, True, GREEDY, 1)
+                   for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]  # fmt: skip
+        logits[backend] = runner.compute_logits(ModelInput(decodes)).float()
+    if dtype == "float32":
+        hf = _hf(variant)
+        for i, prompt in enumerate(prompts):
+            torch.testing.assert_close(logits["torch"][i], _last_logits(hf, [*prompt, 7]), atol=1e-4, rtol=1e-4)
+    else:  # two bf16 roundings of the attention apart: within a few bf16 steps of logits of size ~5
+        torch.testing.assert_close(logits["torch"], logits["native"], atol=0.1, rtol=0.02)
+
+
 # ---- MXFP4 -------------------------------------------------------------------------------------------------------
 def test_the_mxfp4_helper_packs_what_transformers_and_the_engine_dequantize():
     """The test helper's blocks and scales, read by transformers' own dequantization (integrations/mxfp4.py, plain
