@@ -82,9 +82,18 @@ def test_packed_prefill_logits_match_transformers(built, name, path):
 
 
 # The Triton path differs from the device-generic one only in its attention kernel: its chunked decode runs for the
-# variants whose attention differs (windows, soft-capping and score scales, q/k norms, mixed layer types, experts
+# variants whose attention differs (windows, soft-capping and score scales, sinks, q/k norms, mixed layer types, experts
 # beside it), which keeps the slowest column of the matrix short; its prefill logits run for every variant above.
-TRITON_DECODE = {"llama", "mistral-sliding-window", "qwen2-sliding-layers", "qwen3", "qwen3-moe", "gemma2", "gemma3"}
+TRITON_DECODE = {
+    "llama",
+    "mistral-sliding-window",
+    "qwen2-sliding-layers",
+    "qwen3",
+    "qwen3-moe",
+    "gemma2",
+    "gemma3",
+    "gpt-oss",
+}
 CHUNKED = [(name, path) for name in VARIANTS for path in PATHS if path != "triton" or name in TRITON_DECODE]
 
 
