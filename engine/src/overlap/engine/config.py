@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +15,88 @@ LIVE_KNOBS = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_buffers",
 CPU_STEP_PLANS = ("auto", "halves", "whole")  # EngineConfig.cpu_step_plan
 # EngineConfig.quantization (vLLM's names); model/quant/formats.py reads each
 QUANTIZATION_METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "mxfp4")
+# EngineConfig.speculative_config: the methods (vLLM's names) this engine runs, and those it refuses by name.
+SPECULATIVE_METHODS = ("ngram",)
+REFUSED_SPECULATIVE_METHODS = {
+    "draft_model": "a draft model is not implemented yet; use method ngram",
+    "eagle": "EAGLE heads are not implemented; use method ngram",
+    "eagle3": "EAGLE-3 heads are not implemented; use method ngram",
+    "medusa": "Medusa heads are not implemented; use method ngram",
+    "mlp_speculator": "MLP speculators are not implemented; use method ngram",
+    "mtp": "multi-token-prediction layers are not implemented; use method ngram",
+    "suffix": "suffix decoding is not implemented; use method ngram",
+}
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, parsed from vLLM's `--speculative-config` JSON (EngineConfig.speculative_config).
+
+    ngram (prompt lookup): the last n tokens of a sequence, n from prompt_lookup_max down to prompt_lookup_min, are
+    looked up earlier in its prompt + output; the num_speculative_tokens tokens that followed the latest earlier
+    occurrence are proposed, and the target model verifies them all in one step (docs/engine.md)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_speculative_config(raw) -> SpeculativeConfig | None:
+    """vLLM's speculative_config dict (or its JSON text) -> SpeculativeConfig; None for None or {}. vLLM's defaults:
+    without prompt_lookup_min/max both are 5, with one of them the other takes its value. ConfigError for what this
+    engine does not run (other methods are refused by name) or a value out of range."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"speculative_config is not valid JSON: {exc}") from None
+    if isinstance(raw, SpeculativeConfig):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"speculative_config must be a JSON object, got {raw!r}")
+    if not raw:
+        return None
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"speculative_config: unsupported keys {', '.join(sorted(unknown))} (known: "
+                          f"{', '.join(sorted(known))})")  # fmt: skip
+    method = raw.get("method")
+    model = raw.get("model")
+    if method is None and model in ("ngram", "[ngram]"):  # vLLM's older spelling: the method in `model`
+        method = "ngram"
+    if method == "[ngram]":
+        method = "ngram"
+    if method in REFUSED_SPECULATIVE_METHODS:
+        raise ConfigError(f"speculative_config method {method!r}: {REFUSED_SPECULATIVE_METHODS[method]}")
+    if method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+    if model not in (None, "ngram", "[ngram]"):
+        raise ConfigError(f"speculative_config: method ngram takes no model, got {model!r}")
+    k = raw.get("num_speculative_tokens")
+    if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        limit = MAX_SPECULATIVE_TOKENS
+        raise ConfigError(f"speculative_config num_speculative_tokens must be an integer in 1..{limit}, got {k!r}")
+    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if lo is None and hi is None:
+        lo = hi = 5
+    elif lo is None:
+        lo = hi
+    elif hi is None:
+        hi = lo
+    for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
+    if lo > hi:
+        raise ConfigError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    return SpeculativeConfig("ngram", k, lo, hi)
 
 
 @dataclass(slots=True)
@@ -71,6 +154,11 @@ class EngineConfig:
     # add capacity as they would on their own GPUs. For load and control tests; None serves the real model.
     simulated_device: dict[str, float] | None = None
 
+    # Speculative decoding, vLLM's `--speculative-config` JSON: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}; None (or {}) is off. Kept as the dict with vLLM's defaults
+    # filled in; `speculative` is the parsed SpeculativeConfig.
+    speculative_config: dict | None = None
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -121,6 +209,8 @@ class EngineConfig:
         check(1 <= self.num_buffers <= 4, f"num_buffers must be in 1..4, got {self.num_buffers}")
         check(isinstance(self.adaptive_buffers, bool), "adaptive_buffers must be true or false")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs must be true or false")
+        spec = parse_speculative_config(self.speculative_config)
+        self.speculative_config = None if spec is None else spec.to_dict()
         if self.simulated_device is not None:
             sim = self.simulated_device
             check(
@@ -129,6 +219,11 @@ class EngineConfig:
                 and all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in sim.values()),
                 f"simulated_device must be {{fixed_s: seconds >= 0, per_token_s: seconds >= 0}}, got {sim!r}",
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config (None: no speculation)."""
+        return parse_speculative_config(self.speculative_config)
 
     def replace(self, **changes) -> EngineConfig:
         """A validated copy with `changes` applied."""
@@ -143,6 +238,17 @@ class EngineConfig:
 
 # ---- the flags vLLM users type, mapped onto EngineConfig -----------------------------------------------------------
 # (flag, EngineConfig field, type, help). A flag given on the command line overrides the --config file.
+def _json_object(text: str) -> dict:
+    """argparse type of a JSON-object flag."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ENGINE_FLAGS = (
     ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (auto: the checkpoint's, bf16 for fp32 on CUDA)"),
@@ -163,6 +269,9 @@ ENGINE_FLAGS = (
      "auto | triton | native | torch (auto: Triton on CUDA, the native kernel on CPU)"),
     ("--cpu-step-plan", "cpu_step_plan", str,
      "auto | halves | whole: a CPU step as two half-batch forwards on two threads, or one forward on all threads"),
+    ("--speculative-config", "speculative_config", _json_object,
+     'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+     "(method ngram; prompt_lookup_min/max default to 5)"),
 )  # fmt: skip
 
 
@@ -195,7 +304,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     for flag, dest, _, _ in ENGINE_FLAGS:
         value = getattr(args, f"engine_{dest}", None)
         if value is not None:
-            argv += [flag, str(value)]
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     caching = getattr(args, "engine_enable_prefix_caching", None)
     if caching is not None:
         argv.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")

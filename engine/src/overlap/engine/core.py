@@ -56,6 +56,8 @@ class Engine:
         moment)."""
         self.config = config
         self.clock = clock
+        if config.speculative is not None:
+            raise ConfigError("speculative_config is parsed but this engine does not speculate yet")
         if runner is None:
             if model_dir is None:
                 if config.model:
