@@ -1,16 +1,33 @@
 """Speculative decoding (docs/engine.md, "Speculative decoding"): vLLM's `--speculative-config` parsed and refused as
-documented, and the ngram proposer's lookup."""
+documented, the ngram proposer's lookup, the verification rule, and the scheduler's side on the fake runner (which
+verifies proposals against a fake model that mostly quotes, reading every position back from its paged "pool": a
+rejected proposal left where a later step reads it changes the tokens). Outputs equal the serial reference for 1, 2
+and 3 buffers with stops, max_tokens, chunked prefill, prefix hits and preemption while proposals are in flight; the
+KV blocks of rejected proposals go back."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 
 import pytest
 
+from overlap.engine.batching.block_manager import BlockManager
+from overlap.engine.batching.scheduler import SPEC_MAX_BACKOFF
 from overlap.engine.batching.speculative import NgramProposer, propose_ngram
 from overlap.engine.config import EngineConfig, add_engine_flags, engine_argv, engine_overrides
 from overlap.engine.errors import ConfigError
+from overlap.engine.types import FinishReason, SamplingParams, accept_proposals
+from tests.support.engine import (
+    copying_token,
+    create_engine,
+    create_requests,
+    create_scheduler,
+    reference_tokens,
+    run_step,
+    tokens_of,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -85,3 +102,142 @@ def test_ngram_proposer_caps_k_by_the_config():
     proposer = NgramProposer(spec)
     assert proposer.propose([1, 2, 3, 4, 5, 6, 1, 2], 16) == [3, 4, 5, 6]
     assert proposer.propose([1, 2, 3, 4, 5, 6, 1, 2], 2) == [3, 4]
+
+
+# ---- the verification rule -------------------------------------------------------------------------------------
+def test_accept_proposals_takes_the_agreeing_prefix_and_the_targets_next_token():
+    assert accept_proposals([4, 5, 6], [4, 5]) == [4, 5, 6]  # all accepted, then the bonus token
+    assert accept_proposals([4, 9, 6], [4, 5]) == [4, 9]  # the target's own token where it disagrees
+    assert accept_proposals([7, 5, 6], [4, 5]) == [7]
+    assert accept_proposals([3], []) == [3]
+
+
+# ---- the scheduler and block manager, on the fake runner --------------------------------------------------------
+def _workload(seed: int, n: int):
+    """Half prompts that repeat a short unit (the fake model then quotes them), half random; mixed lengths, stops."""
+    rng = random.Random(seed)
+    requests = {}
+    for i in range(n):
+        if i % 2:
+            unit = [rng.randrange(3, 64) for _ in range(rng.randint(2, 6))]
+            prompt = unit * rng.randint(2, 5) + unit[: rng.randrange(len(unit))]
+        else:
+            prompt = [rng.randrange(3, 64) for _ in range(rng.randint(1, 30))]
+        sampling = SamplingParams(
+            max_tokens=rng.randint(1, 40), temperature=0, ignore_eos=rng.random() < 0.5,
+            stop_token_ids=(rng.randrange(3, 64),) if rng.random() < 0.3 else (),
+        )  # fmt: skip
+        requests[f"r{i}"] = (prompt, sampling)
+    return requests
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2, 3])
+@pytest.mark.parametrize(
+    "pool",
+    [dict(num_blocks=512), dict(num_blocks=40, max_num_batched_tokens=16)],  # the second preempts and chunks
+    ids=["roomy", "tight"],
+)
+def test_fake_model_outputs_equal_the_serial_reference_with_proposals(num_buffers, pool):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    engine = create_engine(model=copying_token, num_buffers=num_buffers, speculative_config=spec, **pool)
+    requests = _workload(7, 40)
+    for rid, (prompt, sampling) in requests.items():
+        engine.add_request(rid, prompt, sampling)
+    outputs: dict[str, list] = {}
+    for _ in range(5000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+        bm = engine.block_manager
+        bm.check_invariants(engine.scheduler.running)  # rollbacks keep claims and counts exact
+        for r in engine.scheduler.running:  # nothing in flight: no block past its tokens (rejected ones went back)
+            if not r.spec_in_flight and not r.num_placeholders:
+                assert len(r.block_ids) <= bm.num_blocks_for(r.num_tokens), r.request_id
+    for batch in engine.runner.batches:  # proposals plus the target's token never pass max_tokens
+        for seq in batch.seqs:
+            assert seq.num_generated + seq.num_draft_tokens + 1 <= seq.sampling.max_tokens or not seq.num_draft_tokens
+    for rid, (prompt, sampling) in requests.items():
+        got = tokens_of(outputs[rid])
+        assert got == reference_tokens(prompt, sampling, model=copying_token), rid
+        assert len(got) <= sampling.max_tokens
+        assert [o.finished for o in outputs[rid]].count(True) == 1
+    stats = engine.stats()
+    drafts, accepted = stats["spec_decode_num_draft_tokens_total"], stats["spec_decode_num_accepted_tokens_total"]
+    assert stats["spec_decode_num_drafts_total"] > 20 and accepted > 0.5 * drafts  # the fake model mostly quotes
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert stats["num_generation_tokens_total"] == sum(len(tokens_of(o)) for o in outputs.values())
+    engine.close()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants([])
+    if pool["num_blocks"] == 40:
+        assert stats["num_preemptions_total"] > 0
+
+
+def test_speculating_request_waits_for_its_verified_tokens_and_never_passes_max_tokens():
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    scheduler, runner = create_scheduler(speculative_config=spec)
+    runner.model = copying_token
+    (r,) = create_requests(1, prompt_len=3, max_tokens=7)
+    r.prompt_token_ids[:] = r.all_token_ids[:] = [5, 6, 7, 5, 6, 7, 5]
+    scheduler.add_request(r, 0.0)
+    run_step(scheduler, runner, 0.0)  # the prompt; its first token comes back
+    batch = scheduler.schedule(0.1)
+    (seq,) = batch.model_input.seqs
+    assert seq.token_ids == [r.all_token_ids[-1], *propose_ngram(r.all_token_ids, 1, 2, 4)]
+    assert seq.num_draft_tokens == 4 and seq.start_pos == r.num_tokens - 1 and r.spec_in_flight
+    assert scheduler.schedule(0.2).is_empty  # not again while its proposals are being verified
+    output = runner.execute(batch.model_input)
+    scheduler.postprocess(batch, output.token_ids, 0.3, spec_tokens=output.spec_tokens)
+    assert not r.spec_in_flight and r.num_computed_tokens == r.num_tokens - 1
+    for _ in range(20):
+        if r.is_finished:
+            break
+        batch, _ = run_step(scheduler, runner, 0.4)
+        for s in batch.model_input.seqs:  # proposals + the bonus token never pass max_tokens
+            assert r.num_output_tokens <= r.sampling.max_tokens
+            assert s.num_draft_tokens < r.sampling.max_tokens
+    assert r.num_output_tokens == 7 and r.finish_reason is FinishReason.LENGTH
+    assert r.output_token_ids == reference_tokens(r.prompt_token_ids, r.sampling, model=copying_token)
+
+
+def test_grammar_requests_never_speculate_and_misses_back_off():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+    scheduler, runner = create_scheduler(speculative_config=spec)
+    runner.model = copying_token
+    quoting, with_grammar = create_requests(2, prompt_len=8, max_tokens=30, same_prompt=True)
+    with_grammar.sampling.grammar = "any"  # the scheduler only reads whether there is one
+    (distinct,) = create_requests(1, prompt_len=2, max_tokens=30)
+    runner.model = lambda seq: (len(seq) * 7919) % 50 + 3 if len(set(seq)) == len(seq) else copying_token(seq)
+    for r in (quoting, with_grammar, distinct):
+        scheduler.add_request(r, 0.0)
+    speculated = {r.request_id: 0 for r in (quoting, with_grammar, distinct)}
+    for step in range(40):
+        batch, _ = run_step(scheduler, runner, step * 0.01)
+        for seq in batch.model_input.seqs:
+            speculated[seq.request_id] += seq.num_draft_tokens > 0
+    assert speculated[with_grammar.request_id] == 0
+    assert speculated[quoting.request_id] > 0
+    assert 0 < distinct.spec_backoff <= SPEC_MAX_BACKOFF  # every try gained nothing: it backs off
+
+
+def test_trim_returns_the_blocks_of_rejected_proposals_and_keeps_the_claim():
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    (r,) = create_requests(1, prompt_len=6, max_tokens=20)
+    bm.allocate(r)
+    assert r.block_ids == [0, 1] and r.claim_end == 7
+    r.num_computed_tokens = 6
+    assert bm.append_slots(r, 9)  # positions 6..14: the last token and 8 proposals
+    assert r.block_ids == [0, 1, 2, 3]
+    bm.check_invariants([r])
+    for t in (3, 3, 3, 3):
+        r.append_output_token(t)  # one proposal accepted and the bonus token ... and more
+    r.num_computed_tokens = 9
+    bm.trim(r, r.num_tokens)  # 10 tokens: blocks 0..2
+    assert r.block_ids == [0, 1, 2] and bm.num_free_blocks == 13
+    bm.check_invariants([r])
+    assert bm.append_slots(r, 4) and r.block_ids == [0, 1, 2, 3]  # the run stays contiguous
+    bm.free(r)
+    bm.check_invariants([])

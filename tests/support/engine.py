@@ -19,7 +19,15 @@ from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
 from overlap.engine.execution import StepResult
 from overlap.engine.requests.request import Request
-from overlap.engine.types import ModelInput, RequestTimes, Runner, RunnerOutput, SamplingParams, ScheduledSeq
+from overlap.engine.types import (
+    ModelInput,
+    RequestTimes,
+    Runner,
+    RunnerOutput,
+    SamplingParams,
+    ScheduledSeq,
+    accept_proposals,
+)
 
 VOCAB = 64
 EOS = 1
@@ -30,12 +38,25 @@ def next_token(sequence: tuple[int, ...], vocab_size: int = VOCAB) -> int:
     return hash(sequence) % vocab_size
 
 
-def reference_tokens(prompt: list[int], sampling: SamplingParams, eos: int | None = EOS) -> list[int]:
+def copying_token(sequence: tuple[int, ...], vocab_size: int = VOCAB) -> int:
+    """A fake model that mostly quotes (speculative decoding's tests): four times in five the token that followed
+    the latest earlier occurrence of the last token, else (or with none) `next_token`. Still a deterministic
+    function of the whole sequence."""
+    h = hash(sequence)
+    if h % 5:
+        last = sequence[-1]
+        for i in range(len(sequence) - 2, -1, -1):
+            if sequence[i] == last:
+                return sequence[i + 1]
+    return h % vocab_size
+
+
+def reference_tokens(prompt: list[int], sampling: SamplingParams, eos: int | None = EOS, model=next_token) -> list[int]:
     """What a correct engine must produce for `prompt` with the fake model (greedy, serial, no KV)."""
     sequence = list(prompt)
     out: list[int] = []
     while len(out) < sampling.max_tokens:
-        token = next_token(tuple(sequence))
+        token = model(tuple(sequence))
         out.append(token)
         sequence.append(token)
         if (not sampling.ignore_eos and token == eos) or token in sampling.stop_token_ids:
@@ -44,7 +65,10 @@ def reference_tokens(prompt: list[int], sampling: SamplingParams, eos: int | Non
 
 
 class FakeRunner(Runner):
-    def __init__(self, num_kv_blocks: int = 256, block_size: int = 4, max_model_len: int = 512) -> None:
+    supports_speculation = True  # a sequence's proposals are verified against `model` at each position
+
+    def __init__(self, num_kv_blocks: int = 256, block_size: int = 4, max_model_len: int = 512, model=next_token):
+        self.model = model  # the sequence so far -> the next token
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.vocab_size = VOCAB
@@ -74,6 +98,7 @@ class FakeRunner(Runner):
             raise RuntimeError(f"injected failure for {sorted(bad)}")
         bs = self.block_size
         sampled = []
+        spec_tokens = {}
         for seq in model_input.seqs:
             end = seq.start_pos + len(seq.token_ids)
             assert len(seq.block_table) * bs >= end, f"{seq.request_id}: block table too short for {end} tokens"
@@ -85,9 +110,14 @@ class FakeRunner(Runner):
             for pos in range(end):
                 stored_pos, token = self.kv.get(seq.block_table[pos // bs] * bs + pos % bs, (-1, -1))
                 sequence.append(token if stored_pos == pos else -1)  # -1: a slot overwritten by someone else
-            if seq.do_sample:
-                sampled.append(next_token(tuple(sequence)))
-        return RunnerOutput(sampled, (start, time.perf_counter()))
+            if seq.do_sample and seq.num_draft_tokens:  # the token after each prefix ending at a scored position
+                k = seq.num_draft_tokens
+                scored = [self.model(tuple(sequence[: end - k + j])) for j in range(k + 1)]
+                spec_tokens[seq.request_id] = accept_proposals(scored, list(seq.token_ids[-k:]))
+                sampled.append(spec_tokens[seq.request_id][-1])
+            elif seq.do_sample:
+                sampled.append(self.model(tuple(sequence)))
+        return RunnerOutput(sampled, (start, time.perf_counter()), spec_tokens=spec_tokens or None)
 
 
 class ConstantRunner(Runner):
@@ -150,7 +180,8 @@ def run_step(scheduler: Scheduler, runner: FakeRunner, now: float):
     batch = scheduler.schedule(now)
     if batch.is_empty:
         return batch, []
-    return batch, scheduler.postprocess(batch, runner.execute(batch.model_input).token_ids, now)
+    output = runner.execute(batch.model_input)
+    return batch, scheduler.postprocess(batch, output.token_ids, now, spec_tokens=output.spec_tokens)
 
 
 def execute_now(engine: Engine, batch) -> StepResult:
@@ -161,14 +192,16 @@ def execute_now(engine: Engine, batch) -> StepResult:
     except Exception as exc:
         return StepResult(0, batch.model_input, [], exc)
     return StepResult(0, batch.model_input, output.token_ids, busy_s=output.busy_s, logprobs=output.logprobs,
-                      prompt_logprobs=output.prompt_logprobs)  # fmt: skip
+                      prompt_logprobs=output.prompt_logprobs, spec_tokens=output.spec_tokens,
+                      spec_logprobs=output.spec_logprobs)  # fmt: skip
 
 
 def create_engine(
-    num_blocks: int = 256, block_size: int = 4, max_model_len: int = 512, clock=time.monotonic, **config
-) -> Engine:
+    num_blocks: int = 256, block_size: int = 4, max_model_len: int = 512, clock=time.monotonic, model=next_token,
+    **config,
+) -> Engine:  # fmt: skip
     config.setdefault("max_seq_len", max_model_len)
-    runner = FakeRunner(num_blocks, block_size, max_model_len)
+    runner = FakeRunner(num_blocks, block_size, max_model_len, model)
     return Engine(EngineConfig(**config), runner=runner, clock=clock)
 
 

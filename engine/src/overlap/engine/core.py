@@ -56,8 +56,7 @@ class Engine:
         moment)."""
         self.config = config
         self.clock = clock
-        if config.speculative is not None:
-            raise ConfigError("speculative_config is parsed but this engine does not speculate yet")
+        owns_runner = runner is None
         if runner is None:
             if model_dir is None:
                 if config.model:
@@ -71,6 +70,11 @@ class Engine:
                 raise ModelLoadError(f"model folder {str(model_dir)!r} does not exist (config.model)")
             runner = _load_runner(config, model_dir)
         self.runner = runner
+        if config.speculative is not None and not getattr(runner, "supports_speculation", False):
+            if owns_runner:
+                runner.close()
+            raise ConfigError(f"speculative_config: {type(runner).__name__} cannot verify proposals (the model runner "
+                              "can; a simulated device cannot)")  # fmt: skip
         if model_dir is None:  # an injected runner: it may know its folder
             model_dir = runner.model_dir or config.model or "."
         self.model_dir = Path(model_dir)
@@ -282,7 +286,9 @@ class Engine:
                     if request.prompt_logprobs is None:
                         request.prompt_logprobs = [None] * request.num_prompt_tokens
                     request.prompt_logprobs[first : first + len(entries)] = entries
-            outputs += self._outputs_for(self.scheduler.postprocess(batch, result.token_ids, now, result.logprobs))
+            updated = self.scheduler.postprocess(batch, result.token_ids, now, result.logprobs, result.spec_tokens,
+                                                 result.spec_logprobs)  # fmt: skip
+            outputs += self._outputs_for(updated)
         self._num_steps_total += 1
         wall = now - batch.scheduled_at
         self._window.append((batch.scheduled_at, wall, result.busy_s, len(batch.requests), batch.schedule_cpu_s))
@@ -386,6 +392,12 @@ class Engine:
             "num_preemptions_total": scheduler.num_preemptions_total,
             "num_prompt_tokens_total": scheduler.num_prompt_tokens_total,
             "num_generation_tokens_total": scheduler.num_generation_tokens_total,
+            # speculative decoding, as vLLM counts it: steps that verified proposals, proposals, accepted ones, and
+            # accepted ones by position (index 0: the first proposal of a step)
+            "spec_decode_num_drafts_total": scheduler.num_spec_drafts_total,
+            "spec_decode_num_draft_tokens_total": scheduler.num_spec_draft_tokens_total,
+            "spec_decode_num_accepted_tokens_total": scheduler.num_spec_accepted_tokens_total,
+            "spec_decode_num_accepted_tokens_per_pos": list(scheduler.spec_accepted_per_position),
             "num_steps_total": self._num_steps_total,
             "last_step_time_s": last[1],
             "avg_step_time_s": sum(w[1] for w in window) / n,

@@ -179,6 +179,11 @@ class ScheduledSeq:
     # The whole prompt, only for a request whose repetition penalty needs it (prefix-cached chunks never reach the
     # runner); the live list of the request, never copied.
     prompt_token_ids: list[int] | None = None
+    # Speculative decoding: the last this many of `token_ids` are proposals, the one before them the sequence's last
+    # token. The runner samples at each of those num_draft_tokens + 1 positions, accepts the longest prefix of
+    # proposals its samples agree with, and hands back those plus the token it sampled after them
+    # (`RunnerOutput.spec_tokens`; `accept_proposals` is the rule).
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -201,10 +206,29 @@ class RunnerOutput:
     busy: tuple[float, float]  # (start, end) of the step's device work, in time.perf_counter() seconds
     logprobs: list[TokenLogprob | None] | None = None  # per sampled sequence, when some request asked
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] | None = None  # request id -> (first position, ...)
+    # Speculative decoding: request id -> every token a sequence with proposals appends this step (its accepted
+    # proposals, then the target's own next token), and their logprobs when asked; `token_ids` holds the last one.
+    spec_tokens: dict[str, list[int]] | None = None
+    spec_logprobs: dict[str, list[TokenLogprob | None]] | None = None
 
     @property
     def busy_s(self) -> float:
         return self.busy[1] - self.busy[0]
+
+
+def accept_proposals(sampled: list[int], proposals: list[int]) -> list[int]:
+    """Speculative decoding's verification rule: `sampled[j]` is the token the target sampled at the j-th scored
+    position (after the sequence's last token, then after each proposal), from its distribution given the
+    proposals before it. A proposal is accepted while it equals the target's sample there; the tokens a step
+    appends are the accepted proposals and then the target's sample at the first disagreement (or after the last
+    proposal). Comparing an independent sample with a proposal drawn deterministically is rejection sampling with a
+    one-hot draft distribution: proposal t is accepted with probability p(t), and otherwise the sample is
+    distributed as p without t, renormalised; so every appended token is distributed as the target's (greedy: is
+    its argmax)."""
+    n = 0
+    while n < len(proposals) and sampled[n] == proposals[n]:
+        n += 1
+    return sampled[: n + 1]
 
 
 # How the executor drives a runner: `thread` calls `execute` (on a worker thread with 2+ buffers), `launch` calls
@@ -225,6 +249,7 @@ class Runner(Protocol):
     model_dir: Path | None = None
     kernels: str = "n/a"  # what runs the step's work, for start-up logs and benchmarks
     step_mode: StepMode = "thread"
+    supports_speculation: bool = False  # verifies ScheduledSeq.num_draft_tokens (speculative decoding)
 
     def execute(self, batch: ModelInput) -> RunnerOutput:
         """Run one step."""

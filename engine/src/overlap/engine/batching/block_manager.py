@@ -226,6 +226,24 @@ class BlockManager:
                     self._mark_free(block)
         request.claim_end = 0
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Speculative decoding's rollback: release `request`'s blocks past those covering its first `num_tokens`
+        positions, which held only the K/V of rejected proposals (slots inside a kept block need nothing: the
+        request's computed length ends before them, nothing reads them, and its next step writes them first). Such
+        blocks lie past the computed length, so they were never shared or published: each goes straight back to the
+        free list, and one taken from the request's claimed run is claimed for it again."""
+        keep = self.num_blocks_for(num_tokens)
+        while len(request.block_ids) > keep:
+            block = request.block_ids.pop()
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] == 0 and self._block_keys[block] is None, f"block {block} is shared"
+            self._free[block] = None
+            if request.claim_end:  # the table grew through the claim, so this block is next to the kept ones
+                self._claimed[block] = 1
+                self._unmark(block)
+            else:
+                self._mark_free(block)
+
     # ---- release -----------------------------------------------------------------------------------------------
     def free(self, request: Request) -> None:
         """Return `request`'s blocks. Tail blocks go on the free list first, so they are evicted first and a

@@ -13,6 +13,18 @@ blocks are freed, and the token its already-scheduled extra step samples is drop
 is safe because steps run on the device in submission order: whatever later step gets them writes after the
 extra step, and the extra step writes only a position of a block that is not yet published to the prefix cache.
 A preemption bumps the request's `epoch`, so tokens of steps scheduled before it are dropped as well.
+
+Speculative decoding (EngineConfig.speculative_config; docs/engine.md, "Speculative decoding"): a decode may carry
+proposals (`ScheduledSeq.num_draft_tokens`), which the runner verifies in the same step. The proposer needs every
+token of the sequence on the host, so a request speculates only when no step of its own is in flight, and a request
+whose proposals are being verified is not scheduled again until that step is back (its length is not known before).
+With 2+ buffers a decoding request always has a step in flight, so one that is due to speculate sits out a step to
+let its tokens come back. Due: unless its last try gained nothing (no proposal, or none accepted); then it runs
+`spec_backoff` plain, overlapped decodes first (1, 2, 4, .. SPEC_MAX_BACKOFF), so a sequence the proposer cannot
+help costs one pause in SPEC_MAX_BACKOFF + 1 steps. Requests with a grammar never speculate (the matcher would have
+to advance through proposals and back). Postprocess appends the accepted tokens one by one with the usual stop
+checks, rolls the computed length back to the accepted ones and frees the blocks past the new length
+(`BlockManager.trim`).
 """
 
 from __future__ import annotations
@@ -22,12 +34,14 @@ from dataclasses import dataclass, field
 
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.policies import make_batching_policy
+from overlap.engine.batching.speculative import NgramProposer
 from overlap.engine.config import EngineConfig
 from overlap.engine.requests.queue import make_request_queue
 from overlap.engine.requests.request import Request, RequestStatus
 from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
 
 NONFINITE_ERROR = "the model's logits for this sequence held a NaN or an infinity; nothing could be sampled"
+SPEC_MAX_BACKOFF = 16  # most plain decodes a request runs between tries to speculate (see the module doc)
 
 
 def _priority_key(request: Request) -> tuple[int, float, int]:
@@ -79,6 +93,13 @@ class Scheduler:
         self.num_preempted = 0  # preempted requests now waiting to resume
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        spec = config.speculative
+        self.proposer = None if spec is None else NgramProposer(spec)
+        # vLLM's spec_decode counters: steps that verified proposals, proposals, accepted ones, accepted by position
+        self.num_spec_drafts_total = 0
+        self.num_spec_draft_tokens_total = 0
+        self.num_spec_accepted_tokens_total = 0
+        self.spec_accepted_per_position = [0] * (0 if spec is None else spec.num_speculative_tokens)
 
     def reconfigure(self, config: EngineConfig) -> None:
         """Live knobs; called between steps."""
@@ -135,6 +156,7 @@ class Scheduler:
 
         budget = self.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, int]] = {}  # request id -> (request, num tokens)
+        proposals: dict[str, list[int]] = {}  # request id -> the tokens proposed for it (speculative decoding)
         preempted: list[Request] = []
 
         # 2a. decodes
@@ -146,6 +168,17 @@ class Scheduler:
             ):
                 i += 1
                 continue
+            if self.proposer is not None:
+                drafts = self._propose(request, budget)
+                if drafts is None:  # due to speculate: waits for its token in flight
+                    i += 1
+                    continue
+                if drafts and bm.append_slots(request, 1 + len(drafts)):
+                    scheduled[request.request_id] = (request, 1 + len(drafts))
+                    proposals[request.request_id] = drafts
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
             while not bm.append_slots(request, 1):
                 victim = running[-1]
                 self._preempt(victim, now)
@@ -200,18 +233,68 @@ class Scheduler:
                 scheduled[request.request_id] = (request, n)
                 budget -= n
 
-        batch = self._build_batch(scheduled, finished, preempted)
+        batch = self._build_batch(scheduled, finished, preempted, proposals)
         batch.scheduled_at = now
         return batch
 
+    def _propose(self, request: Request, budget: int) -> list[int] | None:
+        """Speculative decoding: the proposals for `request`'s next decode ([] for a plain decode), or None when it
+        is due to speculate but a step of its own is in flight (it sits this step out; see the module doc)."""
+        if request.sampling.grammar is not None:
+            return []
+        # At most k proposals, and never past max_tokens or max_seq_len: the step appends up to k + 1 tokens.
+        k = min(
+            self.proposer.k,
+            request.sampling.max_tokens - request.num_output_tokens - request.num_placeholders - 1,
+            self.max_seq_len - request.num_tokens - request.num_placeholders - 1,
+            budget - 1,
+        )
+        if k < 1:
+            return []
+        if request.spec_skip > 0:
+            request.spec_skip -= 1
+            return []
+        if request.num_placeholders:
+            return None
+        drafts = self.proposer.propose(request.all_token_ids, k)
+        if not drafts:
+            self._spec_missed(request)
+        return drafts
+
+    @staticmethod
+    def _spec_missed(request: Request) -> None:
+        request.spec_backoff = min(2 * request.spec_backoff or 1, SPEC_MAX_BACKOFF)
+        request.spec_skip = request.spec_backoff
+
     def _build_batch(
-        self, scheduled: dict[str, tuple[Request, int]], finished: list[Request], preempted: list[Request]
+        self,
+        scheduled: dict[str, tuple[Request, int]],
+        finished: list[Request],
+        preempted: list[Request],
+        proposals: dict[str, list[int]] | None = None,
     ) -> ScheduledBatch:
         prefills: list[tuple[Request, ScheduledSeq, int]] = []
         decodes: list[tuple[Request, ScheduledSeq, int]] = []
         for request, n in scheduled.values():
             start = request.num_computed_tokens
             end = start + n
+            drafts = proposals.get(request.request_id) if proposals else None
+            if drafts:  # the sequence's last token (start == num_tokens - 1), then its proposals
+                seq = ScheduledSeq(
+                    request_id=request.request_id,
+                    token_ids=request.all_token_ids[start:] + drafts,
+                    start_pos=start,
+                    block_table=request.block_ids,
+                    do_sample=True,
+                    sampling=request.sampling,
+                    num_generated=request.num_output_tokens,
+                    prompt_token_ids=request.prompt_token_ids if _needs_prompt(request.sampling) else None,
+                    num_draft_tokens=len(drafts),
+                )
+                request.num_computed_tokens = end  # until postprocess rolls it back to the accepted proposals
+                request.spec_in_flight = True
+                decodes.append((request, seq, end))
+                continue
             placeholders = request.num_placeholders
             seq = ScheduledSeq(
                 request_id=request.request_id,
@@ -286,6 +369,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_placeholders = 0
+        request.spec_in_flight = False
         request.epoch += 1  # tokens of its steps still in flight are dropped
         request.status = RequestStatus.PREEMPTED
         self.num_preempted += 1
@@ -303,10 +387,17 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------------------------------
     def postprocess(
-        self, batch: ScheduledBatch, sampled_token_ids: list[int], now: float, logprobs: list | None = None
+        self,
+        batch: ScheduledBatch,
+        sampled_token_ids: list[int],
+        now: float,
+        logprobs: list | None = None,
+        spec_tokens: dict[str, list[int]] | None = None,
+        spec_logprobs: dict[str, list] | None = None,
     ) -> list[Request]:
         """Apply one step's sampled tokens (one per seq with do_sample, in order; `logprobs` alongside, None where
-        not asked for); returns the requests that got a token, finished ones included."""
+        not asked for; `spec_tokens` / `spec_logprobs`: what sequences with proposals append, by request id);
+        returns the requests that got a token, finished ones included."""
         bm = self.block_manager
         updated = []
         samples = iter(sampled_token_ids)
@@ -319,6 +410,10 @@ class Scheduler:
             logprob = next(token_logprobs) if token_logprobs is not None and seq.do_sample else None
             if request.status is not RequestStatus.RUNNING or request.epoch != epoch:
                 continue  # finished (EOS one step late, abort) or preempted after it was scheduled: dropped
+            if seq.num_draft_tokens:
+                self._apply_verified(request, seq, token, logprob, spec_tokens, spec_logprobs, now)
+                updated.append(request)
+                continue
             bm.register_computed_blocks(request, computed)
             if token is None:
                 continue
@@ -336,6 +431,51 @@ class Scheduler:
                 self._finish(request, reason, now)
             updated.append(request)
         return updated
+
+    def _apply_verified(self, request: Request, seq: ScheduledSeq, token: int, logprob, spec_tokens: dict | None,
+                        spec_logprobs: dict | None, now: float) -> None:  # fmt: skip
+        """A speculative step's result: append the accepted proposals and the target's next token, stopping at the
+        first stop condition as single tokens would; roll the computed length back to the accepted proposals and
+        free the blocks that held only rejected ones."""
+        request.spec_in_flight = False
+        if token == NONFINITE_TOKEN:
+            self._finish(request, FinishReason.ERROR, now, error=NONFINITE_ERROR)
+            return
+        rid = request.request_id
+        tokens = spec_tokens.get(rid) if spec_tokens else None
+        if tokens is None:  # a runner that returned only its first token: no proposal accepted
+            tokens = [token]
+        logprobs = spec_logprobs.get(rid) if spec_logprobs else None
+        if logprobs is None:
+            logprobs = [logprob] + [None] * (len(tokens) - 1)
+        num_drafts = seq.num_draft_tokens
+        accepted = len(tokens) - 1
+        assert 0 <= accepted <= num_drafts, f"{rid}: {len(tokens)} tokens back for {num_drafts} proposals"
+        self.num_spec_drafts_total += 1
+        self.num_spec_draft_tokens_total += num_drafts
+        self.num_spec_accepted_tokens_total += accepted
+        for position in range(accepted):
+            self.spec_accepted_per_position[position] += 1
+        if accepted:
+            request.spec_backoff = 0
+        else:
+            self._spec_missed(request)
+        if request.times.first_token is None:
+            request.times.first_token = now
+        reason = None
+        for new_token, new_logprob in zip(tokens, logprobs, strict=True):
+            request.append_output_token(new_token, new_logprob)
+            self.num_generation_tokens_total += 1
+            reason = self._stop_reason(request, new_token)
+            if reason is not None:
+                break
+        # K/V is valid for the last token and the accepted proposals: positions up to start_pos + accepted
+        request.num_computed_tokens = min(seq.start_pos + 1 + accepted, request.num_tokens)
+        self.block_manager.register_computed_blocks(request, request.num_computed_tokens)
+        if reason is not None:
+            self._finish(request, reason, now)
+        else:
+            self.block_manager.trim(request, request.num_tokens)
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         sampling = request.sampling

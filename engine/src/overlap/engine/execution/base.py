@@ -64,11 +64,14 @@ class StepResult:
     busy_s: float = 0.0  # the step's device busy time
     logprobs: list[TokenLogprob | None] | None = None  # per sampled seq, when some request asked
     prompt_logprobs: dict | None = None  # request id -> (first position, [TokenLogprob]) for prompt scoring
+    spec_tokens: dict | None = None  # speculating request id -> the tokens its step appends (RunnerOutput)
+    spec_logprobs: dict | None = None
 
     @classmethod
     def of(cls, step: InFlightStep, output: RunnerOutput) -> StepResult:
         return cls(step.step_id, step.model_input, output.token_ids, busy_s=output.busy_s, logprobs=output.logprobs,
-                   prompt_logprobs=output.prompt_logprobs)  # fmt: skip
+                   prompt_logprobs=output.prompt_logprobs, spec_tokens=output.spec_tokens,
+                   spec_logprobs=output.spec_logprobs)  # fmt: skip
 
     @classmethod
     def failed(cls, step: InFlightStep, error: BaseException) -> StepResult:

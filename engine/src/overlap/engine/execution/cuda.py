@@ -225,7 +225,8 @@ class CudaExecutor(Executor):
         try:
             work.done.synchronize()  # this step's readback only, never the whole device
             tokens = self._pinned[work.slot][: work.num_sampled].tolist()
-            logprobs, prompt_logprobs = self.runner.read_back(work.device_step)  # after the step: no extra sync
+            # after the step: no extra sync; speculative steps' accepted tokens come back here too
+            logprobs, prompt_logprobs, spec_tokens, spec_logprobs = self.runner.read_back(work.device_step)
             begin_s = self._ref.elapsed_time(work.start) / 1000
             end_s = self._ref.elapsed_time(work.end) / 1000
         except Exception as exc:  # an asynchronous CUDA error surfaces here
@@ -237,7 +238,7 @@ class CudaExecutor(Executor):
         busy = (self._ref_host + begin_s, self._ref_host + end_s)
         self.busy.record_interval(*busy)
         self.busy.record_host("readback", time.perf_counter() - start)
-        return StepResult.of(step, RunnerOutput(tokens, busy, logprobs, prompt_logprobs))
+        return StepResult.of(step, RunnerOutput(tokens, busy, logprobs, prompt_logprobs, spec_tokens, spec_logprobs))
 
     def _drop_device_token(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)

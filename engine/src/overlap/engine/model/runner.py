@@ -70,12 +70,15 @@ class DeviceStep:
     """A step launched on the device: its inputs, the sampled tokens, what the host reads back, the logprobs."""
 
     inputs: StepInputs
-    tokens: torch.Tensor  # int64 [S], the sampled ids
+    tokens: torch.Tensor  # int64 [S], the sampled ids (a sequence with proposals: the last token it appends)
     readback: torch.Tensor  # the same, NONFINITE_TOKEN where a row's logits were not finite
-    logprobs: object  # `sampler.logprob_tensors` (None when no request asked)
+    logprobs: object  # `sampler.logprob_tensors` (None when no request asked), per sampled row
+    spec: tuple[torch.Tensor, torch.Tensor] | None = None  # `sampler.verify_proposals`' accepted counts and tokens
 
 
 class ModelRunner(Runner):
+    supports_speculation = True
+
     def __init__(self, config: EngineConfig, model_dir: Path | str, *, cpu_paths: bool = True, native_ops: bool = True,
                  random_weights: bool = False, rank: int = 0, address: str | None = None) -> None:  # fmt: skip
         """`cpu_paths=False` runs on CPU the device-generic paths CUDA takes (F.linear, per-sequence SDPA, no native
@@ -266,10 +269,11 @@ class ModelRunner(Runner):
                     torch.set_num_threads(1)
                 step = self.device_step(inputs)
                 tokens = step.readback.tolist()  # waits for the device
-                logprobs, prompt_logprobs = self.read_back(step)
+                logprobs, prompt_logprobs, spec_tokens, spec_logprobs = self.read_back(step)
         finally:
             torch.set_num_threads(threads)
-        return RunnerOutput(tokens, (start, time.perf_counter()), logprobs, prompt_logprobs)
+        return RunnerOutput(tokens, (start, time.perf_counter()), logprobs, prompt_logprobs, spec_tokens,
+                            spec_logprobs)  # fmt: skip
 
     def prepare(self, batch: ModelInput) -> StepInputs:
         inputs = self.packer.pack(batch)
@@ -284,16 +288,35 @@ class ModelRunner(Runner):
         tokens = tokens.to(torch.long)
         self.sampling.record(inputs, tokens)
         logprobs = sampler.logprob_tensors(logits, inputs.sampling, tokens)
+        if inputs.spec:  # speculative decoding: a row per scored position; accept proposals on the device
+            seq_tokens, readback, spec = sampler.verify_proposals(tokens, finite, inputs.seq_rows, inputs.spec)
+            return DeviceStep(inputs, seq_tokens, readback, logprobs, spec)
         return DeviceStep(inputs, tokens, torch.where(finite, tokens, NONFINITE_TOKEN), logprobs)
 
     @staticmethod
-    def read_back(step: DeviceStep) -> tuple[list[TokenLogprob | None] | None, dict | None]:
-        """A finished step's logprobs on the host: per sampled row, and the prompt logprobs by request."""
+    def read_back(step: DeviceStep) -> tuple[list[TokenLogprob | None] | None, dict | None, dict | None, dict | None]:
+        """A finished step's logprobs on the host: per sampled sequence, and the prompt logprobs by request; and for
+        sequences with proposals what each appends, with those tokens' logprobs when asked (`RunnerOutput`)."""
         inputs = step.inputs
         logprobs = sampler.logprob_lists(step.logprobs, len(inputs.sampling))
-        if not inputs.prompt_spans or inputs.prompt_logits is None:
-            return logprobs, None
-        return logprobs, sampler.prompt_logprob_lists(inputs.prompt_logits, inputs.prompt_targets, inputs.prompt_spans)
+        spec_tokens = spec_logprobs = None
+        if step.spec is not None:  # per sampled row so far: regroup by sequence
+            accepted, table = step.spec[0].tolist(), step.spec[1].tolist()
+            last_rows = list(inputs.seq_rows)
+            spec_tokens, spec_logprobs = {}, ({} if logprobs is not None else None)
+            for (seq, first, _), num, row in zip(inputs.spec, accepted, table, strict=True):
+                request_id = inputs.request_ids[first]
+                spec_tokens[request_id] = row[: num + 1]
+                last_rows[seq] = first + num
+                if logprobs is not None:
+                    spec_logprobs[request_id] = logprobs[first : first + num + 1]
+            if logprobs is not None:
+                logprobs = [logprobs[row] for row in last_rows]
+        prompt_logprobs = None
+        if inputs.prompt_spans and inputs.prompt_logits is not None:
+            prompt_logprobs = sampler.prompt_logprob_lists(inputs.prompt_logits, inputs.prompt_targets,
+                                                           inputs.prompt_spans)  # fmt: skip
+        return logprobs, prompt_logprobs, spec_tokens, spec_logprobs
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Logits [num sampled seqs, vocab] (model dtype); writes the step's K/V into the pool. A batch prepared in

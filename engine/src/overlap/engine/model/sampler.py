@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from overlap.engine.model.staging import stage, to_device
-from overlap.engine.types import SamplingParams, TokenLogprob
+from overlap.engine.types import NONFINITE_TOKEN, SamplingParams, TokenLogprob
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) pairs over the seed space
 
@@ -71,6 +71,34 @@ def sample(
             tokens = _inverse_cdf(scaled, top_p, u, is_sorted=False)
         out[idx] = tokens
     return out, finite
+
+
+def verify_proposals(
+    tokens: torch.Tensor, finite: torch.Tensor, seq_rows: list[int], spec: list[tuple[int, int, list[int]]]
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Speculative decoding's acceptance (`types.accept_proposals`), on the device with no host sync. `tokens` and
+    `finite` [R]: what `sample` picked at every sampled row (each row's logits already went through the request's
+    controls, temperature, top-k and top-p, so a proposal is accepted with the probability the target gives it
+    there); `seq_rows`: each sampled sequence's first row; `spec`: (sequence index, first row, proposals) per
+    sequence with proposals. Returns per sampled sequence its last appended token [S] and the same with
+    NONFINITE_TOKEN where a row it appends from was not finite, and (accepted counts [G], the sampled tokens of each
+    such sequence's rows [G, k_max + 1]) for the host to read."""
+    device = tokens.device
+    k_max = max(len(drafts) for _, _, drafts in spec)
+    padded = [t for _, _, drafts in spec for t in drafts + [-1] * (k_max - len(drafts))]  # -1 matches no token
+    seqs_t, firsts_t, seq_rows_t, drafts_t = to_device(
+        device, [s for s, _, _ in spec], [r for _, r, _ in spec], seq_rows, padded
+    )
+    drafts_t = drafts_t.view(len(spec), k_max)
+    index = (firsts_t.unsqueeze(1) + torch.arange(k_max + 1, device=device)).clamp_(max=tokens.numel() - 1)
+    table = tokens.index_select(0, index.view(-1)).view(len(spec), k_max + 1)
+    accepted = (table[:, :k_max] == drafts_t).long().cumprod(dim=1).sum(dim=1)
+    last_rows = seq_rows_t.index_copy(0, seqs_t, firsts_t + accepted)
+    bad = (~finite).long().cumsum(0)  # non-finite rows up to each row: a sequence's rows are consecutive
+    bad_before = bad.index_select(0, seq_rows_t) - (~finite).long().index_select(0, seq_rows_t)
+    ok = bad.index_select(0, last_rows) == bad_before
+    seq_tokens = tokens.index_select(0, last_rows)
+    return seq_tokens, torch.where(ok, seq_tokens, NONFINITE_TOKEN), (accepted, table)
 
 
 def _inverse_cdf(values: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, is_sorted: bool) -> torch.Tensor:

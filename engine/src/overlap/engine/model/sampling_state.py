@@ -9,6 +9,7 @@ import torch
 
 from overlap.engine.model import sampler
 from overlap.engine.model.grammar import GrammarSet
+from overlap.engine.model.staging import to_device
 from overlap.engine.model.step_inputs import StepInputs
 
 
@@ -27,7 +28,9 @@ class SamplingState:
         first (penalties, bias, grammars ...), for the rows that set any."""
         if any(p.has_logits_controls for p in inputs.sampling):
             rows = list(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True))
-            histories = [self._history_of(rid, n) if p.needs_history else None for rid, n, p in rows]
+            drafts = inputs.row_drafts or [()] * len(rows)  # proposals before a row count as generated there
+            histories = [self._history_of(rid, n - len(d), d) if p.needs_history else None
+                         for (rid, n, p), d in zip(rows, drafts, strict=True)]  # fmt: skip
             logits = sampler.apply_logits_controls(logits, inputs.sampling, inputs.num_generated, histories,
                                                    inputs.prompts, self.eos_token_ids)  # fmt: skip
             grammar_rows = [(row, rid, n) for row, (rid, n, p) in enumerate(rows) if p.grammar is not None]
@@ -37,8 +40,8 @@ class SamplingState:
 
     def record(self, inputs: StepInputs, tokens: torch.Tensor) -> None:
         """Keep the tokens of requests whose controls need their history, on the device (no host sync). Indexed by
-        position: a step whose tokens the engine dropped (a preemption) is overwritten when the position is sampled
-        again."""
+        position: a step whose tokens the engine dropped (a preemption, proposals past the accepted ones: a
+        sequence's rows sample consecutive positions) is overwritten when the position is sampled again."""
         host_tokens = None
         for row, (rid, n, p) in enumerate(zip(inputs.request_ids, inputs.num_generated, inputs.sampling, strict=True)):
             if p.needs_history:
@@ -49,8 +52,10 @@ class SamplingState:
                 host_tokens = tokens.tolist() if host_tokens is None else host_tokens
                 self._grammars.advance(rid, host_tokens[row])
 
-    def _history_of(self, request_id: str, num_generated: int) -> torch.Tensor:
+    def _history_of(self, request_id: str, num_generated: int, drafts=()) -> torch.Tensor:
         history = self._histories.get(request_id, [])[:num_generated]
+        if drafts:
+            history = [*history, *to_device(self.device, list(drafts))]
         if not history:
             return torch.empty(0, dtype=torch.long, device=self.device)
         return torch.cat(history).to(torch.long)

@@ -23,7 +23,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] where each token's K/V go
-    sample_rows: torch.Tensor  # [S] row of each sampled sequence's last token
+    # [R] the rows whose logits are sampled: each sampled sequence's last token, and for a sequence with proposals
+    # (speculative decoding) the row before its proposals and each proposal's row. The lists below are per sampled
+    # row: a proposal's row samples as the sequence's num_generated + j-th token.
+    sample_rows: torch.Tensor
     sampling: list[SamplingParams]
     num_generated: list[int]
     request_ids: list[str]  # of the sampled rows, for the per-request token history of penalties
@@ -46,6 +49,12 @@ class StepInputs:
     graph: tuple[torch.Tensor, int, int] | None = None
     # The batch these inputs were packed from: under tensor parallelism rank 0 sends it to the other ranks.
     batch: ModelInput | None = None
+    # Speculative decoding, when some sequence has proposals: per such sequence (its index among the sampled
+    # sequences, its first sampled row, its proposals); the first sampled row of every sampled sequence; and per
+    # sampled row the proposals before it (penalties count them as generated).
+    spec: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    seq_rows: list[int] = field(default_factory=list)
+    row_drafts: list[list[int]] = field(default_factory=list)
 
     def plan_for(self, window: int | None) -> AttentionPlan:
         """The plan of a layer with this sliding window (None: full attention)."""
@@ -100,6 +109,16 @@ class InputPacker:
             return self._pack(batch)
         first = self._pack(ModelInput(batch.seqs[:cut]))
         second = self._pack(ModelInput(batch.seqs[cut:]))
+        spec, seq_rows, row_drafts = [], [], []
+        if first.spec or second.spec:  # the second half's sequences and rows follow the first's
+            for half in (first, second):  # a half without proposals: a row per sequence
+                if not half.spec:
+                    half.seq_rows = list(range(len(half.sampling)))
+                    half.row_drafts = [[] for _ in half.sampling]
+            num_seqs, num_rows = len(first.seq_rows), len(first.sampling)
+            spec = first.spec + [(s + num_seqs, r + num_rows, d) for s, r, d in second.spec]
+            seq_rows = first.seq_rows + [r + num_rows for r in second.seq_rows]
+            row_drafts = first.row_drafts + second.row_drafts
         return StepInputs(
             input_ids=first.input_ids,
             positions=first.positions,
@@ -111,6 +130,9 @@ class InputPacker:
             prompts=first.prompts + second.prompts,
             plan=first.plan,
             halves=(first, second),
+            spec=spec,
+            seq_rows=seq_rows,
+            row_drafts=row_drafts,
         )
 
     def _pack(self, batch: ModelInput) -> StepInputs:
@@ -123,6 +145,9 @@ class InputPacker:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
+        spec: list[tuple[int, int, list[int]]] = []
+        seq_rows: list[int] = []
+        sampled_seqs = []
         for seq in batch.seqs:
             n = len(seq.token_ids)
             start = seq.start_pos
@@ -144,7 +169,15 @@ class InputPacker:
             ids.extend(seq.token_ids)
             positions.extend(range(start, end))
             if seq.do_sample:
-                sample_rows.append(q_start + n - 1)
+                k = seq.num_draft_tokens
+                if k:
+                    if not 0 < k < n or seq.sampling.grammar is not None:
+                        raise ValueError(f"request {seq.request_id}: {k} proposals in {n} tokens"
+                                         + (" with a grammar" if seq.sampling.grammar is not None else ""))  # fmt: skip
+                    spec.append((len(seq_rows), len(sample_rows), list(seq.token_ids[n - k :])))
+                seq_rows.append(len(sample_rows))
+                sample_rows.extend(range(q_start + n - 1 - k, q_start + n))
+                sampled_seqs.append(seq)
             if seq.sampling.prompt_logprobs is not None and seq.prompt_token_ids is not None:
                 # positions start .. last - 1 of this chunk predict prompt tokens start + 1 .. last
                 prompt = seq.prompt_token_ids
@@ -163,12 +196,24 @@ class InputPacker:
                 g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
                 slots.extend(g.slots[start:])
             geometry.append(g)
-        sampled = dict(
-            sampling=[s.sampling for s in batch.seqs if s.do_sample],
-            num_generated=[s.num_generated for s in batch.seqs if s.do_sample],
-            request_ids=[s.request_id for s in batch.seqs if s.do_sample],
-            prompts=[s.prompt_token_ids for s in batch.seqs if s.do_sample],
-        )
+        if spec:  # a row per scored position: the sequence's j-th proposal's row samples its num_generated + j + 1-th
+            rows = [(s, j) for s in sampled_seqs for j in range(s.num_draft_tokens + 1)]
+            sampled = dict(
+                sampling=[s.sampling for s, _ in rows],
+                num_generated=[s.num_generated + j for s, j in rows],
+                request_ids=[s.request_id for s, _ in rows],
+                prompts=[s.prompt_token_ids for s, _ in rows],
+            )
+            row_drafts = [list(s.token_ids[len(s.token_ids) - s.num_draft_tokens :][:j]) for s, j in rows]
+            spec_fields = dict(spec=spec, seq_rows=seq_rows, row_drafts=row_drafts)
+        else:
+            sampled = dict(
+                sampling=[s.sampling for s in sampled_seqs],
+                num_generated=[s.num_generated for s in sampled_seqs],
+                request_ids=[s.request_id for s in sampled_seqs],
+                prompts=[s.prompt_token_ids for s in sampled_seqs],
+            )
+            spec_fields = {}
         bucket = self._graph_bucket(geometry, prompt_rows)
         if bucket is not None:
             decodes = [(ids[g.q_start], positions[g.q_start], slots[g.q_start], g.table) for g in geometry]
@@ -177,8 +222,9 @@ class InputPacker:
             # sample_rows: unused, the graph samples its own first rows
             return StepInputs(input_ids, positions_t, slots_t, staged[:0], **sampled,
                               graph=(staged, bucket, len(geometry)))  # fmt: skip
-        # Scoring prompt rows needs every row through the last layer: no skipping of unsampled rows then.
-        num_kept = len(ids) if prompt_rows else None
+        # Scoring prompt rows, or several rows of a sequence (proposals), needs every row through the last layer: no
+        # skipping of unsampled rows then (the last layer's own plan has one query per sequence).
+        num_kept = len(ids) if prompt_rows or spec else None
         window_plans = {}
         if self.triton is not None:
             plan = triton_plan(geometry, len(ids), num_kept, triton=self.triton, group=self.group, device=self.device)
@@ -201,6 +247,7 @@ class InputPacker:
             prompt_rows=torch.tensor(prompt_rows, device=device, dtype=torch.long) if prompt_rows else None,
             prompt_targets=prompt_targets,
             prompt_spans=prompt_spans,
+            **spec_fields,
         )
 
     def _graph_bucket(self, geometry: list[SeqGeometry], prompt_rows: list[int]) -> int | None:

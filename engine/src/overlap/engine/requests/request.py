@@ -69,6 +69,12 @@ class Request:
     # and an epoch that a preemption bumps so that tokens of steps scheduled before it are dropped.
     num_placeholders: int = 0
     epoch: int = 0
+    # Speculative decoding (batching/scheduler.py): a step verifying this request's proposals is in flight (it is not
+    # scheduled again until that step is back); plain decodes to run before it tries to speculate again, and the
+    # current back-off (doubled by each try that gains nothing, 0 after one that does).
+    spec_in_flight: bool = False
+    spec_skip: int = 0
+    spec_backoff: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
