@@ -18,6 +18,7 @@ _BENCH_MODULES = (
     "overlap.bench.routing",  # overlap bench routing
     "overlap.bench.quant_bench",  # overlap bench quantized
     "overlap.bench.moe_bench",  # overlap bench moe
+    "overlap.bench.spec_bench",  # overlap bench spec
 )
 
 

@@ -110,6 +110,7 @@ class EngineCollector(Collector):
             "Tokens the engine generated",
             value=float(stats.get("num_generation_tokens_total") or 0),
         )
+        yield from _spec_decode_metrics(stats)
         for name, key, doc in (
             ("overlap_queue_depth", "num_waiting_by_priority", "Requests waiting in the engine, per priority"),
             ("overlap_running_requests", "num_running_by_priority", "Requests running in the engine, per priority"),
@@ -125,6 +126,25 @@ class EngineCollector(Collector):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([knob], float(value))
         yield family
+
+
+def _spec_decode_metrics(stats: dict):
+    """Speculative decoding's counters under vLLM's names, from an engine that speculates (none otherwise, as vLLM):
+    verification steps, proposed tokens, accepted ones, and accepted ones by position in the step's proposals."""
+    if not (stats.get("config") or {}).get("speculative_config"):
+        return
+    for name, key, doc in (
+        ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts_total", "Steps that verified a sequence's proposals"),
+        ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens_total", "Proposed tokens verified"),
+        ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_total", "Proposed tokens accepted"),
+    ):
+        yield CounterMetricFamily(name, doc, value=float(stats.get(key) or 0))
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                 "Proposed tokens accepted, by position among a step's proposals (0: the first)",
+                                 labels=["position"])  # fmt: skip
+    for position, value in _items(stats.get("spec_decode_num_accepted_tokens_per_pos")):
+        family.add_metric([str(position)], float(value))
+    yield family
 
 
 def _items(value) -> list[tuple[object, float]]:
