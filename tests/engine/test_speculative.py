@@ -241,3 +241,19 @@ def test_trim_returns_the_blocks_of_rejected_proposals_and_keeps_the_claim():
     assert bm.append_slots(r, 4) and r.block_ids == [0, 1, 2, 3]  # the run stays contiguous
     bm.free(r)
     bm.check_invariants([])
+
+
+def test_with_a_token_in_flight_a_request_pauses_only_when_its_known_tokens_already_match():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 2}
+    scheduler, _ = create_scheduler(speculative_config=spec)
+    repeating, fresh = create_requests(2, prompt_len=8, max_tokens=20)
+    repeating.prompt_token_ids[:] = repeating.all_token_ids[:] = [5, 6, 7, 8, 5, 6, 7, 8]
+    fresh.prompt_token_ids[:] = fresh.all_token_ids[:] = [9, 10, 11, 12, 13, 14, 15, 16]
+    for r in (repeating, fresh):
+        scheduler.add_request(r, 0.0)
+    first = scheduler.schedule(0.0)  # both prompts; their first tokens are in flight from here on
+    assert [s.request_id for s in first.model_input.seqs] == [repeating.request_id, fresh.request_id]
+    second = scheduler.schedule(0.1)  # scheduled before the first step's tokens are back
+    # [7, 8] occurred before: the repeating request waits for its token to speculate; the fresh one decodes on
+    assert [s.request_id for s in second.model_input.seqs] == [fresh.request_id]
+    assert second.model_input.seqs[0].num_draft_tokens == 0 and fresh.spec_skip == 0

@@ -169,7 +169,7 @@ def test_seeded_sampling_draws_the_same_tokens_with_speculation(copy_model_dir, 
         spec, _, stats = _run(model_dir, requests, speculative_config=NGRAM)
         assert spec == plain
         if model_dir == copy_model_dir:  # (the tiny model's sampled output never repeats: nothing to propose)
-            assert stats["spec_decode_num_drafts_total"] > 10 and 0.3 < _acceptance(stats) < 0.95, _acceptance(stats)
+            assert stats["spec_decode_num_drafts_total"] > 10 and 0.1 < _acceptance(stats) < 0.95, _acceptance(stats)
 
 
 # ---- sampling: the target's distribution --------------------------------------------------------------------------

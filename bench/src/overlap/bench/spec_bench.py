@@ -34,6 +34,7 @@ def add_parser(subparsers) -> None:
                         help="a real shape (random weights, and its copying variant for quoting), built into the cache "
                         "on first use; default: the tiny model")  # fmt: skip
     parser.add_argument("--batch-sizes", default="1,4", help="comma-separated (default 1,4)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default quoting,random)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="default 2")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="default 4")
@@ -115,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         batches = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not workloads or set(workloads) - set(WORKLOADS):
+        raise ConfigError(f"--workloads {args.workloads!r}: choose from {', '.join(WORKLOADS)}")
     torch.set_num_threads(args.threads)
     output_len = args.output_len or (32 if args.quick else 128)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -123,10 +127,11 @@ def run(args: argparse.Namespace) -> int:
     if args.model_shape:
         from overlap.engine.model.shapes import ensure_shape_model
 
-        models = {"quoting": ensure_copy_model(args.model_shape, progress=_progress),
-                  "random": ensure_shape_model(args.model_shape, progress=_progress)}  # fmt: skip
+        build = {"quoting": lambda: ensure_copy_model(args.model_shape, progress=_progress),
+                 "random": lambda: ensure_shape_model(args.model_shape, progress=_progress)}  # fmt: skip
     else:
-        models = {"quoting": ensure_copy_model(), "random": ensure_default_model()}
+        build = {"quoting": ensure_copy_model, "random": ensure_default_model}
+    models = {workload: build[workload]() for workload in workloads}
     dtype = args.dtype or ("bfloat16" if args.model_shape else "float32")
     max_seq_len = args.unit_len * 5 + output_len + args.num_speculative_tokens + 16
     blocks = max(batches) * -(-max_seq_len // 16) + 16
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             _measure(engine, _requests(workload, 2, 8, 8, engine.vocab_size, seed=-1))  # warm-up
     results: dict[tuple, list[dict]] = {}
     for r in range(rounds):
-        for workload in WORKLOADS:
+        for workload in workloads:
             for batch in batches:
                 for mode in ("off", "ngram"):
                     engine = engines[workload, mode]
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     for engine in engines.values():
         engine.close()
     rows = []
-    for workload in WORKLOADS:
+    for workload in workloads:
         for batch in batches:
             off = statistics.median(t for m in results[workload, batch, "off"] for t in m["tpot_s"])
             for mode in ("off", "ngram"):

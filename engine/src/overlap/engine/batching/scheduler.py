@@ -19,12 +19,13 @@ proposals (`ScheduledSeq.num_draft_tokens`), which the runner verifies in the sa
 token of the sequence on the host, so a request speculates only when no step of its own is in flight, and a request
 whose proposals are being verified is not scheduled again until that step is back (its length is not known before).
 With 2+ buffers a decoding request always has a step in flight, so one that is due to speculate sits out a step to
-let its tokens come back. Due: unless its last try gained nothing (no proposal, or none accepted); then it runs
-`spec_backoff` plain, overlapped decodes first (1, 2, 4, .. SPEC_MAX_BACKOFF), so a sequence the proposer cannot
-help costs one pause in SPEC_MAX_BACKOFF + 1 steps. Requests with a grammar never speculate (the matcher would have
-to advance through proposals and back). Postprocess appends the accepted tokens one by one with the usual stop
-checks, rolls the computed length back to the accepted ones and frees the blocks past the new length
-(`BlockManager.trim`).
+let its tokens come back, if the tokens known so far already end in an n-gram that occurred before (the proposer
+probes them; else it decodes on, overlapped, and is probed again at the next step). Due: unless its last try gained
+nothing (no proposal, or none accepted); then it runs `spec_backoff` plain, overlapped decodes first (1, 2, 4, ..
+SPEC_MAX_BACKOFF), so a sequence whose proposals keep failing costs at most one pause in SPEC_MAX_BACKOFF + 1
+steps. Requests with a grammar never speculate (the matcher would have to advance through proposals and back).
+Postprocess appends the accepted tokens one by one with the usual stop checks, rolls the computed length back to the
+accepted ones and frees the blocks past the new length (`BlockManager.trim`).
 """
 
 from __future__ import annotations
@@ -255,7 +256,10 @@ class Scheduler:
             request.spec_skip -= 1
             return []
         if request.num_placeholders:
-            return None
+            # Its last token is in flight. Sit this step out only if the tokens known so far already end in an
+            # n-gram seen before (then the whole sequence likely does too); else decode on, overlapped, and look
+            # again at the next step: a pause that finds nothing to propose would cost a step for nothing.
+            return None if self.proposer.propose(request.all_token_ids, 1) else []
         drafts = self.proposer.propose(request.all_token_ids, k)
         if not drafts:
             self._spec_missed(request)
