@@ -66,6 +66,16 @@ INVALID = [
         id="bad-enum",
     ),
     pytest.param(
+        with_spec(engine={"speculative": {"method": "eagle3", "numSpeculativeTokens": 3}}),
+        'spec.engine.speculative.method: Unsupported value: "eagle3": supported values: "ngram"',
+        id="speculative-method-not-run",
+    ),
+    pytest.param(
+        with_spec(engine={"speculative": {"method": "ngram"}}),
+        "spec.engine.speculative.numSpeculativeTokens: Required value",
+        id="speculative-without-k",
+    ),
+    pytest.param(
         with_spec(engine={"dtype": "float8"}),
         'spec.engine.dtype: Unsupported value: "float8": supported values: "auto", "bfloat16", "float16", "float32"',
         id="bad-dtype",
@@ -230,6 +240,18 @@ def test_valid_specs_are_admitted_and_defaulted(spec: dict) -> None:
     stored = admission.admit(with_spec(**spec), SCHEMA, strict=True)
     assert stored["spec"]["engine"]["maxNumSeqs"] >= 1 and stored["spec"]["sidecar"]["port"] == 8000
     specs.check_spec(stored["spec"])  # the operator agrees with the schema
+
+
+def test_engine_speculative_reaches_the_engine_as_vllms_speculative_config() -> None:
+    spec = {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3}
+    stored = admission.admit(with_spec(engine={"speculative": spec}), SCHEMA, strict=True)
+    config = specs.check_spec(stored["spec"])
+    assert config.speculative_config == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3,
+                                         "prompt_lookup_max": 3}  # fmt: skip
+    assert json.loads(specs.engine_json(config))["speculative_config"] == config.speculative_config
+    too_wide = specs.with_defaults(with_spec(engine={"speculative": {**spec, "promptLookupMin": 5}})["spec"])
+    with pytest.raises(specs.SpecError, match=r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(3\)"):
+        specs.check_spec(too_wide)
 
 
 def test_unknown_fields_are_pruned_without_strict_validation() -> None:

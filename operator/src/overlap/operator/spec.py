@@ -37,7 +37,11 @@ ENGINE_FIELDS: dict[str, str] = {
     "enableChunkedPrefill": "enable_chunked_prefill",
     "simulatedDevice": "simulated_device",
     "tensorParallelSize": "tensor_parallel_size",
+    "speculative": "speculative_config",
 }
+# engine.speculative (camelCase) -> vLLM's speculative_config keys
+SPECULATIVE_FIELDS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+                      "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max"}  # fmt: skip
 
 # A fetched model (model.uri): the cache volume's mount and the link the fetch leaves for the engine, in the pod.
 MODEL_CACHE_DIR = "/var/cache/overlap-models"
@@ -200,6 +204,12 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
             "fixed_s": sim.get("fixedSeconds", 0.0),
             "per_token_s": sim.get("perTokenSeconds", 0.0),
         }
+    if "speculative_config" in fields:
+        speculative = fields["speculative_config"] or {}
+        unknown = sorted(set(speculative) - set(SPECULATIVE_FIELDS))
+        if unknown:
+            raise SpecError(f"spec.engine.speculative has unknown fields: {', '.join(unknown)}")
+        fields["speculative_config"] = {SPECULATIVE_FIELDS[key]: value for key, value in speculative.items()}
     fields["model"] = model_path(spec.get("model") or {})
     fields["device"] = "cuda" if gpus > 0 else "cpu"
     fields["tensor_parallel_size"] = tensor_parallel_size(spec)
