@@ -76,6 +76,7 @@ bench: venv model  ## every benchmark, full size (prints tables; see README "Per
 	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control
 	$(BIN)/overlap bench sampling
+	$(BIN)/overlap bench spec
 	$(BIN)/overlap bench routing
 	$(BIN)/overlap bench routing --workloads shared-prefix --rate 10
 	$(BIN)/overlap bench routing --workloads shared-prefix --policies random,least-queue,approx,prefix --routers 2
@@ -87,6 +88,7 @@ bench-quick: venv model  ## every benchmark in --quick mode
 	$(BIN)/overlap bench replay --quick --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control --quick
 	$(BIN)/overlap bench sampling --quick
+	$(BIN)/overlap bench spec --quick
 	$(BIN)/overlap bench routing --quick
 
 images: venv  ## build the engine and operator images into podman's storage (buildah, a Debian base; no registry)
