@@ -38,8 +38,12 @@ def test_quoting_text_streamed_or_not_stop_strings_and_max_tokens(server):
     assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
     streamed = "".join(c.choices[0].text for c in client.completions.create(max_tokens=24, stream=True, **body))
     assert streamed == text
-    stopped = client.completions.create(max_tokens=24, stop=[" zeta"], **body)
-    assert stopped.choices[0].text == " gamma delta epsilon" and stopped.choices[0].finish_reason == "stop"
+    stopped = client.completions.create(max_tokens=24, stop=[" zeta"], logprobs=1, **body)
+    choice = stopped.choices[0]
+    assert choice.text == " gamma delta epsilon" and choice.finish_reason == "stop"
+    # the tokens counted and scored end with the one that completed the stop string, though a step sent more
+    assert "".join(choice.logprobs.tokens) == " gamma delta epsilon zeta"
+    assert stopped.usage.completion_tokens == len(choice.logprobs.tokens)
     short = client.completions.create(max_tokens=3, **body)
     assert short.usage.completion_tokens == 3 and text.startswith(short.choices[0].text)
 

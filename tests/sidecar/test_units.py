@@ -4,6 +4,7 @@ activator's and router's waiting room."""
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import time
 
@@ -84,6 +85,27 @@ def test_detokenizer_holds_back_split_multibyte_characters(text):
     assert "".join(pieces) + detok.flush() == text.decode(ids)
     assert all("\ufffd" not in piece for piece in pieces)  # never half a character
     assert "" in pieces  # some token ended mid-character and was held back (the test would be vacuous otherwise)
+
+
+@pytest.mark.parametrize("stop", [["STOP"], ["beta ST", "a"], ["OP gam", "ta"]])
+def test_stop_strings_cut_the_same_text_at_the_same_token_however_the_tokens_are_grouped(text, stop):
+    # speculative decoding delivers several tokens at once: the cut, and the token that completed the stop string,
+    # must not depend on how they were grouped
+    ids = text.encode("alpha beta STOP gamma delta")
+    rng = random.Random(0)
+    results = set()
+    for grouping in range(20):
+        detok = text.detokenizer([], stop)
+        shown, consumed, at = "", 0, 0
+        while at < len(ids) and not detok.stopped:
+            size = 1 if grouping == 0 else rng.randint(1, 5)
+            shown += detok.push(ids[at : at + size])
+            consumed += detok.tokens_kept
+            at += size
+        results.add((shown + detok.flush(), detok.stopped, consumed))
+    assert len(results) == 1
+    ((cut, stopped, consumed),) = results
+    assert stopped and consumed < len(ids) and text.decode(ids).startswith(cut)
 
 
 def test_stop_string_split_across_tokens_is_cut_and_never_shown(text):

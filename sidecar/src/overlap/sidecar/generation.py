@@ -110,9 +110,14 @@ class Generation:
                         state.admission.progress(self.request_id, out.num_output_tokens, now)
                     num_output = out.num_output_tokens
                     text = self.detokenizer.push(out.new_token_ids)
+                    new_ids, logprobs = out.new_token_ids, out.logprobs
+                    kept = self.detokenizer.tokens_kept
+                    if self.detokenizer.stopped and kept < len(new_ids):  # tokens past a stop string: never shown
+                        num_output -= len(new_ids) - kept
+                        new_ids, logprobs = new_ids[:kept], None if logprobs is None else logprobs[:kept]
                     extra = {}
-                    if self.wants_logprobs and out.new_token_ids:
-                        extra = {"token_ids": list(out.new_token_ids), "logprobs": out.logprobs}
+                    if self.wants_logprobs and new_ids:
+                        extra = {"token_ids": list(new_ids), "logprobs": logprobs}
                     if out.prompt_logprobs is not None:
                         extra["prompt_logprobs"] = out.prompt_logprobs
                     if out.finished:

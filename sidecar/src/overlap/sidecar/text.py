@@ -73,7 +73,10 @@ class TextProcessor:
 
 class IncrementalDetokenizer:
     """Turns generated ids into text deltas. With stop strings, the last `max(len(stop)) - 1` characters are held
-    back (they might begin a stop string); when one matches, the text is cut before it and `stopped` is set."""
+    back (they might begin a stop string); when one matches, the text is cut before it and `stopped` is set. Stop
+    strings are checked after every token, as vLLM does, so the result does not depend on how many tokens arrive
+    at once (a speculative step delivers several); `tokens_kept` says how many of the last push's ids were
+    consumed, up to the one that completed the stop string."""
 
     def __init__(self, backend, prompt_tail: list[int], stop: list[str]) -> None:
         self._backend = backend
@@ -83,23 +86,27 @@ class IncrementalDetokenizer:
         self.text = ""  # everything decoded so far (cut at a stop string once matched)
         self._emitted = 0
         self.stopped = False
+        self.tokens_kept = 0
 
     def push(self, token_ids: list[int]) -> str:
         """Feed new ids; return the text that is now safe to show (maybe "")."""
         if self.stopped:
+            self.tokens_kept = 0
             return ""
-        start = len(self.text)
-        for token_id in token_ids:
+        self.tokens_kept = len(token_ids)
+        for n, token_id in enumerate(token_ids, 1):
             piece = self._stream.step(self._backend, token_id)
-            if piece:
-                self.text += piece
-        if self._stop and len(self.text) > start:
-            search_from = max(0, start - self._holdback)
-            cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) != -1), default=-1)
-            if cut != -1:
-                self.text = self.text[:cut]
-                self.stopped = True
-                return self._take(len(self.text))
+            if not piece:
+                continue
+            search_from = max(0, len(self.text) - self._holdback)  # a stop string this piece completes starts here
+            self.text += piece
+            if self._stop:
+                cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) != -1), default=-1)
+                if cut != -1:
+                    self.text = self.text[:cut]
+                    self.stopped = True
+                    self.tokens_kept = n
+                    return self._take(len(self.text))
         return self._take(len(self.text) - self._holdback)
 
     def flush(self) -> str:
