@@ -93,14 +93,14 @@ def test_greedy_with_ngram_equals_no_speculation_16_prompts_x_64_tokens(model, t
         assert len(per_pos) == 4 and per_pos[0] >= per_pos[3] > 0
 
 
-@pytest.mark.parametrize("num_buffers", [1, 2])
-def test_greedy_equal_with_chunked_prefill_and_prefix_cache_hits(num_buffers, copy_model_dir, tiny_model_dir):
+@pytest.mark.parametrize(("model", "num_buffers"), [("tiny-copy", 2), ("tiny", 1)])
+def test_greedy_equal_with_chunked_prefill_and_prefix_cache_hits(model, num_buffers, copy_model_dir, tiny_model_dir):
     # a 24-token budget: prompts arrive in chunks beside steps that verify proposals; the second wave repeats the
     # first one's prompts (prefix-cache hits on blocks the first wave published while speculating) behind a
     # shared one, and the tiny model's mostly rejected proposals go through the same steps
     prompts = _prompts(2, num_repeating=6, num_random=2)
     wave2 = {f"again-{rid}": [*p, 7, 8] for rid, p in prompts.items()}
-    for model_dir in (copy_model_dir, tiny_model_dir):
+    for model_dir in [copy_model_dir if model == "tiny-copy" else tiny_model_dir]:
         results = {}
         for spec in (None, NGRAM):
             config = dict(model=str(model_dir), max_seq_len=256, num_kv_blocks=128, max_num_batched_tokens=24,
@@ -123,6 +123,27 @@ def test_two_tensor_parallel_ranks_with_ngram_equal_one_rank_without(copy_model_
     plain, _, _ = _run(copy_model_dir, requests, num_threads=1)
     spec, _, stats = _run(copy_model_dir, requests, num_threads=1, tensor_parallel_size=2, speculative_config=NGRAM)
     assert spec == plain and _acceptance(stats) > 0.8
+
+
+def test_greedy_equal_on_the_paths_cuda_takes_with_decode_graphs(copy_model_dir):
+    """The device-generic paths (the Triton kernel, run by Triton's interpreter here, graphs' host side for the plain
+    decode steps, acceptance on the device): the same tokens as the CPU paths without speculation."""
+    pytest.importorskip("triton")
+    from overlap.engine.model.runner import ModelRunner
+    from tests.engine.test_decode_graphs import eager_capture
+
+    requests = _greedy(_prompts(6, num_repeating=1, num_random=1), 12)
+    plain, _, _ = _run(copy_model_dir, requests)
+    config = EngineConfig(model=str(copy_model_dir), max_seq_len=256, num_kv_blocks=64, attention_backend="triton",
+                          speculative_config=NGRAM)  # fmt: skip
+    runner = ModelRunner(config, copy_model_dir, cpu_paths=False)
+    runner.enable_decode_graphs(eager_capture, limit=4)
+    engine = Engine(config, runner=runner)
+    outputs = add_and_run(engine, requests)
+    stats = engine.stats()
+    engine.close()
+    assert {rid: tokens_of(outs) for rid, outs in outputs.items()} == plain
+    assert _acceptance(stats) > 0.8 and runner.graph_steps > 0
 
 
 # ---- the rest of a request's parameters stay exact --------------------------------------------------------------

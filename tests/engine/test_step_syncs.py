@@ -95,6 +95,35 @@ def test_a_step_reads_nothing_back(runner, monkeypatch):
     assert spy.found == [], spy.where
 
 
+def test_a_step_verifying_proposals_reads_nothing_back(runner, monkeypatch):
+    """Speculative decoding: rows per proposal, penalties over the proposals, acceptance on the device."""
+    spy = SyncSpy()
+    if runner.attention.triton is not None:
+        launch = runner.attention.triton.paged_attention
+
+        def unwatched(*args, **kwargs):
+            spy.paused = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                spy.paused = False
+
+        monkeypatch.setattr(runner.attention.triton, "paged_attention", unwatched)
+    for step in (1,):
+        batch = mixed_step(step)
+        for seq, k in zip(batch.seqs[:5], (3, 2, 0, 3, 1), strict=True):  # proposals for most of the decodes
+            if k:
+                seq.token_ids = seq.token_ids + [7, 8, 9][:k]
+                seq.num_draft_tokens = k
+        with spy, torch.inference_mode():
+            inputs = runner.prepare(batch)
+            result = runner.device_step(inputs)
+        num_sampled = sum(1 for s in batch.seqs if s.do_sample)
+        assert result.tokens.shape == (num_sampled,) and result.spec is not None
+        assert len(inputs.sampling) == num_sampled + 3 + 2 + 3 + 1
+    assert spy.found == [], spy.where
+
+
 def test_the_spy_sees_a_read_back():
     spy = SyncSpy()
     with spy:
