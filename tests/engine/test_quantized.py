@@ -402,7 +402,7 @@ def test_quantization_flag_refuses_a_checkpoint_of_another_format(compressed, pa
         _runner(compressed[("llama", "W8A8")], quantization="gptq")
     with pytest.raises(ModelLoadError, match=r"--quantization awq was asked for, but .* no quantization_config"):
         _runner(dense_folder, quantization="awq")
-    expected = "quantization must be compressed-tensors|fp8|gptq|awq, got 'int3'"
+    expected = "quantization must be compressed-tensors|fp8|gptq|awq|mxfp4, got 'int3'"
     with pytest.raises(ConfigError, match=re.escape(expected)):
         EngineConfig(quantization="int3")
     runner = _runner(packed["awq-g64"][0], quantization="awq")

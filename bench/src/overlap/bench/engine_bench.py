@@ -391,8 +391,9 @@ def _contiguous_runner(paged, max_seq_len: int):
     lmax = paged.block_size * -(-max_seq_len // paged.block_size)
 
     class ContiguousAttention(PagedAttention):
-        def _torch(self, q, k_pool, v_pool, seqs):
+        def _torch(self, q, k_pool, v_pool, seqs, sinks=None):
             # seqs may be one half of the step (the runner cuts a CPU batch in two): start at its first slot.
+            assert sinks is None, "the contiguous reference has no attention sinks"
             num, first = len(seqs), seqs[0].kv_start
             assert all(s.q_len == 1 and s.kv_start == first + i * lmax for i, s in enumerate(seqs)), "decode-only"
             lengths = torch.tensor([s.kv_len for s in seqs])
