@@ -265,12 +265,15 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
     }
 #if W4_BF16
     if (bf16_path) {
+        /* two outputs a tile where x has rows enough to share (the codes' unpacking then dominates); one at a time
+         * for 1-2 rows, which stream the weight fastest that way */
+        const int64_t per_tile = rows > 2 ? 2 : 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t j = 0; j < n; j += 2) /* two outputs a tile */
+        for (int64_t j = 0; j < n; j += per_tile)
             for (int r0 = 0; r0 < rows; r0 += BF16_ROWS)
-                w4_tile_bf16_any(rows - r0 < BF16_ROWS ? rows - r0 : BF16_ROWS, n - j < 2 ? 1 : 2, xp + r0 * k, k,
-                                 codes + j * half_k, half_k, scale + j * groups, offset + j * groups, group,
-                                 xsum + r0 * groups, groups, out + r0 * out_stride + j, out_stride);
+                w4_tile_bf16_any(rows - r0 < BF16_ROWS ? rows - r0 : BF16_ROWS, n - j < per_tile ? 1 : (int)per_tile,
+                                 xp + r0 * k, k, codes + j * half_k, half_k, scale + j * groups, offset + j * groups,
+                                 group, xsum + r0 * groups, groups, out + r0 * out_stride + j, out_stride);
         free(xsum);
         free(xe);
         free(xp);
