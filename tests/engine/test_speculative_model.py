@@ -58,6 +58,7 @@ def _run(model_dir, requests: dict, **config) -> tuple[dict, dict, dict]:
         stats = engine.stats()
     finally:
         engine.close()
+        engine.runner.close()  # its tensor-parallel ranks and process group too, for the tests after this one
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     bm.check_invariants([])

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.model import builder
-from overlap.engine.model.experts import read_moe_spec
 
 RECIPE = "v1"  # bump when the recipe changes, so cached folders rebuild
 
@@ -208,6 +207,8 @@ def _tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     head_dim = config.get("head_dim") or h // heads
     q, kv = heads * head_dim, kv_heads * head_dim
     layers = config["num_hidden_layers"]
+    from overlap.engine.model.experts import read_moe_spec  # imports torch: `overlap --help` must start without it
+
     moe = read_moe_spec(config, config["architectures"][0], layers, Path("config.json"))
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h)}
     for i in range(layers):
