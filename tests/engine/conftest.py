@@ -24,6 +24,26 @@ def two_torch_threads():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """name of a tests/support/hf_models.py variant -> (its folder, transformers' model of it in fp32), each built
+    once per module."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.hf_models import save_variant
+
+    cache: dict[str, tuple[Path, object]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = save_variant(name, tmp_path_factory.mktemp(name))
+            cache[name] = (folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
+        return cache[name]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def hf_greedy(tiny_model_dir: Path):
     """prompt, max_new_tokens -> transformers' greedy continuation (stops at EOS like the engine), memoised."""

@@ -22,7 +22,7 @@ from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import FinishReason, ModelInput, SamplingParams, ScheduledSeq
 from tests.support.engine import add_and_run, greedy_tokens, scattered_tables, tokens_of
-from tests.support.hf_models import VARIANTS, VOCAB, edit_config, save_variant, transformers_greedy
+from tests.support.hf_models import VARIANTS, VOCAB, edit_config, transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
 PROMPT_LENS = (100, 37, 5, 64)  # 100 and 64 reach past the sliding windows (32)
@@ -31,22 +31,6 @@ PATHS = ("cpu", "device-generic", "triton")
 
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    """name -> (folder, transformers model in fp32), each built once per module."""
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, tuple[Path, object]] = {}
-
-    def get(name: str):
-        if name not in cache:
-            folder = save_variant(name, tmp_path_factory.mktemp(name))
-            cache[name] = (folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-        return cache[name]
-
-    return get
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

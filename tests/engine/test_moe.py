@@ -24,26 +24,11 @@ from overlap.engine.model.layers.linear import LinearBackend
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 from tests.support.engine import greedy_tokens, scattered_tables
-from tests.support.hf_models import VOCAB, save_variant, transformers_greedy
+from tests.support.hf_models import VOCAB, transformers_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    cache: dict[str, tuple[Path, object]] = {}
-
-    def get(name: str):
-        if name not in cache:
-            folder = save_variant(name, tmp_path_factory.mktemp(name))
-            cache[name] = (folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval())
-        return cache[name]
-
-    return get
 
 
 def _prompts(lengths=(100, 37, 5, 64), seed: int = 0) -> list[list[int]]:

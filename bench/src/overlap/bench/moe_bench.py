@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from overlap.bench.decode_steps import add_decode_step_args, batch_sizes, decode_step
 from overlap.bench.floor import cpu_matmul_peak, cpu_read_bandwidth
-from overlap.bench.quant_bench import decode_step
 
 
 def add_parser(subparsers) -> None:
@@ -31,12 +31,7 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model-shape", default="qwen3-30b-a3b", choices=moe_shapes, help="default qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers kept of the shape's (default 4)")
-    parser.add_argument("--batch-sizes", default="1,16,64", help="comma-separated (default 1,16,64)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the batch sizes (default 3)")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement (default 8)")
-    parser.add_argument("--context", type=int, default=128, help="tokens already in each sequence (default 128)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    add_decode_step_args(parser, "rounds over the batch sizes")
     parser.set_defaults(func=run)
 
 
@@ -54,12 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from overlap.engine.model.runner import ModelRunner
     from overlap.engine.model.shapes import shape_config
 
-    try:
-        batches = [int(b) for b in args.batch_sizes.split(",") if b]
-    except ValueError:
-        raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
-    if not batches or min(batches) < 1 or min(args.layers, args.rounds, args.steps, args.context) < 1:
-        raise ConfigError("--batch-sizes, --layers, --rounds, --steps and --context must be >= 1")
+    batches = batch_sizes(args)
+    if args.layers < 1:
+        raise ConfigError("--layers must be >= 1")
     torch.set_num_threads(args.threads)
     config = shape_config(args.model_shape) | {"num_hidden_layers": args.layers}
     tokens = args.context + args.steps + 2

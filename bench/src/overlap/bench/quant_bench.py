@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 
+from overlap.bench.decode_steps import add_decode_step_args, batch_sizes, decode_step
 from overlap.bench.floor import (
     cpu_int8_matmul_peak,
     cpu_matmul_peak,
@@ -37,12 +38,7 @@ def add_parser(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--model-shape", default="qwen2.5-0.5b", choices=list(SHAPES), help="default qwen2.5-0.5b")
     parser.add_argument("--schemes", default=",".join(SCHEMES), help=f"comma-separated of {', '.join(SCHEMES)}")
-    parser.add_argument("--batch-sizes", default="1,16,64", help="comma-separated (default 1,16,64)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement (default 8)")
-    parser.add_argument("--context", type=int, default=128, help="tokens already in each sequence (default 128)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    add_decode_step_args(parser, "alternating rounds")
     parser.set_defaults(func=run)
 
 
@@ -61,12 +57,7 @@ def run(args: argparse.Namespace) -> int:
     schemes = [s for s in args.schemes.split(",") if s]
     if not schemes or set(schemes) - set(SCHEMES):
         raise ConfigError(f"--schemes {args.schemes!r}: choose from {', '.join(SCHEMES)}")
-    try:
-        batches = [int(b) for b in args.batch_sizes.split(",")]
-    except ValueError:
-        raise ConfigError(f"--batch-sizes {args.batch_sizes!r}: expected comma-separated integers") from None
-    if min(batches) < 1 or args.rounds < 1 or args.steps < 1 or args.context < 1:
-        raise ConfigError("--batch-sizes, --rounds, --steps and --context must be >= 1")
+    batches = batch_sizes(args)
     torch.set_num_threads(args.threads)
     tokens = args.context + args.steps + 2
     blocks = max(batches) * -(-tokens // 16) + 16
@@ -122,22 +113,6 @@ def _projection_params(spec) -> int:
     h, d = spec.hidden_size, spec.head_dim
     attention = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
     return spec.num_layers * (attention + 3 * h * spec.intermediate_size)
-
-
-def decode_step(runner, batch: int, context: int, steps: int) -> float:
-    """Seconds of the median of `steps` decode steps of `batch` sequences at `context` (after one warm-up)."""
-    from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
-
-    greedy = SamplingParams(temperature=0, ignore_eos=True)
-    per_seq = -(-(context + steps + 2) // runner.block_size)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
-    times = []
-    for step in range(steps + 1):
-        seqs = [ScheduledSeq(f"r{i}", [5 + i], context + step, tables[i], True, greedy, 1) for i in range(batch)]
-        start = time.perf_counter()
-        runner.execute(ModelInput(seqs))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
 
 
 def _table(result: dict) -> str:
