@@ -11,7 +11,7 @@ import socket
 import pytest
 from aiohttp import web
 
-from overlap.bench import replay, workload
+from overlap.bench import replay, replay_endpoint, workload
 from overlap.bench.report import compute_metrics
 from overlap.bench.traces import Trace, TraceError, TraceRequest
 
@@ -199,7 +199,7 @@ async def test_target_replay_streams_and_counts_rejections():
     runner, url = await fake_openai_server(reject_every=4)
     try:
         trace = burst_trace(8, 0.02, 5)
-        run = await replay.replay_target(trace, url, drain_s=5.0, progress=False)
+        run = await replay_endpoint.replay_target(trace, url, drain_s=5.0, progress=False)
     finally:
         await runner.cleanup()
     m = compute_metrics(run)
@@ -215,7 +215,7 @@ async def test_target_replay_stops_at_the_drain_deadline():
     runner, url = await fake_openai_server()
     try:
         trace = burst_trace(3, 0.0, 200)  # 200 chunks x 10 ms = 2 s each
-        run = await replay.replay_target(trace, url, drain_s=0.3, progress=False)
+        run = await replay_endpoint.replay_target(trace, url, drain_s=0.3, progress=False)
     finally:
         await runner.cleanup()
     assert run.wall_s < 1.5
@@ -258,7 +258,7 @@ async def test_target_replay_sends_token_id_prompts_and_explicit_priorities_only
     runner, url = await fake_openai_server(bodies=bodies)
     try:
         trace = Trace((TraceRequest(0.0, 2, prompt_tokens=5), TraceRequest(0.01, 2, prompt="Hi", priority=0)), "p")
-        await replay.replay_target(trace, url, drain_s=5.0, progress=False)
+        await replay_endpoint.replay_target(trace, url, drain_s=5.0, progress=False)
     finally:
         await runner.cleanup()
     by_prompt = {json.dumps(b["prompt"]): b for b in bodies}
@@ -279,4 +279,4 @@ async def test_target_replay_reports_an_unreachable_target():
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(ConfigError, match=re.escape(f"--target {url}: cannot read {url}/v1/models")):
-        await replay.replay_target(burst_trace(1, 0.0, 1), url, drain_s=1.0, progress=False)
+        await replay_endpoint.replay_target(burst_trace(1, 0.0, 1), url, drain_s=1.0, progress=False)

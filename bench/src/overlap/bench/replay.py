@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 import time
@@ -26,12 +25,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from overlap.bench.meter import SAMPLE_EVERY_S, load_average, progress_bar
+from overlap.bench.replay_endpoint import replay_target
 from overlap.bench.report import RequestRecord, RunResult, table_rows, text_table, write_report
 from overlap.bench.traces import (
-    DEFAULT_PRIORITY,
     Trace,
     TraceError,
-    TraceRequest,
 )
 from overlap.bench.workload import (
     QUICK_TRACE_S,
@@ -62,7 +61,6 @@ DEFAULT_SLO_MS = 1000.0
 DEFAULT_NUM_THREADS: int | None = None
 DEFAULT_DRAIN_S = 10.0
 QUICK_DRAIN_S = 8.0
-_SAMPLE_EVERY_S = 0.1
 
 
 @dataclass(slots=True)
@@ -183,9 +181,9 @@ def replay_in_process(
         for rid, r, p in zip(ids, requests, prepared, strict=True)
     }
     _warm_up(engine, SamplingParams)
-    load_before = _load_average()
+    load_before = load_average()
 
-    bar = _progress_bar(len(requests), label, progress)
+    bar = progress_bar(len(requests), label, progress)
     busy = _BusyMeter(engine)
     samples = []
     last_sample_t, last_busy = 0.0, 0.0
@@ -220,7 +218,7 @@ def replay_in_process(
         elif num_submitted < len(requests):
             time.sleep(max(0.0, min(requests[num_submitted].arrival_s - t, 0.05)))
         t = time.monotonic() - start
-        if t - last_sample_t >= _SAMPLE_EVERY_S:
+        if t - last_sample_t >= SAMPLE_EVERY_S:
             busy_s = busy.busy_s
             stats = engine.stats()
             share = min(1.0, (busy_s - last_busy) / (t - last_sample_t))
@@ -236,7 +234,7 @@ def replay_in_process(
         if records[rid].status == "unfinished":
             engine.abort(rid)
     engine.close()
-    config = {**config, "load_average": [load_before, _load_average()]}
+    config = {**config, "load_average": [load_before, load_average()]}
     return RunResult(
         label=label,
         mode="in-process",
@@ -270,14 +268,6 @@ def _record_output(record: RequestRecord, out, t: float, start: float, bar) -> N
     bar.update(1)
 
 
-def _load_average() -> float | None:
-    """The machine's 1-minute load average (other processes compete for the cores; printed with each run)."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
 def _warm_up(engine, sampling_cls) -> None:
     """A few short requests before the clock starts: the first forwards pay one-off costs (allocations, kernels)."""
     for i in range(4):
@@ -287,21 +277,6 @@ def _warm_up(engine, sampling_cls) -> None:
     deadline = time.monotonic() + 60
     while engine.has_unfinished() and time.monotonic() < deadline:
         engine.step()
-
-
-def _progress_bar(total: int, label: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        desc=label[:32],
-        unit="req",
-        file=sys.stderr,
-        disable=not enabled,
-        mininterval=0.5,
-        leave=False,
-        dynamic_ncols=True,
-    )
 
 
 def build_engine(
@@ -347,137 +322,6 @@ def _tokenizer_encode(model_dir: Path):
 
     tokenizer = Tokenizer.from_file(str(path))
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
-
-
-# ---------------------------------------------------------------------------------------------------- endpoints
-
-
-async def replay_target(
-    trace: Trace,
-    url: str,
-    drain_s: float,
-    model: str | None = None,
-    api_key: str | None = None,
-    seed: int = 0,
-    progress: bool = True,
-    label: str | None = None,
-) -> RunResult:
-    """Replay `trace` against an OpenAI-compatible endpoint with streaming; timestamps taken on the client."""
-    import aiohttp
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
-        if model is None:
-            from overlap.bench.http_bench import served_model
-
-            model = await served_model(session, url, "--target", "--model")
-        records = [RequestRecord(f"r{i}", r.arrival_s) for i, r in enumerate(trace.requests)]
-        bar = _progress_bar(len(records), url, progress)
-        in_flight = 0
-        samples: list[tuple[float, int, int, float | None]] = []
-        start = time.monotonic()
-
-        async def one(i: int, request: TraceRequest) -> None:
-            nonlocal in_flight
-            record = records[i]
-            if request.prompt is not None:
-                prompt: str | list[int] = request.prompt
-            else:
-                prompt = prompt_token_ids(request, i, seed)
-                record.num_prompt_tokens = len(prompt)
-            body = {
-                "model": model,
-                "prompt": prompt,
-                "max_tokens": request.max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-            }
-            if request.priority != DEFAULT_PRIORITY:  # only when the trace asks: servers differ in what they accept
-                body["priority"] = request.priority
-            record.arrived = time.monotonic() - start
-            in_flight += 1
-            try:
-                await _stream_completion(session, url, body, record, start)
-            except asyncio.CancelledError:
-                record.status = "unfinished"
-                raise
-            except (aiohttp.ClientError, OSError, ValueError) as exc:
-                record.status, record.detail = "failed", f"{type(exc).__name__}: {exc}"
-            finally:
-                in_flight -= 1
-                if record.status != "unfinished":
-                    bar.update(1)
-
-        async def sampler() -> None:
-            while True:
-                samples.append((time.monotonic() - start, in_flight, in_flight, None))
-                await asyncio.sleep(_SAMPLE_EVERY_S)
-
-        load_before = _load_average()
-        sampling_task = asyncio.create_task(sampler())
-        tasks = []
-        for i, request in enumerate(trace.requests):
-            delay = start + request.arrival_s - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, request)))
-        submit_end = time.monotonic() - start
-        _, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        wall = time.monotonic() - start
-        sampling_task.cancel()
-        bar.close()
-    return RunResult(
-        label=label or url,
-        mode="target",
-        config={"target": url, "model": model, "load_average": [load_before, _load_average()]},
-        records=records,
-        wall_s=wall,
-        submit_end_s=submit_end,
-        samples=samples,
-    )
-
-
-async def _stream_completion(session, url: str, body: dict, record: RequestRecord, start: float) -> None:
-    async with session.post(f"{url}/v1/completions", json=body) as response:
-        if response.status in (429, 503):
-            record.status, record.detail = "rejected", f"HTTP {response.status}"
-            return
-        if response.status != 200:
-            text = (await response.text())[:200]
-            record.status, record.detail = "failed", f"HTTP {response.status}: {text}"
-            return
-        usage_tokens = None
-        async for raw in response.content:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("error"):
-                record.status, record.detail = "failed", str(chunk["error"])[:200]
-                return
-            if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
-            choices = chunk.get("choices") or []
-            if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
-                t = time.monotonic() - start
-                if record.first_token is None:
-                    record.first_token = t
-                record.token_times.append(t)
-        record.finished = time.monotonic() - start
-        record.num_output_tokens = usage_tokens if usage_tokens is not None else len(record.token_times)
-        record.status = "finished"
-        if record.first_token is None:
-            record.first_token = record.finished
 
 
 # ---------------------------------------------------------------------------------------------------- command
