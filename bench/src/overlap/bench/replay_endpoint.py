@@ -31,7 +31,7 @@ async def replay_target(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         if model is None:
-            from overlap.bench.http_bench import served_model
+            from overlap.bench.served import served_model
 
             model = await served_model(session, url, "--target", "--model")
         records = [RequestRecord(f"r{i}", r.arrival_s) for i, r in enumerate(trace.requests)]
