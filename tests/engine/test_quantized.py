@@ -163,7 +163,7 @@ def test_the_engine_names_the_format_and_its_kernels(compressed):
     try:
         assert runner.spec.quantization.method == "compressed-tensors"
         assert "W4A16 (pack-quantized, group 128, symmetric)" in runner.kernels
-        assert "W4A16 native" in runner.kernels  # quant_linear.c, checked against the dequantized weight at load
+        assert "W4A16 native" in runner.kernels  # quant_w4a16.c, checked against the dequantized weight at load
         # its kernels use every thread in each call: no step runs as two half-batch forwards side by side
         assert "whole batch on all threads" in runner.kernels
         # the streaming floor counts 4-bit codes: well under the bf16 size of the same projections
@@ -431,8 +431,9 @@ def test_unknown_or_unsupported_schemes_are_refused_by_name(qc, message):
 
 @pytest.mark.parametrize("march", [None, "x86-64-v3", "x86-64"], ids=["this-cpu", "avx2", "plain-c"])
 def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
-    """quant_linear.c built for this CPU, for AVX2 and for plain C (every path this machine can run): W4A16 (with
-    zero points, 1 to 20 rows: row tiles of 8 and 4 and their remainders) and W8A8 (K with a tail past 64)."""
+    """quant_w4a16.c and quant_w8a8.c built for this CPU, for AVX2 and for plain C (every path this machine can
+    run): W4A16 (with zero points, 1 to 20 rows: row tiles of 8 and 4 and their remainders) and W8A8 (K with a
+    tail past 64)."""
     from overlap.engine.model import native
     from overlap.engine.model.quant.kernels import nibbles, quantize_per_token
 

@@ -1,7 +1,7 @@
 """The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`) and a layer's small
 ops, RMSNorm and RoPE with the K/V write, and the sampler's greedy argmax (`cpu_ops.c`), built into one library on
 first use; projections at decode sizes (`linear_packed.c`), built into a second one with OpenMP; and quantized
-projections (`quant_linear.c`: W4A16, W8A8), a third.
+projections (`quant_w4a16.c`, `quant_w8a8.c`), a third.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
 cached under `$OVERLAP_CACHE_DIR/native/` keyed by the sources, the flags and the CPU model (the build uses
@@ -36,7 +36,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cp
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
 _LINEAR_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_QUANT_SOURCES = [Path(__file__).with_name("quant_linear.c")]
+_QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant_w4a16.c", "quant_w8a8.c", "quant_linear.h")]
 _LIBRARIES = {"overlap_kernels": (_SOURCES, _FLAGS), "overlap_linear": (_LINEAR_SOURCES, _LINEAR_FLAGS),
               "overlap_quant": (_QUANT_SOURCES, [*_LINEAR_FLAGS, "-lm"])}  # fmt: skip
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -250,8 +250,9 @@ class PackedLinearKernel:
 
 
 class QuantLinearKernel:
-    """`quant_linear.c` loaded: W4A16 and W8A8 projections for 1-64 rows of fp32 x, and a W4A16 weight dequantized
-    into a float buffer. `isa` says which path this CPU got: "AVX-512 VNNI", "AVX-512", "AVX2" or "C"."""
+    """`quant_w4a16.c` and `quant_w8a8.c` loaded: W4A16 and W8A8 projections for 1-64 rows of fp32 x, and a
+    W4A16 weight dequantized into a float buffer. `isa` says which path this CPU got: "AVX-512 VNNI", "AVX-512",
+    "AVX2" or "C"."""
 
     MAX_ROWS = 64
     ISAS = ("C", "AVX2", "AVX-512", "AVX-512 VNNI")

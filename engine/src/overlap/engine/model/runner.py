@@ -13,7 +13,7 @@ Where each part lives:
 | a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3; Gemma 1-3; their mixtures of experts) | `models/` |
 | its layers: linear (oneDNN / torch), RMSNorm, RoPE with the K/V write, paged attention, MLP, experts | `layers/` |
 | a mixture of experts' config fields and expert weights | `experts.py` |
-| quantized checkpoints: each format read into one layout, the kernel picked per weight | `quant/`, `quant_linear.c` |
+| quantized checkpoints: each format read into one layout, the kernel picked per weight | `quant/`, `quant_w*.c` |
 | GPU kernels: attention, RMSNorm, RoPE + K/V write, SiLU-mul (Triton) | `triton_attention.py`, `triton_ops.py` |
 | GPU kernels: a sparse layer's experts (Triton) | `triton_moe.py` |
 | input packing, the batch halves | `step_inputs.py` |

@@ -1,7 +1,7 @@
 """The linear method a `QuantizedWeight` runs with, picked on this machine at load.
 
 On CPU (the runner's CPU paths), by what the weight is:
-- 4-bit codes in groups of a multiple of 32: the native kernel (`quant_linear.c`, AVX-512 / AVX2 / C as the CPU has)
+- 4-bit codes in groups of a multiple of 32: the native kernel (`quant_w4a16.c`, AVX-512 / AVX2 / C as the CPU has)
   for decode-sized steps, the weight dequantized into oneDNN's matmul for larger ones; without a C compiler, torch's
   int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which dequantizes inside the matmul;
 - 8-bit codes, symmetric, one scale per row, 16-bit activations: torch's int8 weight-only kernel
@@ -64,7 +64,7 @@ def nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 class NativeW4A16(QuantMethod):
-    """4-bit weights: decode-sized steps through quant_linear.c's kernel, half a byte read a weight; larger steps
+    """4-bit weights: decode-sized steps through quant_w4a16.c's kernel, half a byte read a weight; larger steps
     dequantize the weight into a scratch matrix for oneDNN's matmul (compute-bound there)."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -91,7 +91,7 @@ class NativeW4A16(QuantMethod):
 
 
 class NativeW8A8(QuantMethod):
-    """W8A8: x quantized per token by quant_linear.c (VNNI-free, vectorized), then, for decode-sized steps, its int8
+    """W8A8: x quantized per token by quant_w8a8.c (VNNI-free, vectorized), then, for decode-sized steps, its int8
     kernel; for larger ones oneDNN's u8 x s8 matmul on the weight prepacked once (`torch.ops.onednn.qlinear_*`, VNNI
     or AMX-INT8 as the CPU has), its int32 sums times both scales. The x scale goes in per row after oneDNN's call
     (which takes one scale for all of x), so the numbers are compressed-tensors' per-token ones."""

@@ -118,7 +118,7 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes a kernel streams: the codes at `bits` each, a scale and a zero point a group at 4 bytes (fp32, as
-        quant_linear.c reads them)."""
+        quant_w4a16.c reads them)."""
         n, k = self.codes.shape
         return n * k * self.bits // 8 + 4 * (self.scale.numel() + self.zero.numel())
 
