@@ -9,17 +9,12 @@ from overlap.engine.batching.policies import make_batching_policy
 from overlap.engine.errors import ConfigError
 from overlap.engine.requests.queue import make_request_queue
 from overlap.engine.requests.request import Request
-from overlap.engine.types import RequestTimes, SamplingParams
+from overlap.engine.types import RequestSpec, RequestTimes, SamplingParams
 
 
 def _request(rid: str, arrived: float, priority: int = 1, deadline: float | None = None) -> Request:
     return Request(
-        request_id=rid,
-        prompt_token_ids=[5, 6, 7],
-        sampling=SamplingParams(max_tokens=4),
-        times=RequestTimes(arrived=arrived),
-        priority=priority,
-        deadline=deadline,
+        RequestSpec(rid, [5, 6, 7], SamplingParams(max_tokens=4), priority), RequestTimes(arrived=arrived), deadline
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from overlap.engine import Engine, EngineConfig, SamplingParams
+from overlap.engine import Engine, EngineConfig, RequestSpec, SamplingParams
 from tests.support.engine import ConstantRunner, execute_now
 
 
@@ -23,7 +23,7 @@ def measure(batch: int) -> dict:
     )
     sampling = SamplingParams(max_tokens=64, ignore_eos=True)
     for i in range(4 * batch):
-        engine.add_request(f"r{i}", [(i * 7 + j) % 60 + 2 for j in range(128)], sampling)
+        engine.add_request(RequestSpec(f"r{i}", [(i * 7 + j) % 60 + 2 for j in range(128)], sampling))
     all_steps, full_decode = [], []
     step_cpu = time.thread_time()
     num_steps = 0

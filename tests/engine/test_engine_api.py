@@ -10,7 +10,7 @@ import time
 import pytest
 
 from overlap.engine import ConfigError, Engine, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
-from overlap.engine.types import FinishReason
+from overlap.engine.types import FinishReason, RequestSpec
 from tests.support.engine import VOCAB, create_engine, reference_tokens, run_to_completion, tokens_of
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -42,7 +42,7 @@ def test_bad_input_is_refused_with_a_specific_error(engine: Engine, kwargs: dict
     call = {"request_id": "r", "prompt_token_ids": [5, 6], "sampling": GREEDY} | kwargs
     request_id, prompt, sampling = call.pop("request_id"), call.pop("prompt_token_ids"), call.pop("sampling")
     with pytest.raises(InvalidRequestError, match=match):
-        engine.add_request(request_id, prompt, sampling, **call)
+        engine.add_request(RequestSpec(request_id, prompt, sampling, **call))
     assert not engine.has_unfinished()
 
 
@@ -53,23 +53,23 @@ def test_bad_sampling_values_are_refused_by_sampling_params() -> None:
 
 
 def test_duplicate_ids_are_refused_while_live_and_accepted_after_finishing(engine: Engine) -> None:
-    engine.add_request("dup", [5, 6], GREEDY)
+    engine.add_request(RequestSpec("dup", [5, 6], GREEDY))
     with pytest.raises(InvalidRequestError, match="already in use"):
-        engine.add_request("dup", [7], GREEDY)
+        engine.add_request(RequestSpec("dup", [7], GREEDY))
     run_to_completion(engine)
-    engine.add_request("dup", [7], GREEDY)  # finished ids may be reused
+    engine.add_request(RequestSpec("dup", [7], GREEDY))  # finished ids may be reused
 
 
 def test_a_request_bigger_than_the_whole_kv_pool_is_refused() -> None:
     engine = create_engine(num_blocks=4, block_size=4, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="needs 5 KV blocks but the pool holds 4"):
-        engine.add_request("big", [5] * 12, SamplingParams(max_tokens=8))
+        engine.add_request(RequestSpec("big", [5] * 12, SamplingParams(max_tokens=8)))
 
 
 def test_outputs_match_the_reference_and_carry_times(engine: Engine) -> None:
     prompts = {f"r{i}": [(3 * i + j) % 50 + 2 for j in range(3 + i)] for i in range(6)}
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, GREEDY)
+        engine.add_request(RequestSpec(rid, prompt, GREEDY))
     outputs = run_to_completion(engine)
     for rid, prompt in prompts.items():
         assert tokens_of(outputs[rid]) == reference_tokens(prompt, GREEDY)
@@ -90,16 +90,16 @@ def test_eos_stops_a_request_unless_ignored() -> None:
         for q in range(2, VOCAB)
         if 1 in reference_tokens([p, q], SamplingParams(max_tokens=4, ignore_eos=True))
     )
-    engine.add_request("stop", prompt, SamplingParams(max_tokens=4, temperature=0))
-    engine.add_request("go", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.add_request(RequestSpec("stop", prompt, SamplingParams(max_tokens=4, temperature=0)))
+    engine.add_request(RequestSpec("go", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
     outputs = run_to_completion(engine)
     assert outputs["stop"][-1].finish_reason is FinishReason.STOP and tokens_of(outputs["stop"])[-1] == 1
     assert outputs["go"][-1].finish_reason is FinishReason.LENGTH and len(tokens_of(outputs["go"])) == 4
 
 
 def test_abort_emits_an_abort_output_at_the_next_step_and_frees_blocks(engine: Engine) -> None:
-    engine.add_request("a", [5] * 10, SamplingParams(max_tokens=30, ignore_eos=True))
-    engine.add_request("b", [6] * 10, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request(RequestSpec("a", [5] * 10, SamplingParams(max_tokens=30, ignore_eos=True)))
+    engine.add_request(RequestSpec("b", [6] * 10, SamplingParams(max_tokens=30, ignore_eos=True)))
     engine.step()
     assert engine.abort("a")
     assert not engine.abort("unknown")
@@ -114,13 +114,13 @@ def test_abort_emits_an_abort_output_at_the_next_step_and_frees_blocks(engine: E
 
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(engine: Engine) -> None:
     engine.runner.fail_on.add("bad")
-    engine.add_request("bad", [5, 6, 7], GREEDY)
-    engine.add_request("good", [8, 9], GREEDY)
+    engine.add_request(RequestSpec("bad", [5, 6, 7], GREEDY))
+    engine.add_request(RequestSpec("good", [8, 9], GREEDY))
     outputs = engine.step()  # both run in the failing step
     by_id = {o.request_id: o for o in outputs}
     assert by_id["bad"].finish_reason is FinishReason.ERROR and "injected failure" in by_id["bad"].error
     assert by_id["good"].finish_reason is FinishReason.ERROR  # it shared the failed forward
-    engine.add_request("after", [8, 9], GREEDY)
+    engine.add_request(RequestSpec("after", [8, 9], GREEDY))
     outputs = run_to_completion(engine)
     assert tokens_of(outputs["after"]) == reference_tokens([8, 9], GREEDY)
     stats = engine.stats()
@@ -150,8 +150,8 @@ STATS_KEYS = {
 
 
 def test_stats_have_every_key_and_serialise_to_json(engine: Engine) -> None:
-    engine.add_request("a", [5] * 6, GREEDY, priority=0)
-    engine.add_request("b", [6] * 6, GREEDY, priority=2)
+    engine.add_request(RequestSpec("a", [5] * 6, GREEDY, priority=0))
+    engine.add_request(RequestSpec("b", [6] * 6, GREEDY, priority=2))
     stats = engine.stats()
     assert set(stats) == STATS_KEYS
     assert stats["num_waiting"] == 2
@@ -171,7 +171,7 @@ def test_reconfigure_applies_live_knobs_and_refuses_others(engine: Engine) -> No
     assert engine.stats()["config"] == applied
     assert engine.scheduler.waiting.aging_s == 1.5
     for i in range(5):
-        engine.add_request(f"r{i}", [5, 6], GREEDY)
+        engine.add_request(RequestSpec(f"r{i}", [5, 6], GREEDY))
     engine.step()
     assert engine.stats()["num_running"] == 2
     with pytest.raises(ConfigError, match="not live-configurable"):
@@ -183,8 +183,8 @@ def test_reconfigure_applies_live_knobs_and_refuses_others(engine: Engine) -> No
 
 def test_timeout_while_queued_finishes_with_timeout() -> None:
     engine = create_engine(batching="serial")
-    engine.add_request("busy", [5] * 4, SamplingParams(max_tokens=40, ignore_eos=True))
-    engine.add_request("late", [6] * 4, GREEDY, timeout_s=0.05)
+    engine.add_request(RequestSpec("busy", [5] * 4, SamplingParams(max_tokens=40, ignore_eos=True)))
+    engine.add_request(RequestSpec("late", [6] * 4, GREEDY, timeout_s=0.05))
     engine.step()
     time.sleep(0.06)
     outputs = {o.request_id: o for o in engine.step()}
@@ -194,8 +194,8 @@ def test_timeout_while_queued_finishes_with_timeout() -> None:
 
 def test_default_timeout_applies_when_none_is_given() -> None:
     engine = create_engine(batching="serial", default_timeout_s=0.01)
-    engine.add_request("busy", [5] * 4, SamplingParams(max_tokens=40, ignore_eos=True), timeout_s=60)
-    engine.add_request("late", [6] * 4, GREEDY)
+    engine.add_request(RequestSpec("busy", [5] * 4, SamplingParams(max_tokens=40, ignore_eos=True), timeout_s=60))
+    engine.add_request(RequestSpec("late", [6] * 4, GREEDY))
     engine.step()
     time.sleep(0.02)
     outputs = run_to_completion(engine)
@@ -207,7 +207,7 @@ async def test_generate_streams_several_requests_concurrently(engine: Engine) ->
     prompts = {f"g{i}": [i + 2, i + 3, i + 4] for i in range(5)}
 
     async def collect(i: int, rid: str) -> list:
-        return [out async for out in engine.generate(rid, prompts[rid], GREEDY, priority=i % 3)]
+        return [out async for out in engine.generate(RequestSpec(rid, prompts[rid], GREEDY, priority=i % 3))]
 
     try:
         results = await asyncio.wait_for(
@@ -224,7 +224,7 @@ async def test_leaving_generate_early_aborts_the_request(engine: Engine) -> None
     engine.runner.delay_s = 0.005  # 40 tokens take ~0.2 s: the abort lands long before the end
     try:
         async with contextlib.aclosing(
-            engine.generate("early", [5, 6], SamplingParams(max_tokens=40, ignore_eos=True))
+            engine.generate(RequestSpec("early", [5, 6], SamplingParams(max_tokens=40, ignore_eos=True)))
         ) as stream:
             async for _ in stream:
                 break
@@ -241,7 +241,7 @@ async def test_leaving_generate_early_aborts_the_request(engine: Engine) -> None
 
 async def test_generate_refuses_bad_input_with_the_same_error(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError, match="empty prompt"):
-        async for _ in engine.generate("x", [], GREEDY):
+        async for _ in engine.generate(RequestSpec("x", [], GREEDY)):
             pass
 
 

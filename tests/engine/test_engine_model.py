@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
-from overlap.engine.types import FinishReason
+from overlap.engine.types import FinishReason, RequestSpec
 from tests.support.engine import add_and_run, tokens_of
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
@@ -94,7 +94,7 @@ def test_seeded_sampling_is_the_same_alone_batched_and_across_preemption(tiny_mo
 
     def run(engine: Engine, ids: list[int]) -> dict[str, list[int]]:
         for i in ids:
-            engine.add_request(f"s{i}", prompts[i], sampling)
+            engine.add_request(RequestSpec(f"s{i}", prompts[i], sampling))
         outputs: dict[str, list[int]] = {}
         while engine.has_unfinished():
             for out in engine.step():
@@ -117,7 +117,9 @@ async def test_generate_streams_from_the_real_model(tiny_model_dir: Path, hf_gre
 
     async def collect(i: int) -> list[int]:
         sampling = SamplingParams(max_tokens=8, temperature=0)
-        return [t async for out in engine.generate(f"g{i}", prompts[i], sampling) for t in out.new_token_ids]
+        return [
+            t async for out in engine.generate(RequestSpec(f"g{i}", prompts[i], sampling)) for t in out.new_token_ids
+        ]
 
     try:
         results = await asyncio.wait_for(asyncio.gather(*(collect(i) for i in range(3))), timeout=120)

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from overlap.engine.requests.request import RequestStatus
-from overlap.engine.types import FinishReason, SamplingParams
+from overlap.engine.types import FinishReason, RequestSpec, SamplingParams
 from tests.support.engine import create_engine, reference_tokens
 
 NUM_BLOCKS = 12  # of 4 slots: a request needs up to 10, so decode growth often forces preemptions
@@ -75,7 +75,7 @@ def test_no_block_leak_no_lost_or_duplicated_request(ops, chunked, prefix, polic
                 (len(added) * 5 + j) % 60 + 2 for j in range(length)
             ]
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
-            engine.add_request(rid, prompt, sampling, priority=priority)
+            engine.add_request(RequestSpec(rid, prompt, sampling, priority=priority))
             added[rid] = (prompt, sampling)
         elif kind == "abort" and added:
             rid = f"r{op[1] % len(added)}"

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from overlap.engine.requests.request import RequestStatus
-from overlap.engine.types import FinishReason, SamplingParams
+from overlap.engine.types import FinishReason, RequestSpec, SamplingParams
 from tests.support.engine import create_engine, reference_tokens
 
 NUM_BLOCKS = 12  # of 4 slots: decode growth often forces preemptions
@@ -67,7 +67,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"r{len(self.added)}"
         prompt = (SHARED if shared else []) + [(len(self.added) * 5 + j) % 60 + 2 for j in range(length)]
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos)
-        self.engine.add_request(rid, prompt, sampling, priority=priority)
+        self.engine.add_request(RequestSpec(rid, prompt, sampling, priority=priority))
         self.added[rid] = (prompt, sampling)
 
     @precondition(lambda self: self.added)
@@ -81,7 +81,7 @@ class EngineMachine(RuleBasedStateMachine):
         parent = live[index % len(live)]
         rid = f"r{len(self.added)}"
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        self.engine.add_request(rid, self.added[parent][0], sampling, share_prompt_with=parent)
+        self.engine.add_request(RequestSpec(rid, self.added[parent][0], sampling, share_prompt_with=parent))
         self.added[rid] = (self.added[parent][0], sampling)
 
     @precondition(lambda self: self.added)

@@ -10,7 +10,7 @@ import torch
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.batching.scheduler import NONFINITE_ERROR
-from overlap.engine.types import FinishReason
+from overlap.engine.types import FinishReason, RequestSpec
 from tests.support.engine import create_engine, reference_tokens, run_to_completion, tokens_of
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -25,20 +25,20 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 def test_a_failed_overlapped_step_fails_its_requests_and_the_step_behind_it_still_runs(fault, reliability) -> None:
     engine = create_engine(num_blocks=64, block_size=4, max_model_len=64, num_buffers=2)
     engine.runner.fail_calls[1] = fault  # the first decode of "hit"
-    engine.add_request("hit", [5, 6, 7], GREEDY)
+    engine.add_request(RequestSpec("hit", [5, 6, 7], GREEDY))
     outputs = {}
     for out in engine.step():  # submits the prefill and the decode behind it, returns the prefill's outputs
         outputs.setdefault(out.request_id, []).append(out)
     # "late" starts in the step submitted next, which also carries "hit"'s next decode: it is in flight when the
     # failure comes back, and must run for "late" though "hit" has failed.
-    engine.add_request("late", [8, 9], GREEDY)
+    engine.add_request(RequestSpec("late", [8, 9], GREEDY))
     for rid, outs in run_to_completion(engine).items():
         outputs.setdefault(rid, []).extend(outs)
     assert outputs["hit"][-1].finish_reason is FinishReason.ERROR
     assert type(fault).__name__ in outputs["hit"][-1].error and str(fault) in outputs["hit"][-1].error
     assert outputs["late"][-1].finish_reason is FinishReason.LENGTH
     assert tokens_of(outputs["late"]) == reference_tokens([8, 9], GREEDY)
-    engine.add_request("after", [10, 11], GREEDY)  # and the engine goes on serving
+    engine.add_request(RequestSpec("after", [10, 11], GREEDY))  # and the engine goes on serving
     outputs.update(run_to_completion(engine))
     assert tokens_of(outputs["after"]) == reference_tokens([10, 11], GREEDY)
     stats = engine.stats()
@@ -73,7 +73,7 @@ def test_a_nan_in_one_rows_logits_fails_that_request_only(tiny_model_dir, hf_gre
     prompts = {f"r{i}": [rng.randrange(3, 8192) for _ in range(rng.randint(4, 40))] for i in range(7)}
     prompts["victim"] = [rng.randrange(3, 8192) for _ in range(16)]
     for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=10, temperature=0))
+        engine.add_request(RequestSpec(rid, prompt, SamplingParams(max_tokens=10, temperature=0)))
     outputs = run_to_completion(engine)
     victim = outputs["victim"]
     assert victim[-1].finish_reason is FinishReason.ERROR and victim[-1].error == NONFINITE_ERROR

@@ -11,7 +11,7 @@ import pytest
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.model.sim_runner import CostModel, SimRunner
-from overlap.engine.types import FinishReason
+from overlap.engine.types import FinishReason, RequestSpec
 from tests.support.engine import add_and_run, tokens_of
 
 EOS = 2
@@ -117,7 +117,7 @@ def test_reconfigure_returns_what_was_applied_and_drains_in_order():
     engine, runner = sim_engine(3, num_kv_blocks=64, step_s=0.002)
     requests = workload(20, seed=2)
     for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
+        engine.add_request(RequestSpec(rid, prompt, sampling))
     outputs: dict[str, list] = {}
     for _ in range(4):
         for out in engine.step():
@@ -153,7 +153,7 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
         prompt, sampling = requests[rid]
         await asyncio.sleep(rng.random() * 1.5)  # arrivals spread over the run
         received[rid] = []
-        async for out in engine.generate(rid, prompt, sampling, priority=rng.randrange(3)):
+        async for out in engine.generate(RequestSpec(rid, prompt, sampling, priority=rng.randrange(3))):
             received[rid].append(out)
             if rid in abort_early and out.new_token_ids:
                 break

@@ -9,7 +9,7 @@ import pytest
 
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import RequestSpec, SamplingParams
 from tests.support.engine import run_to_completion, tokens_of
 
 
@@ -23,8 +23,8 @@ def test_siblings_share_the_computed_prompt_and_sample_as_if_alone(tiny_model_di
 
     shared = engine()
     for i in range(4):
-        shared.add_request(f"s{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i),
-                           share_prompt_with=None if i == 0 else "s0")  # fmt: skip
+        shared.add_request(RequestSpec(f"s{i}", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i),
+                           share_prompt_with=None if i == 0 else "s0"))  # fmt: skip
     outs = run_to_completion(shared)
     assert outs["s0"][-1].num_cached_tokens == 0
     for i in (1, 2, 3):
@@ -32,7 +32,7 @@ def test_siblings_share_the_computed_prompt_and_sample_as_if_alone(tiny_model_di
     alone = {}
     for i in range(4):
         solo = engine()
-        solo.add_request("x", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i))
+        solo.add_request(RequestSpec("x", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=i)))
         alone[i] = tokens_of(run_to_completion(solo)["x"])
     assert [tokens_of(outs[f"s{i}"]) for i in range(4)] == [alone[i] for i in range(4)]
     assert len({tuple(t) for t in alone.values()}) > 1  # seeds differ, so the sequences do
@@ -40,7 +40,9 @@ def test_siblings_share_the_computed_prompt_and_sample_as_if_alone(tiny_model_di
 
 def test_a_sibling_of_a_finished_or_unknown_request_computes_the_prompt_itself(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=256, num_kv_blocks=128))
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2), share_prompt_with="nobody")
-    engine.add_request("b", [1, 2, 4], SamplingParams(max_tokens=2), share_prompt_with="a")  # another prompt
+    engine.add_request(RequestSpec("a", [1, 2, 3], SamplingParams(max_tokens=2), share_prompt_with="nobody"))
+    engine.add_request(
+        RequestSpec("b", [1, 2, 4], SamplingParams(max_tokens=2), share_prompt_with="a")
+    )  # another prompt
     outs = run_to_completion(engine)
     assert len(tokens_of(outs["a"])) == 2 and len(tokens_of(outs["b"])) == 2

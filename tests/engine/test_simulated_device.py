@@ -11,7 +11,7 @@ from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError
 from overlap.engine.model.sim_runner import SimRunner
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import RequestSpec, SamplingParams
 
 
 def test_serves_the_model_folders_shape_in_the_profiles_time(tiny_model_dir):
@@ -22,7 +22,7 @@ def test_serves_the_model_folders_shape_in_the_profiles_time(tiny_model_dir):
     assert engine.vocab_size == model_config["vocab_size"]
     assert engine.eos_token_ids == {model_config["eos_token_id"]}
     assert engine.max_model_len == 512
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.add_request(RequestSpec("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)))
     started = time.perf_counter()
     tokens = []
     while engine.has_unfinished():

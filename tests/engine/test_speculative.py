@@ -18,7 +18,7 @@ from overlap.engine.batching.scheduler import SPEC_MAX_BACKOFF
 from overlap.engine.batching.speculative import NgramProposer, propose_ngram
 from overlap.engine.config import EngineConfig, add_engine_flags, engine_argv, engine_overrides
 from overlap.engine.errors import ConfigError
-from overlap.engine.types import FinishReason, SamplingParams, accept_proposals
+from overlap.engine.types import FinishReason, RequestSpec, SamplingParams, accept_proposals
 from tests.support.engine import (
     copying_token,
     create_engine,
@@ -142,7 +142,7 @@ def test_fake_model_outputs_equal_the_serial_reference_with_proposals(num_buffer
     engine = create_engine(model=copying_token, num_buffers=num_buffers, speculative_config=spec, **pool)
     requests = _workload(7, 40)
     for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
+        engine.add_request(RequestSpec(rid, prompt, sampling))
     outputs: dict[str, list] = {}
     for _ in range(5000):
         if not engine.has_unfinished():

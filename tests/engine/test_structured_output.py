@@ -13,7 +13,7 @@ import pytest
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
 from overlap.engine.errors import InvalidRequestError
-from overlap.engine.types import FinishReason, SamplingParams
+from overlap.engine.types import FinishReason, RequestSpec, SamplingParams
 from tests.support.engine import add_and_run, tokens_of
 
 SCHEMA = {
@@ -87,8 +87,8 @@ def test_regex_and_choice(engine, tokenizer):
 
 def test_a_grammar_llguidance_rejects_is_refused_with_its_message(engine):
     with pytest.raises(InvalidRequestError, match=r"invalid grammar: .*objectx"):
-        engine.add_request("bad", [1, 2], SamplingParams(grammar=json_grammar({"type": "objectx"})))
-    engine.add_request("bad", [1, 2], SamplingParams(max_tokens=2))  # the id was not kept by the refusal
+        engine.add_request(RequestSpec("bad", [1, 2], SamplingParams(grammar=json_grammar({"type": "objectx"}))))
+    engine.add_request(RequestSpec("bad", [1, 2], SamplingParams(max_tokens=2)))  # the id was not kept by the refusal
     add_and_run(engine, {})
 
 
@@ -96,7 +96,9 @@ def test_grammar_survives_preemption(tiny_model_dir, tokenizer):
     """A preempted request is recomputed; its matcher rolls back the dropped step's token."""
     engine = Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=512, num_kv_blocks=512, num_buffers=2))
     grammar = json_grammar(SCHEMA)
-    engine.add_request("g", [1, 9, 9], SamplingParams(max_tokens=150, temperature=1.0, seed=3, grammar=grammar))
+    engine.add_request(
+        RequestSpec("g", [1, 9, 9], SamplingParams(max_tokens=150, temperature=1.0, seed=3, grammar=grammar))
+    )
     outs = []
     for step in range(400):
         outs += [o for o in engine.step() if o.request_id == "g"]

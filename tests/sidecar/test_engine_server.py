@@ -15,7 +15,7 @@ from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving import protocol as p
 from overlap.engine.serving.server import EngineServer, load_engine_config
-from overlap.engine.types import Runner, RunnerOutput, SamplingParams
+from overlap.engine.types import RequestSpec, Runner, RunnerOutput, SamplingParams
 
 
 class CountingRunner(Runner):
@@ -56,8 +56,8 @@ def connect(path) -> tuple[socket.socket, p.Hello]:
 
 
 def add(sock, request_id: str, prompt: list[int], max_tokens: int) -> None:
-    sampling = p.WireSampling.from_params(SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    sock.sendall(p.encode(p.AddRequest(request_id, prompt, sampling)))
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sock.sendall(p.encode(p.AddRequest.from_record(RequestSpec(request_id, prompt, sampling))))
 
 
 def collect(sock, request_ids: set[str]) -> dict[str, list]:

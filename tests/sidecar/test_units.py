@@ -11,7 +11,7 @@ import time
 import pytest
 
 from overlap.engine.serving import protocol as p
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams, TokenLogprob
+from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams, TokenLogprob
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.text import TextProcessor
 from overlap.sidecar.waiting import WaitingRoom
@@ -19,8 +19,9 @@ from overlap.sidecar.waiting import WaitingRoom
 
 def test_protocol_round_trip_over_a_socket():
     out = RequestOutput("r1", [5, 6], True, FinishReason.LENGTH, 3, 2, 1, RequestTimes(1.0, 1.1, 1.2, 1.3, 1.4, 0))
+    spec = RequestSpec("r1", [1, 2, 3], SamplingParams(max_tokens=4, seed=7), priority=0)
     messages = [
-        p.AddRequest("r1", [1, 2, 3], p.WireSampling.from_params(SamplingParams(max_tokens=4, seed=7)), priority=0),
+        p.AddRequest.from_record(spec),
         p.Abort(["r1", "r2"]),
         p.Reconfigure(3, {"max_num_seqs": 8}),
         p.Outputs([p.WireOutput.from_output(out)]),
@@ -38,12 +39,12 @@ def test_protocol_round_trip_over_a_socket():
     assert received == messages
     back = received[3].outputs[0].to_output()
     assert back == out
-    assert received[0].sampling.to_params() == SamplingParams(max_tokens=4, seed=7)
+    assert received[0].to_record() == spec
 
 
-def test_every_sampling_field_crosses_the_wire():
-    """Each SamplingParams field set away from its default survives the wire (a field the wire lacks would be
-    silently dropped on the way to the engine)."""
+def test_every_request_field_crosses_the_wire():
+    """Each RequestSpec and SamplingParams field set away from its default survives the wire (a field the wire lacks
+    would be silently dropped on the way to the engine), and so does each RequestTimes field."""
     import dataclasses
 
     params = SamplingParams(max_tokens=9, temperature=0.5, top_p=0.9, top_k=7, seed=3, ignore_eos=True,
@@ -52,10 +53,15 @@ def test_every_sampling_field_crosses_the_wire():
                             repetition_penalty=1.2, grammar='{"grammars": []}', prompt_logprobs=1)  # fmt: skip
     defaults = SamplingParams()
     assert all(getattr(params, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(SamplingParams))
-    wire = p.AddRequest("r", [1], p.WireSampling.from_params(params))
-    assert p.decode(p.encode(wire)[p.HEADER_SIZE :]).sampling.to_params() == params
-    out = RequestOutput("r", [5], logprobs=[TokenLogprob(-0.5, [(5, -0.5), (9, -1.25)])])
+    spec = RequestSpec("r", [1], params, priority=0, timeout_s=2.5, arrival_time=12.25, share_prompt_with="q")
+    bare = RequestSpec("", [], defaults)
+    assert all(getattr(spec, f.name) != getattr(bare, f.name) for f in dataclasses.fields(RequestSpec))
+    wire = p.AddRequest.from_record(spec)
+    assert p.decode(p.encode(wire)[p.HEADER_SIZE :]).to_record() == spec
+    times = RequestTimes(1.0, 1.5, 2.0, 2.5, 3.0, num_preemptions=2)
+    out = RequestOutput("r", [5], times=times, logprobs=[TokenLogprob(-0.5, [(5, -0.5), (9, -1.25)])])
     assert p.WireOutput.from_output(out).to_output() == out
+    assert p.decode(p.encode(p.Outputs([p.WireOutput.from_output(out)]))[p.HEADER_SIZE :]).outputs[0].to_output() == out
 
 
 def test_protocol_rejects_a_truncated_or_garbage_frame():

@@ -21,6 +21,7 @@ from overlap.engine.execution import StepResult
 from overlap.engine.requests.request import Request
 from overlap.engine.types import (
     ModelInput,
+    RequestSpec,
     RequestTimes,
     Runner,
     RunnerOutput,
@@ -154,11 +155,10 @@ def create_requests(
         prompt = [(7 * j + (0 if same_prompt else 13 * i)) % (VOCAB - 2) + 2 for j in range(prompt_len)]
         requests.append(
             Request(
-                request_id=rid,
-                prompt_token_ids=prompt,
-                sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos),
+                RequestSpec(
+                    rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos), priority
+                ),
                 times=RequestTimes(arrived=time.monotonic() if arrived is None else arrived),
-                priority=priority,
                 deadline=deadline,
             )
         )
@@ -219,7 +219,7 @@ def run_to_completion(engine: Engine, max_steps: int = 100_000) -> dict[str, lis
 def add_and_run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
     """Add every (prompt, sampling) request, then step until all have finished."""
     for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
+        engine.add_request(RequestSpec(rid, prompt, sampling))
     return run_to_completion(engine)
 
 

@@ -275,7 +275,7 @@ class EngineBench:
     # ---- the engine ---------------------------------------------------------------------------------------------
     def engine_run(self, batch: int) -> dict:
         from overlap.engine.core import Engine
-        from overlap.engine.types import SamplingParams
+        from overlap.engine.types import RequestSpec, SamplingParams
 
         engine = Engine(self._config(batch))
         scheduler = engine.scheduler
@@ -293,7 +293,7 @@ class EngineBench:
         busy = engine.executor.busy
         greedy = SamplingParams(temperature=0, max_tokens=self.output_len, ignore_eos=True)
         for i, prompt in enumerate(self.prompts[: self.num_requests]):
-            engine.add_request(f"req-{i}", prompt, greedy)
+            engine.add_request(RequestSpec(f"req-{i}", prompt, greedy))
         num_out = num_steps = 0
         busy_s0 = busy.busy_s_total
         c0, t0 = time.process_time(), time.perf_counter()

@@ -180,7 +180,7 @@ def case_correctness(check: Check) -> None:
 
     from overlap.engine.core import Engine
     from overlap.engine.model.builder import ensure_default_model
-    from overlap.engine.types import SamplingParams
+    from overlap.engine.types import RequestSpec, SamplingParams
 
     model_dir = ensure_default_model()
     rng = random.Random(0)
@@ -206,7 +206,7 @@ def case_correctness(check: Check) -> None:
             try:
                 for wave, prompts in enumerate((firsts, seconds)):
                     for i, prompt in enumerate(prompts):
-                        engine.add_request(f"w{wave}-{i}", prompt, sampling)
+                        engine.add_request(RequestSpec(f"w{wave}-{i}", prompt, sampling))
                     while engine.has_unfinished():
                         for out in engine.step():
                             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -395,7 +395,7 @@ def case_tensor_parallel(check: Check) -> None:
 
     from overlap.engine.core import Engine
     from overlap.engine.model.builder import ensure_default_model
-    from overlap.engine.types import SamplingParams
+    from overlap.engine.types import RequestSpec, SamplingParams
 
     gpus = 0 if check.dry else torch.cuda.device_count()
     if not check.dry and gpus < 2:
@@ -411,7 +411,7 @@ def case_tensor_parallel(check: Check) -> None:
                                             max_seq_len=512, tensor_parallel_size=size))  # fmt: skip
         started, outputs = time.perf_counter(), {}
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, sampling)
+            engine.add_request(RequestSpec(f"r{i}", prompt, sampling))
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

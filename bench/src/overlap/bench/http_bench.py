@@ -142,7 +142,7 @@ def _start_engine(args: argparse.Namespace):
 
 def run_engine(engine, prompts: list[list[int]], output_len: int, concurrency: int, bar) -> RunResult:
     """Closed loop on the bare engine: keep `concurrency` requests in flight, step() until all are done."""
-    from overlap.engine import SamplingParams
+    from overlap.engine import RequestSpec, SamplingParams
 
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
     pending = list(enumerate(prompts))
@@ -156,7 +156,7 @@ def run_engine(engine, prompts: list[list[int]], output_len: int, concurrency: i
             i, prompt = pending.pop()
             request_id = f"bench-{i}-{time.monotonic_ns()}"
             started[request_id] = time.monotonic()
-            engine.add_request(request_id, prompt, sampling)
+            engine.add_request(RequestSpec(request_id, prompt, sampling))
 
     top_up()
     while started:

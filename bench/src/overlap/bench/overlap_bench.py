@@ -116,7 +116,7 @@ def measure_engine(runner, num_buffers: int, *, batch: int, steps: int, warmup_s
     once and each finished one is replaced. Host time = the engine's own scheduling and postprocessing."""
     import random
 
-    from overlap.engine import Engine, EngineConfig, SamplingParams
+    from overlap.engine import Engine, EngineConfig, RequestSpec, SamplingParams
     from overlap.engine.execution.busy import BusyTracker
 
     config = EngineConfig(
@@ -131,7 +131,7 @@ def measure_engine(runner, num_buffers: int, *, batch: int, steps: int, warmup_s
     def add() -> None:
         prompt = [rng.randrange(3, runner.vocab_size) for _ in range(16)]
         sampling = SamplingParams(max_tokens=rng.randint(64, 128), temperature=0, ignore_eos=True)
-        engine.add_request(f"r{next(counter)}", prompt, sampling)
+        engine.add_request(RequestSpec(f"r{next(counter)}", prompt, sampling))
 
     def run(num_steps: int) -> int:
         tokens = 0

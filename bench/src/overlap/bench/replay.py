@@ -168,7 +168,7 @@ def replay_in_process(
     progress: bool = True,
 ) -> RunResult:
     """Replay `trace` on `engine` in real time from this thread; see the module docstring."""
-    from overlap.engine import InvalidRequestError, SamplingParams
+    from overlap.engine import InvalidRequestError, RequestSpec, SamplingParams
 
     requests = trace.requests
     ids = [f"r{i}" for i in range(len(requests))]
@@ -197,7 +197,9 @@ def replay_in_process(
             tokens, max_tokens = prepared[num_submitted]
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             try:
-                engine.add_request(rid, tokens, sampling, priority=r.priority, arrival_time=start + r.arrival_s)
+                engine.add_request(
+                    RequestSpec(rid, tokens, sampling, priority=r.priority, arrival_time=start + r.arrival_s)
+                )
             except InvalidRequestError as exc:
                 records[rid].status, records[rid].detail = "rejected", str(exc)
                 bar.update(1)
@@ -270,9 +272,11 @@ def _record_output(record: RequestRecord, out, t: float, start: float, bar) -> N
 
 def _warm_up(engine, sampling_cls) -> None:
     """A few short requests before the clock starts: the first forwards pay one-off costs (allocations, kernels)."""
+    from overlap.engine import RequestSpec
+
     for i in range(4):
         engine.add_request(
-            f"warmup{i}", [11 + i, 12, 13, 14, 15, 16, 17, 18], sampling_cls(max_tokens=4, ignore_eos=True)
+            RequestSpec(f"warmup{i}", [11 + i, 12, 13, 14, 15, 16, 17, 18], sampling_cls(max_tokens=4, ignore_eos=True))
         )
     deadline = time.monotonic() + 60
     while engine.has_unfinished() and time.monotonic() < deadline:

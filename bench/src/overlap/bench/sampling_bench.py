@@ -64,9 +64,13 @@ def _sampling(variant: str, seed: int, max_tokens: int):
 
 
 def _one_round(engine, variant: str, batch: int, max_tokens: int, round_no: int) -> tuple[float, int]:
+    from overlap.engine.types import RequestSpec
+
     start = time.perf_counter()
     for i in range(batch):
-        engine.add_request(f"{variant}-{round_no}-{i}", [1, 10 + i, 20 + i, 30], _sampling(variant, i, max_tokens))
+        engine.add_request(
+            RequestSpec(f"{variant}-{round_no}-{i}", [1, 10 + i, 20 + i, 30], _sampling(variant, i, max_tokens))
+        )
     tokens = 0
     while engine.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in engine.step())

@@ -69,9 +69,11 @@ def _requests(workload: str, batch: int, unit_len: int, output_len: int, vocab: 
 
 def _measure(engine, requests: dict) -> dict:
     """Run `requests` together to the end; per-token latencies and the step / speculation counters they took."""
+    from overlap.engine.types import RequestSpec
+
     before = engine.stats()
     for rid, (prompt, sampling) in requests.items():
-        engine.add_request(rid, prompt, sampling)
+        engine.add_request(RequestSpec(rid, prompt, sampling))
     start = time.perf_counter()
     finals = {}
     while engine.has_unfinished():

@@ -7,7 +7,7 @@ from overlap.engine import _openmp  # noqa: F401  (before anything loads torch)
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
 from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams
 
 __all__ = [
     "LIVE_KNOBS",
@@ -19,6 +19,7 @@ __all__ = [
     "ModelLoadError",
     "OverlapError",
     "RequestOutput",
+    "RequestSpec",
     "RequestTimes",
     "SamplingParams",
 ]

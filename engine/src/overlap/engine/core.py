@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import Counter, deque
@@ -27,7 +28,7 @@ from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadErr
 from overlap.engine.execution import StepResult, make_executor
 from overlap.engine.execution.adaptive_buffers import BufferAdvisor
 from overlap.engine.requests.request import Request
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, Runner, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, Runner, SamplingParams
 
 _WINDOW_STEPS = 128  # sliding window for the step-time, batch-size and busy-ratio averages
 
@@ -113,32 +114,19 @@ class Engine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
     # ---- requests in ---------------------------------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        priority: int = 1,
-        timeout_s: float | None = None,
-        arrival_time: float | None = None,
-        share_prompt_with: str | None = None,
-    ) -> None:
-        """Validate and queue a request; it enters the scheduler at the next step. Raises InvalidRequestError.
-
-        `share_prompt_with`: the id of an earlier request with the same prompt (one of a request's `n` sequences);
-        this one then reuses that request's computed prompt blocks instead of computing the prompt again."""
-        now = self.clock()
-        request = self._validate(request_id, prompt_token_ids, sampling, priority, timeout_s, arrival_time, now)
-        if share_prompt_with is not None:
-            request.share_prompt_of = share_prompt_with  # resolved to the Request when it enters the scheduler
+    def add_request(self, spec: RequestSpec) -> None:
+        """Validate and queue a request; it enters the scheduler at the next step. Raises InvalidRequestError."""
+        request = self._validate(spec, self.clock())
+        request_id = request.request_id
         with self._lock:
             if request_id in self._live_ids:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             self._live_ids.add(request_id)
-        if sampling.grammar is not None:
+        if request.sampling.grammar is not None:
             try:
-                self.runner.add_grammar(request_id, sampling.grammar)  # here, not in a step: it never stalls one
+                self.runner.add_grammar(
+                    request_id, request.sampling.grammar
+                )  # here, not in a step: it never stalls one
             except BaseException:
                 with self._lock:
                     self._live_ids.discard(request_id)
@@ -147,13 +135,16 @@ class Engine:
             self._inbox.append(("add", request))
         self._driver_wakeup.set()
 
-    def _validate(self, request_id, prompt, sampling, priority, timeout_s, arrival_time, now) -> Request:
+    def _validate(self, spec: RequestSpec, now: float) -> Request:
+        if not isinstance(spec, RequestSpec):
+            raise InvalidRequestError(f"a request must be a RequestSpec, got {type(spec).__name__}")
+        request_id, sampling, priority, timeout_s = spec.request_id, spec.sampling, spec.priority, spec.timeout_s
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(sampling, SamplingParams):
             raise InvalidRequestError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         try:
-            prompt = list(prompt)
+            prompt = list(spec.prompt_token_ids)
         except TypeError:
             raise InvalidRequestError("prompt_token_ids must be a list of token ids") from None
         if not prompt:
@@ -186,15 +177,13 @@ class Engine:
             )
         if timeout_s is not None and (not isinstance(timeout_s, int | float) or not timeout_s > 0):
             raise InvalidRequestError(f"timeout_s must be > 0, got {timeout_s!r}")
-        arrived = now if arrival_time is None else float(arrival_time)
+        arrived = now if spec.arrival_time is None else float(spec.arrival_time)
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
+        # the engine's own copy of the prompt: a caller reusing its list cannot change a request in flight
         return Request(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
+            spec=dataclasses.replace(spec, prompt_token_ids=prompt),
             times=RequestTimes(arrived=arrived),
-            priority=priority,
             deadline=None if timeout_s is None else arrived + timeout_s,
         )
 
@@ -303,8 +292,8 @@ class Engine:
         aborted = []
         for kind, item in inbox:
             if kind == "add":
-                if item.share_prompt_of is not None:  # an id until now; the sibling itself, if it is still around
-                    sibling = self._requests.get(item.share_prompt_of)
+                if item.spec.share_prompt_with is not None:  # the sibling itself, if it is still around
+                    sibling = self._requests.get(item.spec.share_prompt_with)
                     same = sibling is not None and sibling.prompt_token_ids == item.prompt_token_ids
                     item.share_prompt_of = sibling if same and self.config.enable_prefix_caching else None
                 self._requests[item.request_id] = item
@@ -419,22 +408,15 @@ class Engine:
         }
 
     # ---- asyncio convenience -----------------------------------------------------------------------------------
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        priority: int = 1,
-        timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, spec: RequestSpec) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs. A background thread drives `step()` while any generate() is active (do not
         call step() yourself meanwhile). Leaving the iterator early aborts the request."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        request_id = spec.request_id
         self._streams[request_id] = (loop, queue)
         try:
-            self.add_request(request_id, prompt_token_ids, sampling, priority=priority, timeout_s=timeout_s)
+            self.add_request(spec)
         except BaseException:
             self._streams.pop(request_id, None)
             raise

@@ -120,6 +120,24 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class RequestSpec:
+    """One request as a caller hands it to the engine: the one record that `Engine.add_request`, `Engine.generate`,
+    `EngineClient.submit` and the wire (`protocol.AddRequest`, generated from it) carry. A field added here reaches
+    the engine's `Request` (`request.spec`) on every path. The engine checks the values when it takes the request
+    (InvalidRequestError); the record itself holds them as given."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 1  # 0 is the highest
+    timeout_s: float | None = None  # queued longer -> finished with reason TIMEOUT; None: the engine's default
+    arrival_time: float | None = None  # time.monotonic() in the sender (system-wide on Linux); None: when added
+    # The id of an earlier request with the same prompt (one of a request's `n` sequences): this one then reuses
+    # that request's computed prompt blocks instead of computing the prompt again.
+    share_prompt_with: str | None = None
+
+
+@dataclass(slots=True)
 class RequestTimes:
     """The five timestamps field report 2 asks for, in `time.monotonic()` seconds (system-wide on Linux, so
     comparable across the engine and sidecar processes). None until the event happens."""

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from overlap.engine.serving.client import EngineRejected, EngineUnavailable
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import RequestSpec
 from overlap.sidecar.state import ApiError, ServerState, engine_unavailable
 
 
@@ -29,21 +29,10 @@ class Delta:
 class Generation:
     """One admitted, submitted request. Iterate it for deltas; it accounts for itself and aborts if abandoned."""
 
-    def __init__(
-        self,
-        state: ServerState,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        stop: list[str],
-        *,
-        priority: int,
-        timeout_s: float,
-        arrival: float,
-        share_prompt_with: str | None = None,
-    ) -> None:
-        """`share_prompt_with`: a sibling generation's id with the same prompt, whose computed blocks to reuse."""
-        self.state, self.request_id, self.arrival, self.timeout_s = state, request_id, arrival, timeout_s
+    def __init__(self, state: ServerState, spec: RequestSpec, stop: list[str], *, arrival: float) -> None:
+        """`arrival`: when the sidecar received the request (its timeout, `spec.timeout_s`, counts from then)."""
+        self.state, self.request_id, self.arrival, self.timeout_s = state, spec.request_id, arrival, spec.timeout_s
+        prompt_token_ids, sampling = spec.prompt_token_ids, spec.sampling
         self.num_prompt_tokens = len(prompt_token_ids)
         admission = state.admission
         state.metrics.received.inc()  # offered load, refused or not: what the operator's forecast follows
@@ -58,18 +47,11 @@ class Generation:
                 headers={"Retry-After": str(rejection.retry_after_s)},
             )
         try:
-            self.stream = state.client.submit(
-                request_id,
-                prompt_token_ids,
-                sampling,
-                priority=priority,
-                timeout_s=timeout_s,
-                share_prompt_with=share_prompt_with,
-            )
+            self.stream = state.client.submit(spec)
         except EngineUnavailable as exc:
             state.metrics.rejected_by["engine_unavailable"].inc()
             raise engine_unavailable() from exc
-        admission.admit(request_id, len(prompt_token_ids), sampling.max_tokens)
+        admission.admit(spec.request_id, len(prompt_token_ids), sampling.max_tokens)
         self.detokenizer = state.text.detokenizer(prompt_token_ids, stop)
         self.wants_logprobs = sampling.logprobs is not None
         self.done = False

@@ -49,7 +49,9 @@ class Replica:
         return self.num_submitted - self.num_finished
 
     def submit(self, request_id: str, tokens: list[int], sampling, arrival_time: float) -> None:
-        self.engine.add_request(request_id, tokens, sampling, arrival_time=arrival_time)
+        from overlap.engine import RequestSpec
+
+        self.engine.add_request(RequestSpec(request_id, tokens, sampling, arrival_time=arrival_time))
         self.num_submitted += 1
         self._wakeup.set()
 

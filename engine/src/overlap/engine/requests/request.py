@@ -6,7 +6,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams
+from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -39,11 +39,8 @@ _arrival_counter = itertools.count()
 
 @dataclass(slots=True, eq=False)
 class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
+    spec: RequestSpec  # what the caller asked for, as checked by the engine (id, prompt, sampling, priority, ...)
     times: RequestTimes
-    priority: int = 1  # 0 is the highest
     deadline: float | None = None  # monotonic time; queued past it -> finished with reason TIMEOUT
 
     status: RequestStatus = RequestStatus.WAITING
@@ -82,6 +79,23 @@ class Request:
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    # ---- the spec's fields the scheduler and runner read -------------------------------------------------------
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.spec.prompt_token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.spec.sampling
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving import protocol as p
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import RequestSpec
 
 log = logging.getLogger(__name__)
 
@@ -158,27 +158,10 @@ class EngineClient:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def submit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        *,
-        priority: int = 1,
-        timeout_s: float | None = None,
-        share_prompt_with: str | None = None,
-    ) -> RequestStream:
-        stream = RequestStream(request_id)
-        message = p.AddRequest(
-            request_id,
-            prompt_token_ids,
-            p.WireSampling.from_params(sampling),
-            priority=priority,
-            timeout_s=timeout_s,
-            share_prompt_with=share_prompt_with,
-        )
-        self._send(message)
-        self._streams[request_id] = stream
+    def submit(self, spec: RequestSpec) -> RequestStream:
+        stream = RequestStream(spec.request_id)
+        self._send(p.AddRequest.from_record(spec))
+        self._streams[spec.request_id] = stream
         return stream
 
     def abort(self, request_id: str) -> None:

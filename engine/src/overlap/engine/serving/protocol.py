@@ -19,7 +19,14 @@ from typing import Any
 
 import msgspec
 
-from overlap.engine.types import FinishReason, RequestOutput, RequestTimes, SamplingParams, TokenLogprob
+from overlap.engine.types import (
+    FinishReason,
+    RequestOutput,
+    RequestSpec,
+    RequestTimes,
+    SamplingParams,
+    TokenLogprob,
+)
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a sanity bound: a larger length prefix means a corrupt stream
@@ -34,40 +41,44 @@ class _Message(msgspec.Struct, array_like=True, tag=True, omit_defaults=True):
 # ---- sidecar -> engine -------------------------------------------------------------------------------------------
 
 
-def _wire_struct(cls: type, name: str) -> type[msgspec.Struct]:
-    """A msgspec Struct with the fields, types and defaults of the dataclass `cls`, encoded by name (a map with the
-    non-default fields only), converted to and from `cls` by name: the wire type is generated, never written twice.
-    It holds the values unchecked: `to_params` builds the dataclass, whose own checks raise InvalidRequestError, so
-    the engine can refuse that one request by id instead of failing the whole frame."""
+def _wire_struct(cls: type, name: str, nested: dict[type, type] | None = None, **options) -> type[msgspec.Struct]:
+    """A msgspec Struct with the fields, types and defaults of the dataclass `cls`, converted to and from it by name
+    (`Wire.from_record(value)`, `wire.to_record()`): the wire type is generated, never written twice. `nested` maps a
+    field's dataclass type to its wire struct. Encoded as a map of the non-default fields unless `options` (msgspec's
+    struct options: bases, tag, array_like, forbid_unknown_fields) say otherwise. It holds the values unchecked:
+    `to_record` builds the dataclasses, whose own checks raise InvalidRequestError, so the engine can refuse that one
+    request by id instead of failing the whole frame."""
     hints = typing.get_type_hints(cls)
-    fields = [(f.name, hints[f.name], f.default) for f in dataclasses.fields(cls)]
+    wire_of = {field: nested[kind] for field, kind in hints.items() if nested and kind in nested}
+    fields = []
+    for f in dataclasses.fields(cls):
+        kind = wire_of.get(f.name, hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            fields.append((f.name, kind, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, kind, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind))
 
-    def from_params(wire_cls, params):
-        return wire_cls(**{f: getattr(params, f) for f in wire_cls.__struct_fields__})
+    def from_record(wire_cls, value):
+        values = {f.name: getattr(value, f.name) for f in dataclasses.fields(cls)}
+        return wire_cls(**{f: wire_of[f].from_record(v) if f in wire_of else v for f, v in values.items()})
 
-    def to_params(self):
-        return cls(**msgspec.structs.asdict(self))
+    def to_record(self):
+        values = msgspec.structs.asdict(self)
+        return cls(**{f: v.to_record() if f in wire_of else v for f, v in values.items()})
 
     namespace = {
-        "from_params": classmethod(from_params),
-        "to_params": to_params,
+        "from_record": classmethod(from_record),
+        "to_record": to_record,
         "__doc__": f"{cls.__name__} on the wire.",
     }
-    return msgspec.defstruct(name, fields, omit_defaults=True, forbid_unknown_fields=True, namespace=namespace)
+    return msgspec.defstruct(name, fields, namespace=namespace, **{"omit_defaults": True, **options})
 
 
-# sidecar -> engine: SamplingParams as it is (`WireSampling.from_params(p)`, `wire.to_params()`)
-WireSampling = _wire_struct(SamplingParams, "WireSampling")
-
-
-class AddRequest(_Message, tag="add"):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: WireSampling
-    priority: int = 1
-    timeout_s: float | None = None
-    arrival_time: float | None = None  # time.monotonic() in the sender (system-wide on Linux)
-    share_prompt_with: str | None = None  # an earlier request of this connection with the same prompt (`n` > 1)
+# sidecar -> engine: a request (`AddRequest.from_record(spec)`, `message.to_record()`), its SamplingParams inside
+WireSampling = _wire_struct(SamplingParams, "WireSampling", forbid_unknown_fields=True)
+AddRequest = _wire_struct(RequestSpec, "AddRequest", {SamplingParams: WireSampling}, bases=(_Message,), tag="add")
 
 
 class Abort(_Message, tag="abort"):
@@ -115,13 +126,7 @@ class Hello(_Message, tag="hello"):
     kernels: str = ""  # what runs the step's work on this machine (ModelRunner.kernels)
 
 
-class WireTimes(msgspec.Struct, array_like=True, omit_defaults=True):
-    arrived: float
-    queued: float | None = None
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    finished: float | None = None
-    num_preemptions: int = 0
+WireTimes = _wire_struct(RequestTimes, "WireTimes", array_like=True)
 
 
 class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -140,10 +145,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     @classmethod
     def from_output(cls, out: RequestOutput, request_id: str | None = None) -> WireOutput:
-        t = out.times
-        times = None
-        if t is not None:
-            times = WireTimes(t.arrived, t.queued, t.first_scheduled, t.first_token, t.finished, t.num_preemptions)
+        times = None if out.times is None else WireTimes.from_record(out.times)
         return cls(
             request_id=out.request_id if request_id is None else request_id,
             new_token_ids=list(out.new_token_ids),
@@ -159,10 +161,7 @@ class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         )
 
     def to_output(self) -> RequestOutput:
-        t = self.times
-        times = None
-        if t is not None:
-            times = RequestTimes(t.arrived, t.queued, t.first_scheduled, t.first_token, t.finished, t.num_preemptions)
+        times = None if self.times is None else self.times.to_record()
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=self.new_token_ids,

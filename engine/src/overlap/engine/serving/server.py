@@ -203,19 +203,13 @@ class EngineServer:
         if self._drain_deadline is not None:
             conn.send(p.RequestError(message.request_id, "the engine is shutting down", kind="shutting_down"))
             return
-        engine_id = f"{conn.id}:{message.request_id}"
+        engine_id = f"{conn.id}:{message.request_id}"  # ids are the sidecar's: unique per connection only
+        sibling = message.share_prompt_with
         try:
-            self.engine.add_request(
-                engine_id,
-                message.prompt_token_ids,
-                message.sampling.to_params(),
-                priority=message.priority,
-                timeout_s=message.timeout_s,
-                arrival_time=message.arrival_time,
-                share_prompt_with=None
-                if message.share_prompt_with is None
-                else f"{conn.id}:{message.share_prompt_with}",
-            )
+            spec = message.to_record()
+            spec.request_id = engine_id
+            spec.share_prompt_with = None if sibling is None else f"{conn.id}:{sibling}"
+            self.engine.add_request(spec)
         except InvalidRequestError as exc:
             conn.send(p.RequestError(message.request_id, str(exc)))
             return

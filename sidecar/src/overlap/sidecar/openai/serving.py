@@ -8,7 +8,7 @@ import uuid
 
 from aiohttp import web
 
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import RequestSpec, SamplingParams
 from overlap.sidecar import schemas
 from overlap.sidecar.generation import Generation
 from overlap.sidecar.openai import request as req
@@ -50,8 +50,8 @@ async def respond(request: web.Request, state: ServerState, body: schemas._Commo
                 if best_of > n and sampling.logprobs is None:
                     seq_sampling = dataclasses.replace(seq_sampling, logprobs=0)  # ranking needs each token's
                 seq_id = reply.request_id if len(prompts) == 1 and best_of == 1 else f"{reply.request_id}-{p}-{j}"
-                generation = Generation(state, seq_id, ids, seq_sampling, stop, priority=priority, timeout_s=timeout_s,
-                                        arrival=arrival, share_prompt_with=first_id)  # fmt: skip
+                spec = RequestSpec(seq_id, ids, seq_sampling, priority, timeout_s, share_prompt_with=first_id)
+                generation = Generation(state, spec, stop, arrival=arrival)
                 first_id = first_id or seq_id
                 sequences.append(Sequence(p * best_of + j, p, generation, ids if echo else None, j == 0))
         if body.stream:
