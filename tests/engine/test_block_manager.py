@@ -139,7 +139,7 @@ def test_claims_never_cost_capacity() -> None:
 
 def test_the_cache_logs_what_it_stores_and_evicts_with_the_hashes_a_router_computes() -> None:
     """Events in order: stored hashes equal `block_hashes` of the request's tokens; reusing a freed block evicts it."""
-    from overlap.engine.batching.prefix_hash import REMOVED, STORED, block_hashes
+    from overlap.engine.prefix_hash import REMOVED, STORED, block_hashes
 
     bm = BlockManager(num_blocks=3, block_size=4)
     (a,) = create_requests(1, prompt_len=12)
@@ -158,7 +158,7 @@ def test_the_cache_logs_what_it_stores_and_evicts_with_the_hashes_a_router_compu
 
 
 def test_a_reader_behind_the_event_window_or_from_another_engine_gets_none() -> None:
-    from overlap.engine.batching.prefix_hash import STORED, KvEventLog, block_hashes
+    from overlap.engine.prefix_hash import STORED, KvEventLog, block_hashes
 
     log = KvEventLog(window=4)
     for h in range(6):

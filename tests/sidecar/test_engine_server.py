@@ -105,7 +105,7 @@ def test_hello_requests_errors_stats_and_reconfigure(server):
 
 
 def test_kv_events_report_the_cached_blocks_then_only_changes_and_a_snapshot_for_a_stale_reader(server):
-    from overlap.engine.batching.prefix_hash import HASH_SCHEME, STORED, block_hashes
+    from overlap.engine.prefix_hash import HASH_SCHEME, STORED, block_hashes
 
     _, path, _ = server
     sock, _ = connect(path)

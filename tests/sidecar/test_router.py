@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from overlap.engine.batching.prefix_hash import HASH_SCHEME, REMOVED, STORED
+from overlap.engine.prefix_hash import HASH_SCHEME, REMOVED, STORED
 from overlap.sidecar import schemas
 from overlap.sidecar.router.app import Router, RouterConfig
 from overlap.sidecar.router.picker import Pick, Picker, PrefixIndex, ReplicaState

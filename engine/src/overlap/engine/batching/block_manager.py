@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from overlap.engine.batching.prefix_hash import REMOVED, STORED, BlockKey, KvEventLog, extend_keys
+from overlap.engine.prefix_hash import REMOVED, STORED, BlockKey, KvEventLog, extend_keys
 from overlap.engine.requests.request import Request
 
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlap.engine.batching.prefix_hash import HASH_SCHEME, snapshot_events
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, InvalidRequestError
+from overlap.engine.prefix_hash import HASH_SCHEME, snapshot_events
 from overlap.engine.serving import protocol as p
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 
 `?since=N&epoch=E` asks for the changes after event N of engine E (the `next_seq` and `epoch` of the previous
 answer); the first poll, an engine restart or a reader too far behind gets a snapshot (`reset: true`). Block
-hashes follow `overlap.engine.batching.prefix_hash` (`hash_scheme`), over blocks of `block_size` tokens: the
+hashes follow `overlap.engine.prefix_hash` (`hash_scheme`), over blocks of `block_size` tokens: the
 router takes both from here, never from its own settings.
 """
 

@@ -38,8 +38,8 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from overlap.engine.batching.prefix_hash import HASH_SCHEME, block_hashes
 from overlap.engine.errors import ConfigError
+from overlap.engine.prefix_hash import HASH_SCHEME, block_hashes
 from overlap.sidecar import schemas, tools
 from overlap.sidecar.activator import HOP_BY_HOP
 from overlap.sidecar.http import metrics_handler
