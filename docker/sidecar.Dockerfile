@@ -1,5 +1,6 @@
 # The sidecar image: `overlap sidecar` (OpenAI API, admission, metrics, live config) without torch or the model
-# stack; set it as an InferenceService's `spec.images.sidecar` to keep the pod's HTTP container small.
+# stack; set it as an InferenceService's `spec.images.sidecar` to keep the pod's HTTP container small. It also runs
+# the gateway (`overlap router`, `overlap activator`): the operator starts their pods from this image.
 # Build from the repository root:  docker build -f docker/sidecar.Dockerfile -t ghcr.io/overlap-dev/overlap-sidecar:0.1.0 .
 # `make images` builds it here with buildah FROM a Debian base (scripts/build-images.sh).
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
@@ -11,7 +12,8 @@ COPY docker/constraints.txt /src/constraints.txt
 RUN python3 -m venv /opt/overlap
 COPY engine /src/engine
 COPY sidecar /src/sidecar
-RUN /opt/overlap/bin/pip install -c /src/constraints.txt /src/engine /src/sidecar
+COPY gateway /src/gateway
+RUN /opt/overlap/bin/pip install -c /src/constraints.txt /src/engine /src/sidecar /src/gateway
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/overlap /opt/overlap

@@ -25,7 +25,7 @@ COMMANDS = list(_commands(build_parser()))
 
 def test_the_walk_finds_the_commands_the_readme_names():
     names = {" ".join(path) for path, _ in COMMANDS}
-    assert {"serve", "engine", "sidecar", "operator", "activator", "model build-tiny", "bench engine",
+    assert {"serve", "engine", "sidecar", "operator", "activator", "router", "model build-tiny", "bench engine",
             "bench http", "bench control", "bench replay"} <= names  # fmt: skip
 
 
@@ -51,14 +51,16 @@ def test_a_known_command_of_a_component_not_installed_says_what_installs_it(monk
     of argparse's "invalid choice"; exit code 2, as for any usage error."""
     import overlap.cli as cli
 
-    served = [e for e in cli.entry_points(group=cli.COMMAND_GROUP) if e.name in ("engine", "sidecar")]
+    served = [e for e in cli.entry_points(group=cli.COMMAND_GROUP) if e.name in ("engine", "sidecar", "serve")]
     monkeypatch.setattr(cli, "entry_points", lambda group: served)
-    for argv, command in ((["bench", "engine", "--quick"], "bench"), (["--log-level", "DEBUG", "operator"], "operator"),
-                          (["--log-level=DEBUG", "bench", "--help"], "bench")):  # fmt: skip
+    for argv, command, component in ((["bench", "engine", "--quick"], "bench", "bench"),
+                                     (["--log-level", "DEBUG", "operator"], "operator", "operator"),
+                                     (["--log-level=DEBUG", "bench", "--help"], "bench", "bench"),
+                                     (["router", "--help"], "router", "gateway")):  # fmt: skip
         assert cli.main(argv) == 2
         error = capsys.readouterr().err
         assert f"`overlap {command}` is not installed here" in error, error
-        assert f"overlap-{command}" in error and "make venv" in error and f"pip install -e {command}" in error
+        assert f"overlap-{component}" in error and "make venv" in error and f"pip install -e {component}" in error
         assert "invalid choice" not in error
     parser = cli.build_parser()
     assert "bench" in parser.format_help() and "make venv" in parser.format_help()  # `overlap --help` names them

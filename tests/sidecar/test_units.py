@@ -1,12 +1,9 @@
-"""Unit tests without processes: wire protocol, incremental detokenization and stop strings, admission, the
-activator's and router's waiting room."""
+"""Unit tests without processes: wire protocol, incremental detokenization and stop strings, admission."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
-import time
 
 import pytest
 
@@ -14,7 +11,6 @@ from overlap.engine.serving import protocol as p
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams, TokenLogprob
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.text import TextProcessor
-from overlap.sidecar.waiting import WaitingRoom
 
 
 def test_protocol_round_trip_over_a_socket():
@@ -203,23 +199,3 @@ def test_tokenizer_shipped_in_hello_when_the_model_folder_is_not_mounted(tiny_mo
     # Where the folder is visible, it is used directly.
     local = p.Hello(p.PROTOCOL_VERSION, "m", str(tiny_model_dir), 2048, 8192, 2, 3, {}, tokenizer_files=files)
     assert _tokenizer_source(local) == str(tiny_model_dir)
-
-
-async def test_the_waiting_room_counts_its_requests_until_ready_or_their_deadline():
-    ready = asyncio.Event()
-    room = WaitingRoom(ready, limit=2)
-    soon = time.monotonic() + 0.05
-    late = asyncio.create_task(room.wait(soon))
-    waiter = asyncio.create_task(room.wait(time.monotonic() + 5))
-    await asyncio.sleep(0.01)
-    assert room.count == 2 and room.full()
-    assert await late is False  # its deadline came first
-    assert room.count == 1 and not room.full()
-    ready.set()
-    assert await waiter is True and room.count == 0
-    assert await room.wait(time.monotonic() - 1) is True  # ready: at once, whatever the deadline
-    pause = asyncio.create_task(room.pause(0.02))
-    await asyncio.sleep(0.005)
-    assert room.count == 1
-    await pause
-    assert room.count == 0

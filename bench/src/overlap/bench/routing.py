@@ -174,7 +174,7 @@ def _free_port() -> int:
 
 
 def _wait_ready(proc: subprocess.Popen, url: str, what: str, timeout: float = 120) -> None:
-    from overlap.sidecar.serve import get_json
+    from overlap.serve import get_json
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -273,7 +273,7 @@ def tokenize_cost(model_dir: str | None = None, repeats: int = 50) -> list[dict]
 
 def pick_latency(num_replicas: int, blocks_per_replica: int, prompt_blocks: int, picks: int = 2000) -> dict:
     """The picker alone on an index of `num_replicas` x `blocks_per_replica` blocks: p50/p99 of one pick."""
-    from overlap.sidecar.router.picker import Picker, ReplicaState
+    from overlap.gateway.router.picker import Picker, ReplicaState
 
     rng = random.Random(0)
     picker = Picker("prefix", seed=0)

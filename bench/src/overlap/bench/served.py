@@ -44,7 +44,7 @@ def launch_serve(args, port: int):
     import subprocess
     import tempfile
 
-    from overlap.sidecar.serve import get_json
+    from overlap.serve import get_json
 
     watermarks = ["--max-queued-requests", str(max(64, args.concurrency)), "--max-inflight", str(4 * args.concurrency)]
     cmd = [sys.executable, "-m", "overlap.cli", "--log-level", "WARNING", "serve", "--port", str(port), *watermarks]

@@ -20,22 +20,27 @@ from overlap.engine.errors import OverlapError
 
 COMMAND_GROUP = "overlap.commands"
 # The order `overlap --help` lists the components in; others follow by name.
-_ORDER = ("engine", "sidecar", "operator", "bench")
+_ORDER = ("engine", "sidecar", "serve", "gateway", "operator", "bench")
 # Each component's subcommands (its entry point is named after it) and what installs it, so that a known command
 # whose component is not installed (`make run` installs only the engine and the sidecar) is named, not refused as
 # an "invalid choice".
 COMPONENT_COMMANDS = {
     "engine": ("engine", "model"),
-    "sidecar": ("sidecar", "serve", "activator", "router"),
+    "sidecar": ("sidecar",),
+    "serve": ("serve",),  # the laptop launcher, overlap.serve: in the sidecar's distribution, with its extra
+    "gateway": ("activator", "router"),
     "operator": ("operator",),
     "bench": ("bench",),
 }
-_PIP_TARGETS = {"engine": "'engine[model]'", "sidecar": "'sidecar[serve]'", "operator": "operator", "bench": "bench"}
+_PIP_TARGETS = {"engine": "'engine[model]'", "sidecar": "sidecar", "serve": "'sidecar[serve]'", "gateway": "gateway",
+                "operator": "operator", "bench": "bench"}  # fmt: skip
 
 
 def _install_hint(component: str) -> str:
-    return (f"the {component} component (overlap-{component}): `make venv` installs every component, or "
-            f"`pip install -e {_PIP_TARGETS[component]}` from the repository's root")  # fmt: skip
+    target = _PIP_TARGETS[component]
+    distribution = "overlap-" + target.strip("'").split("[")[0]
+    return (f"the {component} component ({distribution}): `make venv` installs every component, or "
+            f"`pip install -e {target}` from the repository's root")  # fmt: skip
 
 
 def missing_commands(installed: set[str]) -> dict[str, str]:

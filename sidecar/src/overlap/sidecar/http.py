@@ -1,5 +1,4 @@
-"""JSON in and out for every handler of the sidecar (public and admin ports), and /metrics for every server of this
-package (the sidecar, the activator, the router)."""
+"""JSON in and out for every handler of the sidecar (public and admin ports), and its /metrics."""
 
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """`overlap serve`: one pod's worth on a laptop. Starts `overlap engine` and `overlap sidecar` as two real processes
 joined by a Unix socket in a private temporary folder, waits until the API is ready, prints a `curl` line, restarts
 the engine if it dies (as a pod would; the sidecar reconnects), and on Ctrl-C/SIGTERM drains the sidecar, then
-stops the engine."""
+stops the engine.
+
+It is no part of a pod (there the kubelet starts the two containers), so it is a package of its own beside
+`overlap.sidecar`; it ships in the sidecar's distribution because it takes the sidecar's flags, and its extra
+`overlap-sidecar[serve]` brings the engine's model stack."""
 
 from __future__ import annotations
 
@@ -19,8 +23,23 @@ import time
 import urllib.error
 import urllib.request
 
+from overlap.engine.config import add_engine_flags
+from overlap.sidecar.config import add_flags
+
 _MAX_QUICK_RESTARTS = 3  # engine deaths within _QUICK_S of its start before giving up
 _QUICK_S = 30.0
+
+
+def register(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="run an engine and its sidecar as two processes (one pod's worth, no cluster); Ctrl-C stops both"
+    )
+    serve.add_argument("--model", help="local Hugging Face model folder (default: the tiny default model)")
+    serve.add_argument("--config", help="engine config file (JSON or YAML of EngineConfig fields)")
+    serve.add_argument("--ready-timeout-s", type=float, default=600.0, help="give up when not ready after this long")
+    add_flags(serve)
+    add_engine_flags(serve)
+    serve.set_defaults(func=run_serve)
 
 
 def _say(message: str) -> None:

@@ -18,9 +18,9 @@ import msgspec
 import pytest
 
 from overlap.engine.prefix_hash import HASH_SCHEME, REMOVED, STORED
+from overlap.gateway.router.app import Router, RouterConfig
+from overlap.gateway.router.picker import Pick, Picker, PrefixIndex, ReplicaState
 from overlap.sidecar import schemas
-from overlap.sidecar.router.app import Router, RouterConfig
-from overlap.sidecar.router.picker import Pick, Picker, PrefixIndex, ReplicaState
 from overlap.sidecar.text import TextProcessor
 from tests.support.sidecar import Proc, free_port, http, metric_value, overlap_cmd, overlap_serve, wait_until
 
@@ -83,7 +83,7 @@ def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it
     assert state.ready and router.picker.index.matches([1, 2], [url]) == {url: 2}
 
     router._polled(state, None)  # one failed poll: nothing changes, the next poll goes on from the same event
-    assert state.ready and state.failed_polls == 1 and router.some_ready.is_set()
+    assert state.ready and state.failed_polls == 1 and router.ready.is_set()
     assert router.picker.index.matches([1, 2], [url]) == {url: 2} and (state.epoch, state.next_seq) == ("e1", 2)
 
     router._polled(state, {**good, "events": [(STORED, 3)], "reset": False, "next_seq": 3})  # a good one resets
@@ -92,7 +92,7 @@ def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it
     assert state.ready and router.picker.index.matches([1, 2, 3], [url]) == {url: 3}
 
     router._polled(state, None)  # the second in a row: down, its blocks out of the index, a snapshot next
-    assert not state.ready and not router.some_ready.is_set() and len(router.picker.index) == 0
+    assert not state.ready and not router.ready.is_set() and len(router.picker.index) == 0
     assert (state.epoch, state.next_seq) == ("", 0)
     router._polled(state, {**good, "events": [(STORED, 1)], "reset": True, "next_seq": 4})
     assert state.ready and state.failed_polls == 0 and router.picker.index.matches([1, 2], [url]) == {url: 1}

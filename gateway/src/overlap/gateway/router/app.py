@@ -40,11 +40,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.prefix_hash import HASH_SCHEME, block_hashes
+from overlap.gateway.proxy import UPSTREAM_ERRORS, HoldingProxy, add_listen_flags, end_to_end, relay, run
+from overlap.gateway.router.picker import POLICIES, Picker, ReplicaState
+
+# A chat request is scored on the tokens the sidecar renders from it: its schemas and tool rendering, one definition.
 from overlap.sidecar import schemas, tools
-from overlap.sidecar.activator import HOP_BY_HOP
-from overlap.sidecar.http import metrics_handler
-from overlap.sidecar.router.picker import POLICIES, Picker, ReplicaState
-from overlap.sidecar.waiting import WaitingRoom
 
 log = logging.getLogger("overlap.router")
 SCORED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -87,17 +87,14 @@ class RouterConfig:
         self.replicas = [r.rstrip("/") for r in self.replicas]
 
 
-class Router:
+class Router(HoldingProxy):
+    """`ready` is set while a replica is ready and not draining."""
+
     def __init__(self, config: RouterConfig, registry: CollectorRegistry | None = None) -> None:
-        self.config = config
-        self.registry = registry or CollectorRegistry()
+        super().__init__(config, registry)
         self.replicas: dict[str, ReplicaState] = {}
         self.picker = Picker(config.policy)
         self.text = None  # TextProcessor, once loaded
-        self.session: aiohttp.ClientSession | None = None
-        self.some_ready = asyncio.Event()  # set while a replica is ready and not draining
-        self.waiting = WaitingRoom(self.some_ready, config.max_held)
-        self._tasks: list[asyncio.Task] = []
         self._polls: dict[str, asyncio.Task] = {}
         r = self.registry
         self.picks = Counter("overlap_router_picks", "Requests routed, by why the replica won", ["reason"], registry=r)
@@ -122,24 +119,21 @@ class Router:
         )
 
     # ------------------------------------------------------------------------------------------------ lifecycle
+    def routes(self) -> dict[str, object]:
+        return {"/readyz": self.readyz, "/router/readyz": self.readyz, "/router/healthz": self.healthz,
+                "/metrics": self.metrics}  # fmt: skip
+
+    def background(self) -> list:
+        return [self._resolve(), self._load_tokenizer()] if self.config.replicas_from else [self._load_tokenizer()]
+
     async def start(self, app: web.Application) -> None:
-        connector = aiohttp.TCPConnector(limit=0)  # streams hold their connections; admission limits are the pods'
-        self.session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(sock_connect=5))
-        if self.config.replicas_from:
-            self._tasks.append(asyncio.create_task(self._resolve()))
-        else:
+        await super().start(app)
+        if not self.config.replicas_from:
             self._set_replicas(self.config.replicas)
-        self._tasks.append(asyncio.create_task(self._load_tokenizer()))
 
     async def stop(self, app: web.Application) -> None:
-        tasks = [*self._tasks, *self._polls.values()]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self.session is not None:
-            await self.session.close()
+        self.tasks.extend(self._polls.values())
+        await super().stop(app)
 
     def candidates(self) -> list[ReplicaState]:
         return [r for r in self.replicas.values() if r.ready and not r.draining]
@@ -179,9 +173,9 @@ class Router:
 
     def _readiness_changed(self) -> None:
         if self.candidates():
-            self.some_ready.set()
+            self.ready.set()
         else:
-            self.some_ready.clear()
+            self.ready.clear()
 
     async def _poll(self, state: ReplicaState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(2.0, 10 * self.config.poll_interval_s))
@@ -190,7 +184,7 @@ class Router:
                 params = {"since": str(state.next_seq), "epoch": state.epoch}
                 async with self.session.get(f"{state.url}/v1/kv-events", params=params, timeout=timeout) as response:
                     body = await response.json() if response.status == 200 else None
-            except (aiohttp.ClientError, TimeoutError, OSError, json.JSONDecodeError):
+            except (*UPSTREAM_ERRORS, json.JSONDecodeError):
                 body = None
             self._polled(state, body)
             await asyncio.sleep(self.config.poll_interval_s)
@@ -237,7 +231,7 @@ class Router:
         self._readiness_changed()
 
     async def _load_tokenizer(self) -> None:
-        from overlap.sidecar.text import TextProcessor, tokenizer_folder
+        from overlap.sidecar.text import TextProcessor, tokenizer_folder  # the sidecar's, as for the chat schemas
 
         loop = asyncio.get_running_loop()
         if self.config.tokenizer:
@@ -350,7 +344,6 @@ class Router:
                        uncached: int) -> web.StreamResponse | None:  # fmt: skip
         """Relay to `replica`; None when it refused before the client got anything (connection, 5xx, 429).
         `uncached` prompt tokens count in its backlog until its answer starts."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         replica.in_flight += 1
         replica.starting += 1
         replica.backlog_tokens += uncached
@@ -365,9 +358,10 @@ class Router:
 
         try:
             try:
-                upstream = await self.session.request(request.method, f"{replica.url}{request.rel_url}",
-                                                      headers=headers, data=raw or None)  # fmt: skip
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                url = f"{replica.url}{request.rel_url}"
+                upstream = await self.session.request(request.method, url, headers=end_to_end(request.headers),
+                                                      data=raw or None)  # fmt: skip
+            except UPSTREAM_ERRORS as exc:
                 log.warning("replica %s failed a request before answering: %s", replica.url, exc)
                 self._down(replica)
                 return None
@@ -376,18 +370,8 @@ class Router:
                     if upstream.status != 429:
                         self._down(replica)
                     return None
-                response = web.StreamResponse(
-                    status=upstream.status,
-                    headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
-                )
-                await response.prepare(request)
                 # a replica lost mid-stream: the client sees the end of what it sent
-                with contextlib.suppress(aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
-                    async for chunk in upstream.content.iter_any():
-                        streaming()
-                        await response.write(chunk)
-                await response.write_eof()
-                return response
+                return await relay(request, upstream, on_chunk=streaming, keep_partial=True)
             finally:
                 upstream.release()
         finally:
@@ -403,20 +387,6 @@ class Router:
         body = {"ready": bool(ready), "replicas": {r.url: {"ready": r.ready, "draining": r.draining, "queue": r.queue}
                                                    for r in self.replicas.values()}}  # fmt: skip
         return web.json_response(body, status=200 if ready else 503)
-
-
-def build_app(config: RouterConfig, registry: CollectorRegistry | None = None) -> web.Application:
-    router = Router(config, registry)
-    app = web.Application(client_max_size=config.max_body_bytes)
-    app.on_startup.append(router.start)
-    app.on_cleanup.append(router.stop)
-    app.router.add_get("/readyz", router.readyz)
-    app.router.add_get("/router/readyz", router.readyz)
-    app.router.add_get("/router/healthz", router.healthz)
-    app.router.add_get("/metrics", metrics_handler(router.registry))
-    app.router.add_route("*", "/{tail:.*}", router.handle)
-    app["router"] = router
-    return app
 
 
 def add_parser(subparsers) -> None:
@@ -435,8 +405,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--policy", default=defaults.policy, choices=POLICIES,
                         help="prefix (engine KV events, default), approx (router-side tracking), least-queue, "
                              "round-robin, random")  # fmt: skip
-    parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)d)")
+    add_listen_flags(parser, defaults)
     parser.add_argument("--poll-interval-s", type=float, default=defaults.poll_interval_s,
                         help="how often each replica's /v1/kv-events is read (default %(default)g)")  # fmt: skip
     parser.add_argument("--session-header", default=defaults.session_header,
@@ -446,10 +415,6 @@ def add_parser(subparsers) -> None:
                         help="replicas tried per request before a 503 (default %(default)d)")  # fmt: skip
     parser.add_argument("--resolve-interval-s", type=float, default=defaults.resolve_interval_s,
                         help="how often --replicas-from is looked up (default %(default)g)")  # fmt: skip
-    parser.add_argument("--hold-timeout-s", type=float, default=defaults.hold_timeout_s,
-                        help="longest wait for a ready replica, then a 503 (default %(default)g)")  # fmt: skip
-    parser.add_argument("--max-held", type=int, default=defaults.max_held,
-                        help="most requests held at once (default %(default)d)")  # fmt: skip
     parser.set_defaults(func=_run)
 
 
@@ -459,7 +424,5 @@ def _run(args: argparse.Namespace) -> int:
                           session_header=args.session_header, tokenizer=args.tokenizer,
                           max_attempts=args.max_attempts, resolve_interval_s=args.resolve_interval_s,
                           hold_timeout_s=args.hold_timeout_s, max_held=args.max_held)  # fmt: skip
-    log.info("router on %s:%d, policy %s, replicas %s", config.host, config.port, config.policy,
-             config.replicas or f"the addresses of {config.replicas_from}")  # fmt: skip
-    web.run_app(build_app(config), host=config.host, port=config.port, print=None, handle_signals=True)
-    return 0
+    replicas = config.replicas or f"the addresses of {config.replicas_from}"
+    return run(Router(config), log, f"policy {config.policy}, replicas {replicas}")

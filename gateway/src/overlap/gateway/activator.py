@@ -7,17 +7,14 @@ the upstream (the service's pods) is not ready, and reports how many it holds at
 the upstream's `/readyz`; once that answers 200 it forwards what it holds, streams included, and everything after.
 A request it cannot hold gets a 503 with `Retry-After`: the hold limit is reached, or its hold timed out. A pod
 that has just woken may refuse part of the burst at admission (429, before any work is done): the activator keeps
-such a request and sends it again after the pod's `Retry-After`, while its hold deadline allows.
-
-It is plain HTTP in both directions: headers and body pass through (hop-by-hop headers excepted), and a response
-is relayed chunk by chunk, so server-sent events stream through it unchanged.
+such a request and sends it again after the pod's `Retry-After`, while its hold deadline allows. It relays as
+every `proxy.HoldingProxy` does: plain HTTP, streams chunk by chunk.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -27,16 +24,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
-from overlap.sidecar.http import metrics_handler
-from overlap.sidecar.waiting import WaitingRoom
+from overlap.gateway.proxy import UPSTREAM_ERRORS, HoldingProxy, add_listen_flags, end_to_end, relay, run
 
 log = logging.getLogger("overlap.activator")
-
-# RFC 9110 section 7.6.1: connection-specific headers a proxy must not forward.
-HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
-    "upgrade", "host", "content-length",
-}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -58,15 +48,12 @@ class ActivatorConfig:
         self.upstream = self.upstream.rstrip("/")
 
 
-class Activator:
+class Activator(HoldingProxy):
+    """`ready` is set while the upstream's /readyz answers 200."""
+
     def __init__(self, config: ActivatorConfig, registry: CollectorRegistry | None = None) -> None:
-        self.config = config
-        self.registry = registry or CollectorRegistry()
+        super().__init__(config, registry)
         self.retried = 0  # requests a woken pod refused at admission and the activator sent again
-        self.ready = asyncio.Event()
-        self.waiting = WaitingRoom(self.ready, config.max_held)
-        self.session: aiohttp.ClientSession | None = None
-        self._probe_task: asyncio.Task | None = None
         Gauge(
             "overlap_activator_queued_requests", "Requests held while the service has no ready replica",
             registry=self.registry,
@@ -86,23 +73,12 @@ class Activator:
             buckets=(0.01, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
         )  # fmt: skip
 
-    # ------------------------------------------------------------------------------------------------ lifecycle
+    def routes(self) -> dict[str, object]:
+        # At zero replicas the service's Service routes to the activator, so its ServiceMonitor scrapes it at /metrics.
+        return {"/activator/healthz": self.healthz, "/activator/metrics": self.metrics, "/metrics": self.metrics}
 
-    async def start(self, app: web.Application) -> None:
-        # No connection limit (aiohttp's default is 100): every held request goes at once when the pod is ready, and
-        # a stream holds its connection to the end. --max-held bounds them.
-        connector = aiohttp.TCPConnector(limit=0)
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        self._probe_task = asyncio.create_task(self._probe())
-
-    async def stop(self, app: web.Application) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
-        if self.session is not None:
-            await self.session.close()
+    def background(self) -> list:
+        return [self._probe()]
 
     async def _probe(self) -> None:
         url = f"{self.config.upstream}/readyz"
@@ -111,7 +87,7 @@ class Activator:
             try:
                 async with self.session.get(url, timeout=timeout) as response:
                     ok = response.status == 200
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except UPSTREAM_ERRORS:
                 ok = False
             if ok and not self.ready.is_set():
                 log.info(f"upstream {self.config.upstream} is ready; forwarding {self.waiting.count} held requests")
@@ -158,10 +134,10 @@ class Activator:
         """Relay the request and its response. None when the upstream refused the connection (nothing sent); the
         seconds to wait when it refused the request at admission (429, or 503 while not ready) and the deadline
         leaves time to try again (its answer is relayed otherwise)."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         url = f"{self.config.upstream}{request.rel_url}"
         try:
-            upstream = await self.session.request(request.method, url, headers=headers, data=body or None)
+            upstream = await self.session.request(request.method, url, headers=end_to_end(request.headers),
+                                                  data=body or None)  # fmt: skip
         except aiohttp.ClientConnectorError:
             return None
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -174,15 +150,7 @@ class Activator:
                     return wait
             self.hold_time.observe(time.monotonic() - arrived)
             self.outcomes.labels("forwarded").inc()
-            response = web.StreamResponse(
-                status=upstream.status,
-                headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP},
-            )
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+            return await relay(request, upstream)
         finally:
             upstream.release()
 
@@ -199,21 +167,6 @@ def _retry_after(value: str | None) -> float:
         return 0.5
 
 
-def build_app(config: ActivatorConfig, registry: CollectorRegistry | None = None) -> web.Application:
-    activator = Activator(config, registry)
-    app = web.Application(client_max_size=config.max_body_bytes)
-    app.on_startup.append(activator.start)
-    app.on_cleanup.append(activator.stop)
-    app.router.add_get("/activator/healthz", activator.healthz)
-    metrics = metrics_handler(activator.registry)
-    app.router.add_get("/activator/metrics", metrics)
-    # At zero replicas the service's Service routes to the activator, so its ServiceMonitor scrapes it at /metrics.
-    app.router.add_get("/metrics", metrics)
-    app.router.add_route("*", "/{tail:.*}", activator.handle)
-    app["activator"] = activator
-    return app
-
-
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "activator",
@@ -222,11 +175,7 @@ def add_parser(subparsers) -> None:
     )
     defaults = ActivatorConfig(upstream="http://placeholder")
     parser.add_argument("--upstream", required=True, help="base URL of the service's pods (http://HOST:PORT)")
-    parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
-    parser.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)d)")
-    parser.add_argument("--max-held", type=int, default=defaults.max_held, help="most requests held at once")
-    parser.add_argument("--hold-timeout-s", type=float, default=defaults.hold_timeout_s,
-                        help="longest a request is held before a 503 (default %(default)g)")  # fmt: skip
+    add_listen_flags(parser, defaults)
     parser.add_argument("--probe-interval-s", type=float, default=defaults.probe_interval_s,
                         help="how often the upstream's /readyz is asked (default %(default)g)")  # fmt: skip
     parser.add_argument("--retry-after-s", type=int, default=defaults.retry_after_s,
@@ -244,6 +193,4 @@ def _run(args: argparse.Namespace) -> int:
         probe_interval_s=args.probe_interval_s,
         retry_after_s=args.retry_after_s,
     )
-    log.info(f"activator on {config.host}:{config.port} for {config.upstream}")
-    web.run_app(build_app(config), host=config.host, port=config.port, print=None, handle_signals=True)
-    return 0
+    return run(Activator(config), log, f"for {config.upstream}")
