@@ -142,7 +142,6 @@ STATS_KEYS = {
     "schedule_time_s_avg", "device_busy_ratio", "device_kernel_busy_ratio", "requests_finished_total", "config",
     # overlapped execution (overlap.engine.execution.base, overlap.engine.execution.busy)
     "device_busy_window_s", "device_idle_gap_ms", "host_ms_per_step", "num_buffers", "num_steps_in_flight",
-    "buffer_decisions",
     # speculative decoding (docs/engine.md, "Speculative decoding"), as vLLM's spec_decode counters
     "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
     "spec_decode_num_accepted_tokens_per_pos",

@@ -236,21 +236,3 @@ def test_tiny_model_greedy_is_identical_for_1_2_3_buffers_and_equals_transformer
     assert results[1] == results[2] == results[3]
     for rid, (prompt, max_tokens) in requests.items():
         assert results[2][rid] == hf_greedy(prompt, max_tokens), rid
-
-
-def test_adaptive_buffers_drop_to_one_when_host_time_is_negligible_and_say_why():
-    from overlap.engine.execution.adaptive_buffers import BufferAdvisor
-
-    engine, runner = sim_engine(2, step_s=0.05, adaptive_buffers=True)  # host time ~0.2% of a step
-    engine._advisor = BufferAdvisor(every_steps=6)  # decide often, so the test stays short
-    requests = {
-        f"a{i}": ([5 + i, 6, 7], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for i in range(2)
-    }
-    outputs = add_and_run(engine, requests)
-    for rid, (prompt, _) in requests.items():
-        assert tokens_of(outputs[rid]) == expected(runner, prompt, 30, ignore_eos=True)
-    stats = engine.stats()
-    assert stats["num_buffers"] == 1 and stats["config"]["num_buffers"] == 1
-    decision = stats["buffer_decisions"][-1]
-    assert (decision["from"], decision["to"]) == (2, 1) and "nothing to overlap" in decision["reason"]
-    assert_all_blocks_back(engine)

@@ -146,7 +146,6 @@ class EngineConfig:
 
     # Execution (layer 3).
     num_buffers: int = 2  # steps in flight: 1 = synchronous, 2 = double buffering (1..4)
-    adaptive_buffers: bool = False  # let the engine pick num_buffers from measured host vs device time
 
     # A simulated device instead of the model's forward: {"fixed_s": ..., "per_token_s": ...} (a cost profile,
     # overlap.engine.model.sim_runner.CostModel). The model folder still gives the tokenizer, vocabulary, EOS ids
@@ -207,7 +206,6 @@ class EngineConfig:
         check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
         check(self.default_timeout_s is None or self.default_timeout_s > 0, "default_timeout_s must be > 0")
         check(1 <= self.num_buffers <= 4, f"num_buffers must be in 1..4, got {self.num_buffers}")
-        check(isinstance(self.adaptive_buffers, bool), "adaptive_buffers must be true or false")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs must be true or false")
         spec = parse_speculative_config(self.speculative_config)
         self.speculative_config = None if spec is None else spec.to_dict()

@@ -26,7 +26,6 @@ from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.config import LIVE_KNOBS, EngineConfig
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
 from overlap.engine.execution import StepResult, make_executor
-from overlap.engine.execution.adaptive_buffers import BufferAdvisor
 from overlap.engine.requests.request import Request
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, Runner, SamplingParams
 
@@ -106,7 +105,6 @@ class Engine:
         # Layer 3: the N-buffered pipeline, and the handles of the steps in flight (same order as its deque).
         self.executor = make_executor(runner, config.num_buffers)
         self._in_flight: deque[ScheduledBatch] = deque()
-        self._advisor = BufferAdvisor()  # measures always; changes num_buffers only with config.adaptive_buffers
 
         self._driver: threading.Thread | None = None
         self._driver_wakeup = threading.Event()
@@ -223,20 +221,13 @@ class Engine:
             return outputs
 
     def _apply_result(self, result: StepResult) -> list[RequestOutput]:
-        """Postprocess the oldest step in flight; feed the measurements to the buffer advisor."""
+        """Postprocess the oldest step in flight."""
         batch = self._in_flight.popleft()
         assert batch.model_input is result.model_input, "the executor returned steps out of order"
         start = time.perf_counter()
         outputs = self.postprocess(batch, result)
         postprocess_s = time.perf_counter() - start
         self.executor.busy.record_host("postprocess", postprocess_s)
-        # the device time the rule compares with host time: kernel time, where steps were profiled
-        self._advisor.record(batch.schedule_wall_s + postprocess_s, self.executor.busy.kernel_adjusted(result.busy_s))
-        if self.config.adaptive_buffers:
-            wanted = self._advisor.advise(self.executor.num_buffers)
-            if wanted is not None:
-                self.executor.set_num_buffers(wanted)
-                self.config = self.config.replace(num_buffers=wanted)
         return outputs
 
     def _drain(self) -> list[RequestOutput]:
@@ -400,7 +391,6 @@ class Engine:
             "host_ms_per_step": busy.host_ms_per_step,
             "num_buffers": self.executor.num_buffers,
             "num_steps_in_flight": self.executor.num_in_flight,
-            "buffer_decisions": [d.to_dict() for d in self._advisor.decisions],
             "requests_finished_total": {
                 reason.value: self._finished_by_reason[reason.value] for reason in FinishReason
             },

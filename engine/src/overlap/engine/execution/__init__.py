@@ -2,7 +2,7 @@
 
 `base.Executor` runs steps synchronously or on a worker thread (CPU runners); `launch.AsyncExecutor` drives a
 runner that launches steps itself (the simulated device); `cuda.CudaExecutor` uses CUDA streams and events.
-`busy` accounts for device-busy time and `adaptive_buffers` advises the buffer count.
+`busy` accounts for device-busy time.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ consecutive steps, and the host-side time per step spent scheduling, staging and
 
 Events bracket what the host launched, so a step whose kernels wait on Python launches reads as busy while the GPU
 idles between kernels. The CUDA executor therefore profiles one step now and then and records the share of its
-event-bracketed time that kernels actually ran (`record_kernel_share`); the busy figures come in both forms, and
-the adaptive-buffer rule takes the kernel-time one (`kernel_adjusted`).
+event-bracketed time that kernels actually ran (`record_kernel_share`); the busy figures come in both forms.
 """
 
 from __future__ import annotations
@@ -90,11 +89,6 @@ class BusyTracker:
         """The median of the recent profiled steps' kernel shares; None before any."""
         with self._lock:
             return median(self._kernel_shares) if self._kernel_shares else None
-
-    def kernel_adjusted(self, event_busy_s: float) -> float:
-        """A step's event-bracketed busy time scaled to kernel time (as is until a step was profiled)."""
-        share = self.kernel_share
-        return event_busy_s if share is None else event_busy_s * share
 
     def pause(self) -> None:
         """The engine ran out of work: the gap before the next step is not an overhead gap."""
