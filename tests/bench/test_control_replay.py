@@ -13,6 +13,7 @@ import pytest
 from overlap.bench import control_replay
 from overlap.bench.traces import on_off_bursts
 from overlap.cli import main
+from overlap.engine.config import EngineConfig
 
 # 1.5 s at 200 req/s, then 2.5 s at 20 req/s. A replica (5 ms + 150 us per token, 8 sequences, 8 + 16 tokens per
 # request) serves ~73 req/s, so the first phase needs ~3 replicas and the second well under one.
@@ -111,7 +112,7 @@ def test_a_draining_replica_finishes_what_it_holds():
     finished = []
     start = time.monotonic()
     replica = control_replay.Replica(
-        "r", setup, {"max_num_seqs": 4}, lambda: time.monotonic() - start, 0.0, finished.append
+        "r", setup, EngineConfig(max_num_seqs=4).live, lambda: time.monotonic() - start, 0.0, finished.append
     )
     try:
         for i in range(12):

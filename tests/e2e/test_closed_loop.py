@@ -169,7 +169,7 @@ class Recorder:
                 service = self.cluster.service(NAME)
                 row["replicas"] = service["spec"].get("replicas")
                 row["ready"] = (service.get("status") or {}).get("readyReplicas")
-                row["max_num_seqs"] = ((service.get("status") or {}).get("engineConfig") or {}).get("max_num_seqs")
+                row["max_num_seqs"] = ((service.get("status") or {}).get("liveKnobs") or {}).get("maxNumSeqs")
                 row["queue"] = signals.query(self.prometheus.url, self.queries["queueDepth"])
                 row["p99_s"] = signals.query(self.prometheus.url, self.queries["p99Latency"])
             except Exception as exc:  # one missed sample is a gap in the plot, not a failed run
@@ -263,7 +263,7 @@ def _retuned(cluster: Cluster) -> dict | None:
     status = cluster.service(NAME).get("status") or {}
     for cond in status.get("conditions") or []:
         if cond["type"] == "Tuned" and cond["status"] == "True" and cond.get("reason") == "Retuned":
-            return status["engineConfig"]
+            return status["liveKnobs"]
     return None
 
 
@@ -277,7 +277,7 @@ def _pods_report(agent: NodeAgent, config: dict) -> bool:
             return False
         seen = metric_value(text if isinstance(text, str) else text.decode(), "overlap_engine_config",
                             'knob="max_num_seqs"')  # fmt: skip
-        if seen != config["max_num_seqs"]:
+        if seen != config["maxNumSeqs"]:
             return False
     return bool(ready)
 

@@ -9,7 +9,15 @@ import time
 
 import pytest
 
-from overlap.engine import ConfigError, Engine, EngineConfig, InvalidRequestError, ModelLoadError, SamplingParams
+from overlap.engine import (
+    ConfigError,
+    Engine,
+    EngineConfig,
+    InvalidRequestError,
+    LiveKnobs,
+    ModelLoadError,
+    SamplingParams,
+)
 from overlap.engine.types import FinishReason, RequestSpec
 from tests.support.engine import VOCAB, create_engine, reference_tokens, run_to_completion, tokens_of
 
@@ -165,19 +173,26 @@ def test_stats_have_every_key_and_serialise_to_json(engine: Engine) -> None:
 
 
 def test_reconfigure_applies_live_knobs_and_refuses_others(engine: Engine) -> None:
-    applied = engine.reconfigure(max_num_seqs=2, aging_s=1.5, max_num_batched_tokens=100)
-    assert applied["max_num_seqs"] == 2 and applied["aging_s"] == 1.5
-    assert engine.stats()["config"] == applied
+    applied = engine.reconfigure(engine.config.live.replace(max_num_seqs=2, aging_s=1.5, max_num_batched_tokens=100))
+    assert applied == LiveKnobs(2, 100, engine.config.num_buffers, 1.5, None)
+    assert LiveKnobs.of(engine.stats()["config"]) == applied
     assert engine.scheduler.waiting.aging_s == 1.5
     for i in range(5):
         engine.add_request(RequestSpec(f"r{i}", [5, 6], GREEDY))
     engine.step()
     assert engine.stats()["num_running"] == 2
-    with pytest.raises(ConfigError, match="not live-configurable"):
-        engine.reconfigure(block_size=32)
+    with pytest.raises(ConfigError, match="not live knobs: block_size"):
+        engine.config.live.replace(block_size=32)
     with pytest.raises(ConfigError, match="max_num_seqs must be >= 1"):
-        engine.reconfigure(max_num_seqs=0)
-    assert engine.reconfigure(max_num_seqs=10_000)["max_num_seqs"] == 64  # bounded by the KV pool's blocks
+        engine.config.live.replace(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="max_num_seqs must be an integer"):
+        engine.config.live.replace(max_num_seqs="8")
+    assert engine.reconfigure(engine.config.live.replace(max_num_seqs=10_000)).max_num_seqs == 64  # the KV pool's
+    # knobs that the rest of the config refuses: nothing changes
+    unchunked = create_engine(enable_chunked_prefill=False, max_seq_len=64, max_num_batched_tokens=64)
+    with pytest.raises(ConfigError, match="without chunked prefill"):
+        unchunked.reconfigure(unchunked.config.live.replace(max_num_batched_tokens=32))
+    assert unchunked.config.max_num_batched_tokens == 64
 
 
 def test_timeout_while_queued_finishes_with_timeout() -> None:

@@ -88,7 +88,8 @@ def test_no_block_leak_no_lost_or_duplicated_request(ops, chunked, prefix, polic
             for _ in range(op[1]):
                 collect(engine.step())
         elif kind == "reconfigure":
-            engine.reconfigure(max_num_seqs=op[1], max_num_batched_tokens=max(op[2], 64 if not chunked else 1))
+            budget = max(op[2], 64 if not chunked else 1)
+            engine.reconfigure(engine.config.live.replace(max_num_seqs=op[1], max_num_batched_tokens=budget))
         _check_consistent(engine)
 
     for _ in range(5000):

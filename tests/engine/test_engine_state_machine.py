@@ -151,8 +151,10 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(max_num_seqs=st.integers(1, 8), budget=st.sampled_from([4, 8, 64]), buffers=st.sampled_from([1, 2, 3]),
           aging_s=st.sampled_from([0.5, 1.0, 2.0]))  # fmt: skip
     def reconfigure(self, max_num_seqs, budget, buffers, aging_s) -> None:
-        self.engine.reconfigure(max_num_seqs=max_num_seqs, num_buffers=buffers, aging_s=aging_s,
-                                max_num_batched_tokens=max(budget, 1 if self.chunked else 64))  # fmt: skip
+        budget = max(budget, 1 if self.chunked else 64)
+        live = self.engine.config.live
+        self.engine.reconfigure(live.replace(max_num_seqs=max_num_seqs, num_buffers=buffers, aging_s=aging_s,
+                                             max_num_batched_tokens=budget))  # fmt: skip
         # The bound restarts from here under the new period: a request's level now, one up per period from now.
         self.aging_s = aging_s
         self.queued = {r.request_id: (self.now, r.queue_level, r.times.num_preemptions)

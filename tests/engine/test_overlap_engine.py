@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from overlap.engine import Engine, EngineConfig, SamplingParams
+from overlap.engine import Engine, EngineConfig, LiveKnobs, SamplingParams
 from overlap.engine.model.sim_runner import CostModel, SimRunner
 from overlap.engine.types import FinishReason, RequestSpec
 from tests.support.engine import add_and_run, tokens_of
@@ -123,9 +123,9 @@ def test_reconfigure_returns_what_was_applied_and_drains_in_order():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     assert engine.executor.num_in_flight == 2  # three buffers: two steps still in flight after each step()
-    applied = engine.reconfigure(num_buffers=1, max_num_seqs=10**6, max_num_batched_tokens=32, aging_s=1.0)
-    assert applied["num_buffers"] == 1 and applied["max_num_seqs"] == 64  # bounded by the KV pool
-    assert applied["max_num_batched_tokens"] == 32 and applied["aging_s"] == 1.0
+    knobs = LiveKnobs(num_buffers=1, max_num_seqs=10**6, max_num_batched_tokens=32, aging_s=1.0, default_timeout_s=None)
+    applied = engine.reconfigure(knobs)
+    assert applied == LiveKnobs(64, 32, 1, 1.0, None)  # max_num_seqs bounded by the KV pool
     while engine.has_unfinished():
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
@@ -179,7 +179,7 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
                 "default_timeout_s": rng.choice([None, 600.0]),
             }
             busy_now = engine.has_unfinished()
-            applied_configs.append((knobs, engine.reconfigure(**knobs), busy_now))
+            applied_configs.append((knobs, engine.reconfigure(LiveKnobs(**knobs)), busy_now))
 
     await asyncio.wait_for(asyncio.gather(operator(), *(client(rid) for rid in requests)), timeout=240)
     for _ in range(200):  # the aborts' final outputs come from the next steps
@@ -192,8 +192,8 @@ async def test_soak_1000_streamed_requests_with_20_live_reconfigurations(asynchr
     assert all(busy for _, _, busy in applied_configs), "every change must land while requests are running"
     assert engine.stats()["num_steps_total"] > 200
     for knobs, applied, _ in applied_configs:
-        assert applied["num_buffers"] == knobs["num_buffers"]
-        assert applied["max_num_seqs"] == min(knobs["max_num_seqs"], engine.block_manager.num_blocks)
+        assert applied.num_buffers == knobs["num_buffers"]
+        assert applied.max_num_seqs == min(knobs["max_num_seqs"], engine.block_manager.num_blocks)
     assert set(received) == set(requests)  # none lost
     for rid, (prompt, sampling) in requests.items():
         outs = received[rid]

@@ -153,7 +153,7 @@ def test_the_engine_on_two_ranks_serves_prefix_hits_chunks_logprobs_and_a_retune
                                      num_buffers=2, num_threads=1, tensor_parallel_size=size))  # fmt: skip
         try:
             first = add_and_run(engine, {"a": (prompt, sampling)})["a"]
-            engine.reconfigure(max_num_seqs=2)
+            engine.reconfigure(engine.config.live.replace(max_num_seqs=2))
             again = add_and_run(engine, {"b": (prompt, sampling), "c": (prompt[:20], sampling)})
             assert again["b"][-1].num_cached_tokens >= 16  # served from the prefix cache
             logprobs = [lp for out in first for lp in (out.logprobs or [])]

@@ -10,7 +10,7 @@ import time
 import kubernetes_validate
 import pytest
 
-from overlap.engine.config import LIVE_KNOBS
+from overlap.engine.config import LiveKnobs
 from overlap.operator import children, identity, status
 from overlap.operator import spec as specs
 from overlap.operator.children.containers import wait_while_exists
@@ -170,7 +170,7 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
         changed["resources"]["gpus"] = 2  # one rank per GPU
     before, after = specs.check_spec(base), specs.check_spec(changed)
     hash_changed = specs.restart_hash(before) != specs.restart_hash(after)
-    assert hash_changed == (specs.ENGINE_FIELDS[camel] not in LIVE_KNOBS)
+    assert hash_changed == (specs.ENGINE_FIELDS[camel] not in LiveKnobs.names())
     assert specs.engine_json(before) != specs.engine_json(after)  # the ConfigMap always follows
 
 

@@ -247,7 +247,7 @@ def test_scales_up_on_the_queue_then_retunes_the_running_engine(cluster, prometh
         decision = retuned["status"]["lastDecision"]
         assert "tune before scale" in decision["reason"] and "max_num_seqs 2 -> 4" in decision["reason"]
         assert "batch full" in decision["reason"]
-        assert retuned["status"]["engineConfig"]["max_num_seqs"] == 4
+        assert retuned["status"]["liveKnobs"]["maxNumSeqs"] == 4
         assert retuned["spec"]["replicas"] == 1  # the retune came instead of a replica
         decision = scaled["status"]["lastDecision"]
         assert decision["replicas"] == 3 and "waiting per ready replica > watermark 2" in decision["reason"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from overlap.engine.config import EngineConfig
 from overlap.operator import spec as specs
 from overlap.operator.control.decide import decide
 from overlap.operator.control.policy import (
@@ -19,7 +20,7 @@ from overlap.operator.control.policy import (
     TuningPolicy,
 )
 
-ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_buffers": 2}
+ENGINE = EngineConfig().live  # max_num_seqs 64, max_num_batched_tokens 2048, num_buffers 2
 SCALING = ScalingPolicy(
     mode="builtin",
     min_replicas=1,
@@ -36,7 +37,7 @@ SCALING = ScalingPolicy(
 
 def run(waiting_per_replica: list[float], policy: Policy, replicas: int = 2, step_s: float = 15) -> list:
     """Tick the loop over a sequence of readings, carrying each decision out; the decisions in order."""
-    history, current, decisions = History(), Current(replicas, dict(ENGINE)), []
+    history, current, decisions = History(), Current(replicas, ENGINE), []
     for i, per_replica in enumerate(waiting_per_replica):
         signals = Signals(time=i * step_s, ready_replicas=current.replicas, queue_depth=per_replica * current.replicas)
         decision = decide(signals, current, history, policy)
@@ -107,24 +108,24 @@ TUNING = TuningPolicy(
 
 def tune_once(engine=ENGINE, tuning=TUNING, **readings) -> object:
     signals = Signals(time=100, ready_replicas=1, **readings)
-    return decide(signals, Current(1, dict(engine)), History(), Policy(tuning=tuning))
+    return decide(signals, Current(1, engine), History(), Policy(tuning=tuning))
 
 
 def test_kv_pressure_halves_the_batch():
     decision = tune_once(queue_depth=10, kv_cache_usage=0.97)
-    assert decision.action == RETUNE and decision.engine["max_num_seqs"] == 32
+    assert decision.action == RETUNE and decision.engine.max_num_seqs == 32
     assert decision.changes == {"max_num_seqs": (64, 32)}
 
 
 def test_latency_over_slo_from_queueing_raises_the_batch_from_execution_lowers_it():
     queueing = tune_once(queue_depth=50, p99_latency_s=5.0, queue_time_share=0.8)
-    assert queueing.engine["max_num_seqs"] == 128 and "80% of it queueing" in queueing.reason
+    assert queueing.engine.max_num_seqs == 128 and "80% of it queueing" in queueing.reason
     execution = tune_once(queue_depth=0, p99_latency_s=5.0, queue_time_share=0.1)
-    assert execution.engine["max_num_seqs"] == 32
+    assert execution.engine.max_num_seqs == 32
 
 
 def test_at_the_bound_the_next_knob_moves():
-    at_floor = {**ENGINE, "max_num_seqs": 16}
+    at_floor = ENGINE.replace(max_num_seqs=16)
     decision = tune_once(at_floor, queue_depth=0, p99_latency_s=5.0, queue_time_share=0.1)
     assert decision.changes == {"max_num_batched_tokens": (2048, 1024)}
 
@@ -132,7 +133,7 @@ def test_at_the_bound_the_next_knob_moves():
 def test_idle_device_with_a_queue_adds_a_buffer_then_raises_the_batch():
     decision = tune_once(queue_depth=20, device_busy=0.4)
     assert decision.changes == {"num_buffers": (2, 3)}
-    decision = tune_once({**ENGINE, "num_buffers": 3}, queue_depth=20, device_busy=0.4)
+    decision = tune_once(ENGINE.replace(num_buffers=3), queue_depth=20, device_busy=0.4)
     assert decision.changes == {"max_num_seqs": (64, 128)}
 
 
@@ -257,8 +258,16 @@ def test_readings_are_averaged_over_the_interval():
     assert tune_once(queue_depth=2, device_busy=0.95, queue_time_share=0.1, p99_latency_s=3.0).action == RETUNE
 
 
+def test_a_retune_reports_the_whole_live_knobs_in_the_crds_spelling():
+    decision = tune_once(kv_cache_usage=0.95)
+    assert decision.engine == ENGINE.replace(max_num_seqs=32) and decision.changes == {"max_num_seqs": (64, 32)}
+    reported = decision.to_status("2026-01-01T00:00:00Z")["engine"]
+    # camelCase from LiveKnobs' fields; default_timeout_s, unset, is left out (a merge patch cannot store null)
+    assert reported == {"maxNumSeqs": 32, "maxNumBatchedTokens": 2048, "numBuffers": 2, "agingSeconds": 5.0}
+
+
 def test_the_tuner_does_not_undo_its_own_last_move_soon():
-    history, engine = History(), dict(ENGINE)
+    history, engine = History(), ENGINE
     first = decide(Signals(0, 1, 50, p99_latency_s=5.0, queue_time_share=0.9), Current(1, engine), history,
                    Policy(tuning=TUNING))  # fmt: skip
     history.record(Signals(0, 1, 50, p99_latency_s=5.0, queue_time_share=0.9), first)

@@ -9,6 +9,7 @@ real cluster.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -553,3 +554,35 @@ def test_model_paths_that_leave_their_volume_are_refused_twice(reliability) -> N
         load="one InferenceService each", outcome="each refused by the CRD's CEL rules and by the operator, with the "
         "same message (e.g. " + repr(BAD_MODELS[0].values[1]) + ")",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("copy_of", ["crds", "charts/overlap/files/crds"])
+def test_the_crds_live_knobs_are_the_engines_live_knobs(copy_of: str) -> None:
+    """spec.engine's fields marked Live, status.liveKnobs and tuning.bounds against LiveKnobs (one definition):
+    the same names (camelCased by the one function), types, and limits the engine accepts."""
+    from overlap.engine.config import EngineConfig, LiveKnobs, camel_case
+    from overlap.engine.errors import ConfigError
+
+    crd = yaml.safe_load((REPO / copy_of / "inferenceservices.overlap.dev.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    engine = schema["properties"]["spec"]["properties"]["engine"]["properties"]
+    status = schema["properties"]["status"]["properties"]["liveKnobs"]["properties"]
+    bounds = schema["properties"]["spec"]["properties"]["tuning"]["properties"]["bounds"]["properties"]
+    names = {camel_case(name): name for name in LiveKnobs.names()}
+    live = {key for key, field in engine.items() if field.get("description", "").endswith("Live.")}
+    assert live == set(names) == set(status)
+    assert set(bounds) == {camel_case(knob) for knob in specs.TUNABLE_KNOBS} and set(bounds) <= live
+    kinds = {"int": "integer", "float": "number", "float | None": "number"}
+    start = EngineConfig().live
+    for key, name in names.items():
+        kind = kinds[next(f.type for f in dataclasses.fields(LiveKnobs) if f.name == name)]
+        assert engine[key]["type"] == status[key]["type"] == kind, key
+        if "default" in engine[key]:
+            assert engine[key]["default"] == getattr(start, name), key
+        low, step = engine[key]["minimum"], 1 if kind == "integer" else 1e-3
+        lowest = low + step if engine[key].get("exclusiveMinimum") else low
+        assert getattr(start.replace(**{name: lowest}), name) == lowest, key  # the CRD's lowest value runs
+        with pytest.raises(ConfigError):
+            start.replace(**{name: lowest - step})  # and below it the engine refuses, as the API server does
+        if "maximum" in engine[key]:
+            start.replace(**{name: engine[key]["maximum"]})

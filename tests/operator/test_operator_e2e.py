@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from overlap.engine.config import LiveKnobs
 from overlap.operator import identity
 from tests.operator.conftest import API_TIMEOUT_S
 from tests.support.cluster import (
@@ -96,7 +97,7 @@ def test_status_follows_api_conventions(cluster, applied) -> None:
     assert st["readyReplicas"] == 1 and st["replicas"] == 1
     assert st["selector"] == "app.kubernetes.io/name=overlap,overlap.dev/inferenceservice=" + NAME
     assert st["url"] == f"http://{NAME}.{NAMESPACE}.svc:8000"
-    assert st["engineConfig"] == {k: v for k, v in configmap_engine(cluster).items() if v is not None}
+    assert st["liveKnobs"] == LiveKnobs.of(configmap_engine(cluster)).to_camel()
     for cond in st["conditions"]:
         assert set(cond) >= {"type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"}
     assert condition(service, "Degraded")["status"] == "False"
@@ -134,7 +135,7 @@ def test_live_knob_edit_changes_the_configmap_not_the_pod_template(cluster, appl
     wait_for(lambda: configmap_engine(cluster)["max_num_seqs"] == 48, what="the ConfigMap to follow")
     time.sleep(0.5)  # give a wrong rollout the chance to show up
     assert cluster.get("deployment", NAME)["spec"]["template"] == template_before
-    wait_for(lambda: cluster.service(NAME)["status"]["engineConfig"]["max_num_seqs"] == 48, what="status.engineConfig")
+    wait_for(lambda: cluster.service(NAME)["status"]["liveKnobs"]["maxNumSeqs"] == 48, what="status.liveKnobs")
 
 
 def test_restart_knob_edit_rolls_the_pods(cluster, applied) -> None:

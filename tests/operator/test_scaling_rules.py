@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from overlap.engine.config import EngineConfig
 from overlap.operator.control.decide import decide
 from overlap.operator.control.forecast import BurstMemory, CapacityProfile, ColdStart, RateForecast
 from overlap.operator.control.policy import (
@@ -24,7 +25,7 @@ from overlap.operator.control.policy import (
     TuningPolicy,
 )
 
-ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "num_buffers": 2}
+ENGINE = EngineConfig().live  # max_num_seqs 64, max_num_batched_tokens 2048, num_buffers 2
 BASE = ScalingPolicy(
     mode="builtin",
     min_replicas=1,
@@ -54,7 +55,7 @@ def run(
     """Tick the loop over readings (Signals fields; ready_replicas defaults to the replicas asked for) from
     `start_s`, carrying each decision out; the decisions in order."""
     history = history or History(scaling=policy.scaling)
-    current, decisions = Current(replicas, dict(ENGINE)), []
+    current, decisions = Current(replicas, ENGINE), []
     for i, fields in enumerate(readings):
         signals = Signals(time=start_s + i * step_s, **{"ready_replicas": current.replicas, **fields})
         decision = decide(signals, current, history, policy)
@@ -107,7 +108,7 @@ def test_slo_law_waits_for_warming_pods():
 
 def learned_history(policy: Policy, capacity: float = 50.0) -> History:
     history = History(scaling=policy.scaling)
-    history.capacity.samples[ENGINE["max_num_seqs"]] = deque([capacity] * history.capacity.min_readings)
+    history.capacity.samples[ENGINE.max_num_seqs] = deque([capacity] * history.capacity.min_readings)
     return history
 
 
@@ -338,7 +339,7 @@ def test_a_full_batch_with_kv_headroom_is_raised_before_a_replica_is_added():
     busy = {"queue_depth": 100, "batch_size": 64, "kv_cache_usage": 0.3}  # 50 waiting per replica, batches full
     decisions = run([busy] * 3, policy, replicas=2)
     assert decisions[-1].action == RETUNE
-    assert decisions[-1].engine["max_num_seqs"] == 128 and "tune before scale" in decisions[-1].reason
+    assert decisions[-1].engine.max_num_seqs == 128 and "tune before scale" in decisions[-1].reason
     assert decisions[-1].replicas == 2
 
 
@@ -348,7 +349,7 @@ def test_a_finish_between_steps_does_not_turn_the_raise_into_a_replica():
     policy = Policy(scaling=scaling(predictive=False), tuning=TUNING)
     dipped = {"queue_depth": 100, "running": 30, "batch_size": 63, "kv_cache_usage": 0.3}
     decisions = run([dipped] * 3, policy, replicas=2)
-    assert decisions[-1].action == RETUNE and decisions[-1].engine["max_num_seqs"] == 128
+    assert decisions[-1].action == RETUNE and decisions[-1].engine.max_num_seqs == 128
 
 
 def test_a_batch_that_has_just_filled_is_raised_before_the_mean_batch_shows_it():

@@ -84,6 +84,10 @@ def test_admin_put_applies_live_knobs_and_refuses_the_rest(stack):
     assert status == 200, body
     assert body["applied"] == {"max_num_seqs": 8, "aging_s": 2.5}
     assert http("GET", url, headers=AUTH)[2]["config"]["max_num_seqs"] == 8
+    status, _, body = http("PUT", url, {"num_buffers": 1}, headers=AUTH)  # one knob: the others keep their values
+    assert status == 200 and body["applied"] == {"num_buffers": 1}
+    config = http("GET", url, headers=AUTH)[2]["config"]
+    assert (config["num_buffers"], config["max_num_seqs"], config["aging_s"]) == (1, 8, 2.5)
     for bad in ({"block_size": 32}, {"max_num_seqs": 0}, {"max_num_seqs": "x"}, {}, {"num_buffers": 9}):
         status, _, body = http("PUT", url, bad, headers=AUTH)
         assert status == 400, (bad, body)

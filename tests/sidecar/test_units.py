@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from overlap.engine.config import LiveKnobs
 from overlap.engine.serving import protocol as p
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams, TokenLogprob
 from overlap.sidecar.admission import Admission
@@ -19,7 +20,7 @@ def test_protocol_round_trip_over_a_socket():
     messages = [
         p.AddRequest.from_record(spec),
         p.Abort(["r1", "r2"]),
-        p.Reconfigure(3, {"max_num_seqs": 8}),
+        p.Reconfigure(3, LiveKnobs(8, 2048, 2, 5.0, None)),
         p.Outputs([p.WireOutput.from_output(out)]),
         p.RequestError("r9", "too long"),
         p.StatsReply(4, {"num_waiting": 1, "config": {"a": None}}),
@@ -36,6 +37,27 @@ def test_protocol_round_trip_over_a_socket():
     back = received[3].outputs[0].to_output()
     assert back == out
     assert received[0].to_record() == spec
+
+
+def test_a_reconfigure_frame_carries_all_live_knobs_checked_on_arrival():
+    """The wire's Reconfigure holds a whole LiveKnobs: a frame with a knob missing, out of range or of another name
+    is an undecodable frame, never a partial change."""
+    import msgspec
+
+    knobs = LiveKnobs(8, 2048, 2, 5.0, None)
+    frame = p.encode(p.Reconfigure(3, knobs))[4:]
+    assert p.decode(frame).knobs == knobs
+
+    def with_knobs(fields: dict) -> bytes:  # the same frame, its knobs replaced
+        raw = msgspec.msgpack.decode(frame)
+        return msgspec.msgpack.encode([fields if isinstance(v, dict) else v for v in raw])
+
+    assert p.decode(with_knobs(knobs.to_dict())).knobs == knobs
+    for bad in ({"max_num_seqs": 0}, {"num_buffers": 9}, {"max_num_seqs": "8"}):
+        with pytest.raises(p.ProtocolError, match=next(iter(bad))):
+            p.decode(with_knobs({**knobs.to_dict(), **bad}))
+    with pytest.raises(p.ProtocolError, match="aging_s"):
+        p.decode(with_knobs({k: v for k, v in knobs.to_dict().items() if k != "aging_s"}))
 
 
 def test_every_request_field_crosses_the_wire():

@@ -4,18 +4,18 @@ This package imports nothing else from Overlap; the sidecar, operator and benchm
 """
 
 from overlap.engine import _openmp  # noqa: F401  (before anything loads torch)
-from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams
 
 __all__ = [
-    "LIVE_KNOBS",
     "ConfigError",
     "Engine",
     "EngineConfig",
     "FinishReason",
     "InvalidRequestError",
+    "LiveKnobs",
     "ModelLoadError",
     "OverlapError",
     "RequestOutput",

@@ -6,12 +6,12 @@ import argparse
 import dataclasses
 import json
 import math
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from overlap.engine.errors import ConfigError
 
-# Knobs that `Engine.reconfigure()` may change while the engine runs (applied at a step boundary).
-LIVE_KNOBS = frozenset({"max_num_seqs", "max_num_batched_tokens", "num_buffers", "aging_s", "default_timeout_s"})
 CPU_STEP_PLANS = ("auto", "halves", "whole")  # EngineConfig.cpu_step_plan
 # EngineConfig.quantization (vLLM's names); model/quant/formats.py reads each
 QUANTIZATION_METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "mxfp4")
@@ -27,6 +27,72 @@ REFUSED_SPECULATIVE_METHODS = {
     "suffix": "suffix decoding is not implemented; use method ngram",
 }
 MAX_SPECULATIVE_TOKENS = 16
+
+
+def camel_case(name: str) -> str:
+    """A snake_case field's name in the CRD and the operator's status: camelCase, a trailing `_s` spelled
+    `Seconds` as Kubernetes APIs spell units (aging_s -> agingSeconds)."""
+    name = re.sub(r"_s$", "_seconds", name)
+    return re.sub(r"_([a-z])", lambda m: m[1].upper(), name)
+
+
+@dataclass(frozen=True, slots=True)
+class LiveKnobs:
+    """What may change while an engine runs, applied at a step boundary: the one definition the operator's control
+    loop decides, its status stores (camelCased by `camel_case`), the admin PUT and the engine wire carry, and
+    `Engine.reconfigure` takes. EngineConfig holds the same fields (the start values, and what the ConfigMap's
+    engine file holds) and checks them here."""
+
+    max_num_seqs: int  # the "max batch size"
+    max_num_batched_tokens: int  # per-step token budget
+    num_buffers: int  # steps in flight: 1 = synchronous, 2 = double buffering (1..4)
+    aging_s: float  # a request waiting longer than this moves up one priority level
+    default_timeout_s: float | None  # queued longer than this -> finished with reason "timeout"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_buffers"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise ConfigError(f"{name} must be an integer, got {value!r}")
+        for name in ("aging_s", "default_timeout_s"):
+            value = getattr(self, name)
+            if type(value) not in (int, float) and not (value is None and name == "default_timeout_s"):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1")
+        if not 1 <= self.num_buffers <= 4:
+            raise ConfigError(f"num_buffers must be in 1..4, got {self.num_buffers}")
+        if self.aging_s <= 0:
+            raise ConfigError(f"aging_s must be > 0, got {self.aging_s}")
+        if self.default_timeout_s is not None and self.default_timeout_s <= 0:
+            raise ConfigError("default_timeout_s must be > 0")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, fields: Mapping | EngineConfig) -> LiveKnobs:
+        """The live knobs of an EngineConfig, or of a mapping of its fields (other keys ignored)."""
+        if isinstance(fields, EngineConfig):
+            return cls(**{name: getattr(fields, name) for name in cls.names()})
+        return cls(**{name: fields[name] for name in cls.names()})
+
+    def replace(self, **changes) -> LiveKnobs:
+        """A checked copy with `changes` applied; ConfigError names an unknown knob."""
+        unknown = set(changes) - set(self.names())
+        if unknown:
+            raise ConfigError(f"not live knobs: {', '.join(sorted(unknown))}; choose from {', '.join(self.names())}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_camel(self) -> dict:
+        """camelCase names (camel_case), unset values left out: status.liveKnobs (a merge patch cannot store null)."""
+        return {camel_case(name): value for name, value in self.to_dict().items() if value is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,8 +254,7 @@ class EngineConfig:
         check(0 < self.kv_cache_ratio <= 0.95, f"kv_cache_ratio must be in (0, 0.95], got {self.kv_cache_ratio}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         check(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        LiveKnobs.of(self)  # checks the live knobs' start values
         check(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_seq_len,
             "without chunked prefill, max_num_batched_tokens must be >= max_seq_len (a prompt must fit one step)",
@@ -203,9 +268,6 @@ class EngineConfig:
             f"queue_policy must be priority|fifo, got {self.queue_policy!r}",
         )
         check(1 <= self.num_priority_levels <= 8, "num_priority_levels must be in 1..8")
-        check(self.aging_s > 0, f"aging_s must be > 0, got {self.aging_s}")
-        check(self.default_timeout_s is None or self.default_timeout_s > 0, "default_timeout_s must be > 0")
-        check(1 <= self.num_buffers <= 4, f"num_buffers must be in 1..4, got {self.num_buffers}")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs must be true or false")
         spec = parse_speculative_config(self.speculative_config)
         self.speculative_config = None if spec is None else spec.to_dict()
@@ -229,6 +291,15 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine config keys: {', '.join(sorted(unknown))}")
         return dataclasses.replace(self, **changes)
+
+    @property
+    def live(self) -> LiveKnobs:
+        """The knobs that may change while the engine runs."""
+        return LiveKnobs.of(self)
+
+    def with_live(self, knobs: LiveKnobs) -> EngineConfig:
+        """A validated copy running `knobs`."""
+        return self.replace(**knobs.to_dict())
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

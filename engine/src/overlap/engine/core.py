@@ -23,7 +23,7 @@ from pathlib import Path
 
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
-from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
 from overlap.engine.execution import StepResult, make_executor
 from overlap.engine.requests.request import Request
@@ -311,20 +311,12 @@ class Engine:
         return outputs
 
     # ---- live configuration ------------------------------------------------------------------------------------
-    def reconfigure(self, **knobs) -> dict:
-        """Change live knobs (LIVE_KNOBS); they take effect at the next step boundary. Returns the config dict that
-        will be applied (max_num_seqs bounded by the KV pool: every running sequence holds at least one block)."""
-        unknown = set(knobs) - LIVE_KNOBS
-        if unknown:
-            raise ConfigError(
-                f"not live-configurable: {', '.join(sorted(unknown))}; choose from {', '.join(sorted(LIVE_KNOBS))}"
-            )
+    def reconfigure(self, knobs: LiveKnobs) -> LiveKnobs:
+        """Run `knobs` from the next step boundary on. Returns the knobs that will run: max_num_seqs bounded by the
+        KV pool (every running sequence holds at least one block). ConfigError for knobs the rest of the config
+        refuses (a token budget below max_seq_len without chunked prefill)."""
         with self._lock:
-            base = self._pending_config or self.config
-            try:
-                new = base.replace(**knobs)
-            except TypeError as exc:
-                raise ConfigError(str(exc)) from None
+            new = (self._pending_config or self.config).with_live(knobs)
             if new.max_num_seqs > self.block_manager.num_blocks:
                 new = new.replace(max_num_seqs=self.block_manager.num_blocks)
             self._pending_config = new
@@ -337,7 +329,7 @@ class Engine:
                     self._apply_config(pending)
             finally:
                 self._step_lock.release()
-        return new.to_dict()
+        return new.live
 
     def _apply_config(self, config: EngineConfig) -> None:
         self.config = config

@@ -43,7 +43,7 @@ class Plan:
                when: str) -> dict[str, Any]:  # fmt: skip
         """The service's new status, from the current one and the engine Deployment and pods as they are."""
         url = children.service_url(self.name, self.namespace, self.spec)
-        return status.service_status(current, deployment, self.config.to_dict(), selector=self.selector, url=url,
+        return status.service_status(current, deployment, self.config.live, selector=self.selector, url=url,
                                      when=when, problems=problems)  # fmt: skip
 
 

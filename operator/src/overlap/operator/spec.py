@@ -14,29 +14,18 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from overlap.engine.config import LIVE_KNOBS, EngineConfig
+from overlap.engine.config import EngineConfig, LiveKnobs, camel_case
 from overlap.engine.delivery.uri import ModelURI, ModelURIError
 from overlap.engine.delivery.uri import parse as parse_uri
 from overlap.engine.errors import ConfigError
 
-# CRD `spec.engine` field (camelCase) -> EngineConfig field (snake_case).
+# The EngineConfig fields a spec may set besides the live knobs (those need a restart).
+_RESTART_FIELDS = ("kv_cache_ratio", "max_seq_len", "num_priority_levels", "dtype", "batching", "queue_policy",
+                   "block_size", "enable_prefix_caching", "enable_chunked_prefill", "simulated_device",
+                   "tensor_parallel_size")  # fmt: skip
+# CRD `spec.engine` field (camelCase, by camel_case) -> EngineConfig field (snake_case).
 ENGINE_FIELDS: dict[str, str] = {
-    "maxNumSeqs": "max_num_seqs",
-    "maxNumBatchedTokens": "max_num_batched_tokens",
-    "numBuffers": "num_buffers",
-    "kvCacheRatio": "kv_cache_ratio",
-    "maxSeqLen": "max_seq_len",
-    "numPriorityLevels": "num_priority_levels",
-    "agingSeconds": "aging_s",
-    "defaultTimeoutSeconds": "default_timeout_s",
-    "dtype": "dtype",
-    "batching": "batching",
-    "queuePolicy": "queue_policy",
-    "blockSize": "block_size",
-    "enablePrefixCaching": "enable_prefix_caching",
-    "enableChunkedPrefill": "enable_chunked_prefill",
-    "simulatedDevice": "simulated_device",
-    "tensorParallelSize": "tensor_parallel_size",
+    **{camel_case(name): name for name in (*LiveKnobs.names(), *_RESTART_FIELDS)},
     "speculative": "speculative_config",
 }
 # engine.speculative (camelCase) -> vLLM's speculative_config keys
@@ -51,8 +40,8 @@ DEFAULT_MODEL_CACHE_HOSTPATH = "/var/lib/overlap/models"
 MODEL_IMAGE_DIR = "/var/run/overlap-model-image"  # an oci:// model mounted as an image volume; the model is models/
 REGISTRY_CONFIG_DIR = "/var/run/overlap-registry"  # DOCKER_CONFIG of an oci:// fetch: the pull Secret's config.json
 
-# Knobs the tuner may move (spec.tuning.bounds keys).
-TUNABLE_KNOBS = ("maxNumSeqs", "maxNumBatchedTokens", "numBuffers")
+# The live knobs the tuner may move (spec.tuning.bounds holds them camelCased).
+TUNABLE_KNOBS = ("max_num_seqs", "max_num_batched_tokens", "num_buffers")
 
 
 # autoscaling.mode values under which decide() computes replica moves (builtin applies them, advise reports them).
@@ -323,14 +312,14 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     config = engine_config(spec)
     bounds = (spec.get("tuning") or {}).get("bounds") or {}
     for knob in TUNABLE_KNOBS:
-        if knob not in bounds:
+        name = camel_case(knob)
+        if name not in bounds:
             continue
-        lo, hi = bounds[knob]["min"], bounds[knob]["max"]
+        lo, hi = bounds[name]["min"], bounds[name]["max"]
         if lo > hi:
-            raise SpecError(f"tuning.bounds.{knob}: min must be <= max")
-        start = getattr(config, ENGINE_FIELDS[knob])
-        if not lo <= start <= hi:
-            raise SpecError(f"tuning.bounds.{knob} must contain engine.{knob} (the start value)")
+            raise SpecError(f"tuning.bounds.{name}: min must be <= max")
+        if not lo <= getattr(config, knob) <= hi:
+            raise SpecError(f"tuning.bounds.{name} must contain engine.{name} (the start value)")
 
     mode = (spec.get("routing") or {}).get("mode", "service")
     if mode not in ROUTING_MODES:
@@ -374,31 +363,27 @@ def engine_json(config: EngineConfig) -> str:
 
 def restart_hash(config: EngineConfig) -> str:
     """A hash of the knobs the engine cannot change live: it goes into the pod template, so pods roll on change."""
-    frozen = {key: value for key, value in config.to_dict().items() if key not in LIVE_KNOBS}
+    frozen = {key: value for key, value in config.to_dict().items() if key not in LiveKnobs.names()}
     return hashlib.sha256(json.dumps(frozen, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def tunable_values(config: EngineConfig) -> dict[str, int]:
-    """The tuner's knobs in `config` (snake_case, as the engine and its admin API name them)."""
-    return {ENGINE_FIELDS[knob]: getattr(config, ENGINE_FIELDS[knob]) for knob in TUNABLE_KNOBS}
-
-
 def tuned_config(config: EngineConfig, spec: Mapping[str, Any], status: Mapping[str, Any] | None) -> EngineConfig:
-    """`config` with the knobs the tuner set (kept in status.engineConfig), while tuning is on.
+    """`config` with the knobs the tuner set (status.liveKnobs), while tuning is on.
 
     With spec.tuning.enabled, spec.engine's tunable knobs are start values and the tuner owns them afterwards, as
     the autoscaler owns spec.replicas; a tuned value outside today's bounds is dropped (the spec's value returns).
     """
     tuning = spec.get("tuning") or {}
-    applied = (status or {}).get("engineConfig") or {}
+    applied = (status or {}).get("liveKnobs") or {}
     if not tuning.get("enabled") or not applied:
         return config
     bounds = tuning.get("bounds") or {}
     tuned = {}
     for knob in TUNABLE_KNOBS:
-        field, value = ENGINE_FIELDS[knob], applied.get(ENGINE_FIELDS[knob])
-        if knob in bounds and isinstance(value, int) and bounds[knob]["min"] <= value <= bounds[knob]["max"]:
-            tuned[field] = value
+        name = camel_case(knob)
+        value = applied.get(name)
+        if name in bounds and isinstance(value, int) and bounds[name]["min"] <= value <= bounds[name]["max"]:
+            tuned[knob] = value
     try:
         return config.replace(**tuned)
     except ConfigError:  # e.g. a token budget below max_seq_len once chunked prefill was turned off

@@ -11,6 +11,8 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from overlap.engine.config import LiveKnobs
+
 READY, PROGRESSING, DEGRADED, SCALING, TUNED = "Ready", "Progressing", "Degraded", "Scaling", "Tuned"
 MODEL_READY = "ModelReady"
 
@@ -199,7 +201,7 @@ def deployment_degraded(deployment: Mapping[str, Any] | None, generation: int | 
 def service_status(
     owner: Mapping[str, Any],
     deployment: Mapping[str, Any] | None,
-    engine_config: Mapping[str, Any],
+    live_knobs: LiveKnobs,
     *,
     selector: str,
     url: str,
@@ -218,8 +220,7 @@ def service_status(
         "readyReplicas": dep_status.get("readyReplicas") or 0,
         "selector": selector,
         "url": url,
-        # Unset (None) fields are left out: a merge patch cannot store null.
-        "engineConfig": {key: value for key, value in engine_config.items() if value is not None},
+        "liveKnobs": live_knobs.to_camel(),
         "conditions": merge_conditions((owner.get("status") or {}).get("conditions") or [], conditions),
     }
 

@@ -8,10 +8,9 @@ import hashlib
 import logging
 from pathlib import Path
 
-import msgspec
 from aiohttp import web
 
-from overlap.engine.config import LIVE_KNOBS
+from overlap.engine.config import LiveKnobs
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving.client import EngineUnavailable
 from overlap.sidecar.http import json_response, read_body
@@ -60,19 +59,6 @@ class AdminToken:
 ADMIN_TOKEN = web.AppKey("admin_token", AdminToken)
 
 
-class LiveKnobs(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of PUT /admin/config: any subset of the engine's live knobs (overlap.engine.LIVE_KNOBS)."""
-
-    max_num_seqs: int | msgspec.UnsetType = msgspec.UNSET
-    max_num_batched_tokens: int | msgspec.UnsetType = msgspec.UNSET
-    num_buffers: int | msgspec.UnsetType = msgspec.UNSET
-    aging_s: float | msgspec.UnsetType = msgspec.UNSET
-    default_timeout_s: float | msgspec.UnsetType | None = msgspec.UNSET
-
-
-assert set(LiveKnobs.__struct_fields__) == set(LIVE_KNOBS), "LiveKnobs must list exactly the engine's LIVE_KNOBS"
-
-
 @web.middleware
 async def bearer_auth(request: web.Request, handler):
     if not bearer_matches(request.headers.get("Authorization", ""), request.app[ADMIN_TOKEN].current()):
@@ -87,23 +73,25 @@ async def get_config(request: web.Request) -> web.Response:
         stats = await state.client.stats()
     except EngineUnavailable as exc:
         raise engine_unavailable() from exc
-    return json_response({"config": stats.get("config", {}), "live_knobs": sorted(LIVE_KNOBS)})
+    return json_response({"config": stats.get("config", {}), "live_knobs": list(LiveKnobs.names())})
 
 
 async def put_config(request: web.Request) -> web.Response:
+    """Any of the live knobs (LiveKnobs' names); the others keep the values the engine runs."""
     state = request.app[STATE]
-    patch = await read_body(request, LiveKnobs)
-    knobs = {k: v for k in LIVE_KNOBS if (v := getattr(patch, k)) is not msgspec.UNSET}
-    if not knobs:
-        raise ApiError(400, f"nothing to apply: send some of {', '.join(sorted(LIVE_KNOBS))}")
+    patch = await read_body(request, dict)
+    if not patch:
+        raise ApiError(400, f"nothing to apply: send some of {', '.join(LiveKnobs.names())}")
     try:
-        config = await state.client.reconfigure(knobs)
+        config = (await state.client.stats())["config"]
+        knobs = await state.client.reconfigure(LiveKnobs.of(config).replace(**patch))
     except ConfigError as exc:
         raise ApiError(400, f"not applied: {exc}") from exc
     except EngineUnavailable as exc:
         raise engine_unavailable() from exc
-    log.info("live config applied through the admin API: %s", knobs)
-    return json_response({"applied": {k: config.get(k) for k in knobs}, "config": config})
+    log.info("live config applied through the admin API: %s", patch)
+    applied = knobs.to_dict()
+    return json_response({"applied": {k: applied[k] for k in patch}, "config": {**config, **applied}})
 
 
 def init_admin_app(state: ServerState, token: str, token_file: str | None = None) -> web.Application:
@@ -138,11 +126,12 @@ async def watch_config_file(state: ServerState, path: Path, interval_s: float) -
         try:
             fields = read_config_file(path)
             current = (await state.client.stats()).get("config", {})
-            changes = {k: v for k, v in fields.items() if k in LIVE_KNOBS and current.get(k) != v}
-            restart_only = sorted(k for k, v in fields.items() if k not in LIVE_KNOBS and current.get(k) != v)
-            if changes:
-                await state.client.reconfigure(changes)
-                log.info("applied live config from %s: %s", path, changes)
+            running = LiveKnobs.of(current)
+            knobs = running.replace(**{k: v for k, v in fields.items() if k in LiveKnobs.names()})
+            restart_only = sorted(k for k, v in fields.items() if k not in LiveKnobs.names() and current.get(k) != v)
+            if knobs != running:
+                await state.client.reconfigure(knobs)
+                log.info("applied live config from %s: %s", path, knobs)
             if restart_only:
                 log.warning("%s changes %s, which take effect only when the engine restarts", path, restart_only)
             applied_digest = digest

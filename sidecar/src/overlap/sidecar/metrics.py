@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from overlap.engine.config import LIVE_KNOBS
+from overlap.engine.config import LiveKnobs
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
@@ -121,7 +121,7 @@ class EngineCollector(Collector):
             yield family
         config = stats.get("config") or {}
         family = GaugeMetricFamily("overlap_engine_config", "The engine's live configuration knobs", labels=["knob"])
-        for knob in sorted(LIVE_KNOBS):
+        for knob in LiveKnobs.names():
             value = config.get(knob)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([knob], float(value))

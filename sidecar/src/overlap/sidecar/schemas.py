@@ -170,16 +170,6 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens: list[Annotated[int, msgspec.Meta(ge=0)]]  # the upper bound is the model's vocabulary, checked later
 
 
-class ConfigPatch(msgspec.Struct):
-    """Body of PUT /admin/config: live knobs only (see overlap.engine.LIVE_KNOBS)."""
-
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    num_buffers: int | None = None
-    aging_s: float | None = None
-    default_timeout_s: float | None = None
-
-
 def chat_messages_as_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """Messages for the chat template, with content as plain text. Raises ValueError on bad messages."""
     if not messages:

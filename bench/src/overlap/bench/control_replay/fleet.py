@@ -7,18 +7,19 @@ import threading
 import time
 
 from overlap.bench.control_replay.plan import Setup
+from overlap.engine.config import LiveKnobs
 
 
 class Replica:
     """One simulated pod: an Engine on an asynchronous SimRunner, stepped by its own thread. Times are seconds on
     the run's clock (`clock()`)."""
 
-    def __init__(self, name: str, setup: Setup, knobs: dict, clock, ready_at: float, on_finished) -> None:
+    def __init__(self, name: str, setup: Setup, knobs: LiveKnobs, clock, ready_at: float, on_finished) -> None:
         from overlap.engine import Engine, EngineConfig
         from overlap.engine.model.sim_runner import CostModel, SimRunner
 
         fixed_ms, per_token_us = setup.cost_ms_us
-        config = EngineConfig(**knobs)
+        config = EngineConfig().with_live(knobs)
         runner = SimRunner.from_config(config, CostModel(fixed_ms / 1000, per_token_us / 1e6), asynchronous=True)
         self.name = name
         self.engine = Engine(config, runner=runner)

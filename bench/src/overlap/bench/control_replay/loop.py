@@ -15,6 +15,7 @@ from overlap.bench.control_replay.plan import PROGRESS_EVERY_S, SIGNAL_WINDOW_S,
 from overlap.bench.report import RequestRecord, RunResult
 from overlap.bench.traces import Trace
 from overlap.bench.workload import fit_to_context, prompt_token_ids
+from overlap.engine.config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -72,7 +73,7 @@ class _Loop:
                 setup.ttft_slo_s,
                 setup.tpot_slo_s,
             )
-        self.knobs = {"max_num_seqs": setup.max_num_seqs, "max_num_batched_tokens": 2048, "num_buffers": 2}
+        self.knobs = EngineConfig(max_num_seqs=setup.max_num_seqs, max_num_batched_tokens=2048, num_buffers=2).live
         # the history must reach back over a whole load period for the daily profile
         keep_s = max(900 / setup.time_scale, 1.1 * setup.period_s if setup.period_s < 1e5 else 0)
         self.history = History(
@@ -179,11 +180,11 @@ class _Loop:
 
         signals = self.signals(now)
         asked = [r for r in self.fleet if r.is_asked_for]
-        decision = decide(signals, Current(len(asked), dict(self.knobs)), self.history, self.policy)
+        decision = decide(signals, Current(len(asked), self.knobs), self.history, self.policy)
         if self.baseline is not None:
             target, why = self.baseline.target(signals, len(asked))
             action = SCALE_UP if target > len(asked) else SCALE_DOWN if target < len(asked) else "hold"
-            decision = Decision(action, f"{self.plan.label}: {why}", target, dict(self.knobs))
+            decision = Decision(action, f"{self.plan.label}: {why}", target, self.knobs)
         if decision.action == SCALE_UP:
             for _ in range(decision.replicas - len(asked)):
                 self.add_replica(cold=True)
@@ -193,9 +194,9 @@ class _Loop:
             for replica in victims[: len(asked) - decision.replicas]:
                 replica.drain(now)
         elif decision.action == RETUNE:
-            self.knobs = {k: int(decision.engine.get(k, v)) for k, v in self.knobs.items()}
+            self.knobs = decision.engine
             for replica in asked:
-                replica.engine.reconfigure(**{k: self.knobs[k] for k in decision.changes})
+                replica.engine.reconfigure(self.knobs)
         self.history.record(signals, decision)
         if decision.action != "hold":
             entry = {"t": round(now, 3), "action": decision.action, "replicas": decision.replicas}
@@ -263,7 +264,7 @@ class _Loop:
         for replica in self.fleet:
             replica.close()
         run.replica_seconds = sum(r.lifetime(wall) for r in self.fleet)
-        run.final_knobs = dict(self.knobs)
+        run.final_knobs = self.knobs.to_dict()
         run.submit_lag_ms = {
             "p99": float(np.percentile(lags, 99) * 1000) if lags else 0.0,
             "max": max(lags, default=0.0) * 1000,

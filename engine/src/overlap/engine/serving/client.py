@@ -10,6 +10,7 @@ import itertools
 import logging
 from collections.abc import Callable
 
+from overlap.engine.config import LiveKnobs
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving import protocol as p
 from overlap.engine.types import RequestSpec
@@ -196,9 +197,9 @@ class EngineClient:
         """The prefix cache's changes after event `since` of engine `epoch` (a snapshot when that is stale)."""
         return await self._ask(lambda seq: p.KvEventsRequest(seq, since, epoch), timeout)
 
-    async def reconfigure(self, knobs: dict, timeout: float = 10.0) -> dict:
-        """Apply live knobs; returns the engine's config after the change. Raises ConfigError on bad values."""
+    async def reconfigure(self, knobs: LiveKnobs, timeout: float = 10.0) -> LiveKnobs:
+        """Run `knobs` from the engine's next step on; returns what it runs. ConfigError when the engine refuses."""
         reply = await self._ask(lambda seq: p.Reconfigure(seq, knobs), timeout)
         if reply.error is not None:
             raise ConfigError(reply.error)
-        return reply.applied or {}
+        return reply.applied

@@ -19,14 +19,8 @@ from typing import Any
 
 import msgspec
 
-from overlap.engine.types import (
-    FinishReason,
-    RequestOutput,
-    RequestSpec,
-    RequestTimes,
-    SamplingParams,
-    TokenLogprob,
-)
+from overlap.engine.config import LiveKnobs
+from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams, TokenLogprob
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a sanity bound: a larger length prefix means a corrupt stream
@@ -87,7 +81,7 @@ class Abort(_Message, tag="abort"):
 
 class Reconfigure(_Message, tag="reconf"):
     seq: int
-    knobs: dict[str, Any]
+    knobs: LiveKnobs  # all of them: what the engine runs from its next step on
 
 
 class StatsRequest(_Message, tag="stats?"):
@@ -203,7 +197,7 @@ class RequestError(_Message, tag="reqerr"):
 
 class ReconfigureReply(_Message, tag="reconf!"):
     seq: int
-    applied: dict[str, Any] | None = None  # the engine's config after the change
+    applied: LiveKnobs | None = None  # what the engine runs after the change
     error: str | None = None  # ConfigError message when nothing was applied
 
 

@@ -172,10 +172,10 @@ class EngineServer:
                 self.engine.abort(f"{conn.id}:{request_id}")
         elif isinstance(message, p.Reconfigure):
             try:
-                applied = self.engine.reconfigure(**message.knobs)
+                applied = self.engine.reconfigure(message.knobs)
                 self._hello_frame = self._hello()  # later connections see the new config
-                conn.send(p.ReconfigureReply(seq=message.seq, applied=_plain(applied)))
-            except (ConfigError, TypeError, ValueError) as exc:
+                conn.send(p.ReconfigureReply(seq=message.seq, applied=applied))
+            except ConfigError as exc:
                 conn.send(p.ReconfigureReply(seq=message.seq, error=str(exc)))
         elif isinstance(message, p.StatsRequest):
             stats = dict(self.engine.stats())

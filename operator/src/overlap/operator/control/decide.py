@@ -67,7 +67,7 @@ def decide(signals: Signals, current: Current, history: History, policy: Policy)
     a larger batch while the engines have headroom (tune before scale). Scale-in goes as far as the forecast load
     allows (at most half the fleet per step), and only when the smaller fleet carries it."""
     scaling = policy.scaling
-    engine = dict(current.engine)
+    engine = current.engine
     floor = _floor(signals, current, history, scaling) if scaling.scales else None
 
     marks = {"floor": floor.replicas, "load": floor.load} if floor is not None else {}
@@ -177,7 +177,7 @@ def _floor(signals: Signals, current: Current, history: History, policy: Scaling
     """The predictive floor; None before both a forecast and a capacity are known."""
     if not policy.predictive or signals.arrival_rate is None:
         return None
-    capacity = history.capacity.get(int(current.engine.get("max_num_seqs", 0)))
+    capacity = history.capacity.get(current.engine.max_num_seqs)
     if capacity is None:
         return None
     horizon = history.horizon_s()

@@ -5,9 +5,11 @@ are on): read the signals (overlap.operator.control.signals), `decide` (overlap.
 
 - scale: patch spec.replicas (the operator owns it with autoscaling.mode builtin); the update handler rolls it
   into the Deployment;
-- retune: write the knobs to status.engineConfig and the ConfigMap (new and restarted pods start tuned, running
-  sidecars' file watch picks it up), and PUT them to every ready pod's admin port at once (bearer token from the
-  service's Secret) so the change does not wait for the kubelet's ConfigMap sync;
+- retune: write the LiveKnobs to status.liveKnobs and the ConfigMap (new and restarted pods start tuned), and PUT
+  them to every ready pod's admin port (bearer token from the service's Secret). Two paths to a running pod, each
+  needed: the PUT applies the move at once, so the tuner's next readings measure it (the kubelet's ConfigMap sync
+  takes up to a minute or more); the sidecar's file watch on the ConfigMap reaches a pod whose PUT failed, and
+  carries a user's edit of spec.engine's live knobs, which reconcile writes to the ConfigMap only;
 - always: status.signals (what it saw), status.lastDecision and the Scaling / Tuned conditions; an Event per move.
 
 The history the windows and cooldowns need lives in kopf's per-object memo: an operator restart starts the
@@ -29,7 +31,7 @@ from typing import Any
 import kopf
 from prometheus_client import Counter, Gauge
 
-from overlap.engine.config import EngineConfig
+from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.errors import ConfigError
 from overlap.operator import admin_tokens, children, kube, status
 from overlap.operator import spec as specs
@@ -135,14 +137,13 @@ def run_tick(
         return None
 
     engine = specs.tuned_config(config, spec, current_status)
-    live = specs.tunable_values(engine)
-    decision = decide(reading, Current(spec["replicas"], live), state.history, policy)
+    decision = decide(reading, Current(spec["replicas"], engine.live), state.history, policy)
     advise = policy.scaling.mode == "advise"
     if decision.action == RETUNE and not advise:
         try:
-            engine = engine.replace(**decision.engine)
+            engine = engine.with_live(decision.engine)
         except ConfigError as exc:  # a move the engine refuses (e.g. budget below max_seq_len): hold instead
-            decision = Decision(HOLD, f"retune refused by the engine config: {exc}", decision.replicas, live)
+            decision = Decision(HOLD, f"retune refused by the engine config: {exc}", decision.replicas, engine.live)
     if decision.action in (SCALE_UP, SCALE_DOWN) and not advise:
         kube.scale(name, namespace, decision.replicas)
     state.history.record(reading, decision)
@@ -156,7 +157,7 @@ def run_tick(
         if decision.action != HOLD:
             new["lastAdvice" if advise else "lastDecision"] = decision.to_status(when)
         if decision.action == RETUNE and not advise:
-            new["engineConfig"] = {k: v for k, v in engine.to_dict().items() if v is not None}
+            new["liveKnobs"] = engine.live.to_camel()
         return new
 
     kube.patch_status(name, namespace, compute)
@@ -170,7 +171,7 @@ def run_tick(
             kopf.info(dict(body), reason="Advised", message=message)
         return decision
     if decision.action == RETUNE:
-        # After the status: a reconcile builds the ConfigMap from status.engineConfig, so it must hold the new
+        # After the status: a reconcile builds the ConfigMap from status.liveKnobs, so it must hold the new
         # knobs before the ConfigMap changes (or the operator's own drift repair would put the old ones back).
         _retune(body, spec, engine, logger)
     if decision.action != HOLD:
@@ -189,7 +190,7 @@ def _forecast_status(history: History, decision: Decision, reading: signals.Sign
         "coldStartSeconds": history.cold_start.seconds(),
         "arrivalRate": history.expected_rate(reading.time),
         "relativeError": history.forecast.relative_error,
-        "capacityPerReplica": history.capacity.get(int(decision.engine.get("max_num_seqs", 0))),
+        "capacityPerReplica": history.capacity.get(decision.engine.max_num_seqs),
         "floor": decision.floor,
     }
     return {
@@ -209,21 +210,20 @@ def _export_forecast(namespace: str, name: str, forecast: Mapping[str, Any]) -> 
 def _retune(body: Mapping[str, Any], spec: Mapping[str, Any], engine: EngineConfig, logger: logging.Logger) -> None:
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     kube.apply(children.adopt(children.build_configmap(name, namespace, engine), body))
-    knobs = specs.tunable_values(engine)
     token, _ = admin_tokens.ensure(body)
     for pod_ip in kube.ready_pod_ips(namespace, selector_string(name)):
         url = f"http://{pod_ip}:{spec['sidecar']['adminPort']}/admin/config"
         try:
-            put_admin_config(url, token, knobs)
+            put_admin_config(url, token, engine.live)
         except OSError as exc:  # that pod gets it from the ConfigMap file instead
             logger.warning(f"control loop: PUT {url} failed ({exc}); the pod picks the change up from the file")
 
 
-def put_admin_config(url: str, token: str, knobs: Mapping[str, Any]) -> dict[str, Any]:
+def put_admin_config(url: str, token: str, knobs: LiveKnobs) -> dict[str, Any]:
     """PUT /admin/config on one sidecar; what it applied."""
     request = urllib.request.Request(
         url,
-        data=json.dumps(dict(knobs)).encode(),
+        data=json.dumps(knobs.to_dict()).encode(),
         method="PUT",
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )

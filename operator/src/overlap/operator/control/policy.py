@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from overlap.engine.config import LiveKnobs, camel_case
 from overlap.operator.control.forecast import BurstMemory, CapacityProfile, ColdStart, RateForecast
-from overlap.operator.spec import DEFAULTS, ENGINE_FIELDS, SCALING_MODES, TUNABLE_KNOBS
+from overlap.operator.spec import DEFAULTS, SCALING_MODES, TUNABLE_KNOBS
 
 HOLD, SCALE_UP, SCALE_DOWN, RETUNE = "hold", "scale-up", "scale-down", "retune"
 
@@ -58,10 +59,10 @@ class Signals:
 
 @dataclass(frozen=True, slots=True)
 class Current:
-    """What runs now: the replica count asked for and the engines' live knobs (snake_case, EngineConfig names)."""
+    """What runs now: the replica count asked for and the engines' live knobs."""
 
     replicas: int
-    engine: Mapping[str, float]
+    engine: LiveKnobs
 
 
 # The policies' defaults are the CRD's (spec.DEFAULTS, which tests/operator checks against crds/): a service that
@@ -108,7 +109,7 @@ class ScalingPolicy:
 
 @dataclass(frozen=True, slots=True)
 class TuningPolicy:
-    """spec.tuning; bounds maps a knob (snake_case) to its (min, max)."""
+    """spec.tuning; bounds maps a knob (a LiveKnobs field) to its (min, max)."""
 
     enabled: bool = _TUNING["enabled"]
     interval_s: float = _TUNING["intervalSeconds"]
@@ -164,7 +165,9 @@ class Policy:
             tuning=TuningPolicy(
                 enabled=tuning["enabled"],
                 interval_s=tuning["intervalSeconds"],
-                bounds={ENGINE_FIELDS[k]: (bounds[k]["min"], bounds[k]["max"]) for k in TUNABLE_KNOBS if k in bounds},
+                bounds={
+                    k: (bounds[c]["min"], bounds[c]["max"]) for k in TUNABLE_KNOBS if (c := camel_case(k)) in bounds
+                },
                 p99_slo_s=slo.get("p99Seconds"),
                 ttft_slo_s=slo.get("ttftP99Seconds"),
                 signal_window_s=signal_window_s,
@@ -192,7 +195,7 @@ class Decision:
     action: str  # hold, scale-up, scale-down or retune
     reason: str
     replicas: int  # the replica count to run (unchanged unless scaling)
-    engine: Mapping[str, float]  # the live knobs to run (unchanged unless retuning)
+    engine: LiveKnobs  # the live knobs to run (unchanged unless retuning)
     changes: Mapping[str, tuple[float, float]] = field(default_factory=dict)  # knob -> (old, new) when retuning
     floor: int | None = None  # the predictive floor this tick (replicas), when it had a forecast and a capacity
     load: float | None = None  # the forecast load in replicas at the target utilisation (the floor unrounded)
@@ -204,7 +207,7 @@ class Decision:
             "action": self.action,
             "reason": self.reason,
             "replicas": self.replicas,
-            "engine": dict(self.engine),
+            "engine": self.engine.to_camel(),
         }
 
 
@@ -250,11 +253,10 @@ class History:
             self.forecast.update(now, signals.arrival_rate, self.horizon_s())
             # a run of high readings longer than two horizons is a change of level, which the floor can follow
             self.bursts.update(now, signals.arrival_rate, max_len_s=2 * self.horizon_s())
-        before = {**decision.engine, **{k: old for k, (old, _) in decision.changes.items()}}
+        before = replace(decision.engine, **{k: old for k, (old, _) in decision.changes.items()})
         finish, waiting, running, busy = signals.finish_rate, signals.queue_depth, signals.running, signals.device_busy
         if finish is not None and waiting is not None and running is not None and busy is not None:
-            seqs = int(before.get("max_num_seqs", 0))
-            self.capacity.update(now, seqs, finish, signals.seen_replicas(), waiting, running, busy)
+            self.capacity.update(now, before.max_num_seqs, finish, signals.seen_replicas(), waiting, running, busy)
         if decision.action == SCALE_UP:
             self.last_scale_up = now
             self.cold_start.scaled_up(now)

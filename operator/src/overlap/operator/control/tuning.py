@@ -25,10 +25,10 @@ waits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 from itertools import pairwise
 
+from overlap.engine.config import LiveKnobs
 from overlap.operator.control.policy import RETUNE, Current, Decision, History, Signals, TuningPolicy, seconds_since
 
 # Thresholds of the tuning table above (shares and ratios, 0..1).
@@ -48,32 +48,30 @@ BUSY_FLEET = 0.7  # forecast load above this share of the fleet: the tuner makes
 BATCH_GAIN = 0.1
 
 
-def _move(engine: Mapping[str, float], knob: str, policy: TuningPolicy, factor: float, step: int = 0):
+def _move(engine: LiveKnobs, knob: str, policy: TuningPolicy, factor: float, step: int = 0) -> LiveKnobs | None:
     """The engine with `knob` scaled by `factor` (or stepped by `step`) inside its bounds; None if it can't move."""
-    if knob not in policy.bounds or knob not in engine:
+    if knob not in policy.bounds:
         return None
     lo, hi = policy.bounds[knob]
-    old = engine[knob]
+    old = getattr(engine, knob)
     new = int(min(max(old + step if step else round(old * factor), lo), hi))
-    return None if new == old else {**engine, knob: new}
+    return None if new == old else replace(engine, **{knob: new})
 
 
-def _batch_pays(history: History, engine: Mapping[str, float], moved: Mapping[str, float]) -> bool:
+def _batch_pays(history: History, engine: LiveKnobs, moved: LiveKnobs) -> bool:
     """False for a larger max_num_seqs the capacity profile expects to finish less than BATCH_GAIN more."""
-    old, new = int(engine.get("max_num_seqs", 0)), int(moved.get("max_num_seqs", 0))
+    old, new = engine.max_num_seqs, moved.max_num_seqs
     if new <= old:
         return True
     gain = history.capacity.gain(old, new)
     return gain is None or gain >= BATCH_GAIN
 
 
-def _undoes(
-    history: History, knob: str, engine: Mapping[str, float], moved: Mapping[str, float], now: float, settle_s: float
-) -> bool:
+def _undoes(history: History, knob: str, engine: LiveKnobs, moved: LiveKnobs, now: float, settle_s: float) -> bool:
     """Would this reverse the knob's own last move, made less than UNDO_AFTER_INTERVALS waits ago?"""
     when, direction = history.last_moves.get(knob, (None, 0))
     recent = seconds_since(when, now) < UNDO_AFTER_INTERVALS * settle_s
-    return recent and (moved[knob] - engine[knob]) * direction < 0
+    return recent and (getattr(moved, knob) - getattr(engine, knob)) * direction < 0
 
 
 def tune_before_scale(
@@ -82,16 +80,16 @@ def tune_before_scale(
     """A larger batch instead of a replica, while the batch is full, the KV cache has room and the knob can rise."""
     if not policy.enabled:
         return None
-    engine = dict(current.engine)
+    engine = current.engine
     # Full when either reading says so: the running count dips for a step whenever a sequence finishes (one such
     # reading would add a replica where a larger batch was the answer), and the mean batch of the engines' recent
     # steps lags a batch that has just filled.
-    seqs, kv, replicas = engine.get("max_num_seqs"), signals.kv_cache_usage, signals.seen_replicas()
+    seqs, kv, replicas = engine.max_num_seqs, signals.kv_cache_usage, signals.seen_replicas()
     readings = [signals.batch_size]
     if signals.running is not None and replicas > 0:
         readings.append(signals.running / replicas)
     batch = max((r for r in readings if r is not None), default=None)
-    if seqs is None or kv is None or batch is None:
+    if kv is None or batch is None:
         return None
     if kv >= KV_HEADROOM or batch < BATCH_FULL * seqs:
         return None
@@ -99,8 +97,8 @@ def tune_before_scale(
     settle_s = policy.settle_s
     if moved is None or _undoes(history, "max_num_seqs", engine, moved, signals.time, settle_s):
         return None
-    text = f"tune before scale ({why}; batch full, KV {kv:.0%}): max_num_seqs {seqs:g} -> {moved['max_num_seqs']:g}"
-    return Decision(RETUNE, text, current.replicas, moved, {"max_num_seqs": (seqs, moved["max_num_seqs"])})
+    text = f"tune before scale ({why}; batch full, KV {kv:.0%}): max_num_seqs {seqs:g} -> {moved.max_num_seqs:g}"
+    return Decision(RETUNE, text, current.replicas, moved, {"max_num_seqs": (seqs, moved.max_num_seqs)})
 
 
 def tune(
@@ -113,7 +111,7 @@ def tune(
     settle_s = policy.settle_s
     if seconds_since(history.last_move(), now) < settle_s:
         return None  # the last move's effect is not in the readings yet
-    engine = dict(current.engine)
+    engine = current.engine
     samples = [*history.window(now, policy.interval_s), signals]
     signals = _averaged(samples)
 
@@ -122,14 +120,14 @@ def tune(
             moved = _move(engine, knob, policy, factor, step)
             if moved is None or _undoes(history, knob, engine, moved, now, settle_s):
                 continue
-            shrinks = knob in ("max_num_seqs", "max_num_batched_tokens") and moved[knob] < engine[knob]
+            old, new = getattr(engine, knob), getattr(moved, knob)
+            shrinks = knob in ("max_num_seqs", "max_num_batched_tokens") and new < old
             if shrinks and load is not None and load > BUSY_FLEET * current.replicas:
                 continue  # a smaller batch or step costs throughput the forecast load needs
             if not _batch_pays(history, engine, moved):
                 continue
-            changes = {knob: (engine[knob], moved[knob])}
-            text = f"{why}: {knob} {engine[knob]:g} -> {moved[knob]:g}"
-            return Decision(RETUNE, text, current.replicas, moved, changes)
+            text = f"{why}: {knob} {old:g} -> {new:g}"
+            return Decision(RETUNE, text, current.replicas, moved, {knob: (old, new)})
         return None
 
     kv, share = signals.kv_cache_usage, signals.queue_time_share
