@@ -333,7 +333,7 @@ class Engine:
 
     def _apply_config(self, config: EngineConfig) -> None:
         self.config = config
-        self.scheduler.reconfigure(config)
+        self.scheduler.reconfigure(config.live)
         # Steps already in flight finish in order; fewer buffers keep the deque "full" until enough have.
         self.executor.set_num_buffers(config.num_buffers)
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.policies import make_batching_policy
 from overlap.engine.batching.speculative import NgramProposer
-from overlap.engine.config import EngineConfig
+from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.requests.queue import make_request_queue
 from overlap.engine.requests.request import Request, RequestStatus
 from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
@@ -102,11 +102,11 @@ class Scheduler:
         self.num_spec_accepted_tokens_total = 0
         self.spec_accepted_per_position = [0] * (0 if spec is None else spec.num_speculative_tokens)
 
-    def reconfigure(self, config: EngineConfig) -> None:
-        """Live knobs; called between steps."""
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.waiting.aging_s = config.aging_s if self.waiting.aging_s is not None else None
+    def reconfigure(self, knobs: LiveKnobs) -> None:
+        """The live knobs the scheduler reads; called between steps."""
+        self.max_num_seqs = knobs.max_num_seqs
+        self.max_num_batched_tokens = knobs.max_num_batched_tokens
+        self.waiting.aging_s = knobs.aging_s if self.waiting.aging_s is not None else None
 
     # ---- requests in and out -----------------------------------------------------------------------------------
     def add_request(self, request: Request, now: float) -> None:
