@@ -62,7 +62,7 @@ def test_steps_come_back_in_order_exactly_once(num_buffers):
     results += executor.drain()
     assert [r.step_id for r in results] == [step_id for step_id, _ in submitted]
     assert [r.model_input for r in results] == [batch for _, batch in submitted]
-    assert all(r.error is None and len(r.token_ids) == 1 for r in results)
+    assert all(r.error is None and len(r.output.token_ids) == 1 for r in results)
     executor.close()
 
 
@@ -148,7 +148,7 @@ def test_forgetting_waits_for_the_last_step_holding_the_request():
     first = executor.collect()
     assert first.error is None and "a" in executor._last_token  # the second step still needs it
     second = executor.collect()
-    assert second.error is None and second.model_input.seqs[0].token_ids == first.token_ids
+    assert second.error is None and second.model_input.seqs[0].token_ids == first.output.token_ids
     assert "a" not in executor._last_token
     executor.close()
 
@@ -166,7 +166,7 @@ def test_a_failing_step_comes_back_as_an_error_and_never_feeds_a_stale_token():
     assert isinstance(failed.error, ValueError)
     # The step behind it was fed DISCARDED_TOKEN, never the token "a" sampled before the failure (its result is
     # dropped: the engine fails "a"); here it also fails, on the KV hole the failed step left.
-    assert dependent.model_input.seqs[0].token_ids == [DISCARDED_TOKEN] != good.token_ids
+    assert dependent.model_input.seqs[0].token_ids == [DISCARDED_TOKEN] != good.output.token_ids
     assert isinstance(dependent.error, ValueError) and "KV slot for position 2" in str(dependent.error)
     # the executor keeps serving
     executor.submit(ModelInput([ScheduledSeq("b", [7], 0, [5], True)]))

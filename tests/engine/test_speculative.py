@@ -190,7 +190,7 @@ def test_speculating_request_waits_for_its_verified_tokens_and_never_passes_max_
     assert seq.num_draft_tokens == 4 and seq.start_pos == r.num_tokens - 1 and r.spec_in_flight
     assert scheduler.schedule(0.2).is_empty  # not again while its proposals are being verified
     output = runner.execute(batch.model_input)
-    scheduler.postprocess(batch, output.token_ids, 0.3, spec_tokens=output.spec_tokens)
+    scheduler.postprocess(batch, output, 0.3)
     assert not r.spec_in_flight and r.num_computed_tokens == r.num_tokens - 1
     for _ in range(20):
         if r.is_finished:

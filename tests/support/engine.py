@@ -17,7 +17,7 @@ from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import Scheduler
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
-from overlap.engine.execution import StepResult
+from overlap.engine.execution import Step
 from overlap.engine.requests.request import Request
 from overlap.engine.types import (
     ModelInput,
@@ -181,19 +181,17 @@ def run_step(scheduler: Scheduler, runner: FakeRunner, now: float):
     if batch.is_empty:
         return batch, []
     output = runner.execute(batch.model_input)
-    return batch, scheduler.postprocess(batch, output.token_ids, now, spec_tokens=output.spec_tokens)
+    return batch, scheduler.postprocess(batch, output, now)
 
 
-def execute_now(engine: Engine, batch) -> StepResult:
+def execute_now(engine: Engine, batch) -> Step:
     """Run a scheduled batch on the engine's runner in this thread, bypassing the executor (CPU-time measurements of
-    the scheduler); a failure comes back in the result, as from the executor."""
+    the scheduler); a failure comes back in the step, as from the executor."""
+    step = Step(0, batch.model_input)
     try:
-        output = engine.runner.execute(batch.model_input)
+        return step.done(engine.runner.execute(batch.model_input))
     except Exception as exc:
-        return StepResult(0, batch.model_input, [], exc)
-    return StepResult(0, batch.model_input, output.token_ids, busy_s=output.busy_s, logprobs=output.logprobs,
-                      prompt_logprobs=output.prompt_logprobs, spec_tokens=output.spec_tokens,
-                      spec_logprobs=output.spec_logprobs)  # fmt: skip
+        return step.done(error=exc)
 
 
 def create_engine(

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from overlap.engine.execution import Executor, StepResult, make_executor
+from overlap.engine.execution import Executor, Step, make_executor
 from overlap.engine.types import PLACEHOLDER_TOKEN, ModelInput, SamplingParams, ScheduledSeq
 
 
@@ -148,7 +148,7 @@ class DecodeLoad:
         pos = len(req.prompt) + req.num_sampling_scheduled - 1
         return ScheduledSeq(req.request_id, [token], pos, req.blocks, True, self._sampling, req.num_sampling_scheduled)
 
-    def postprocess(self, result: StepResult) -> None:
+    def postprocess(self, result: Step) -> None:
         start = time.perf_counter()
         if result.error is not None:
             raise RuntimeError(f"step {result.step_id} failed") from result.error

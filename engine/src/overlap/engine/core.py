@@ -25,7 +25,7 @@ from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
-from overlap.engine.execution import StepResult, make_executor
+from overlap.engine.execution import Step, make_executor
 from overlap.engine.requests.request import Request
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, Runner, SamplingParams
 
@@ -220,7 +220,7 @@ class Engine:
                 outputs += self._apply_result(result)
             return outputs
 
-    def _apply_result(self, result: StepResult) -> list[RequestOutput]:
+    def _apply_result(self, result: Step) -> list[RequestOutput]:
         """Postprocess the oldest step in flight."""
         batch = self._in_flight.popleft()
         assert batch.model_input is result.model_input, "the executor returned steps out of order"
@@ -246,7 +246,7 @@ class Engine:
         batch.schedule_wall_s = time.perf_counter() - wall0
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, result: StepResult | None) -> list[RequestOutput]:
+    def postprocess(self, batch: ScheduledBatch, result: Step | None) -> list[RequestOutput]:
         """Apply a step's result to the requests in `batch`; also reports what finished while scheduling. A failed
         step finishes its requests with ERROR (the step wrote only at or past each sequence's computed length: never
         into a block that is shared or published to the prefix cache, so the cache stays valid)."""
@@ -260,14 +260,13 @@ class Engine:
             if isinstance(result.error, RankLost):
                 self.fatal = result.error
         else:
-            for request_id, (first, entries) in (result.prompt_logprobs or {}).items():
+            for request_id, (first, entries) in (result.output.prompt_logprobs or {}).items():
                 request = self._requests.get(request_id)
                 if request is not None:  # by position: a recomputed chunk overwrites the same entries
                     if request.prompt_logprobs is None:
                         request.prompt_logprobs = [None] * request.num_prompt_tokens
                     request.prompt_logprobs[first : first + len(entries)] = entries
-            updated = self.scheduler.postprocess(batch, result.token_ids, now, result.logprobs, result.spec_tokens,
-                                                 result.spec_logprobs)  # fmt: skip
+            updated = self.scheduler.postprocess(batch, result.output, now)
             outputs += self._outputs_for(updated)
         self._num_steps_total += 1
         wall = now - batch.scheduled_at

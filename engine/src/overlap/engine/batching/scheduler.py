@@ -39,7 +39,14 @@ from overlap.engine.batching.speculative import NgramProposer
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.requests.queue import make_request_queue
 from overlap.engine.requests.request import Request, RequestStatus
-from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, FinishReason, ModelInput, ScheduledSeq
+from overlap.engine.types import (
+    NONFINITE_TOKEN,
+    PLACEHOLDER_TOKEN,
+    FinishReason,
+    ModelInput,
+    RunnerOutput,
+    ScheduledSeq,
+)
 
 NONFINITE_ERROR = "the model's logits for this sequence held a NaN or an infinity; nothing could be sampled"
 SPEC_MAX_BACKOFF = 16  # most plain decodes a request runs between tries to speculate (see the module doc)
@@ -390,22 +397,14 @@ class Scheduler:
         return True
 
     # ---- after the step ----------------------------------------------------------------------------------------
-    def postprocess(
-        self,
-        batch: ScheduledBatch,
-        sampled_token_ids: list[int],
-        now: float,
-        logprobs: list | None = None,
-        spec_tokens: dict[str, list[int]] | None = None,
-        spec_logprobs: dict[str, list] | None = None,
-    ) -> list[Request]:
-        """Apply one step's sampled tokens (one per seq with do_sample, in order; `logprobs` alongside, None where
-        not asked for; `spec_tokens` / `spec_logprobs`: what sequences with proposals append, by request id);
-        returns the requests that got a token, finished ones included."""
+    def postprocess(self, batch: ScheduledBatch, output: RunnerOutput, now: float) -> list[Request]:
+        """Apply one step's sampled tokens (one per seq with do_sample, in order, with their logprobs where asked
+        for; what sequences with proposals append, by request id); returns the requests that got a token, finished
+        ones included."""
         bm = self.block_manager
         updated = []
-        samples = iter(sampled_token_ids)
-        token_logprobs = iter(logprobs) if logprobs is not None else None
+        samples = iter(output.token_ids)
+        token_logprobs = iter(output.logprobs) if output.logprobs is not None else None
         epochs = batch.epochs or [request.epoch for request in batch.requests]
         for request, seq, computed, epoch in zip(
             batch.requests, batch.model_input.seqs, batch.num_computed_after, epochs, strict=True
@@ -415,7 +414,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.epoch != epoch:
                 continue  # finished (EOS one step late, abort) or preempted after it was scheduled: dropped
             if seq.num_draft_tokens:
-                self._apply_verified(request, seq, token, logprob, spec_tokens, spec_logprobs, now)
+                self._apply_verified(request, seq, token, logprob, output, now)
                 updated.append(request)
                 continue
             bm.register_computed_blocks(request, computed)
@@ -436,8 +435,8 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _apply_verified(self, request: Request, seq: ScheduledSeq, token: int, logprob, spec_tokens: dict | None,
-                        spec_logprobs: dict | None, now: float) -> None:  # fmt: skip
+    def _apply_verified(self, request: Request, seq: ScheduledSeq, token: int, logprob, output: RunnerOutput,
+                        now: float) -> None:  # fmt: skip
         """A speculative step's result: append the accepted proposals and the target's next token, stopping at the
         first stop condition as single tokens would; roll the computed length back to the accepted proposals and
         free the blocks that held only rejected ones."""
@@ -446,10 +445,10 @@ class Scheduler:
             self._finish(request, FinishReason.ERROR, now, error=NONFINITE_ERROR)
             return
         rid = request.request_id
-        tokens = spec_tokens.get(rid) if spec_tokens else None
+        tokens = output.spec_tokens.get(rid) if output.spec_tokens else None
         if tokens is None:  # a runner that returned only its first token: no proposal accepted
             tokens = [token]
-        logprobs = spec_logprobs.get(rid) if spec_logprobs else None
+        logprobs = output.spec_logprobs.get(rid) if output.spec_logprobs else None
         if logprobs is None:
             logprobs = [logprob] + [None] * (len(tokens) - 1)
         num_drafts = seq.num_draft_tokens

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 
-from overlap.engine.execution.base import MAX_BUFFERS, Executor, StepResult
+from overlap.engine.execution.base import MAX_BUFFERS, Executor, Step
 from overlap.engine.execution.busy import BusyTracker
 from overlap.engine.execution.launch import AsyncExecutor
 from overlap.engine.types import Runner
 
-__all__ = ["MAX_BUFFERS", "AsyncExecutor", "Executor", "StepResult", "make_executor"]
+__all__ = ["MAX_BUFFERS", "AsyncExecutor", "Executor", "Step", "make_executor"]
 
 
 def make_executor(runner: Runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:

@@ -12,7 +12,7 @@ be scheduled for its next decode step with `token_ids == [PLACEHOLDER_TOKEN]`. T
 that the sequence's latest step sampled before it runs the forward, so decode never waits for the host to see
 the token. The host learns the token one step later, so it applies stop conditions that need the token (EOS,
 stop ids) one step late: it must drop what the extra step produced and free that request's KV only once no step
-holding it is in flight (`StepResult` says which step produced what). `max_tokens` needs no token and can be
+holding it is in flight (`Step` says which step produced what). `max_tokens` needs no token and can be
 respected at schedule time.
 
 The launch/wait variant (the simulated device) is in `launch.py`, the CUDA path (streams, events, pinned per-slot
@@ -31,14 +31,13 @@ from typing import TypeVar
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution.busy import BusyTracker
-from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, ModelInput, Runner, RunnerOutput, TokenLogprob
+from overlap.engine.types import NONFINITE_TOKEN, PLACEHOLDER_TOKEN, ModelInput, Runner, RunnerOutput
 
 __all__ = [
     "MAX_BUFFERS",
     "PLACEHOLDER_TOKEN",
     "Executor",
-    "InFlightStep",
-    "StepResult",
+    "Step",
     "placeholder_source",
 ]
 T = TypeVar("T")
@@ -54,44 +53,32 @@ DISCARDED_TOKEN = 0
 
 
 @dataclass(slots=True)
-class StepResult:
-    """One finished step: what was submitted and what it produced (the engine postprocesses it as it is)."""
-
-    step_id: int
-    model_input: ModelInput
-    token_ids: list[int]  # one per `do_sample` seq, in order; empty when the step failed
-    error: BaseException | None = None  # the step failed: its requests finish with ERROR
-    busy_s: float = 0.0  # the step's device busy time
-    logprobs: list[TokenLogprob | None] | None = None  # per sampled seq, when some request asked
-    prompt_logprobs: dict | None = None  # request id -> (first position, [TokenLogprob]) for prompt scoring
-    spec_tokens: dict | None = None  # speculating request id -> the tokens its step appends (RunnerOutput)
-    spec_logprobs: dict | None = None
-
-    @classmethod
-    def of(cls, step: InFlightStep, output: RunnerOutput) -> StepResult:
-        return cls(step.step_id, step.model_input, output.token_ids, busy_s=output.busy_s, logprobs=output.logprobs,
-                   prompt_logprobs=output.prompt_logprobs, spec_tokens=output.spec_tokens,
-                   spec_logprobs=output.spec_logprobs)  # fmt: skip
-
-    @classmethod
-    def failed(cls, step: InFlightStep, error: BaseException) -> StepResult:
-        return cls(step.step_id, step.model_input, [], error)
-
-    def sampled(self) -> list[tuple[str, int]]:
-        """(request_id, token) for every sequence that sampled in this step."""
-        ids = [seq.request_id for seq in self.model_input.seqs if seq.do_sample]
-        return list(zip(ids, self.token_ids, strict=True))
-
-
-@dataclass(slots=True)
-class InFlightStep:
-    """A submitted step not yet collected, in every executor: `pending` is what it waits on (a Future of the worker
-    thread, a launch handle of the runner, the CUDA step's events and buffers)."""
+class Step:
+    """One step through the pipeline, in every executor. Submitted, it waits on `pending` (a Future of the worker
+    thread, a launch handle of the runner, the CUDA step's events and buffers); collected, it holds the runner's
+    `output`, or the `error` that failed it (its requests finish with ERROR), and the engine postprocesses it."""
 
     step_id: int
     model_input: ModelInput
     pending: object = None
-    error: BaseException | None = None  # it failed before it reached the device
+    output: RunnerOutput | None = None
+    error: BaseException | None = None  # set before it reached the device (a launch failure) or when it failed there
+
+    @property
+    def busy_s(self) -> float:
+        """The step's device busy time (0 for a failed step)."""
+        return 0.0 if self.output is None else self.output.busy_s
+
+    def sampled(self) -> list[tuple[str, int]]:
+        """(request_id, token) for every sequence that sampled in this step."""
+        ids = [seq.request_id for seq in self.model_input.seqs if seq.do_sample]
+        return list(zip(ids, self.output.token_ids, strict=True))
+
+    def done(self, output: RunnerOutput | None = None, error: BaseException | None = None) -> Step:
+        """This step, collected: with its output, or failed with `error`. What it waited on goes (the CUDA step's
+        device tensors are not kept through postprocessing)."""
+        self.pending, self.output, self.error = None, output, error
+        return self
 
 
 def placeholder_source(seq, latest: Mapping[str, T]) -> T | None:
@@ -122,7 +109,7 @@ class Executor:
         self.runner = runner
         self.busy = busy if busy is not None else BusyTracker()
         self._num_buffers = check_num_buffers(num_buffers)
-        self._in_flight: deque[InFlightStep] = deque()
+        self._in_flight: deque[Step] = deque()
         self._worker: ThreadPoolExecutor | None = None
         self._next_step_id = 0
         # request_id -> the token its latest executed step sampled. Written by whichever thread runs forwards
@@ -170,25 +157,25 @@ class Executor:
                     sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-device")
             future = self._worker.submit(self._run, model_input)
-        self._in_flight.append(InFlightStep(step_id, model_input, future))
+        self._in_flight.append(Step(step_id, model_input, future))
         return step_id
 
     def oldest_done(self) -> bool:
         return bool(self._in_flight) and self._in_flight[0].pending.done()
 
-    def collect(self, block: bool = True) -> StepResult | None:
-        """The oldest in-flight step's result (None if none is in flight, or if `block` is False and it has not
-        finished). A failed forward comes back as `StepResult.error`, never raised."""
+    def collect(self, block: bool = True) -> Step | None:
+        """The oldest in-flight step, done (None if none is in flight, or if `block` is False and it has not
+        finished). A failed forward comes back as `Step.error`, never raised."""
         if not self._in_flight or (not block and not self._in_flight[0].pending.done()):
             return None
         step = self._in_flight.popleft()
         exc = step.pending.exception()  # waits
         self._forget_released()
         if exc is not None:
-            return StepResult.failed(step, exc)
-        return StepResult.of(step, step.pending.result())
+            return step.done(error=exc)
+        return step.done(step.pending.result())
 
-    def step(self, schedule: Callable[[], ModelInput | None]) -> StepResult | None:
+    def step(self, schedule: Callable[[], ModelInput | None]) -> Step | None:
         """One engine step: schedule and submit steps while a buffer is free (`schedule` returns None when there is
         nothing to run), then return the oldest step, waiting for it if it has not finished. So each call returns
         one step's result while `num_buffers - 1` later steps keep the device busy; None only when nothing is in
@@ -204,7 +191,7 @@ class Executor:
             self.submit(model_input)
         return self.collect(block=True)
 
-    def drain(self) -> list[StepResult]:
+    def drain(self) -> list[Step]:
         """Wait for every in-flight step, oldest first (a step boundary for reconfiguration)."""
         results = []
         while self._in_flight:
@@ -234,7 +221,7 @@ class Executor:
                 self._drop_device_token(request_id)
             self._forget_later &= held
 
-    def close(self) -> list[StepResult]:
+    def close(self) -> list[Step]:
         """Drain and stop the worker thread; returns the drained results. A later submit starts a new worker."""
         results = self.drain()
         if self._worker is not None:

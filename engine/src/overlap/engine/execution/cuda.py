@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.execution.base import MAX_BUFFERS, Executor, InFlightStep, StepResult, placeholder_source
+from overlap.engine.execution.base import MAX_BUFFERS, Executor, Step, placeholder_source
 from overlap.engine.execution.busy import BusyTracker, kernel_union_s
 from overlap.engine.types import ModelInput, RunnerOutput, ScheduledSeq
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _OnDevice:
-    """An in-flight step's CUDA side (`InFlightStep.pending`)."""
+    """An in-flight step's CUDA side (`Step.pending`)."""
 
     slot: int | None = None  # its pinned readback buffer
     num_sampled: int = 0
@@ -89,7 +89,7 @@ class CudaExecutor(Executor):
     # -- the pipeline --------------------------------------------------------------------------------------------
     def submit(self, model_input: ModelInput) -> int:
         assert not self.is_full, f"submit with {self.num_in_flight} of {self.num_buffers} buffers in flight"
-        step = InFlightStep(self._next_step_id, model_input, _OnDevice())
+        step = Step(self._next_step_id, model_input, _OnDevice())
         self._next_step_id += 1
         profiled = step.step_id % KERNEL_SAMPLE_EVERY == KERNEL_SAMPLE_FIRST
         if profiled:
@@ -111,7 +111,7 @@ class CudaExecutor(Executor):
         self._in_flight.append(step)
         return step.step_id
 
-    def _launch(self, step: InFlightStep) -> None:
+    def _launch(self, step: Step) -> None:
         torch = self._torch
         runner, work = self.runner, step.pending
         seqs = step.model_input.seqs
@@ -167,7 +167,7 @@ class CudaExecutor(Executor):
             readback.record_stream(self._d2h)
             work.done.record(self._d2h)
 
-    def _start_profile(self, step: InFlightStep) -> None:
+    def _start_profile(self, step: Step) -> None:
         """Profile this step alone: it starts once the steps in flight are done and ends before the next one is
         launched (a bubble of about one step per KERNEL_SAMPLE_EVERY)."""
         torch = self._torch
@@ -182,7 +182,7 @@ class CudaExecutor(Executor):
             log.warning("kernel-time sampling is off: %s", exc)
             work.profiler = None
 
-    def _finish_profile(self, step: InFlightStep) -> None:
+    def _finish_profile(self, step: Step) -> None:
         """The step's kernel time (the union of its kernels' intervals; copies are outside the event bracket) over
         its event-bracketed time."""
         work = step.pending
@@ -213,13 +213,13 @@ class CudaExecutor(Executor):
         step = self._in_flight[0]
         return step.error is not None or step.pending.done.query()
 
-    def collect(self, block: bool = True) -> StepResult | None:
+    def collect(self, block: bool = True) -> Step | None:
         if not self._in_flight or (not block and not self.oldest_done()):
             return None
         step = self._in_flight.popleft()
         if step.error is not None:
             self._forget_released()
-            return StepResult.failed(step, step.error)
+            return step.done(error=step.error)
         work = step.pending
         start = time.perf_counter()
         try:
@@ -231,14 +231,14 @@ class CudaExecutor(Executor):
             end_s = self._ref.elapsed_time(work.end) / 1000
         except Exception as exc:  # an asynchronous CUDA error surfaces here
             self.forget(seq.request_id for seq in step.model_input.seqs)
-            return StepResult.failed(step, exc)
+            return step.done(error=exc)
         finally:
             self._free_slots.append(work.slot)
             self._forget_released()  # after the step's own token-table writes are done
         busy = (self._ref_host + begin_s, self._ref_host + end_s)
         self.busy.record_interval(*busy)
         self.busy.record_host("readback", time.perf_counter() - start)
-        return StepResult.of(step, RunnerOutput(tokens, busy, logprobs, prompt_logprobs, spec_tokens, spec_logprobs))
+        return step.done(RunnerOutput(tokens, busy, logprobs, prompt_logprobs, spec_tokens, spec_logprobs))
 
     def _drop_device_token(self, request_id: str) -> None:
         row = self._rows.pop(request_id, None)
@@ -246,7 +246,7 @@ class CudaExecutor(Executor):
             self._free_rows.append(row)
         self.runner.forget_request(request_id)
 
-    def close(self) -> list[StepResult]:
+    def close(self) -> list[Step]:
         return self.drain()
 
 

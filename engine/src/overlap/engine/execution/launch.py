@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from overlap.engine.execution.base import Executor, InFlightStep, StepResult
+from overlap.engine.execution.base import Executor, Step
 from overlap.engine.types import ModelInput
 
 
@@ -16,7 +16,7 @@ class AsyncExecutor(Executor):
 
     def submit(self, model_input: ModelInput) -> int:
         assert not self.is_full, f"submit with {self.num_in_flight} of {self._num_buffers} buffers in flight"
-        step = InFlightStep(self._next_step_id, model_input)
+        step = Step(self._next_step_id, model_input)
         self._next_step_id += 1
         try:
             step.pending = self.runner.launch(model_input)
@@ -30,21 +30,21 @@ class AsyncExecutor(Executor):
             self._in_flight[0].error is not None or self._in_flight[0].pending.end <= time.perf_counter()
         )
 
-    def collect(self, block: bool = True) -> StepResult | None:
+    def collect(self, block: bool = True) -> Step | None:
         if not self._in_flight or (not block and not self.oldest_done()):
             return None
         step = self._in_flight.popleft()
         try:
             if step.error is not None:
-                return StepResult.failed(step, step.error)
+                return step.done(error=step.error)
             try:
                 output = self.runner.wait(step.pending)  # the device-side work (placeholders) happens here
             except Exception as exc:
-                return StepResult.failed(step, exc)
+                return step.done(error=exc)
         finally:
             self._forget_released()  # only now has this step used its requests' device-side tokens
         self.busy.record_interval(*output.busy)
-        return StepResult.of(step, output)
+        return step.done(output)
 
     def _drop_device_token(self, request_id: str) -> None:
         self.runner.forget_request(request_id)
