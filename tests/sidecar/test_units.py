@@ -76,6 +76,9 @@ def test_every_request_field_crosses_the_wire():
     assert all(getattr(spec, f.name) != getattr(bare, f.name) for f in dataclasses.fields(RequestSpec))
     wire = p.AddRequest.from_record(spec)
     assert p.decode(p.encode(wire)[p.HEADER_SIZE :]).to_record() == spec
+    # by position on the wire: protocol 1's order, so that a field added to the record goes at the end
+    assert p.AddRequest.__struct_fields__[:7] == ("request_id", "prompt_token_ids", "sampling", "priority",
+                                                  "timeout_s", "arrival_time", "share_prompt_with")  # fmt: skip
     times = RequestTimes(1.0, 1.5, 2.0, 2.5, 3.0, num_preemptions=2)
     out = RequestOutput("r", [5], times=times, logprobs=[TokenLogprob(-0.5, [(5, -0.5), (9, -1.25)])])
     assert p.WireOutput.from_output(out).to_output() == out

@@ -124,7 +124,8 @@ class RequestSpec:
     """One request as a caller hands it to the engine: the one record that `Engine.add_request`, `Engine.generate`,
     `EngineClient.submit` and the wire (`protocol.AddRequest`, generated from it) carry. A field added here reaches
     the engine's `Request` (`request.spec`) on every path. The engine checks the values when it takes the request
-    (InvalidRequestError); the record itself holds them as given."""
+    (InvalidRequestError); the record itself holds them as given. The wire sends the fields by position: a new one
+    goes at the end, with a default."""
 
     request_id: str
     prompt_token_ids: list[int]
