@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import subprocess
 import tarfile
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from overlap.engine.delivery import adapters
 from overlap.engine.delivery.fetch import fetch
 from overlap.engine.delivery.sources import FetchError
 from overlap.engine.delivery.uri import ModelURIError, parse
@@ -307,3 +309,32 @@ def test_an_archive_that_leaves_the_model_folder_is_refused(tmp_path, monkeypatc
         assert not (tmp_path / "cache" / "outside.txt").exists() and not (tmp_path / "outside.txt").exists()
     finally:
         server.stop()
+
+
+def test_adapters_are_fetched_behind_links_named_for_their_uri_and_one_bad_uri_holds_up_no_other(monkeypatch, tmp_path):
+    """`overlap model fetch-adapters`, as the pod's adapters container runs it: each listed adapter fetched and
+    linked, a failing one reported while the others arrive, a removed one's link gone, a changed uri a new link."""
+    config = b'{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}'
+    repos = {repo: {"adapter_config.json": config, "adapter_model.safetensors": os.urandom(4096)}
+             for repo in ("acme/sql-lora", "acme/chat-lora")}  # fmt: skip
+    hub = HubServer(repos).start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    try:
+        cache, links, listed = tmp_path / "cache", tmp_path / "links", tmp_path / "adapters.json"
+        wanted = {"sql": "hf://acme/sql-lora", "chat": "hf://acme/chat-lora", "gone": "hf://acme/missing-lora"}
+        listed.write_text(json.dumps(wanted))
+        command = overlap_cmd(
+            "model", "fetch-adapters", str(listed), "--cache-dir", str(cache), "--link-dir", str(links)
+        )
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "adapter gone: error:" in done.stderr and "404" in done.stderr
+        for name in ("sql", "chat"):
+            assert _files(links / adapters.link_name(name, wanted[name])) == repos[wanted[name][5:]]
+        assert not (links / adapters.link_name("gone", wanted["gone"])).exists()
+
+        changed = {"sql": "hf://acme/chat-lora"}  # chat removed, sql now from another repository
+        assert adapters.sync(changed, cache, links, progress=lambda line: None) == {}
+        assert sorted(p.name for p in links.iterdir()) == [adapters.link_name("sql", changed["sql"])]
+        assert _files(links / adapters.link_name("sql", changed["sql"])) == repos["acme/chat-lora"]
+    finally:
+        hub.stop()

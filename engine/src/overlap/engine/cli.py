@@ -45,6 +45,20 @@ def register(subparsers) -> None:
         "--termination-log", default="/dev/termination-log", help="a failure's reason, for the pod status"
     )
     fetch.set_defaults(func=_fetch)
+    adapters = model_sub.add_parser(
+        "fetch-adapters",
+        help="fetch the LoRA adapters a JSON file lists ({name: uri}) as `fetch` does, each behind a link in LINK_DIR",
+        description="Fetch each adapter of LIST (a JSON object of name -> uri, the uris `fetch` takes) into the "
+        "cache, and make LINK_DIR/NAME-HASH (HASH: of the uri) a link to it; links of adapters no longer listed are "
+        "removed. An adapter that fails is reported and retried with --watch; the others are fetched. Credentials "
+        "as `fetch` reads them.",
+    )
+    adapters.add_argument("list", help="the JSON file of name -> uri (the pod's adapters ConfigMap)")
+    adapters.add_argument("--cache-dir", required=True, help="the cache folder")
+    adapters.add_argument("--link-dir", required=True, help="the folder of the adapters' links")
+    adapters.add_argument("--watch", action="store_true", help="keep running: fetch again when LIST changes")
+    adapters.add_argument("--interval-s", type=float, default=10.0, help="with --watch: how often LIST is read")
+    adapters.set_defaults(func=_fetch_adapters)
 
     engine = subparsers.add_parser(
         "engine",
@@ -110,6 +124,24 @@ def _fetch(args: argparse.Namespace) -> int:
         return 1
     print(path)
     return 0
+
+
+def _fetch_adapters(args: argparse.Namespace) -> int:
+    import sys
+
+    from overlap.engine.delivery import adapters
+    from overlap.engine.delivery.sources import FetchError
+
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.watch:
+        adapters.watch(args.list, args.cache_dir, args.link_dir, interval_s=args.interval_s, progress=progress)
+        return 0
+    try:
+        failed = adapters.sync(adapters.read_list(args.list), args.cache_dir, args.link_dir, progress=progress)
+    except FetchError as exc:
+        print(f"overlap model fetch-adapters: error: {exc}", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
 
 
 def _run_engine(args: argparse.Namespace) -> int:
