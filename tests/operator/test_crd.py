@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from overlap.operator import adapters
 from overlap.operator import spec as specs
 from tests.support.kube import admission
 
@@ -191,6 +192,23 @@ INVALID += [
 ]
 
 
+SQL = {"name": "sql", "uri": "hf://acme/sql-lora"}
+# spec.adapters the CRD refuses; the first three the operator refuses too, in the same words
+BAD_ADAPTERS = [
+    pytest.param([SQL, {**SQL, "uri": "s3://loras/sql"}], "adapter names must be unique", id="adapter-twice"),
+    pytest.param([{"name": "llm", "uri": "hf://acme/x"}],
+                 "an adapter's name must differ from model.servedName", id="adapter-named-as-the-model"),
+    pytest.param([{"name": "sql", "uri": "https://loras.example/a/../b.tar"}],
+                 "an adapter's uri must not hold '.' or '..' segments", id="adapter-uri-dot-dot"),
+    pytest.param([{"name": "sql", "uri": "pvc://loras/sql"}], "spec.adapters[0].uri in body should match",
+                 id="adapter-from-a-claim"),
+    pytest.param([{"name": "SQL_lora", "uri": "hf://acme/x"}], "spec.adapters[0].name in body should match",
+                 id="adapter-name-not-dns"),
+    pytest.param([{"name": "sql"}], "spec.adapters[0].uri: Required value", id="adapter-without-uri"),
+]  # fmt: skip
+INVALID += [pytest.param(with_spec(adapters=p.values[0]), p.values[1], id=p.id) for p in BAD_ADAPTERS]
+
+
 @pytest.mark.parametrize(("obj", "message"), INVALID)
 def test_invalid_specs_are_refused_with_a_clear_message(obj: dict, message: str) -> None:
     assert message in refusal(obj)
@@ -241,6 +259,22 @@ def test_valid_specs_are_admitted_and_defaulted(spec: dict) -> None:
     stored = admission.admit(with_spec(**spec), SCHEMA, strict=True)
     assert stored["spec"]["engine"]["maxNumSeqs"] >= 1 and stored["spec"]["sidecar"]["port"] == 8000
     specs.check_spec(stored["spec"])  # the operator agrees with the schema
+
+
+@pytest.mark.parametrize(("listed", "message"), [p.values for p in BAD_ADAPTERS[:3]])
+def test_the_operator_refuses_bad_adapters_with_the_crds_words(listed, message) -> None:
+    with pytest.raises(specs.SpecError, match=message.replace(".", r"\.")):
+        adapters.check(specs.with_defaults(with_spec(adapters=listed)["spec"]))
+
+
+def test_adapters_are_admitted_and_refused_with_an_api_key_the_operator_cannot_read() -> None:
+    two = [SQL, {"name": "chat.v2", "uri": "oci://registry.example/loras/chat:v2"}]
+    stored = admission.admit(with_spec(adapters=two), SCHEMA, strict=True)
+    adapters.check(stored["spec"])
+    assert adapters.listed(stored["spec"]) == {"sql": SQL["uri"], "chat.v2": two[1]["uri"]}
+    keyed = specs.with_defaults(with_spec(adapters=two, sidecar={"apiKeySecret": {"name": "k"}})["spec"])
+    with pytest.raises(specs.SpecError, match=r"spec\.adapters cannot be combined with sidecar\.apiKeySecret"):
+        adapters.check(keyed)
 
 
 def test_engine_speculative_reaches_the_engine_as_vllms_speculative_config() -> None:
@@ -502,7 +536,8 @@ def _spec_level(crd: dict) -> dict:
         (lambda s: s["properties"]["sidecar"].update(default={"port": 8000, "colour": "blue"}),
          f"{ROOT}.properties[spec].properties[sidecar].default", "must not have unknown fields"),
         (lambda s: s["x-kubernetes-validations"].append({"rule": "self.replicas <"}),
-         f"{ROOT}.properties[spec].x-kubernetes-validations[4].rule", "compilation failed: ERROR: <input>:1:"),
+         f"{ROOT}.properties[spec].x-kubernetes-validations[{len(_spec_level(CRD)['x-kubernetes-validations'])}].rule",
+         "compilation failed: ERROR: <input>:1:"),
     ],
     ids=["no-type", "array-without-items", "properties-and-additionalProperties", "unknown-default-field",
          "cel-syntax"],

@@ -5,6 +5,8 @@
 - `reconcile`: on create / update / resume of an InferenceService, make its children match the spec.
 - `restore_child`: a child edited or deleted by hand is put back (on the child's own watch event).
 - `mirror_rollout`: the Deployment's progress goes into the InferenceService's status.
+- `mirror_pods`: a pod's trouble into the status; a ready pod gets spec.adapters loaded (adapter_sync.py, which the
+  reconcile and the resync run too).
 - `announce_deletion`: deleting an InferenceService; its children go with the garbage collector.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 import kopf
 from prometheus_client import Counter
 
-from overlap.operator import admin_tokens, children, kube, status
+from overlap.operator import adapter_sync, admin_tokens, children, kube, status
 from overlap.operator import reconcile as plans
 from overlap.operator import spec as specs
 from overlap.operator.drift import is_subset
@@ -108,6 +110,7 @@ def _reporter(owner: Mapping[str, Any], logger: logging.Logger) -> plans.Report:
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:
     kube.HANDLER_RETRY.set(retry)
     _reconcile_children(body, logger, settings_of(memo).model_image)
+    adapter_sync.sync_service(body)  # an adapter removed from the list goes at once; a new one loads once fetched
 
 
 def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -194,6 +197,7 @@ def resync_all(settings: OperatorSettings, logger: logging.Logger) -> int:
                 # a long fetch moves no pod event: its progress is read here
                 if specs.model_fetched(body["spec"].get("model") or {}):
                     _mirror(body, kube.read("Deployment", meta["name"], meta["namespace"]))
+            adapter_sync.sync_service(body)  # the adapters fetched since the last pass are loaded
             done += 1
         except specs.SpecError:
             pass  # reconcile set Degraded when the spec was written
@@ -276,6 +280,8 @@ def mirror_pods(body: kopf.Body, **_: Any) -> None:
         # A starting pod mounts its admin token: a deleted Secret (a rotation) is written anew before it waits.
         _ensure_admin_token(owner)
     _mirror(owner, kube.read("Deployment", name, namespace))
+    if status.pod_is_ready(body):  # a pod that became ready gets the adapters at once
+        adapter_sync.sync_service(owner)
 
 
 @kopf.on.delete(*CR, optional=True)

@@ -25,6 +25,7 @@ class ModelParts:
     engine_mounts: list[dict[str, Any]] = field(default_factory=list)
     init_containers: list[dict[str, Any]] = field(default_factory=list)
     pull_secrets: list[str] = field(default_factory=list)  # the pod's imagePullSecrets, for an image volume
+    containers: list[dict[str, Any]] = field(default_factory=list)  # beside the engine's (the adapters')
 
 
 def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelParts:
@@ -51,15 +52,7 @@ def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelPa
         return ModelParts([volume], [mount], pull_secrets=[secret] if secret else [])
 
     cache = model.get("cache") or {}
-    if cache.get("claimName"):
-        cache_volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
-        fetch_security = dict(security)  # the pod's fsGroup makes the claim writable
-    else:
-        path = cache.get("hostPath") or specs.DEFAULT_MODEL_CACHE_HOSTPATH
-        cache_volume = {"name": "model-cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
-        # kubelet creates the node folder as root (0755) and fsGroup never reaches a hostPath: the fetch runs as
-        # root there, with no capabilities; what it writes stays readable by the engine's user.
-        fetch_security = {**security, "runAsUser": 0, "runAsNonRoot": False}
+    cache_volume, fetch_security = cache_parts(model, security)
     args = ["model", "fetch", uri.text, "--cache-dir", specs.MODEL_CACHE_DIR, "--link", specs.MODEL_LINK]
     if cache.get("maxSizeGi"):
         args += ["--max-cache-gb", f"{cache['maxSizeGi'] * 2**30 / 1e9:.3f}"]
@@ -94,3 +87,17 @@ def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelPa
         {"name": "model-link", "mountPath": specs.MODEL_LINK_DIR, "readOnly": True},
     ]
     return ModelParts(volumes, mounts, [fetch])
+
+
+def cache_parts(model: Mapping[str, Any], security: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model cache's volume (model.cache: a shared claim or a node folder), and the securityContext of a
+    container that fetches into it."""
+    cache = model.get("cache") or {}
+    if cache.get("claimName"):
+        volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
+        return volume, dict(security)  # the pod's fsGroup makes the claim writable
+    path = cache.get("hostPath") or specs.DEFAULT_MODEL_CACHE_HOSTPATH
+    volume = {"name": "model-cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+    # kubelet creates the node folder as root (0755) and fsGroup never reaches a hostPath: the fetch runs as root
+    # there, with no capabilities; what it writes stays readable by the engine's user.
+    return volume, {**security, "runAsUser": 0, "runAsNonRoot": False}

@@ -11,7 +11,7 @@ from typing import Any
 import kopf
 
 from overlap.engine.config import EngineConfig
-from overlap.operator import admin_tokens, children, kube, status
+from overlap.operator import adapters, admin_tokens, children, kube, status
 from overlap.operator import spec as specs
 from overlap.operator.identity import (
     activator_name,
@@ -55,6 +55,7 @@ def desired(service: Mapping[str, Any], *, with_servicemonitor: bool, model_imag
     spec = specs.with_defaults(service.get("spec") or {}, model_image)
     specs.check_name(name)
     config = specs.tuned_config(specs.check_spec(spec), spec, service.get("status"))
+    adapters.check(spec)
     built = children.build_children(service, spec, config, with_servicemonitor=with_servicemonitor)
     unwanted: list[tuple[str, str, str]] = []
     if with_servicemonitor and not spec["prometheus"]["serviceMonitor"]["enabled"]:
@@ -62,6 +63,8 @@ def desired(service: Mapping[str, Any], *, with_servicemonitor: bool, model_imag
     if not children.has_activator(spec):  # the scale-to-zero activator comes and goes with minReplicas 0
         why = "the router holds requests at zero" if children.routed(spec) else "the service no longer scales to zero"
         unwanted += [("Deployment", activator_name(name), why), ("Service", pods_service_name(name), why)]
+    if not spec.get("adapters"):
+        unwanted.append(("ConfigMap", adapters.configmap_name(name), "spec.adapters lists none"))
     if not children.routed(spec):
         why = "spec.routing.mode is not prefix"
         unwanted += [("Deployment", router_name(name), why), ("Service", replicas_service_name(name), why)]

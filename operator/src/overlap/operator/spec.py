@@ -341,8 +341,11 @@ RESERVED_VOLUMES = (
     "model-cache",
     "model-link",
     "registry-config",
+    "adapter-links",
+    "adapter-list",
 )
-RESERVED_PATHS = ("/run/overlap", "/etc/overlap", "/var/run/secrets/overlap", "/tmp", "/dev/shm")
+RESERVED_PATHS = ("/run/overlap", "/etc/overlap", "/var/run/secrets/overlap", "/tmp", "/dev/shm",
+                  "/etc/overlap-adapters", "/var/run/overlap-adapters")  # fmt: skip
 
 
 def _check_volumes(pod: Mapping[str, Any]) -> None:

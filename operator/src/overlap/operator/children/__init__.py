@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from overlap.engine.config import EngineConfig
+from overlap.operator import adapters
 from overlap.operator import spec as specs
 from overlap.operator.children.common import metadata
 from overlap.operator.children.deployment import build_deployment
@@ -41,6 +42,7 @@ __all__ = [
     "adopt",
     "at_zero",
     "build_activator",
+    "build_adapters_configmap",
     "build_children",
     "build_configmap",
     "build_deployment",
@@ -65,6 +67,17 @@ def build_configmap(name: str, namespace: str, config: EngineConfig) -> dict[str
         "kind": "ConfigMap",
         "metadata": metadata(configmap_name(name), namespace, name),
         "data": {"engine.json": specs.engine_json(config)},
+    }
+
+
+def build_adapters_configmap(name: str, namespace: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The adapter list the pods' adapters container watches (adapters.py): apart from engine.json, which the control
+    loop writes too."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(adapters.configmap_name(name), namespace, name),
+        "data": {"adapters.json": adapters.list_json(spec)},
     }
 
 
@@ -108,6 +121,8 @@ def build_children(
     """Every child the operator keeps in line with the spec (the admin tokens are admin_tokens.py's)."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     children = [build_configmap(name, namespace, config)]
+    if spec.get("adapters"):
+        children.append(build_adapters_configmap(name, namespace, spec))
     # the Service a proxy forwards to before the proxy: its pod may resolve the name when it starts
     if has_activator(spec):
         children += [build_pods_service(name, namespace, spec), build_activator(name, namespace, spec)]

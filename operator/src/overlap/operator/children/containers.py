@@ -8,6 +8,7 @@ from typing import Any
 
 from overlap.engine.config import EngineConfig
 from overlap.operator import spec as specs
+from overlap.operator.adapters import RUNTIME_UPDATING_ENV
 from overlap.operator.children.common import container_security
 from overlap.operator.children.pod import (
     ADMIN_TOKEN_FILE,
@@ -31,12 +32,15 @@ def engine_container(spec: Mapping[str, Any], config: EngineConfig, mounts: list
     }
     if resources["gpus"] > 0:
         limits[resources["gpuResourceName"]] = str(resources["gpus"])
+    # vLLM's flag; the adapters themselves are loaded through the sidecar's API (adapter_sync.py), so that the pod
+    # template stays the same when the list changes.
+    lora = ["--enable-lora"] if spec.get("adapters") else []
     return {
         "name": "engine",
         "image": images["engine"],
         "imagePullPolicy": images["pullPolicy"],
         "command": ["overlap"],
-        "args": ["engine", "--socket", SOCKET, "--config", CONFIG_FILE],
+        "args": ["engine", "--socket", SOCKET, "--config", CONFIG_FILE, *lora],
         "env": [
             {"name": "HOME", "value": "/tmp"},
             {"name": "OVERLAP_CACHE_DIR", "value": "/tmp/overlap-cache"},
@@ -58,6 +62,8 @@ def sidecar_container(spec: Mapping[str, Any], mounts: list[dict[str, Any]],
     resources, images, sidecar = spec["resources"], spec["images"], spec["sidecar"]
     limits = {"cpu": str(resources["sidecar"]["cpu"]), "memory": str(resources["sidecar"]["memory"])}
     env = [{"name": "HOME", "value": "/tmp"}]
+    if spec.get("adapters"):  # the operator loads and unloads them at run time (vLLM's switch)
+        env.append({"name": RUNTIME_UPDATING_ENV, "value": "True"})
     if sidecar.get("apiKeySecret"):
         secret = sidecar["apiKeySecret"]
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}})

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from overlap.engine.config import EngineConfig
+from overlap.operator import adapters
 from overlap.operator.children import containers, probes, volumes
 from overlap.operator.children.common import container_security, metadata
 from overlap.operator.children.pod import pod_template
@@ -21,15 +22,16 @@ PULL_MARGIN_S = 600
 
 
 def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config: EngineConfig) -> dict[str, Any]:
-    """The engine pods: an engine and a sidecar container each (and the model's init container, if fetched)."""
+    """The engine pods: an engine and a sidecar container each (and the model's init container, if fetched; the
+    adapters container, if spec.adapters lists any)."""
     pod = spec.get("pod") or {}
     startup_s = pod.get("startupSeconds") or probes.DEFAULT_STARTUP_S
-    model = model_parts(spec, container_security())
+    model = adapters.pod_parts(name, spec, container_security(), model_parts(spec, container_security()))
     engine_mounts, engine_probes = volumes.engine_mounts(model, pod), probes.engine_probes(startup_s)
     engine = containers.engine_container(spec, config, engine_mounts, engine_probes)
     sidecar = containers.sidecar_container(spec, volumes.sidecar_mounts(), probes.sidecar_probes())
     if pod.get("env"):
-        containers.add_env([engine, sidecar, *model.init_containers], pod["env"])
+        containers.add_env([engine, sidecar, *model.containers, *model.init_containers], pod["env"])
     pod_volumes = volumes.pod_volumes(name, config.tensor_parallel_size, model, pod)
     return {
         "apiVersion": "apps/v1",
@@ -48,6 +50,6 @@ def build_deployment(name: str, namespace: str, spec: Mapping[str, Any], config:
                     "maxUnavailable": spec["rollout"]["maxUnavailable"],
                 },
             },
-            "template": pod_template(name, spec, config, [engine, sidecar], pod_volumes, model),
+            "template": pod_template(name, spec, config, [engine, sidecar, *model.containers], pod_volumes, model),
         },
     }

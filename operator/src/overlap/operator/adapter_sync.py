@@ -1,0 +1,136 @@
+"""The adapters of spec.adapters loaded into, and unloaded from, each ready pod through its sidecar's API (vLLM's:
+GET /v1/models, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter), and what the operator saw there written
+into status.adapters.
+
+The pod's adapters container fetches each listed adapter behind a link whose name holds a hash of its uri
+(adapters.py); an adapter the pod serves from another path (its uri changed) is unloaded and loaded again, and one
+whose link is not there yet (still fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at
+the next pass. Passes run on a pod's events, after a reconcile and at every resync.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from overlap.operator import adapters, kube, status
+from overlap.operator import spec as specs
+from overlap.operator.identity import selector_string
+
+MODELS_TIMEOUT_S = 5.0
+LOAD_TIMEOUT_S = 60.0  # an adapter is read from disk and moved to the device while the engine keeps serving
+
+LOADED, NOT_LOADED = "Loaded", "NotLoaded"
+
+# One pass per service at a time (two would load an adapter twice), apart from locks.service_lock: a pass waits on
+# pods for up to a minute, and the reconcile and the control loop must not wait on it.
+_PASSES: dict[str, threading.Lock] = {}
+_GUARD = threading.Lock()
+
+
+class PodAPIError(OSError):
+    """The sidecar refused a call, or could not be reached; the message is its own words."""
+
+
+def _call(url: str, body: Mapping[str, Any] | None, timeout_s: float) -> Any:
+    data = None if body is None else json.dumps(dict(body)).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        raise PodAPIError(f"{exc.code}: {_error_message(exc.read().decode(errors='replace'))}") from exc
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # vLLM answers a load or unload with a line of text
+
+
+def _error_message(text: str) -> str:
+    """OpenAI's error body's message (vLLM's, as {"error": {...}} or flat), else the body's start."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:300]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
+
+
+def served_adapters(base_url: str) -> dict[str, str]:
+    """{name: path} of the adapters a pod serves: the /v1/models entries with a parent (their root is the path)."""
+    models = _call(f"{base_url}/v1/models", None, MODELS_TIMEOUT_S)
+    return {m["id"]: m.get("root", "") for m in models.get("data", []) if m.get("parent")}
+
+
+def sync_pod(base_url: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """Make the pod serve `wanted` ({name: path}) and no other adapter; {name: (state, message)} for each of them.
+    PodAPIError when /v1/models cannot be read."""
+    served = served_adapters(base_url)
+    for name, path in served.items():
+        if wanted.get(name) != path:  # no longer listed, or listed from another uri
+            try:
+                _call(f"{base_url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_S)
+            except PodAPIError:
+                if name not in wanted:  # tried again at the next pass; a listed one stays as it was
+                    raise
+    states = {}
+    for name, path in wanted.items():
+        if served.get(name) == path:
+            states[name] = (LOADED, "")
+            continue
+        try:
+            _call(f"{base_url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, LOAD_TIMEOUT_S)
+            states[name] = (LOADED, "")
+        except PodAPIError as exc:
+            states[name] = (NOT_LOADED, str(exc))
+    return states
+
+
+def sync_service(owner: Mapping[str, Any]) -> None:
+    """One pass over the service's ready pods, and status.adapters from what each answered."""
+    with _GUARD:
+        one_pass = _PASSES.setdefault(owner["metadata"]["uid"], threading.Lock())
+    with one_pass:
+        _sync_service(owner)
+
+
+def _sync_service(owner: Mapping[str, Any]) -> None:
+    name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
+    spec = specs.with_defaults(owner.get("spec") or {})
+    if not spec.get("adapters"):
+        if (owner.get("status") or {}).get("adapters"):
+            kube.patch_status(name, namespace, lambda current: {"adapters": []})
+        return
+    wanted = adapters.paths(spec)
+    seen: dict[tuple[str, str], tuple[str, str]] = {}
+    for pod in kube.list_pods(namespace, selector_string(name)):
+        pod_ip = (pod.get("status") or {}).get("podIP")
+        if not status.pod_is_ready(pod) or not pod_ip or pod["metadata"].get("deletionTimestamp"):
+            continue
+        pod_name = pod["metadata"]["name"]
+        try:
+            states = sync_pod(f"http://{pod_ip}:{spec['sidecar']['port']}", wanted)
+        except (PodAPIError, OSError) as exc:
+            states = {adapter: (NOT_LOADED, f"{pod_ip}: {exc}") for adapter in wanted}
+        seen.update({(adapter, pod_name): state for adapter, state in states.items()})
+    when = status.now_iso()
+    kube.patch_status(name, namespace, lambda current: {"adapters": adapter_status(current, seen, when)})
+
+
+def adapter_status(owner: Mapping[str, Any], seen: Mapping[tuple[str, str], tuple[str, str]],
+                   when: str) -> list[dict[str, Any]]:  # fmt: skip
+    """status.adapters: an entry per (adapter, pod) seen, sorted; an unchanged entry keeps its time, so a quiet
+    service's status is not rewritten at every pass."""
+    before = {(e["name"], e["pod"]): e for e in (owner.get("status") or {}).get("adapters") or []}
+    entries = []
+    for (name, pod), (state, message) in sorted(seen.items()):
+        entry = {"name": name, "pod": pod, "state": state, **({"message": message} if message else {})}
+        old = before.get((name, pod))
+        same = old is not None and all(old.get(k) == entry.get(k) for k in ("state", "message"))
+        entries.append({**entry, "time": old["time"] if same and old.get("time") else when})
+    return entries

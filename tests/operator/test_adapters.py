@@ -1,0 +1,223 @@
+"""spec.adapters: the pod the operator builds for them, and adapters loaded into and unloaded from a running pod
+through its API without rolling the Deployment.
+
+The pod's API here is `VllmLoraAPI`, a thin aiohttp server speaking vLLM's three calls (GET /v1/models, POST
+/v1/load_lora_adapter, POST /v1/unload_lora_adapter) with vLLM's bodies, until the real sidecar serves them (branch
+`lora`); the operator, kopf, the kubernetes client and the emulated API server are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import kubernetes_validate
+import pytest
+import yaml
+from aiohttp import web
+
+from overlap.engine.delivery.adapters import link_name
+from overlap.operator import adapter_sync, adapters, children, reconcile
+from overlap.operator import spec as specs
+from tests.support.cluster import NAMESPACE, wait_for
+from tests.support.sidecar import free_port
+
+OWNER = {
+    "apiVersion": "overlap.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "llm", "namespace": "ml", "uid": "0f6c1c1e-0000-4000-8000-00000000000a", "generation": 1},
+}
+MODEL = {"servedName": "llm", "path": "/models/llm"}
+SQL = {"name": "sql", "uri": "hf://acme/sql-lora"}
+CHAT = {"name": "chat", "uri": "s3://loras/chat"}
+MATH = {"name": "math", "uri": "oci://registry.example/loras/math:v1"}
+
+
+def built(spec: dict) -> dict[tuple[str, str], dict]:
+    full = specs.with_defaults({"model": MODEL, **spec})
+    made = children.build_children(OWNER, full, specs.check_spec(full), with_servicemonitor=False)
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in made}
+
+
+def pod_spec(spec: dict) -> dict:
+    return built(spec)[("Deployment", "llm")]["spec"]["template"]["spec"]
+
+
+def test_a_pod_with_adapters_runs_the_engine_with_lora_and_an_adapters_container_on_the_models_cache() -> None:
+    objects = built({"adapters": [SQL, CHAT]})
+    pod = pod_spec({"adapters": [SQL, CHAT]})
+    by_name = {c["name"]: c for c in pod["containers"]}
+    assert by_name["engine"]["args"][-1] == "--enable-lora"
+    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in by_name["sidecar"]["env"]
+    fetcher = by_name["adapters"]
+    assert fetcher["args"][:4] == ["model", "fetch-adapters", adapters.LIST_FILE, "--watch"]
+    assert {m["mountPath"] for m in by_name["engine"]["volumeMounts"]} >= {adapters.LINK_DIR, specs.MODEL_CACHE_DIR}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["adapter-list"]["configMap"]["name"] == "llm-adapters"
+    assert volumes["model-cache"]["hostPath"]["path"] == specs.DEFAULT_MODEL_CACHE_HOSTPATH
+    listed = json.loads(objects[("ConfigMap", "llm-adapters")]["data"]["adapters.json"])
+    assert listed == {"sql": SQL["uri"], "chat": CHAT["uri"]}
+    for obj in objects.values():
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+
+    # a fetched model brings the cache (a shared claim here): the adapters use it, the pod has it once
+    fetched = {"servedName": "llm", "uri": "hf://acme/base", "cache": {"claimName": "models"}}
+    pod = pod_spec({"model": fetched, "adapters": [SQL]})
+    assert [v["name"] for v in pod["volumes"]].count("model-cache") == 1
+    assert {c["name"]: c for c in pod["containers"]}["adapters"]["securityContext"]["runAsNonRoot"] is True
+
+    plain = pod_spec({})
+    assert "--enable-lora" not in plain["containers"][0]["args"] and len(plain["containers"]) == 2
+
+
+def test_changing_the_adapter_list_changes_the_configmap_never_the_pod_template() -> None:
+    two, three = built({"adapters": [SQL, CHAT]}), built({"adapters": [SQL, CHAT, MATH]})
+    assert two[("Deployment", "llm")] == three[("Deployment", "llm")]
+    assert two[("ConfigMap", "llm-adapters")] != three[("ConfigMap", "llm-adapters")]
+    assert two[("ConfigMap", "llm-engine")] == three[("ConfigMap", "llm-engine")]  # engine.json: the control loop's
+    service = {**OWNER, "spec": {"model": MODEL}}
+    unwanted = reconcile.desired(service, with_servicemonitor=False).unwanted
+    assert ("ConfigMap", "llm-adapters") in {(kind, name) for kind, name, _ in unwanted}
+
+
+class VllmLoraAPI:
+    """vLLM's adapter endpoints over real HTTP, on loopback: an adapter loads from a path in `fetched` (what the
+    pod's adapters container has linked), and /v1/models lists each loaded one with its root and parent."""
+
+    def __init__(self, base: str = "llm") -> None:
+        self.base, self.fetched, self.loaded, self.calls = base, set(), {}, []
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> VllmLoraAPI:
+        self._thread.start()
+        assert self._started.wait(10), "the test API did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/load_lora_adapter", self._load)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    async def _models(self, request: web.Request) -> web.Response:
+        cards = [{"id": self.base, "object": "model", "root": "/models/llm", "parent": None}]
+        cards += [{"id": n, "object": "model", "root": p, "parent": self.base} for n, p in self.loaded.items()]
+        return web.json_response({"object": "list", "data": cards})
+
+    @staticmethod
+    def _error(message: str, status: int) -> web.Response:
+        body = {"error": {"message": message, "type": "BadRequestError" if status == 400 else "NotFoundError",
+                          "param": None, "code": status}}  # fmt: skip
+        return web.json_response(body, status=status)
+
+    async def _load(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        self.calls.append(("load", name, path))
+        if name in self.loaded:
+            return self._error(f"The lora adapter '{name}' has already been loaded.", 400)
+        if path not in self.fetched:
+            return self._error(f"No adapter found for {path}", 404)
+        self.loaded[name] = path
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        name = (await request.json()).get("lora_name")
+        self.calls.append(("unload", name))
+        if self.loaded.pop(name, None) is None:
+            return self._error(f"The lora adapter '{name}' cannot be found.", 404)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_whose_uri_changed() -> None:
+    wanted = adapters.paths({"adapters": [SQL, CHAT]})
+    assert wanted["sql"] == f"{adapters.LINK_DIR}/{link_name('sql', SQL['uri'])}"
+    with VllmLoraAPI() as pod:
+        pod.fetched.add(wanted["sql"])  # chat still fetching
+        states = adapter_sync.sync_pod(pod.url, wanted)
+        assert states["sql"] == (adapter_sync.LOADED, "")
+        assert states["chat"][0] == adapter_sync.NOT_LOADED and "404: No adapter found for" in states["chat"][1]
+        pod.fetched.add(wanted["chat"])
+        assert adapter_sync.sync_pod(pod.url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
+        pod.calls.clear()
+        assert adapter_sync.sync_pod(pod.url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
+        assert pod.calls == []  # nothing to do: nothing called but /v1/models
+
+        moved = adapters.paths({"adapters": [{**SQL, "uri": "hf://acme/sql-lora@v2"}]})
+        pod.fetched.add(moved["sql"])
+        assert adapter_sync.sync_pod(pod.url, moved) == {"sql": (adapter_sync.LOADED, "")}
+        assert sorted(pod.calls) == [("load", "sql", moved["sql"]), ("unload", "chat"), ("unload", "sql")]
+        assert pod.loaded == moved
+
+
+@pytest.fixture(scope="module")
+def lora_pod() -> Iterator[VllmLoraAPI]:
+    with VllmLoraAPI() as pod:
+        yield pod
+
+
+def _ready_pod(cluster, name: str) -> None:
+    """A ready pod of the service at loopback, where `lora_pod` answers (the emulator runs no kubelet)."""
+    labels = {"app.kubernetes.io/name": "overlap", "app.kubernetes.io/managed-by": "overlap-operator",
+              "overlap.dev/inferenceservice": name}  # fmt: skip
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{name}-0", "labels": labels},
+           "spec": {"containers": [{"name": "sidecar", "image": "overlap"}]}}  # fmt: skip
+    cluster.core.create_namespaced_pod(NAMESPACE, pod)
+    ready = {"podIP": "127.0.0.1", "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}
+    cluster.core.patch_namespaced_pod_status(f"{name}-0", NAMESPACE, {"status": ready})
+
+
+def _states(cluster, name: str) -> dict[str, str]:
+    service = cluster.get("inferenceservice", name) or {}
+    return {e["name"]: e["state"] for e in (service.get("status") or {}).get("adapters") or []}
+
+
+def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rolling_it(
+    cluster, operator_process, lora_pod
+) -> None:
+    name = "lora"
+    spec = {"model": {"servedName": "llm", "path": "/models/llm"}, "resources": {"gpus": 0},
+            "sidecar": {"port": lora_pod.port}, "adapters": [SQL, CHAT]}  # fmt: skip
+    manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}}
+    lora_pod.fetched |= set(adapters.paths({"adapters": [SQL, CHAT, MATH]}).values())
+    cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
+    try:
+        deployment = wait_for(lambda: cluster.get("deployment", name), timeout=20, what="the Deployment")
+        assert "--enable-lora" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        _ready_pod(cluster, name)
+        wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "chat": "Loaded"}, timeout=20,
+                 what="both adapters loaded into the pod")  # fmt: skip
+        assert set(lora_pod.loaded) == {"sql", "chat"}
+
+        spec["adapters"] = [SQL, MATH]  # chat out, math in
+        cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
+        wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "math": "Loaded"}, timeout=20,
+                 what="math loaded and chat gone")  # fmt: skip
+        assert set(lora_pod.loaded) == {"sql", "math"} and ("unload", "chat") in lora_pod.calls
+        listed = json.loads(cluster.get("configmap", f"{name}-adapters")["data"]["adapters.json"])
+        assert listed == {"sql": SQL["uri"], "math": MATH["uri"]}
+        after = cluster.get("deployment", name)
+        assert after["metadata"]["generation"] == deployment["metadata"]["generation"]  # not rolled
+        assert after["spec"]["template"] == deployment["spec"]["template"]
+    finally:
+        cluster.kubectl("delete", "inferenceservice", name, "-n", NAMESPACE, "--ignore-not-found")
+        cluster.kubectl("delete", "pod", f"{name}-0", "-n", NAMESPACE, "--ignore-not-found")
