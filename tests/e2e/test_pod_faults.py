@@ -230,6 +230,7 @@ LACKING = {
         "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu",
     ),
     "inferenceservice-hpa.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
+    "inferenceservice-lora.yaml": ("Ready", "Unschedulable: 0/1 nodes are available: 1 Insufficient nvidia.com/gpu"),
     "inferenceservice-pvc-autoscaling.yaml": ("Ready", 'persistentvolumeclaim "model-weights" not found'),
     "inferenceservice-qwen3-moe.yaml": (
         "Ready",
