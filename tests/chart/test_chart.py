@@ -110,7 +110,8 @@ def test_rbac_grants_only_what_the_operator_uses() -> None:
         ("overlap.dev", "inferenceservices/finalizers"): {"update"},
         # delete: the activator of a service that no longer scales to zero (its Deployment and Service)
         ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-        ("", "configmaps"): {"get", "list", "watch", "create", "patch"},
+        # delete: a service's adapter list (NAME-adapters) once spec.adapters lists none
+        ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
         ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
         # No Secret can be read but the operator's own (create cannot be scoped by name).
         ("", "secrets"): {"create"},

@@ -21,7 +21,7 @@ from aiohttp import web
 from overlap.engine.delivery.adapters import link_name
 from overlap.operator import adapter_sync, adapters, children, reconcile
 from overlap.operator import spec as specs
-from tests.support.cluster import NAMESPACE, wait_for
+from tests.support.cluster import NAMESPACE, chart_grants, not_granted, operator_requests, wait_for
 from tests.support.sidecar import free_port
 
 OWNER = {
@@ -218,6 +218,14 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
         after = cluster.get("deployment", name)
         assert after["metadata"]["generation"] == deployment["metadata"]["generation"]  # not rolled
         assert after["spec"]["template"] == deployment["spec"]["template"]
+
+        del spec["adapters"]  # none left: the list's ConfigMap and the status entries go, the pods lose --enable-lora
+        cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
+        wait_for(lambda: cluster.get("configmap", f"{name}-adapters") is None and not _states(cluster, name),
+                 timeout=20, what="the adapter list and status gone")  # fmt: skip
+        args = cluster.get("deployment", name)["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--enable-lora" not in args
+        assert not not_granted(operator_requests(cluster), chart_grants())
     finally:
         cluster.kubectl("delete", "inferenceservice", name, "-n", NAMESPACE, "--ignore-not-found")
         cluster.kubectl("delete", "pod", f"{name}-0", "-n", NAMESPACE, "--ignore-not-found")

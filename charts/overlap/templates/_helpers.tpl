@@ -62,9 +62,10 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services]
   verbs: [get, list, watch, create, patch, delete]
+# delete: a service's NAME-adapters ConfigMap goes when spec.adapters lists none.
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
 # Secrets: create cannot be scoped by name, but reads and writes are: the operator can read no Secret but its own.
 - apiGroups: [""]
   resources: [secrets]
