@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -22,7 +25,8 @@ from overlap.engine.delivery.adapters import link_name
 from overlap.operator import adapter_sync, adapters, children, reconcile
 from overlap.operator import spec as specs
 from tests.support.cluster import NAMESPACE, chart_grants, not_granted, operator_requests, wait_for
-from tests.support.sidecar import free_port
+from tests.support.model_sources import HubServer
+from tests.support.sidecar import free_port, overlap_cmd
 
 OWNER = {
     "apiVersion": "overlap.dev/v1alpha1",
@@ -33,6 +37,7 @@ MODEL = {"servedName": "llm", "path": "/models/llm"}
 SQL = {"name": "sql", "uri": "hf://acme/sql-lora"}
 CHAT = {"name": "chat", "uri": "s3://loras/chat"}
 MATH = {"name": "math", "uri": "oci://registry.example/loras/math:v1"}
+GONE = {"name": "gone", "uri": "hf://acme/missing-lora"}
 
 
 def built(spec: dict) -> dict[tuple[str, str], dict]:
@@ -191,22 +196,42 @@ def _states(cluster, name: str) -> dict[str, str]:
     return {e["name"]: e["state"] for e in (service.get("status") or {}).get("adapters") or []}
 
 
+def _failed_fetch_log(folder: Path) -> str:
+    """What `overlap model fetch-adapters` logs for GONE, whose repository the hub does not have."""
+    listed = folder / "adapters.json"
+    listed.write_text(json.dumps({GONE["name"]: GONE["uri"]}))
+    hub = HubServer({}).start()
+    try:
+        command = overlap_cmd("model", "fetch-adapters", str(listed), "--cache-dir", str(folder / "cache"),
+                              "--link-dir", str(folder / "links"))  # fmt: skip
+        env = {**os.environ, "HF_ENDPOINT": hub.url}
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60).stderr
+    finally:
+        hub.stop()
+
+
 def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rolling_it(
-    cluster, operator_process, lora_pod
+    cluster, operator_process, lora_pod, tmp_path
 ) -> None:
     name = "lora"
     spec = {"model": {"servedName": "llm", "path": "/models/llm"}, "resources": {"gpus": 0},
-            "sidecar": {"port": lora_pod.port}, "adapters": [SQL, CHAT]}  # fmt: skip
+            "sidecar": {"port": lora_pod.port}, "adapters": [SQL, CHAT, GONE]}  # fmt: skip
     manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}}
     lora_pod.fetched |= set(adapters.paths({"adapters": [SQL, CHAT, MATH]}).values())
+    # the pod's adapters container's log, as kubelet would serve it: the real fetch of the adapter that cannot be
+    log = _failed_fetch_log(tmp_path)
+    cluster.api.pod_logs = lambda pod, container: log if container == "adapters" else ""
     cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
     try:
         deployment = wait_for(lambda: cluster.get("deployment", name), timeout=20, what="the Deployment")
         assert "--enable-lora" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
         _ready_pod(cluster, name)
-        wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "chat": "Loaded"}, timeout=20,
-                 what="both adapters loaded into the pod")  # fmt: skip
+        wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "chat": "Loaded", "gone": "NotLoaded"},
+                 timeout=20, what="two adapters loaded into the pod, the third not")  # fmt: skip
         assert set(lora_pod.loaded) == {"sql", "chat"}
+        (gone,) = [e for e in cluster.get("inferenceservice", name)["status"]["adapters"] if e["name"] == "gone"]
+        assert gone["message"].startswith("404: No adapter found for /var/run/overlap-adapters/gone-")
+        assert "; fetch: error: hf://acme/missing-lora" in gone["message"] and "404" in gone["message"], gone
 
         spec["adapters"] = [SQL, MATH]  # chat out, math in
         cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
@@ -227,5 +252,6 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
         assert "--enable-lora" not in args
         assert not not_granted(operator_requests(cluster), chart_grants())
     finally:
+        cluster.api.pod_logs = None
         cluster.kubectl("delete", "inferenceservice", name, "-n", NAMESPACE, "--ignore-not-found")
         cluster.kubectl("delete", "pod", f"{name}-0", "-n", NAMESPACE, "--ignore-not-found")

@@ -17,11 +17,13 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from overlap.engine.delivery.adapters import log_prefix
 from overlap.operator import adapters, kube, status
 from overlap.operator import spec as specs
 from overlap.operator.identity import selector_string
 
 MODELS_TIMEOUT_S = 5.0
+FETCH_LINES = 200  # of the adapters container's log, read for the adapters that did not load
 LOAD_TIMEOUT_S = 60.0  # an adapter is read from disk and moved to the device while the engine keeps serving
 
 LOADED, NOT_LOADED = "Loaded", "NotLoaded"
@@ -117,9 +119,22 @@ def _sync_service(owner: Mapping[str, Any]) -> None:
             states = sync_pod(f"http://{pod_ip}:{spec['sidecar']['port']}", wanted)
         except (PodAPIError, OSError) as exc:
             states = {adapter: (NOT_LOADED, f"{pod_ip}: {exc}") for adapter in wanted}
+        if any(state == NOT_LOADED for state, _ in states.values()):
+            states = _with_fetch_lines(states, kube.log_tail(pod_name, namespace, adapters.CONTAINER, FETCH_LINES))
         seen.update({(adapter, pod_name): state for adapter, state in states.items()})
     when = status.now_iso()
     kube.patch_status(name, namespace, lambda current: {"adapters": adapter_status(current, seen, when)})
+
+
+def _with_fetch_lines(states: dict[str, tuple[str, str]], log: str | None) -> dict[str, tuple[str, str]]:
+    """Each adapter not loaded with the adapters container's last line about it (fetching, or why it failed)."""
+    last = {}
+    for line in (log or "").splitlines():
+        for name in states:
+            if line.startswith(log_prefix(name)):
+                last[name] = line[len(log_prefix(name)) :]
+    return {name: (state, f"{message}; fetch: {last[name]}" if state == NOT_LOADED and name in last else message)
+            for name, (state, message) in states.items()}  # fmt: skip
 
 
 def adapter_status(owner: Mapping[str, Any], seen: Mapping[tuple[str, str], tuple[str, str]],

@@ -262,17 +262,18 @@ def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
     return pods.get("items") or []
 
 
-def log_tail(pod: str, namespace: str, container: str) -> str | None:
-    """The last line a container logged (None if it cannot be read: a progress line is not worth an error)."""
+def log_tail(pod: str, namespace: str, container: str, lines: int = 1) -> str | None:
+    """The last `lines` lines a container logged (None if it cannot be read: a progress line is not worth an
+    error)."""
     api = kubernetes.client.CoreV1Api()
     try:
         text = api.read_namespaced_pod_log(
-            pod, namespace, container=container, tail_lines=1, _preload_content=False,
+            pod, namespace, container=container, tail_lines=lines, _preload_content=False,
             _request_timeout=request_timeout(),
         ).data.decode(errors="replace")  # fmt: skip
     except (ApiException, OSError, urllib3.exceptions.HTTPError):
         return None
-    return text.strip().splitlines()[-1] if text.strip() else None
+    return "\n".join(text.strip().splitlines()[-lines:]) if text.strip() else None
 
 
 def ready_pod_ips(namespace: str, selector: str) -> list[str]:

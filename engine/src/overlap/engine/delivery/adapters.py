@@ -24,6 +24,11 @@ def link_name(name: str, uri: str) -> str:
     return f"{name}-{hashlib.sha256(uri.encode()).hexdigest()[:12]}"
 
 
+def log_prefix(name: str) -> str:
+    """How the lines `sync` logs about adapter `name` start."""
+    return f"adapter {name}: "
+
+
 def read_list(path: str | Path) -> dict[str, str]:
     """The {name: uri} file; FetchError when it is not one."""
     try:
@@ -43,11 +48,13 @@ def sync(wanted: Mapping[str, str], cache_dir: str | Path, link_dir: str | Path,
     links.mkdir(parents=True, exist_ok=True)
     failed = {}
     for name, uri in wanted.items():
+        # each line names its adapter: the operator puts an adapter's last one into its status (`log_prefix`)
+        say = lambda line, name=name: progress(f"{log_prefix(name)}{line}")  # noqa: E731
         try:
-            fetch(uri, cache_dir, link=links / link_name(name, uri), progress=progress)
+            fetch(uri, cache_dir, link=links / link_name(name, uri), progress=say)
         except FetchError as exc:
             failed[name] = str(exc)
-            progress(f"adapter {name}: error: {exc}")
+            say(f"error: {exc}")
     keep = {link_name(name, uri) for name, uri in wanted.items()}
     for link in links.iterdir():
         if link.is_symlink() and link.name not in keep:
