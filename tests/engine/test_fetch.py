@@ -18,7 +18,7 @@ from overlap.engine.delivery.fetch import fetch
 from overlap.engine.delivery.sources import FetchError
 from overlap.engine.delivery.uri import ModelURIError, parse
 from tests.support.model_sources import FileServer, HubServer, MotoServer, RegistryProxy, RegistryServer
-from tests.support.sidecar import overlap_cmd
+from tests.support.sidecar import Proc, child_env, overlap_cmd, wait_until
 
 REPO_ID = "acme/tiny-chat"
 WEIGHTS = os.urandom(3 << 20)
@@ -332,9 +332,18 @@ def test_adapters_are_fetched_behind_links_named_for_their_uri_and_one_bad_uri_h
             assert _files(links / adapters.link_name(name, wanted[name])) == repos[wanted[name][5:]]
         assert not (links / adapters.link_name("gone", wanted["gone"])).exists()
 
-        changed = {"sql": "hf://acme/chat-lora"}  # chat removed, sql now from another repository
-        assert adapters.sync(changed, cache, links, progress=lambda line: None) == {}
-        assert sorted(p.name for p in links.iterdir()) == [adapters.link_name("sql", changed["sql"])]
-        assert _files(links / adapters.link_name("sql", changed["sql"])) == repos["acme/chat-lora"]
+        # --watch, as the pod runs it: a changed list (chat removed, sql from another repository) is acted on
+        watcher = Proc([*command, "--watch", "--interval-s", "0.2"], tmp_path / "watch.log",
+                       env={**child_env(), "HF_ENDPOINT": hub.url})  # fmt: skip
+        try:
+            changed = {"sql": "hf://acme/chat-lora"}
+            wait_until(lambda: "adapter gone: error:" in watcher.log_path.read_text(), 60, "the first sync", watcher)
+            listed.write_text(json.dumps(changed))
+            wanted_links = [adapters.link_name("sql", changed["sql"])]
+            wait_until(lambda: sorted(p.name for p in links.iterdir()) == wanted_links, 60, "the list's change",
+                       watcher)  # fmt: skip
+            assert _files(links / wanted_links[0]) == repos["acme/chat-lora"]
+        finally:
+            watcher.stop()
     finally:
         hub.stop()
