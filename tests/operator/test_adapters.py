@@ -172,6 +172,8 @@ def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_
         assert adapter_sync.sync_pod(pod.url, moved) == {"sql": (adapter_sync.LOADED, "")}
         assert sorted(pod.calls) == [("load", "sql", moved["sql"]), ("unload", "chat"), ("unload", "sql")]
         assert pod.loaded == moved
+        with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not a vLLM API there: said, not crashed
+            adapter_sync.sync_pod(f"{pod.url}/elsewhere", moved)
 
 
 @pytest.fixture(scope="module")

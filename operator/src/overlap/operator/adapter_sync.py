@@ -10,6 +10,7 @@ the next pass. Passes run on a pod's events, after a reconcile and at every resy
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import urllib.error
@@ -66,20 +67,21 @@ def _error_message(text: str) -> str:
 def served_adapters(base_url: str) -> dict[str, str]:
     """{name: path} of the adapters a pod serves: the /v1/models entries with a parent (their root is the path)."""
     models = _call(f"{base_url}/v1/models", None, MODELS_TIMEOUT_S)
-    return {m["id"]: m.get("root", "") for m in models.get("data", []) if m.get("parent")}
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        raise PodAPIError(f"/v1/models answered no model list: {str(models)[:200]}")
+    return {m["id"]: m.get("root", "") for m in models["data"] if isinstance(m, dict) and m.get("parent")}
 
 
 def sync_pod(base_url: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Make the pod serve `wanted` ({name: path}) and no other adapter; {name: (state, message)} for each of them.
-    PodAPIError when /v1/models cannot be read."""
+    PodAPIError (or another OSError) when its /v1/models cannot be read."""
     served = served_adapters(base_url)
     for name, path in served.items():
-        if wanted.get(name) != path:  # no longer listed, or listed from another uri
-            try:
+        # no longer listed, or listed from another uri; a refusal is tried again at the next pass (a listed
+        # adapter then fails to load, and its status says so)
+        if wanted.get(name) != path:
+            with contextlib.suppress(PodAPIError):
                 _call(f"{base_url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_S)
-            except PodAPIError:
-                if name not in wanted:  # tried again at the next pass; a listed one stays as it was
-                    raise
     states = {}
     for name, path in wanted.items():
         if served.get(name) == path:
