@@ -73,6 +73,19 @@ def test_a_pod_with_adapters_runs_the_engine_with_lora_and_an_adapters_container
     assert [v["name"] for v in pod["volumes"]].count("model-cache") == 1
     assert {c["name"]: c for c in pod["containers"]}["adapters"]["securityContext"]["runAsNonRoot"] is True
 
+    # model.secretRef reaches the adapters' fetch as it reaches the model's: environment, or an oci:// registry login
+    keyed = {"servedName": "llm", "uri": "hf://acme/base", "secretRef": {"name": "hf-token"}}
+    fetcher = {c["name"]: c for c in pod_spec({"model": keyed, "adapters": [SQL]})["containers"]}["adapters"]
+    assert fetcher["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    for image_volume in (False, True):
+        oci = {"servedName": "llm", "uri": "oci://registry.example/base:v1", "secretRef": {"name": "login"},
+               "imageVolume": image_volume}  # fmt: skip
+        pod = pod_spec({"model": oci, "adapters": [MATH]})
+        fetcher = {c["name"]: c for c in pod["containers"]}["adapters"]
+        assert {"name": "DOCKER_CONFIG", "value": specs.REGISTRY_CONFIG_DIR} in fetcher["env"]
+        assert [v["name"] for v in pod["volumes"]].count("registry-config") == 1
+        assert "envFrom" not in fetcher
+
     plain = pod_spec({})
     assert "--enable-lora" not in plain["containers"][0]["args"] and len(plain["containers"]) == 2
 

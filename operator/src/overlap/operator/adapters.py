@@ -112,7 +112,16 @@ def pod_parts(name: str, spec: Mapping[str, Any], security: Mapping[str, Any], m
             {"name": "tmp", "mountPath": "/tmp"},
         ],
     }
+    # model.secretRef as the model's fetch takes it: an oci:// model's is a registry login, any other's environment
     secret = (spec["model"].get("secretRef") or {}).get("name")
-    if secret:
+    uri = specs.model_uri(spec["model"])
+    if secret and uri is not None and uri.scheme == "oci":
+        if not any(volume["name"] == "registry-config" for volume in volumes):
+            items = [{"key": ".dockerconfigjson", "path": "config.json"}]
+            volumes.append({"name": "registry-config", "secret": {"secretName": secret, "items": items}})
+        container["volumeMounts"].append({"name": "registry-config", "mountPath": specs.REGISTRY_CONFIG_DIR,
+                                          "readOnly": True})  # fmt: skip
+        container["env"].append({"name": "DOCKER_CONFIG", "value": specs.REGISTRY_CONFIG_DIR})
+    elif secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     return ModelParts(volumes, engine_mounts, model.init_containers, model.pull_secrets, [*model.containers, container])
