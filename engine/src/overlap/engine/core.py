@@ -23,6 +23,7 @@ from pathlib import Path
 
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
+from overlap.engine.batching.window_blocks import WindowBlocks
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
 from overlap.engine.execution import Step, make_executor
@@ -87,7 +88,10 @@ class Engine:
         self.sampling_defaults = dict(runner.sampling_defaults)
         quant = getattr(getattr(runner, "spec", None), "quantization", None)
         self.quantization = "" if quant is None else quant.name  # the checkpoint's format, for /v1/models
-        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
+        split = getattr(runner, "kv_split", None)  # the sliding layers' own pool (a model mixing layer types)
+        window = None if split is None else WindowBlocks(split.num_window_blocks, runner.block_size, split.window)
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching,
+                                          window)  # fmt: skip
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids)
 
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -357,6 +361,9 @@ class Engine:
             "kv_usage": bm.usage,
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
+            # the sliding layers' own pool, for a model that mixes them with full layers (0: none)
+            "num_window_kv_blocks": bm.window.num_blocks if bm.window else 0,
+            "num_free_window_kv_blocks": bm.window.num_free_blocks if bm.window else 0,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "prefix_cache_queries_total": bm.prefix_cache_queries,
             "prefix_cache_hits_total": bm.prefix_cache_hits,

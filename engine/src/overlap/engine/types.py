@@ -203,6 +203,10 @@ class ScheduledSeq:
     # proposals its samples agree with, and hands back those plus the token it sampled after them
     # (`RunnerOutput.spec_tokens`; `accept_proposals` is the rule).
     num_draft_tokens: int = 0
+    # A model that mixes sliding and full layers: its sliding layers' blocks, in a pool of their own, as `block_table`
+    # (0, the null block, where a block fell out of the window); the live list of the request. Empty: block b of
+    # `block_table` is block b + 1 there (callers that free nothing by window: runner-level tests, benchmarks).
+    window_block_table: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -269,6 +273,9 @@ class Runner(Protocol):
     kernels: str = "n/a"  # what runs the step's work, for start-up logs and benchmarks
     step_mode: StepMode = "thread"
     supports_speculation: bool = False  # verifies ScheduledSeq.num_draft_tokens (speculative decoding)
+    # A model mixing sliding and full layers: the sliding layers' pool (model.devices.KvPoolSplit); `num_kv_blocks` is
+    # then the full layers' pool.
+    kv_split: object | None = None
 
     def execute(self, batch: ModelInput) -> RunnerOutput:
         """Run one step."""

@@ -31,19 +31,26 @@ run at all it falls back to the LRU free list.
 
 Only blocks below a request's computed length are ever shared, and nothing writes there again, so a shared
 block is read-only by construction.
+
+A model that mixes sliding-window and full-attention layers keeps its sliding layers' K/V in a pool of their own
+(`window`, batching/window_blocks.py): the tables above are the full layers'; every method here keeps the sliding
+layers' table in step with them, and a request is admitted or grows only when both pools have room.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from overlap.engine.batching.window_blocks import WindowBlocks
 from overlap.engine.prefix_hash import REMOVED, STORED, BlockKey, KvEventLog, extend_keys
 from overlap.engine.requests.request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: WindowBlocks | None = None) -> None:  # fmt: skip
         assert num_blocks >= 1 and block_size >= 1, "the KV pool needs at least one block of one slot"
+        self.window = window  # the sliding layers' blocks, for a model that mixes layer types (else None)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -91,6 +98,8 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
+        if self.window is not None and hits:  # the sliding layers need the blocks in the window of the hit too
+            del hits[self.window.cached_prefix(keys, len(hits)) :]
         return hits
 
     def _num_blocks_to_take(self, request: Request, hits: list[int]) -> int:
@@ -98,17 +107,35 @@ class BlockManager:
         revived = sum(1 for b in hits if self.ref_counts[b] == 0)  # cached but free: they leave the free list
         return fresh + revived
 
-    def can_allocate(self, request: Request) -> bool:
-        return self._num_blocks_to_take(request, self._cache_hits(request)) <= len(self._free)
+    def _window_end(self, request: Request, hits: list[int], num_new_tokens: int | None) -> int:
+        """The position up to which the sliding layers' blocks are taken at admission: its first step's tokens."""
+        start = len(hits) * self.block_size
+        return request.num_tokens if num_new_tokens is None else min(request.num_tokens, start + num_new_tokens)
 
-    def allocate(self, request: Request) -> int | None:
+    def can_allocate(self, request: Request, num_new_tokens: int | None = None) -> bool:
+        return self._fits(request, self._cache_hits(request), num_new_tokens)
+
+    def _fits(self, request: Request, hits: list[int], num_new_tokens: int | None) -> bool:
+        if self._num_blocks_to_take(request, hits) > len(self._free):
+            return False
+        if self.window is None:
+            return True
+        keys = self._keys_for(request, len(hits))
+        end = self._window_end(request, hits, num_new_tokens)
+        return self.window.num_to_take(request, keys, len(hits), end) <= self.window.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int | None = None) -> int | None:
         """Reserve blocks for all of `request`'s current tokens (prompt, plus any output kept across a
-        preemption). Returns the number of tokens served from the prefix cache (and sets
-        `num_computed_tokens` to it), or None if the pool cannot hold them now."""
+        preemption), and the sliding layers' for its first `num_new_tokens` to compute (None: all of them). Returns
+        the number of tokens served from the prefix cache (and sets `num_computed_tokens` to it), or None if the
+        pool cannot hold them now."""
         assert not request.block_ids, f"request {request.request_id} already holds KV blocks"
         hits = self._cache_hits(request)
-        if self._num_blocks_to_take(request, hits) > len(self._free):
+        if not self._fits(request, hits, num_new_tokens):
             return None
+        if self.window is not None:
+            keys = self._keys_for(request, len(hits))
+            self.window.allocate(request, keys, len(hits), self._window_end(request, hits, num_new_tokens))
         for block in hits:
             if self.ref_counts[block] == 0:
                 del self._free[block]
@@ -133,10 +160,15 @@ class BlockManager:
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Make sure `request`'s blocks cover `num_new_tokens` more computed tokens; False if the pool is out."""
         missing = self.num_blocks_missing(request, num_new_tokens)
-        if missing == 0:
-            return True
         if missing > len(self._free):
             return False
+        if self.window is not None:
+            end = request.num_computed_tokens + num_new_tokens
+            if self.window.num_missing(request, end) > self.window.num_free_blocks:
+                return False
+            self.window.grow(request, end)
+        if missing == 0:
+            return True
         for _ in range(missing):
             nxt = request.block_ids[-1] + 1 if request.block_ids else self.num_blocks
             if nxt < request.claim_end and nxt in self._free:
@@ -233,6 +265,8 @@ class BlockManager:
         blocks lie past the computed length, so they were never shared or published: each goes straight back to the
         free list, and one taken from the request's claimed run is claimed for it again."""
         keep = self.num_blocks_for(num_tokens)
+        if self.window is not None:
+            self.window.trim(request, num_tokens)
         while len(request.block_ids) > keep:
             block = request.block_ids.pop()
             self.ref_counts[block] -= 1
@@ -250,6 +284,8 @@ class BlockManager:
         prefix that other requests share stays cached longest."""
         if request.claim_end:
             self._release_claim(request, request.block_ids[-1] + 1 if request.block_ids else 0)
+        if self.window is not None:
+            self.window.free(request)
         for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
@@ -266,7 +302,13 @@ class BlockManager:
         return extend_keys(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks)
 
     def register_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Publish the request's full blocks whose K/V is now written (call after the step that computed them)."""
+        """Publish the request's full blocks whose K/V is now written (call after the step that computed them); the
+        sliding layers' blocks behind the window of the next position go back."""
+        if self.window is not None:
+            if self.enable_prefix_caching:  # published before they go back, so they stay cached in the free list
+                num_full = num_computed_tokens // self.block_size
+                self.window.register(request, self._keys_for(request, num_full), num_full)
+            self.window.release_behind(request, num_computed_tokens)
         if not self.enable_prefix_caching:
             return
         num_full = min(num_computed_tokens // self.block_size, len(request.block_ids))

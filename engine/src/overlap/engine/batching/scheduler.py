@@ -147,7 +147,8 @@ class Scheduler:
         #    a. decodes, one token each. A decode whose next block cannot be had preempts the lowest-priority,
         #       latest running request (possibly itself; recompute: its blocks are freed, its generated tokens
         #       kept, and it goes back to the front of its queue level) until the block can be had;
-        #    b. then the next chunk of each partially prefilled prompt (its blocks were reserved at admission).
+        #    b. then the next chunk of each partially prefilled prompt (its blocks were reserved at admission; a model
+        #       with sliding layers takes theirs per chunk, and a chunk they have no room for waits).
         # 3. Then admission, as many as the batching policy allows: the queue's head (highest level first, FIFO
         #    within a level) starts while the sequence cap and the token budget have room and the KV pool can
         #    hold its whole prompt (prefix-cache hits reused); those blocks are reserved now. Without chunked
@@ -207,6 +208,8 @@ class Scheduler:
                 n = min(remaining, budget)
                 if n < remaining and not self.enable_chunked_prefill:
                     continue
+                if not bm.append_slots(request, n):  # the sliding layers' pool (the full layers' was reserved)
+                    continue
                 scheduled[request.request_id] = (request, n)
                 budget -= n
 
@@ -220,7 +223,7 @@ class Scheduler:
                     break
                 if not self._prompt_ready(request):
                     break  # its sibling is still computing the shared prompt; nothing jumps the queue
-                num_cached = bm.allocate(request)
+                num_cached = bm.allocate(request, budget)
                 if num_cached is None:
                     victims = self._victims_for(request)
                     if not victims:
@@ -296,6 +299,7 @@ class Scheduler:
                     token_ids=request.all_token_ids[start:] + drafts,
                     start_pos=start,
                     block_table=request.block_ids,
+                    window_block_table=request.window_block_ids,
                     do_sample=True,
                     sampling=request.sampling,
                     num_generated=request.num_output_tokens,
@@ -315,6 +319,7 @@ class Scheduler:
                 # the live list: block ids are only ever appended to it, and free() replaces it, so a runner that
                 # reads it while later steps are scheduled sees this step's table unchanged
                 block_table=request.block_ids,
+                window_block_table=request.window_block_ids,
                 do_sample=end == request.num_tokens + placeholders,
                 sampling=request.sampling,
                 num_generated=request.num_output_tokens + placeholders,

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
+from overlap.engine.batching.window_blocks import WindowBlocks
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError
 from overlap.engine.model.loader import ModelSpec, blocks_for_bytes, kv_bytes_per_token
@@ -81,3 +83,45 @@ def kv_pool_blocks(config: EngineConfig, spec: ModelSpec, dtype: torch.dtype, de
             f"max_seq_len {max_model_len} needs ({min_blocks}); raise num_kv_blocks/kv_cache_ratio or lower max_seq_len"
         )
     return blocks
+
+
+@dataclass(frozen=True, slots=True)
+class KvPoolSplit:
+    """The KV pool of a model that mixes sliding-window and full-attention layers, in two parts with their own block
+    ids: the full layers hold every position, the sliding ones only their window (batching/window_blocks.py)."""
+
+    num_full_blocks: int
+    num_window_blocks: int  # usable; the sliding layers' pool holds one more, the null block
+    window: int
+    num_full_layers: int
+    num_window_layers: int
+    num_uniform_blocks: int  # what one pool for every layer would hold in the same bytes
+
+    def describe(self, block_size: int) -> str:
+        tokens = self.num_full_blocks * block_size
+        return (f"KV pool: {self.num_full_blocks} blocks of {block_size} tokens for {self.num_full_layers} full "
+                f"layers and {self.num_window_blocks} for {self.num_window_layers} sliding layers (window "
+                f"{self.window}): {tokens} tokens, {tokens / (self.num_uniform_blocks * block_size):.2f}x one pool for "
+                "every layer in the same bytes")  # fmt: skip
+
+
+def split_kv_pool(config: EngineConfig, spec: ModelSpec, num_blocks: int) -> KvPoolSplit | None:
+    """Share the bytes of `num_blocks` blocks of every layer between a model's full and sliding layers (None for a
+    model that does not mix them). The sliding layers get what max_num_seqs sequences at once need (their window
+    and a step's tokens each, `WindowBlocks.max_blocks_per_seq`), or `num_blocks` if that is fewer; the bytes they
+    leave go to the full layers, so the pool holds more tokens."""
+    windows = {w for w in spec.layer_windows if w is not None}
+    num_window_layers = sum(1 for w in spec.layer_windows if w is not None)
+    num_full_layers = spec.num_layers - num_window_layers
+    if not windows or num_full_layers == 0:
+        return None
+    if len(windows) > 1:
+        raise ModelLoadError(f"sliding layers with different windows {sorted(windows)} are not supported")
+    (window,) = windows
+    bs = config.block_size
+    per_seq = WindowBlocks.max_blocks_per_seq(window, bs, 1)
+    wanted = config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
+    num_window = min(num_blocks, wanted)
+    # every layer's block has the same bytes: the blocks the sliding layers leave go to the full ones
+    num_full = num_blocks + (num_blocks - num_window) * num_window_layers // num_full_layers
+    return KvPoolSplit(num_full, num_window, window, num_full_layers, num_window_layers, num_blocks)

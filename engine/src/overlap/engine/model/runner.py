@@ -44,7 +44,7 @@ import torch
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError, RankLost
 from overlap.engine.model import graphs, native, sampler
-from overlap.engine.model.devices import kv_pool_blocks, pick_attention, pick_device, pick_dtype
+from overlap.engine.model.devices import kv_pool_blocks, pick_attention, pick_device, pick_dtype, split_kv_pool
 from overlap.engine.model.helper import HelperThread
 from overlap.engine.model.layers.attention import PagedAttention
 from overlap.engine.model.layers.linear import LinearBackend, pick_linear_backend
@@ -153,30 +153,47 @@ class ModelRunner(Runner):
                 if cos.shape[1] != spec.head_dim:
                     raise ModelLoadError("partial rotary in a model whose layer types have their own RoPE")
                 sliding_rotary = Rotary(cos.to(device, dtype), sin.to(device, dtype), self.ops)
-            self.num_kv_blocks = kv_pool_blocks(config, layer_spec, dtype, device, self.max_model_len)
+            num_blocks = kv_pool_blocks(config, layer_spec, dtype, device, self.max_model_len)
             if self.tp is not None:  # every rank's pool holds the same blocks: the fewest any rank has room for
-                self.num_kv_blocks = self.tp.min_int(self.num_kv_blocks)
+                num_blocks = self.tp.min_int(num_blocks)
+            self.kv_split = split_kv_pool(config, spec, num_blocks)  # None unless sliding and full layers mix
+            self.num_kv_blocks = num_blocks if self.kv_split is None else self.kv_split.num_full_blocks
             # With Triton, one spare block past the usable ones: a CUDA graph's padding rows write and read it.
             pool_blocks = self.num_kv_blocks + (triton is not None)
-            shape = (spec.num_layers, pool_blocks * self.block_size, layer_spec.num_kv_heads, spec.head_dim)
+            full_layers = [i for i, w in enumerate(spec.layer_windows) if self.kv_split is None or w is None]
+            shape = (len(full_layers), pool_blocks * self.block_size, layer_spec.num_kv_heads, spec.head_dim)
             # torch.empty: on CPU the pages are committed only when written; nothing reads a slot before it is
             # written (a sequence attends only to its own computed positions).
             self.k_pool = torch.empty(shape, dtype=dtype, device=device)
             self.v_pool = torch.empty(shape, dtype=dtype, device=device)
+            k_layers = dict(zip(full_layers, self.k_pool, strict=True))
+            v_layers = dict(zip(full_layers, self.v_pool, strict=True))
+            if self.kv_split is not None:  # the sliding layers' pool: block 0 is the null block, read as zeros
+                window_layers = [i for i in range(spec.num_layers) if i not in k_layers]
+                shape = (len(window_layers), (self.kv_split.num_window_blocks + 1) * self.block_size, *shape[2:])
+                self.window_k_pool = torch.empty(shape, dtype=dtype, device=device)
+                self.window_v_pool = torch.empty(shape, dtype=dtype, device=device)
+                for pool in (self.window_k_pool, self.window_v_pool):
+                    pool[:, : self.block_size].zero_()
+                k_layers.update(zip(window_layers, self.window_k_pool, strict=True))
+                v_layers.update(zip(window_layers, self.window_v_pool, strict=True))
             self.attention = PagedAttention(
                 heads=layer_spec.num_heads, kv_heads=layer_spec.num_kv_heads, head_dim=spec.head_dim,
                 block_size=self.block_size,
                 dtype=dtype, decode_kernel=decode_kernel, triton=triton, cpu_paths=self.cpu_paths, helper=self.helper,
                 scale=spec.attention_scale, softcap=spec.attn_logit_softcapping,
             )  # fmt: skip
-            parts = ModelParts(layer_spec, weights, self.linear, self.ops, self.attention, rotary, self.k_pool,
-                               self.v_pool, self.tp, sliding_rotary)  # fmt: skip
+            parts = ModelParts(layer_spec, weights, self.linear, self.ops, self.attention, rotary,
+                               [k_layers[i] for i in range(spec.num_layers)],
+                               [v_layers[i] for i in range(spec.num_layers)], self.tp, sliding_rotary,
+                               window_pool=self.kv_split is not None)  # fmt: skip
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
         halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)
         self.packer = InputPacker(
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
             device=device, windows=sorted({w for w in spec.layer_windows if w is not None}),
+            num_window_blocks=None if self.kv_split is None else self.kv_split.num_window_blocks,
             use_decode_kernel=decode_kernel is not None, triton=triton,
             group=layer_spec.num_heads // layer_spec.num_kv_heads,
             halves_min_tokens=halves_min_tokens,
@@ -185,7 +202,8 @@ class ModelRunner(Runner):
         self.sampling = SamplingState(self.model_dir, spec.vocab_size, frozenset(self.eos_token_ids), device,
                                       config.seed, argmax)  # fmt: skip
         # Not yet under tensor parallelism: a captured graph would hold the collectives of one step.
-        if device.type == "cuda" and triton is not None and config.cuda_graphs and self.tp is None:
+        if device.type == "cuda" and triton is not None and config.cuda_graphs and self.tp is None and (
+                self.kv_split is None):  # fmt: skip
             self.enable_decode_graphs(graphs.cuda_capture(device))
 
     def _halves_min_tokens(self, plan: str) -> int | None:
@@ -209,6 +227,8 @@ class ModelRunner(Runner):
         triton = self.attention.triton
         if triton is None or self.cpu_paths:
             raise ConfigError("decode graphs need the Triton attention backend on the device paths")
+        if self.kv_split is not None:
+            raise ConfigError("decode graphs do not yet carry the sliding layers' block tables")
         width = -(-self.max_model_len // self.block_size)
 
         def make_inputs(buffer: torch.Tensor, bucket: int) -> StepInputs:

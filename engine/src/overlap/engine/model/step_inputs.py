@@ -15,7 +15,7 @@ import torch
 from overlap.engine.model import graphs, native
 from overlap.engine.model.attention_plan import AttentionPlan, SeqGeometry, cpu_plan, triton_plan
 from overlap.engine.model.staging import to_device
-from overlap.engine.types import ModelInput, SamplingParams
+from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
 
 
 @dataclass(slots=True)
@@ -32,9 +32,10 @@ class StepInputs:
     request_ids: list[str]  # of the sampled rows, for the per-request token history of penalties
     prompts: list[list[int] | None]  # of the sampled rows: the whole prompt where a repetition penalty needs it
     # Full-attention layers' plan (the Triton plan serves every layer); sliding-window layers', by window, when some
-    # sequence reaches past it.
+    # sequence reaches past it, or always when they have a pool of their own.
     plan: AttentionPlan = field(default_factory=lambda: AttentionPlan(None, [], None))
     window_plans: dict[int, AttentionPlan] = field(default_factory=dict)
+    window_slots: torch.Tensor | None = None  # [T] each token's K/V slot in the sliding layers' own pool, if any
     # CPU with 2+ threads: the batch cut in two halves (consecutive sequences), each run through the whole model by
     # its own Python thread with one intra-op thread; the fields above then describe the first half only.
     halves: tuple[StepInputs, StepInputs] | None = None
@@ -63,12 +64,15 @@ class StepInputs:
     def device_tensors(self) -> list[torch.Tensor]:
         """The tensors a step reads on the device (for a stream hand-off: `record_stream`)."""
         tensors = [self.input_ids, self.positions, self.slots, self.sample_rows]
-        kernel_plans = [self.plan.kernel_plan] + ([self.plan.last_layer[0]] if self.plan.last_layer else [])
-        for plan in kernel_plans:
-            if plan is not None and not isinstance(plan, native.DecodePlan):  # a Triton PagedPlan
-                tensors += [plan.tables, plan.q_starts, plan.q_lens, plan.kv_lens, plan.prog_seq, plan.prog_q]
-        for seq in self.plan.seqs:
-            tensors += [t for t in (seq.kv_index, seq.mask) if t is not None]
+        if self.window_slots is not None:
+            tensors.append(self.window_slots)
+        for attention_plan in [self.plan, *self.window_plans.values()]:
+            last = attention_plan.last_layer
+            for plan in [attention_plan.kernel_plan] + ([last[0]] if last else []):
+                if plan is not None and not isinstance(plan, native.DecodePlan):  # a Triton PagedPlan
+                    tensors += [plan.tables, plan.q_starts, plan.q_lens, plan.kv_lens, plan.prog_seq, plan.prog_q]
+            for seq in attention_plan.seqs:
+                tensors += [t for t in (seq.kv_index, seq.mask) if t is not None]
         if self.graph is not None:
             tensors.append(self.graph[0])
         return tensors
@@ -87,9 +91,11 @@ class InputPacker:
 
     def __init__(self, *, block_size: int, num_kv_blocks: int, max_model_len: int, device: torch.device,
                  windows: list[int], use_decode_kernel: bool, triton, group: int,
-                 halves_min_tokens: int | None) -> None:  # fmt: skip
+                 halves_min_tokens: int | None, num_window_blocks: int | None = None) -> None:  # fmt: skip
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
+        # The sliding layers' own pool (a model mixing layer types): its usable blocks, ids 1 .. n (0: the null block)
+        self.num_window_blocks = num_window_blocks
         self.max_model_len = max_model_len
         self.device = device
         self.windows = windows  # the distinct sliding windows of the model's layers
@@ -142,6 +148,8 @@ class InputPacker:
         slots: list[int] = []
         sample_rows: list[int] = []
         geometry: list[SeqGeometry] = []
+        window_slots: list[int] = []  # the sliding layers' own pool, when they have one: their slots and geometry
+        window_geometry: list[SeqGeometry] = []
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
@@ -156,15 +164,6 @@ class InputPacker:
                 raise ValueError(f"request {seq.request_id}: scheduled with no tokens")
             if end > self.max_model_len:
                 raise ValueError(f"request {seq.request_id}: position {end - 1} is past max_model_len")
-            num_blocks = -(-end // bs)
-            table = seq.block_table[:num_blocks]
-            if len(table) < num_blocks:
-                raise ValueError(f"request {seq.request_id}: block table covers {len(table) * bs} < {end} positions")
-            first = table[0]
-            if first < 0 or max(table) >= self.num_kv_blocks:
-                raise ValueError(
-                    f"request {seq.request_id}: block table {table} outside the pool of {self.num_kv_blocks}"
-                )
             q_start = len(ids)
             ids.extend(seq.token_ids)
             positions.extend(range(start, end))
@@ -186,16 +185,12 @@ class InputPacker:
                     prompt_rows.extend(range(q_start, q_start + last - start))
                     prompt_targets.extend(prompt[start + 1 : last + 1])
                     prompt_spans.append((seq.request_id, start + 1, last - start, seq.sampling.prompt_logprobs))
-            g = SeqGeometry(q_start, n, start, end, table, seq.do_sample)
-            if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
-                g.kv_start = first * bs
-                slots.extend(range(g.kv_start + start, g.kv_start + end))
-            elif n == 1:  # a decode: its one slot; the whole index only if a torch path reads it
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
-                slots.extend(g.slots[start:])
-            geometry.append(g)
+            geometry.append(self._geometry(seq, seq.block_table, self.num_kv_blocks, q_start, slots))
+            if self.num_window_blocks is not None:
+                # no table of its own (a caller that frees nothing by window: runner-level tests, benchmarks): the full
+                # layers' block b is the sliding layers' b + 1, past the null block
+                table = seq.window_block_table or [b + 1 for b in seq.block_table]
+                window_geometry.append(self._geometry(seq, table, self.num_window_blocks + 1, q_start, window_slots))
         if spec:  # a row per scored position: the sequence's j-th proposal's row samples its num_generated + j + 1-th
             rows = [(s, j) for s in sampled_seqs for j in range(s.num_draft_tokens + 1)]
             sampled = dict(
@@ -228,6 +223,14 @@ class InputPacker:
         window_plans = {}
         if self.triton is not None:
             plan = triton_plan(geometry, len(ids), num_kept, triton=self.triton, group=self.group, device=self.device)
+            if window_geometry:  # one plan serves every sliding layer: the kernel applies the window itself
+                window_plan = triton_plan(window_geometry, len(ids), num_kept, triton=self.triton, group=self.group,
+                                          device=self.device)  # fmt: skip
+                window_plans = dict.fromkeys(self.windows, window_plan)
+        elif window_geometry:
+            options = dict(block_size=bs, use_kernel=self.use_decode_kernel, device=self.device)
+            plan = cpu_plan(geometry, None, len(ids), num_kept, **options)
+            window_plans = {w: cpu_plan(window_geometry, w, len(ids), num_kept, **options) for w in self.windows}
         else:
             options = dict(block_size=bs, use_kernel=self.use_decode_kernel, device=self.device)
             plan = cpu_plan(geometry, None, len(ids), num_kept, **options)
@@ -244,11 +247,37 @@ class InputPacker:
             **sampled,
             plan=plan,
             window_plans=window_plans,
+            window_slots=to_device(device, window_slots)[0] if window_geometry else None,
             prompt_rows=torch.tensor(prompt_rows, device=device, dtype=torch.long) if prompt_rows else None,
             prompt_targets=prompt_targets,
             prompt_spans=prompt_spans,
             **spec_fields,
         )
+
+    def _geometry(self, seq: ScheduledSeq, block_table: list[int], num_pool_blocks: int, q_start: int,
+                  slots: list[int]) -> SeqGeometry:  # fmt: skip
+        """Where `seq` sits in a pool of `num_pool_blocks` blocks with this table; its step's slots go on `slots`."""
+        bs = self.block_size
+        n = len(seq.token_ids)
+        start = seq.start_pos
+        end = start + n
+        num_blocks = -(-end // bs)
+        table = block_table[:num_blocks]
+        if len(table) < num_blocks:
+            raise ValueError(f"request {seq.request_id}: block table covers {len(table) * bs} < {end} positions")
+        first = table[0]
+        if min(table) < 0 or max(table) >= num_pool_blocks:
+            raise ValueError(f"request {seq.request_id}: block table {table} outside the pool of {num_pool_blocks}")
+        g = SeqGeometry(q_start, n, start, end, table, seq.do_sample)
+        if table[-1] - first == num_blocks - 1 and table == list(range(first, first + num_blocks)):
+            g.kv_start = first * bs
+            slots.extend(range(g.kv_start + start, g.kv_start + end))
+        elif n == 1:  # a decode: its one slot; the whole index only if a torch path reads it
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            g.slots = [table[p // bs] * bs + p % bs for p in range(end)]
+            slots.extend(g.slots[start:])
+        return g
 
     def _graph_bucket(self, geometry: list[SeqGeometry], prompt_rows: list[int]) -> int | None:
         """The captured bucket for a step of decodes that all sample (None: run it eagerly)."""

@@ -58,6 +58,10 @@ class Request:
     block_hashes: list = field(default_factory=list)  # prefix-cache keys over full blocks (prefix_hash.BlockKey)
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
     claim_end: int = 0  # blocks block_ids[-1] + 1 .. claim_end - 1 are kept free for this request's growth
+    # A model that mixes sliding and full layers: the sliding layers' blocks (batching/window_blocks.py; 0 where a
+    # block fell out of the window) and how many of them are published to the prefix cache.
+    window_block_ids: list[int] = field(default_factory=list)
+    num_window_registered: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     num_emitted_tokens: int = 0  # output tokens already returned to the caller
     queue_level: int = 0  # current level in the priority queue (aging moves it towards 0)

@@ -135,6 +135,9 @@ class EngineServer:
         self._listen()
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
         log.info("engine listening on %s (%s)", self.socket_path, self.engine.runner.kernels)
+        split = getattr(self.engine.runner, "kv_split", None)
+        if split is not None:
+            log.info("%s", split.describe(self.engine.runner.block_size))
         try:
             while not self._should_stop():
                 self._process_input(block=not self.engine.has_unfinished())

@@ -42,10 +42,11 @@ class ModelParts:
     ops: CpuOps | TritonOps | None  # RMSNorm / RoPE kernels: native (CPU), Triton (GPU), or None for torch ops
     attention: PagedAttention
     rotary: Rotary
-    k_pool: torch.Tensor  # [layers, slots, kv_heads, head_dim]
-    v_pool: torch.Tensor
+    k_pool: list[torch.Tensor]  # per layer, its pool [slots, kv_heads, head_dim]
+    v_pool: list[torch.Tensor]
     tp: Collectives | None = None  # this rank's collectives under tensor parallelism; None on one device
     sliding_rotary: Rotary | None = None  # the sliding layers' own RoPE (Gemma 3); None: `rotary` serves every layer
+    window_pool: bool = False  # the sliding layers' K/V in a pool of their own (a model that mixes layer types)
 
 
 class LlamaDecoderLayer:
@@ -64,6 +65,7 @@ class LlamaDecoderLayer:
         else:  # a mixture of experts' sparse layer (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss): the same place and reduce
             self.mlp = SparseMoE(lw.moe, spec.moe, linear, ops)
         self.k_pool, self.v_pool = parts.k_pool[index], parts.v_pool[index]
+        self.in_window_pool = parts.window_pool and self.window is not None  # its slots and plans: the window pool's
 
     def project_qkv(self, h: torch.Tensor) -> torch.Tensor:
         """[T, (heads + 2 kv_heads) * head_dim]: q, k and v of every row, before RoPE."""
@@ -116,9 +118,9 @@ class LlamaModel:
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             plan = inputs.plan_for(layer.window)
+            slots = inputs.window_slots if layer.in_window_pool else inputs.slots
             qkv = layer.project_qkv(layer.input_norm(x))
-            q = layer.rotary.apply_and_store(qkv, steps[layer.rotary], inputs.slots, layer.k_pool, layer.v_pool,
-                                             layer.heads)  # fmt: skip
+            q = layer.rotary.apply_and_store(qkv, steps[layer.rotary], slots, layer.k_pool, layer.v_pool, layer.heads)
             if index == last and plan.last_layer is not None:
                 # Past its K/V, the last layer only feeds the logits: skip the rows nobody samples (every token of a
                 # prompt chunk but the last one, and all of a non-final chunk).
