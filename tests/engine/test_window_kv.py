@@ -45,6 +45,11 @@ def test_sliding_blocks_behind_the_window_go_back_and_free_returns_the_rest() ->
         bm.register_computed_blocks(r, r.num_computed_tokens)
         assert sum(b != NULL_BLOCK for b in r.window_block_ids) <= 3
         window.check_invariants([r])
+    assert len(r.window_block_ids) == 9 and bm.append_slots(r, 5)  # a speculative step's proposals: a 10th block
+    assert len(r.window_block_ids) == 10
+    bm.trim(r, r.num_computed_tokens)  # all rejected: the block that held only proposals goes back
+    assert len(r.window_block_ids) == 9
+    window.check_invariants([r])
     bm.free(r)
     assert window.num_free_blocks == 16 and bm.num_free_blocks == 32 and r.window_block_ids == []
     window.check_invariants([])
