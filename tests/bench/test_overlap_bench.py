@@ -99,4 +99,9 @@ def test_gpu_check_dry_run_on_cpu_runs_every_case(tmp_path):
     assert {r["num_buffers"] for r in rows if r["case"] == "busy"} == {1, 2}
     (ranks,) = [r for r in rows if r["case"] == "tensor_parallel"]  # gloo on the CPU in a dry run
     assert ranks["same_tokens"] and ranks["tokens_per_s_2"] > 0
+    # the families: fused-MoE kernels and Gemma's own sliding-layer pool in the interpreter, exact in fp32
+    families = {r["family"]: r for r in rows if r["case"] in ("moe_correctness", "gemma_correctness")}
+    assert set(families) == {"qwen3-moe", "gemma-3"} and all(r["exact"] for r in families.values())
+    assert families["gemma-3"]["window_kv_blocks"] > 0 and families["gemma-3"]["prefix_cache_hits"] > 0
+    assert {r["case"] for r in rows if r["case"] in ("moe", "gemma") and r["step_ms"] > 0} == {"moe", "gemma"}
     assert "| model | batch |" in proc.stdout

@@ -18,6 +18,9 @@ leaves its data. Cases, most valuable first:
    time (torch's profiler over the same steps), which exposes a launch-bound step.
 7. profile: where a decode step's device time goes, ~8B shape at batch 1 and 64 with graphs: kernel time per step
    by kernel name (torch's profiler), the kernels per step, the heaviest ones.
+8. quantized: each quantized scheme at the ~8B shape (below).
+9. moe, gemma: a small Qwen3-MoE through the fused-MoE kernels and a small Gemma 3 (its sliding layers' own KV
+   pool) against transformers, and their real widths' decode steps (gpu_check_families.py).
 
 `--dry-run-cpu` runs every case on the CPU with small shapes (Triton's interpreter for the attention kernel), so
 the script itself is tested where there is no GPU. Without CUDA (and without --dry-run-cpu) it exits 2 and says so.
@@ -35,6 +38,7 @@ import warnings
 from pathlib import Path
 
 from overlap.bench.floor import decode_floor_bytes
+from overlap.bench.gpu_check_families import case_gemma, case_moe, format_rows  # noqa: F401 (cases run by name)
 
 # Shapes of the models people serve, with random weights (vocabulary and context as theirs).
 SHAPES = {
@@ -49,7 +53,19 @@ DRY_RUN_SHAPES = {
     "llama-dry-b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
-CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile", "quantized")
+CASES = (
+    "env",
+    "bandwidth",
+    "correctness",
+    "decode",
+    "prefill",
+    "busy",
+    "tensor_parallel",
+    "profile",
+    "quantized",
+    "moe",
+    "gemma",
+)
 
 
 def _progress(message: str) -> None:
@@ -531,7 +547,7 @@ def format_table(rows: list[dict]) -> str:
                          f"{r['top1_equal']} of {r['prompts']} prompts")  # fmt: skip
         elif r["case"] == "error":
             lines.append(f"{r['failed']} FAILED: {r['error']}")
-    return "\n".join(lines)
+    return "\n".join(lines + format_rows(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
