@@ -118,3 +118,27 @@ def test_a_mixed_model_pool_holds_more_tokens_in_the_same_bytes(built):
         engine.step()
         most_running = max(most_running, engine.stats()["num_running"])
     assert most_running == 2 and engine.stats()["num_preemptions_total"] == 0
+
+
+def test_a_chunk_gets_what_the_sliding_pool_holds_and_the_prompt_completes() -> None:
+    """A sliding pool of 5 blocks (bs 4, window 8) and a budget of 16: a chunk never needs more than the pool holds
+    now, so the prompt goes through in chunks cut to fit, the blocks behind the window coming back between them."""
+    from overlap.engine.batching.scheduler import Scheduler
+    from tests.support.engine import EOS, FakeRunner, reference_tokens, run_step
+
+    config = EngineConfig(max_seq_len=512, max_num_batched_tokens=16)
+    bm = BlockManager(64, 4, True, WindowBlocks(5, 4, 8))
+    scheduler, runner = Scheduler(config, bm, 512, frozenset({EOS})), FakeRunner(64, 4, 512)
+    (request,) = create_requests(1, prompt_len=40, max_tokens=4)
+    scheduler.add_request(request, 0.0)
+    chunks, outputs = [], []
+    for step in range(40):
+        batch, updated = run_step(scheduler, runner, float(step))
+        chunks += [len(s.token_ids) for s in batch.model_input.seqs if len(s.token_ids) > 1]
+        outputs += [t for r in updated for t in r.output_token_ids[len(outputs) :]]
+        assert sum(b != NULL_BLOCK for b in request.window_block_ids) <= 5
+        if not scheduler.num_unfinished:
+            break
+    assert chunks[0] == 16 and max(chunks[1:]) < 16 and sum(chunks) == 40  # cut to what the pool holds
+    assert request.output_token_ids == reference_tokens(request.prompt_token_ids, request.sampling)
+    bm.window.check_invariants([])

@@ -148,7 +148,7 @@ class Scheduler:
         #       latest running request (possibly itself; recompute: its blocks are freed, its generated tokens
         #       kept, and it goes back to the front of its queue level) until the block can be had;
         #    b. then the next chunk of each partially prefilled prompt (its blocks were reserved at admission; a model
-        #       with sliding layers takes theirs per chunk, and a chunk they have no room for waits).
+        #       with sliding layers takes theirs per chunk: a chunk gets what their pool holds now, or waits).
         # 3. Then admission, as many as the batching policy allows: the queue's head (highest level first, FIFO
         #    within a level) starts while the sequence cap and the token budget have room and the KV pool can
         #    hold its whole prompt (prefix-cache hits reused); those blocks are reserved now. Without chunked
@@ -208,8 +208,10 @@ class Scheduler:
                 n = min(remaining, budget)
                 if n < remaining and not self.enable_chunked_prefill:
                     continue
-                if not bm.append_slots(request, n):  # the sliding layers' pool (the full layers' was reserved)
-                    continue
+                if not bm.append_slots(request, n):  # the sliding layers' pool is short (the full layers' is reserved)
+                    n = bm.window.num_tokens_fit(request, n)  # the part of the chunk it holds now
+                    if n < 1 or not bm.append_slots(request, n):
+                        continue
                 scheduled[request.request_id] = (request, n)
                 budget -= n
 

@@ -87,6 +87,11 @@ class WindowBlocks:
     def num_missing(self, request: Request, end: int) -> int:
         return max(0, -(-end // self.block_size) - len(request.window_block_ids))
 
+    def num_tokens_fit(self, request: Request, num_new_tokens: int) -> int:
+        """The most of `num_new_tokens` past the computed ones that the table and the free blocks can cover now."""
+        room = (len(request.window_block_ids) + len(self._free)) * self.block_size - request.num_computed_tokens
+        return min(num_new_tokens, room)
+
     def grow(self, request: Request, end: int) -> None:
         """Cover positions up to `end` (the caller checked `num_missing` against the free blocks)."""
         for _ in range(self.num_missing(request, end)):
