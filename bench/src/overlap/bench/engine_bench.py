@@ -206,6 +206,9 @@ class EngineBench:
         with torch.inference_mode():  # the pools are inference tensors
             runner.k_pool[:, : batch * per_seq * runner.block_size].normal_(0, 1)
             runner.v_pool[:, : batch * per_seq * runner.block_size].normal_(0, 1)
+            if runner.kv_split is not None:  # the sliding layers' pool: these tables' block b is its b + 1
+                for pool in (runner.window_k_pool, runner.window_v_pool):
+                    pool[:, runner.block_size : (batch * per_seq + 1) * runner.block_size].normal_(0, 1)
         greedy = SamplingParams(temperature=0, max_tokens=self.output_len, ignore_eos=True)
 
         def step_input(pos: int):
