@@ -153,6 +153,8 @@ STATS_KEYS = {
     # speculative decoding (docs/engine.md, "Speculative decoding"), as vLLM's spec_decode counters
     "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
     "spec_decode_num_accepted_tokens_per_pos",
+    # the sliding layers' own pool of a model that mixes layer types (batching/window_blocks.py; 0 without one)
+    "num_window_kv_blocks", "num_free_window_kv_blocks",
 }  # fmt: skip
 
 
