@@ -53,19 +53,8 @@ DRY_RUN_SHAPES = {
     "llama-dry-b": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
-CASES = (
-    "env",
-    "bandwidth",
-    "correctness",
-    "decode",
-    "prefill",
-    "busy",
-    "tensor_parallel",
-    "profile",
-    "quantized",
-    "moe",
-    "gemma",
-)
+CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile", "quantized",
+         "moe", "gemma")  # fmt: skip
 
 
 def _progress(message: str) -> None:
