@@ -11,7 +11,7 @@ from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.window_blocks import NULL_BLOCK, WindowBlocks
 from overlap.engine.config import EngineConfig
 from overlap.engine.core import Engine
-from overlap.engine.types import SamplingParams
+from overlap.engine.types import RequestSpec, SamplingParams
 from tests.support.engine import add_and_run, create_requests, tokens_of
 from tests.support.hf_models import VOCAB, transformers_greedy
 
@@ -112,7 +112,7 @@ def test_a_mixed_model_pool_holds_more_tokens_in_the_same_bytes(built):
     rng = random.Random(8)
     sampling = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     for i in range(2):  # 150 + 20 tokens: 11 blocks each
-        engine.add_request(f"r{i}", [rng.randrange(3, VOCAB) for _ in range(150)], sampling)
+        engine.add_request(RequestSpec(f"r{i}", [rng.randrange(3, VOCAB) for _ in range(150)], sampling))
     most_running = 0
     while engine.has_unfinished():
         engine.step()

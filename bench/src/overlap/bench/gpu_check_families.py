@@ -61,7 +61,7 @@ def _family_correctness(check, family: str) -> dict:
 
     from overlap.engine.core import Engine
     from overlap.engine.model.runner import ModelRunner
-    from overlap.engine.types import SamplingParams
+    from overlap.engine.types import RequestSpec, SamplingParams
 
     folder, hf = _small_model(check, family)
     vocab = hf.config.vocab_size
@@ -81,7 +81,7 @@ def _family_correctness(check, family: str) -> dict:
     started = time.perf_counter()
     for wave, prompts in enumerate((firsts, seconds)):
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"w{wave}-{i}", prompt, sampling)
+            engine.add_request(RequestSpec(f"w{wave}-{i}", prompt, sampling))
         while engine.has_unfinished():
             for out in engine.step():
                 outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from overlap.engine.batching.prefix_hash import BlockKey
+from overlap.engine.prefix_hash import BlockKey
 from overlap.engine.requests.request import Request
 
 NULL_BLOCK = 0
