@@ -142,3 +142,15 @@ def test_a_chunk_gets_what_the_sliding_pool_holds_and_the_prompt_completes() -> 
     assert chunks[0] == 16 and max(chunks[1:]) < 16 and sum(chunks) == 40  # cut to what the pool holds
     assert request.output_token_ids == reference_tokens(request.prompt_token_ids, request.sampling)
     bm.window.check_invariants([])
+
+
+def test_a_live_retune_stays_within_what_the_sliding_pool_holds(built):
+    """The sliding pool is sized for the start-up limits (2 sequences x 4 blocks + a step's 2); a retune to more
+    sequences or a larger step is cut to what it holds, so running prefills never wait on it with nothing to
+    preempt."""
+    folder, _ = built("gemma3")
+    engine = _engine(folder, max_num_seqs=2, max_num_batched_tokens=32, num_kv_blocks=48)
+    live = engine.config.live
+    assert engine.reconfigure(live.replace(max_num_seqs=64)).max_num_seqs == 2
+    assert engine.reconfigure(live.replace(max_num_seqs=64, max_num_batched_tokens=16)).max_num_seqs == 2  # (10-1)//4
+    assert engine.reconfigure(live.replace(max_num_seqs=2, max_num_batched_tokens=64)).max_num_seqs == 1

@@ -316,12 +316,16 @@ class Engine:
     # ---- live configuration ------------------------------------------------------------------------------------
     def reconfigure(self, knobs: LiveKnobs) -> LiveKnobs:
         """Run `knobs` from the next step boundary on. Returns the knobs that will run: max_num_seqs bounded by the
-        KV pool (every running sequence holds at least one block). ConfigError for knobs the rest of the config
-        refuses (a token budget below max_seq_len without chunked prefill)."""
+        KV pool (every running sequence holds at least one block) and by the sliding layers' pool where the model
+        has one. ConfigError for knobs the rest of the config refuses (a token budget below max_seq_len without
+        chunked prefill)."""
         with self._lock:
             new = (self._pending_config or self.config).with_live(knobs)
             if new.max_num_seqs > self.block_manager.num_blocks:
                 new = new.replace(max_num_seqs=self.block_manager.num_blocks)
+            most = self._most_seqs_the_window_pool_holds(new.max_num_batched_tokens)
+            if new.max_num_seqs > most:
+                new = new.replace(max_num_seqs=most)
             self._pending_config = new
         # Between steps already? Then this is the boundary.
         if self._step_lock.acquire(blocking=False):
@@ -333,6 +337,18 @@ class Engine:
             finally:
                 self._step_lock.release()
         return new.live
+
+    def _most_seqs_the_window_pool_holds(self, max_num_batched_tokens: int) -> int:
+        """How many sequences the sliding layers' pool (a model mixing layer types) holds at once, each with its
+        window, beside a step of `max_num_batched_tokens`: the rule that sized the pool at start-up
+        (`split_kv_pool`). More would leave running prefills waiting on that pool with nothing to preempt. Without
+        one, the full pool's blocks."""
+        window = self.block_manager.window
+        if window is None:
+            return self.block_manager.num_blocks
+        per_seq = WindowBlocks.max_blocks_per_seq(window.window, window.block_size, 1)
+        step_blocks = -(-max_num_batched_tokens // window.block_size)
+        return max(1, (window.num_blocks - step_blocks) // per_seq)
 
     def _apply_config(self, config: EngineConfig) -> None:
         self.config = config
