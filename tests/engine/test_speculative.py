@@ -14,8 +14,14 @@ import random
 import pytest
 
 from overlap.engine.batching.block_manager import BlockManager
-from overlap.engine.batching.scheduler import SPEC_MAX_BACKOFF
-from overlap.engine.batching.speculative import NgramProposer, propose_ngram
+from overlap.engine.batching.speculative import (
+    COMPUTE_BOUND_ROWS,
+    SPEC_MAX_BACKOFF,
+    NgramProposer,
+    num_to_propose,
+    propose_ngram,
+    record_acceptance,
+)
 from overlap.engine.config import EngineConfig, add_engine_flags, engine_argv, engine_overrides
 from overlap.engine.errors import ConfigError
 from overlap.engine.types import FinishReason, RequestSpec, SamplingParams, accept_proposals
@@ -44,6 +50,10 @@ def test_speculative_config_takes_vllms_json_and_defaults():
     config = EngineConfig(speculative_config=json.dumps(NGRAM))  # the flag's text works as well as the dict
     assert config.speculative_config == NGRAM and config.to_dict()["speculative_config"] == NGRAM
     assert config.replace(max_num_seqs=4).speculative == config.speculative
+    draft = {"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 3}
+    spec = EngineConfig(speculative_config=draft).speculative
+    assert (spec.method, spec.model, spec.num_speculative_tokens, spec.prompt_lookup_max) == (*draft.values(), None)
+    assert EngineConfig(speculative_config=draft).speculative_config == draft
 
 
 @pytest.mark.parametrize(
@@ -51,7 +61,9 @@ def test_speculative_config_takes_vllms_json_and_defaults():
     [
         ({"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}, "EAGLE-3 heads are not implemented"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "EAGLE heads are not implemented"),
-        ({"method": "draft_model", "model": "small", "num_speculative_tokens": 3}, "draft model is not implemented"),
+        ({"method": "eagle3", "num_speculative_tokens": 3, "model": "x"}, "describes the checkpoint format"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model needs `model`"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, "belong to"),
         ({"method": "mtp", "num_speculative_tokens": 1}, "multi-token-prediction"),
         ({"method": "bogus", "num_speculative_tokens": 1}, "method must be one of ngram"),
         ({"method": "ngram"}, "num_speculative_tokens must be an integer in 1..16"),
@@ -100,8 +112,19 @@ def test_ngram_continues_a_period_past_the_end_and_never_matches_across_token_by
 def test_ngram_proposer_caps_k_by_the_config():
     spec = EngineConfig(speculative_config=NGRAM).speculative
     proposer = NgramProposer(spec)
-    assert proposer.propose([1, 2, 3, 4, 5, 6, 1, 2], 16) == [3, 4, 5, 6]
-    assert proposer.propose([1, 2, 3, 4, 5, 6, 1, 2], 2) == [3, 4]
+    request, fresh = create_requests(2, prompt_len=3)
+    request.all_token_ids[:] = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert proposer.propose(request, 16) == [3, 4, 5, 6]
+    assert proposer.propose(request, 2) == [3, 4]
+    assert proposer.probe(request) and not proposer.probe(fresh)
+
+
+def test_k_follows_recent_acceptance():
+    (request,) = create_requests(1)
+    assert num_to_propose(request.spec_accepted_avg, 4) == 4  # before any try: all of k
+    for accepted, want in [(4, 4), (1, 3), (0, 2), (0, 1), (0, 1), (3, 2), (4, 3), (4, 4)]:
+        record_acceptance(request, accepted)
+        assert num_to_propose(request.spec_accepted_avg, 4) == want, (accepted, request.spec_accepted_avg)
 
 
 # ---- the verification rule -------------------------------------------------------------------------------------
@@ -138,7 +161,9 @@ def _workload(seed: int, n: int):
     ids=["roomy", "tight"],
 )
 def test_fake_model_outputs_equal_the_serial_reference_with_proposals(num_buffers, pool):
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    # 40 requests at once: past the CPU's compute-bound rows, so the batch size that stops speculation is raised
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": 256}  # fmt: skip
     engine = create_engine(model=copying_token, num_buffers=num_buffers, speculative_config=spec, **pool)
     requests = _workload(7, 40)
     for rid, (prompt, sampling) in requests.items():
@@ -241,6 +266,24 @@ def test_trim_returns_the_blocks_of_rejected_proposals_and_keeps_the_claim():
     assert bm.append_slots(r, 4) and r.block_ids == [0, 1, 2, 3]  # the run stays contiguous
     bm.free(r)
     bm.check_invariants([])
+
+
+@pytest.mark.parametrize(("batch", "stop_at", "max_proposals"), [(4, None, 12), (12, None, 4), (16, None, 0),
+                                                                 (20, None, 0), (20, 64, 44)])  # fmt: skip
+def test_proposals_fill_a_step_only_up_to_the_compute_bound_rows(batch, stop_at, max_proposals):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 1}
+    if stop_at is not None:
+        spec["disable_by_batch_size"] = stop_at
+    scheduler, _ = create_scheduler(speculative_config=spec, num_buffers=1)  # a scheduler alone counts as on a CPU
+    assert scheduler.spec_max_rows == (stop_at or COMPUTE_BOUND_ROWS["cpu"]) == (stop_at or 16)
+    for r in create_requests(batch, prompt_len=8, max_tokens=20, same_prompt=True):
+        r.prompt_token_ids[:] = r.all_token_ids[:] = [5, 6, 7, 8] * 2
+        scheduler.add_request(r, 0.0)
+    prompts = scheduler.schedule(0.0)
+    scheduler.postprocess(prompts, [5] * batch, 0.0)  # each first token repeats one: ngram proposes for every one
+    batch_seqs = scheduler.schedule(0.1).model_input.seqs
+    assert len(batch_seqs) == batch
+    assert sum(seq.num_draft_tokens for seq in batch_seqs) == max_proposals
 
 
 def test_with_a_token_in_flight_a_request_pauses_only_when_its_known_tokens_already_match():

@@ -16,15 +16,17 @@ CPU_STEP_PLANS = ("auto", "halves", "whole")  # EngineConfig.cpu_step_plan
 # EngineConfig.quantization (vLLM's names); model/quant/formats.py reads each
 QUANTIZATION_METHODS = ("compressed-tensors", "fp8", "gptq", "awq", "mxfp4")
 # EngineConfig.speculative_config: the methods (vLLM's names) this engine runs, and those it refuses by name.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_NEXT_STEP = "not implemented (docs/engine.md, 'Next: EAGLE-3 and MTP', describes the checkpoint format); use "
+_NEXT_STEP += "method ngram or draft_model"
 REFUSED_SPECULATIVE_METHODS = {
-    "draft_model": "a draft model is not implemented yet; use method ngram",
-    "eagle": "EAGLE heads are not implemented; use method ngram",
-    "eagle3": "EAGLE-3 heads are not implemented; use method ngram",
-    "medusa": "Medusa heads are not implemented; use method ngram",
-    "mlp_speculator": "MLP speculators are not implemented; use method ngram",
-    "mtp": "multi-token-prediction layers are not implemented; use method ngram",
-    "suffix": "suffix decoding is not implemented; use method ngram",
+    "eagle": "EAGLE heads are " + _NEXT_STEP,
+    "eagle3": "EAGLE-3 heads are " + _NEXT_STEP,
+    "medusa": "Medusa heads are not implemented; use method ngram or draft_model",
+    "mlp_speculator": "MLP speculators are not implemented; use method ngram or draft_model",
+    "mtp": "multi-token-prediction layers are " + _NEXT_STEP,
+    "deepseek_mtp": "multi-token-prediction layers are " + _NEXT_STEP,
+    "suffix": "suffix decoding is not implemented; use method ngram or draft_model",
 }
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -101,15 +103,20 @@ class SpeculativeConfig:
 
     ngram (prompt lookup): the last n tokens of a sequence, n from prompt_lookup_max down to prompt_lookup_min, are
     looked up earlier in its prompt + output; the num_speculative_tokens tokens that followed the latest earlier
-    occurrence are proposed, and the target model verifies them all in one step (docs/engine.md)."""
+    occurrence are proposed. draft_model: `model`, a smaller model folder with the target's vocabulary, proposes its
+    greedy continuation. Either way the target model verifies them all in one step (docs/engine.md)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int | None = None  # ngram only
+    prompt_lookup_max: int | None = None
+    model: str | None = None  # draft_model only: the draft's local folder
+    # the batch at which speculation stops (below it, proposals fill the step up to this many rows); None: the
+    # device's compute-bound rows (batching/speculative.py, COMPUTE_BOUND_ROWS)
+    disable_by_batch_size: int | None = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
 def parse_speculative_config(raw) -> SpeculativeConfig | None:
@@ -129,7 +136,8 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config must be a JSON object, got {raw!r}")
     if not raw:
         return None
-    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+             "disable_by_batch_size"}  # fmt: skip
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"speculative_config: unsupported keys {', '.join(sorted(unknown))} (known: "
@@ -144,12 +152,22 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
         raise ConfigError(f"speculative_config method {method!r}: {REFUSED_SPECULATIVE_METHODS[method]}")
     if method not in SPECULATIVE_METHODS:
         raise ConfigError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
-    if model not in (None, "ngram", "[ngram]"):
-        raise ConfigError(f"speculative_config: method ngram takes no model, got {model!r}")
     k = raw.get("num_speculative_tokens")
     if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         limit = MAX_SPECULATIVE_TOKENS
         raise ConfigError(f"speculative_config num_speculative_tokens must be an integer in 1..{limit}, got {k!r}")
+    stop_at = raw.get("disable_by_batch_size")
+    if stop_at is not None and (type(stop_at) is not int or stop_at < 1):
+        raise ConfigError(f"speculative_config disable_by_batch_size must be an integer >= 1, got {stop_at!r}")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ConfigError("speculative_config: method draft_model needs `model`, the draft model's local folder")
+        lookup = sorted({"prompt_lookup_min", "prompt_lookup_max"} & set(raw))
+        if lookup:
+            raise ConfigError(f"speculative_config: {', '.join(lookup)} belong to method ngram, not draft_model")
+        return SpeculativeConfig("draft_model", k, model=model, disable_by_batch_size=stop_at)
+    if model not in (None, "ngram", "[ngram]"):
+        raise ConfigError(f"speculative_config: method ngram takes no model, got {model!r}")
     lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
     if lo is None and hi is None:
         lo = hi = 5
@@ -162,7 +180,7 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
             raise ConfigError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
     if lo > hi:
         raise ConfigError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-    return SpeculativeConfig("ngram", k, lo, hi)
+    return SpeculativeConfig("ngram", k, lo, hi, disable_by_batch_size=stop_at)
 
 
 @dataclass(slots=True)
@@ -220,7 +238,8 @@ class EngineConfig:
     simulated_device: dict[str, float] | None = None
 
     # Speculative decoding, vLLM's `--speculative-config` JSON: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b}; None (or {}) is off. Kept as the dict with vLLM's defaults
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or {"method": "draft_model", "model": folder,
+    # "num_speculative_tokens": k}; None (or {}) is off. Kept as the dict with vLLM's defaults
     # filled in; `speculative` is the parsed SpeculativeConfig.
     speculative_config: dict | None = None
 
@@ -340,7 +359,8 @@ ENGINE_FLAGS = (
      "auto | halves | whole: a CPU step as two half-batch forwards on two threads, or one forward on all threads"),
     ("--speculative-config", "speculative_config", _json_object,
      'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-     "(method ngram; prompt_lookup_min/max default to 5)"),
+     "(method ngram: prompt_lookup_min/max default to 5; method draft_model: \"model\", a smaller model folder with "
+     "the same vocabulary; eagle, eagle3, mtp and others are refused by name)"),
 )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
+from overlap.engine.batching.speculative import compute_bound_rows
 from overlap.engine.batching.window_blocks import WindowBlocks
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
@@ -92,7 +93,9 @@ class Engine:
         window = None if split is None else WindowBlocks(split.num_window_blocks, runner.block_size, split.window)
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching,
                                           window)  # fmt: skip
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids)
+        device = getattr(getattr(runner, "device", None), "type", "cpu")
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids,
+                                   getattr(runner, "draft", None), compute_bound_rows(device))  # fmt: skip
 
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._lock = threading.Lock()  # guards the inbox, the live-id set and the pending config
@@ -386,12 +389,7 @@ class Engine:
             "num_preemptions_total": scheduler.num_preemptions_total,
             "num_prompt_tokens_total": scheduler.num_prompt_tokens_total,
             "num_generation_tokens_total": scheduler.num_generation_tokens_total,
-            # speculative decoding, as vLLM counts it: steps that verified proposals, proposals, accepted ones, and
-            # accepted ones by position (index 0: the first proposal of a step)
-            "spec_decode_num_drafts_total": scheduler.num_spec_drafts_total,
-            "spec_decode_num_draft_tokens_total": scheduler.num_spec_draft_tokens_total,
-            "spec_decode_num_accepted_tokens_total": scheduler.num_spec_accepted_tokens_total,
-            "spec_decode_num_accepted_tokens_per_pos": list(scheduler.spec_accepted_per_position),
+            **scheduler.spec_counters.stats(),  # speculative decoding, as vLLM counts it
             "num_steps_total": self._num_steps_total,
             "last_step_time_s": last[1],
             "avg_step_time_s": sum(w[1] for w in window) / n,

@@ -14,18 +14,13 @@ is safe because steps run on the device in submission order: whatever later step
 extra step, and the extra step writes only a position of a block that is not yet published to the prefix cache.
 A preemption bumps the request's `epoch`, so tokens of steps scheduled before it are dropped as well.
 
-Speculative decoding (EngineConfig.speculative_config; docs/engine.md, "Speculative decoding"): a decode may carry
-proposals (`ScheduledSeq.num_draft_tokens`), which the runner verifies in the same step. The proposer needs every
-token of the sequence on the host, so a request speculates only when no step of its own is in flight, and a request
-whose proposals are being verified is not scheduled again until that step is back (its length is not known before).
-With 2+ buffers a decoding request always has a step in flight, so one that is due to speculate sits out a step to
-let its tokens come back, if the tokens known so far already end in an n-gram that occurred before (the proposer
-probes them; else it decodes on, overlapped, and is probed again at the next step). Due: unless its last try gained
-nothing (no proposal, or none accepted); then it runs `spec_backoff` plain, overlapped decodes first (1, 2, 4, ..
-SPEC_MAX_BACKOFF), so a sequence whose proposals keep failing costs at most one pause in SPEC_MAX_BACKOFF + 1
-steps. Requests with a grammar never speculate (the matcher would have to advance through proposals and back).
-Postprocess appends the accepted tokens one by one with the usual stop checks, rolls the computed length back to the
-accepted ones and frees the blocks past the new length (`BlockManager.trim`).
+Speculative decoding (EngineConfig.speculative_config; docs/engine.md, "Speculative decoding", has the rule whole): a
+decode may carry proposals (`ScheduledSeq.num_draft_tokens`), which the runner verifies in the same step. A proposer
+needs every token on the host, so a request proposes only with no step of its own in flight (with 2+ buffers one that
+is due sits out a step, if `Proposer.probe` expects a proposal), and is not scheduled again until its verifying step
+is back. k follows its recent acceptance, a try that gains nothing backs off (batching/speculative.py), grammars never
+speculate, and proposals fill a step only up to `spec_max_rows` rows. Postprocess appends the accepted tokens one by
+one with the usual stop checks, rolls the computed length back and frees the blocks past it (`BlockManager.trim`).
 """
 
 from __future__ import annotations
@@ -33,9 +28,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from overlap.engine.batching import speculative
 from overlap.engine.batching.block_manager import BlockManager
 from overlap.engine.batching.policies import make_batching_policy
-from overlap.engine.batching.speculative import NgramProposer
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.requests.queue import make_request_queue
 from overlap.engine.requests.request import Request, RequestStatus
@@ -49,7 +44,6 @@ from overlap.engine.types import (
 )
 
 NONFINITE_ERROR = "the model's logits for this sequence held a NaN or an infinity; nothing could be sampled"
-SPEC_MAX_BACKOFF = 16  # most plain decodes a request runs between tries to speculate (see the module doc)
 
 
 def _priority_key(request: Request) -> tuple[int, float, int]:
@@ -80,9 +74,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_seq_len: int, eos_token_ids: frozenset[int]
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_seq_len: int,
+                 eos_token_ids: frozenset[int], proposer: speculative.Proposer | None = None,
+                 spec_max_rows: int = speculative.COMPUTE_BOUND_ROWS["cpu"]) -> None:  # fmt: skip
+        """`proposer`: the draft model's (model/draft.py) under method draft_model; ngram's is made here.
+        `spec_max_rows`: the rows (decodes plus proposals) a step holds before proposals stop (COMPUTE_BOUND_ROWS)."""
         self.block_manager = block_manager
         self.max_seq_len = max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -102,12 +98,12 @@ class Scheduler:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         spec = config.speculative
-        self.proposer = None if spec is None else NgramProposer(spec)
-        # vLLM's spec_decode counters: steps that verified proposals, proposals, accepted ones, accepted by position
-        self.num_spec_drafts_total = 0
-        self.num_spec_draft_tokens_total = 0
-        self.num_spec_accepted_tokens_total = 0
-        self.spec_accepted_per_position = [0] * (0 if spec is None else spec.num_speculative_tokens)
+        if proposer is None and spec is not None:
+            assert spec.method == "ngram", f"method {spec.method} needs its proposer passed in"
+            proposer = speculative.NgramProposer(spec)
+        self.proposer = proposer
+        self.spec_max_rows = (spec and spec.disable_by_batch_size) or spec_max_rows
+        self.spec_counters = speculative.SpecDecodeCounters([0] * (spec.num_speculative_tokens if spec else 0))
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         """The live knobs the scheduler reads; called between steps."""
@@ -169,6 +165,7 @@ class Scheduler:
         preempted: list[Request] = []
 
         # 2a. decodes
+        spec_room = self.spec_max_rows - len(running)  # rows left for proposals before the step is compute-bound
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
@@ -178,7 +175,7 @@ class Scheduler:
                 i += 1
                 continue
             if self.proposer is not None:
-                drafts = self._propose(request, budget)
+                drafts = speculative.proposals_for(request, self.proposer, min(budget, spec_room + 1), self.max_seq_len)
                 if drafts is None:  # due to speculate: waits for its token in flight
                     i += 1
                     continue
@@ -186,6 +183,7 @@ class Scheduler:
                     scheduled[request.request_id] = (request, 1 + len(drafts))
                     proposals[request.request_id] = drafts
                     budget -= 1 + len(drafts)
+                    spec_room -= len(drafts)
                     i += 1
                     continue
             while not bm.append_slots(request, 1):
@@ -249,38 +247,6 @@ class Scheduler:
         batch = self._build_batch(scheduled, finished, preempted, proposals)
         batch.scheduled_at = now
         return batch
-
-    def _propose(self, request: Request, budget: int) -> list[int] | None:
-        """Speculative decoding: the proposals for `request`'s next decode ([] for a plain decode), or None when it
-        is due to speculate but a step of its own is in flight (it sits this step out; see the module doc)."""
-        if request.sampling.grammar is not None:
-            return []
-        # At most k proposals, and never past max_tokens or max_seq_len: the step appends up to k + 1 tokens.
-        k = min(
-            self.proposer.k,
-            request.sampling.max_tokens - request.num_output_tokens - request.num_placeholders - 1,
-            self.max_seq_len - request.num_tokens - request.num_placeholders - 1,
-            budget - 1,
-        )
-        if k < 1:
-            return []
-        if request.spec_skip > 0:
-            request.spec_skip -= 1
-            return []
-        if request.num_placeholders:
-            # Its last token is in flight. Sit this step out only if the tokens known so far already end in an
-            # n-gram seen before (then the whole sequence likely does too); else decode on, overlapped, and look
-            # again at the next step: a pause that finds nothing to propose would cost a step for nothing.
-            return None if self.proposer.propose(request.all_token_ids, 1) else []
-        drafts = self.proposer.propose(request.all_token_ids, k)
-        if not drafts:
-            self._spec_missed(request)
-        return drafts
-
-    @staticmethod
-    def _spec_missed(request: Request) -> None:
-        request.spec_backoff = min(2 * request.spec_backoff or 1, SPEC_MAX_BACKOFF)
-        request.spec_skip = request.spec_backoff
 
     def _build_batch(
         self,
@@ -461,15 +427,8 @@ class Scheduler:
         num_drafts = seq.num_draft_tokens
         accepted = len(tokens) - 1
         assert 0 <= accepted <= num_drafts, f"{rid}: {len(tokens)} tokens back for {num_drafts} proposals"
-        self.num_spec_drafts_total += 1
-        self.num_spec_draft_tokens_total += num_drafts
-        self.num_spec_accepted_tokens_total += accepted
-        for position in range(accepted):
-            self.spec_accepted_per_position[position] += 1
-        if accepted:
-            request.spec_backoff = 0
-        else:
-            self._spec_missed(request)
+        self.spec_counters.record(num_drafts, accepted)
+        speculative.record_acceptance(request, accepted)
         if request.times.first_token is None:
             request.times.first_token = now
         reason = None

@@ -1,4 +1,7 @@
-"""Speculative decoding's proposer (prompt lookup, vLLM's `ngram` method), run on the host by the scheduler.
+"""Speculative decoding's proposers and the rule for how many tokens a sequence proposes, run by the scheduler.
+
+A proposer (`Proposer`) is prompt lookup (vLLM's `ngram` method, here) or a draft model (`draft_model`, in
+model/draft.py: it runs a model, which lives a layer above the scheduler, so the engine builds it and hands it in).
 
 The last n tokens of a sequence (prompt + output), n from `prompt_lookup_max` down to `prompt_lookup_min`, are looked
 up earlier in the same sequence; the tokens that followed their latest earlier occurrence, at most k of them, are the
@@ -11,8 +14,124 @@ ids as 4-byte words and `bytes.rfind` over them.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
+from typing import Protocol
 
 from overlap.engine.config import SpeculativeConfig
+from overlap.engine.requests.request import Request
+
+# A step's rows (decodes plus proposals) past which speculation stops: a row costs 2 FLOPs per weight and a decode
+# step streams every weight once, so a step stops being bound by the weights' bytes at about
+# peak FLOP/s x bytes per weight / (2 x bandwidth) rows, and past that a rejected proposal costs real time. The
+# figures are the documented balances, not measured at start-up (docs/engine.md, "When a sequence speculates"):
+# cpu, the 2-core AMD EPYC of docs/engine.md (bf16 projections ~550 GFLOP/s and fp32 ~430 against ~47 GB/s:
+# 12 and 18 rows); cuda, an H100 SXM (989 dense bf16 TFLOP/s against 3.35 TB/s: 295 rows).
+COMPUTE_BOUND_ROWS = {"cpu": 16, "cuda": 256}
+SPEC_ACCEPTANCE_DECAY = 0.5  # weight of a sequence's latest try in its average acceptance
+SPEC_MAX_BACKOFF = 16  # most plain decodes a request runs between tries to speculate (scheduler.py's module doc)
+
+
+def compute_bound_rows(device_type: str) -> int:
+    return COMPUTE_BOUND_ROWS.get(device_type, COMPUTE_BOUND_ROWS["cuda"])
+
+
+def num_to_propose(accepted_avg: float | None, k_max: int) -> int:
+    """A sequence's next k: one more than the proposals it has recently had accepted (an exponential average over its
+    tries, `SPEC_ACCEPTANCE_DECAY` for the latest), at most k_max; k_max before its first try. A sequence whose
+    proposals are all accepted keeps k_max; one that keeps only the first proposes 2, none: 1 (and backs off)."""
+    if accepted_avg is None:
+        return k_max
+    return max(1, min(k_max, int(accepted_avg) + 1))
+
+
+def record_acceptance(request: Request, accepted: int) -> None:
+    """Fold one verifying step's accepted proposals into the request's average (see num_to_propose); a try that
+    gains nothing backs off, one that gains anything resets the back-off."""
+    if request.spec_accepted_avg is None:
+        request.spec_accepted_avg = float(accepted)
+    else:
+        decay = SPEC_ACCEPTANCE_DECAY
+        request.spec_accepted_avg = decay * accepted + (1 - decay) * request.spec_accepted_avg
+    if accepted:
+        request.spec_backoff = 0
+    else:
+        back_off(request)
+
+
+def back_off(request: Request) -> None:
+    """A try that gained nothing: 1, 2, 4, .. SPEC_MAX_BACKOFF plain decodes before the next."""
+    request.spec_backoff = min(2 * request.spec_backoff or 1, SPEC_MAX_BACKOFF)
+    request.spec_skip = request.spec_backoff
+
+
+@dataclass(slots=True)
+class SpecDecodeCounters:
+    """vLLM's spec_decode counters: steps that verified proposals, proposals, accepted ones, and accepted ones by
+    position (index 0: the first proposal of a step)."""
+
+    accepted_per_position: list[int]  # k zeros to start with
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def stats(self) -> dict:
+        """As Engine.stats() names them."""
+        return {
+            "spec_decode_num_drafts_total": self.num_drafts,
+            "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+        }
+
+
+def proposals_for(request: Request, proposer: Proposer, budget: int, max_seq_len: int) -> list[int] | None:
+    """The proposals for `request`'s next decode ([] for a plain decode), or None when it is due to speculate but a
+    step of its own is in flight (it sits this step out; scheduler.py's module doc). `budget`: the rows it may take
+    (its own and its proposals')."""
+    if request.sampling.grammar is not None:
+        return []
+    # k from its recent acceptance, and never past max_tokens or max_seq_len: the step appends up to k + 1 tokens.
+    k = min(
+        num_to_propose(request.spec_accepted_avg, proposer.k),
+        request.sampling.max_tokens - request.num_output_tokens - request.num_placeholders - 1,
+        max_seq_len - request.num_tokens - request.num_placeholders - 1,
+        budget - 1,
+    )
+    if k < 1:
+        return []
+    if request.spec_skip > 0:
+        request.spec_skip -= 1
+        return []
+    if request.num_placeholders:
+        # Its last token is in flight. Sit this step out only if the proposer expects to find something (ngram:
+        # the tokens known so far already end in an n-gram seen before); else decode on, overlapped, and look
+        # again at the next step: a pause that finds nothing to propose would cost a step for nothing.
+        return None if proposer.probe(request) else []
+    drafts = proposer.propose(request, k)
+    if not drafts:
+        back_off(request)
+    return drafts
+
+
+class Proposer(Protocol):
+    """What the scheduler asks of a proposer: at most k tokens to follow the request's tokens ([]: none), whether
+    a request whose last token is in flight is worth a pause for it (`probe`), and to drop a finished request's
+    state."""
+
+    k: int  # num_speculative_tokens
+
+    def propose(self, request: Request, k: int) -> list[int]: ...
+
+    def probe(self, request: Request) -> bool: ...
+
+    def forget(self, request_ids: list[str]) -> None: ...
 
 
 def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -40,13 +159,20 @@ def propose_ngram(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int
     return []
 
 
-class NgramProposer:
-    """The `ngram` method of a SpeculativeConfig: `propose(tokens, k)` with its lookup bounds."""
+class NgramProposer(Proposer):
+    """The `ngram` method of a SpeculativeConfig: prompt lookup over the request's tokens, with its bounds."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.k = config.num_speculative_tokens
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        return propose_ngram(tokens, self.min_n, self.max_n, min(k, self.k))
+    def propose(self, request: Request, k: int) -> list[int]:
+        return propose_ngram(request.all_token_ids, self.min_n, self.max_n, min(k, self.k))
+
+    def probe(self, request: Request) -> bool:
+        # do the tokens known so far already end in an n-gram seen before? (then the whole sequence likely does too)
+        return bool(propose_ngram(request.all_token_ids, self.min_n, self.max_n, 1))
+
+    def forget(self, request_ids: list[str]) -> None:
+        pass  # it keeps nothing per request

@@ -45,6 +45,7 @@ from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError, RankLost
 from overlap.engine.model import graphs, native, sampler
 from overlap.engine.model.devices import kv_pool_blocks, pick_attention, pick_device, pick_dtype, split_kv_pool
+from overlap.engine.model.draft import DraftModelProposer
 from overlap.engine.model.helper import HelperThread
 from overlap.engine.model.layers.attention import PagedAttention
 from overlap.engine.model.layers.linear import LinearBackend, pick_linear_backend
@@ -101,6 +102,7 @@ class ModelRunner(Runner):
         self.ranks: Ranks | None = None
         self.tp: Collectives | None = None
         self.helper: HelperThread | None = None
+        self.draft: DraftModelProposer | None = None  # speculative decoding's draft model (rank 0): model/draft.py
         try:
             if self.shard is not None:
                 if rank == 0:
@@ -108,6 +110,8 @@ class ModelRunner(Runner):
                     self.ranks = Ranks(config, self.model_dir, random_weights, address, run_rank)
                 self.tp = Collectives(self.shard, init_group(rank, size, address, device))
             self._build(config, spec, device, rank, native_ops, random_weights)
+            if rank == 0 and config.speculative is not None and config.speculative.method == "draft_model":
+                self.draft = DraftModelProposer(config, self, ModelRunner)
         except BaseException:  # the other ranks go too
             self.close()
             raise
@@ -378,6 +382,8 @@ class ModelRunner(Runner):
 
     def forget_request(self, request_id: str) -> None:
         self.sampling.forget(request_id)
+        if self.draft is not None:
+            self.draft.forget([request_id])
 
     def on_lost(self, callback) -> None:
         """`callback(why)` when another tensor-parallel rank's process exits (none on one rank)."""
@@ -388,6 +394,8 @@ class ModelRunner(Runner):
         """Stop the helper thread and the other tensor-parallel ranks (the KV pool and weights go with the object)."""
         if self.helper is not None:
             self.helper.close()
+        if self.draft is not None:
+            self.draft.close()
         if self.ranks is not None:
             self.ranks.close()
         if self.tp is not None:

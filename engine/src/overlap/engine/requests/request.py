@@ -72,10 +72,12 @@ class Request:
     epoch: int = 0
     # Speculative decoding (batching/scheduler.py): a step verifying this request's proposals is in flight (it is not
     # scheduled again until that step is back); plain decodes to run before it tries to speculate again, and the
-    # current back-off (doubled by each try that gains nothing, 0 after one that does).
+    # current back-off (doubled by each try that gains nothing, 0 after one that does); the average of proposals
+    # accepted per try, which sets how many it proposes (batching/speculative.py, num_to_propose).
     spec_in_flight: bool = False
     spec_skip: int = 0
     spec_backoff: int = 0
+    spec_accepted_avg: float | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
