@@ -3,8 +3,10 @@
 Greedy output is exactly the tokens of no speculation, half the prompts repeating a short unit, half random: for 16
 prompts x 64 tokens with a smaller random model of the tiny tokenizer drafting for the tiny model (nearly every
 proposal is rejected, and rolled back in both pools), and for 8 x 32 with tiny-copy drafting for itself (every
-proposal must be accepted); the same under chunked prefill with prefix-cache hits at 2 buffers. Seeded sampling
-draws the same tokens. A draft whose vocabulary differs from the target's is refused at start-up.
+proposal must be accepted); the same under chunked prefill with prefix-cache hits at 2 buffers, and on two
+tensor-parallel ranks. Seeded sampling draws the same tokens. A draft whose vocabulary differs from the target's is
+refused at start-up. (Sampling's distribution is the verification's, tested by chi-squared in
+test_speculative_model.py: a greedy draft's proposals are a deterministic function of the tokens, as ngram's are.)
 """
 
 from __future__ import annotations
@@ -132,3 +134,12 @@ def test_a_draft_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
         _start(tiny_model_dir, swapped)
     with pytest.raises(ConfigError, match=r"has no config\.json"):
         _start(tiny_model_dir, tmp_path)
+
+
+def test_two_tensor_parallel_ranks_with_a_draft_equal_one_rank_without(copy_model_dir):
+    # the draft runs on rank 0, on one rank of its own; the target's verifying rows go to both ranks
+    requests = _greedy(_prompts(3, num_repeating=2, num_random=1), 24)
+    plain, _, _ = _run(copy_model_dir, requests, num_threads=1)
+    spec, _, stats = _run(copy_model_dir, requests, num_threads=1, tensor_parallel_size=2,
+                          speculative_config=_draft(copy_model_dir))  # fmt: skip
+    assert spec == plain and _acceptance(stats) == 1.0
