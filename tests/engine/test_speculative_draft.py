@@ -62,6 +62,14 @@ def test_greedy_with_a_draft_model_equals_no_speculation(pair, copy_model_dir, t
     plain, _, _ = _run(target, requests)
     config = dict(model=str(target), max_seq_len=256, num_kv_blocks=256, speculative_config=_draft(draft))
     engine = Engine(EngineConfig(**config))
+    draft_runner = engine.scheduler.proposer.runner
+    execute, batch_sizes = draft_runner.execute, []
+
+    def counting(batch):
+        batch_sizes.append(len(batch.seqs))
+        return execute(batch)
+
+    draft_runner.execute = counting
     try:
         outputs = add_and_run(engine, requests)
     finally:
@@ -69,6 +77,8 @@ def test_greedy_with_a_draft_model_equals_no_speculation(pair, copy_model_dir, t
     stats = engine.stats()
     assert {rid: tokens_of(outs) for rid, outs in outputs.items()} == plain
     assert stats["spec_decode_num_drafts_total"] > 0
+    # the sequences proposing in a step share each draft forward
+    assert max(batch_sizes) > 1 and sum(batch_sizes) > 2 * len(batch_sizes)
     proposer = engine.scheduler.proposer
     assert proposer.num_free_blocks == proposer.runner.num_kv_blocks, "the draft's KV blocks leaked"
     if target == draft:  # the draft is the target: every proposal is its greedy token

@@ -166,6 +166,8 @@ class Scheduler:
 
         # 2a. decodes
         spec_room = self.spec_max_rows - len(running)  # rows left for proposals before the step is compute-bound
+        if self.proposer is not None:
+            speculative.prepare(self.proposer, running, budget, spec_room, self.max_seq_len)
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]

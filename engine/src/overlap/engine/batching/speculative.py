@@ -91,19 +91,40 @@ class SpecDecodeCounters:
         }
 
 
-def proposals_for(request: Request, proposer: Proposer, budget: int, max_seq_len: int) -> list[int] | None:
-    """The proposals for `request`'s next decode ([] for a plain decode), or None when it is due to speculate but a
-    step of its own is in flight (it sits this step out; scheduler.py's module doc). `budget`: the rows it may take
-    (its own and its proposals')."""
+def _num_to_ask(request: Request, proposer: Proposer, budget: int, max_seq_len: int) -> int:
+    """k for the request's next decode (< 1: a plain one): from its recent acceptance, and never past max_tokens,
+    max_seq_len or `budget` rows (its own and its proposals'); the step appends up to k + 1 tokens."""
     if request.sampling.grammar is not None:
-        return []
-    # k from its recent acceptance, and never past max_tokens or max_seq_len: the step appends up to k + 1 tokens.
-    k = min(
+        return 0
+    return min(
         num_to_propose(request.spec_accepted_avg, proposer.k),
         request.sampling.max_tokens - request.num_output_tokens - request.num_placeholders - 1,
         max_seq_len - request.num_tokens - request.num_placeholders - 1,
         budget - 1,
     )
+
+
+def prepare(proposer: Proposer, running: list[Request], budget: int, room: int, max_seq_len: int) -> None:
+    """Before a step's decodes: hand the proposer the requests likely to propose in it, with their k, in the
+    scheduler's order and under the same caps, so a draft model runs them as one batch (`proposals_for` then takes
+    each one's share; one it did not foresee is proposed for alone)."""
+    wanted = []
+    for request in running:
+        if request.num_placeholders or request.spec_skip or request.num_tokens - request.num_computed_tokens != 1:
+            continue
+        k = _num_to_ask(request, proposer, min(budget, room + 1), max_seq_len)
+        if k >= 1:
+            wanted.append((request, k))
+            budget, room = budget - 1 - k, room - k
+    if wanted:
+        proposer.prepare(wanted)
+
+
+def proposals_for(request: Request, proposer: Proposer, budget: int, max_seq_len: int) -> list[int] | None:
+    """The proposals for `request`'s next decode ([] for a plain decode), or None when it is due to speculate but a
+    step of its own is in flight (it sits this step out; scheduler.py's module doc). `budget`: the rows it may take
+    (its own and its proposals')."""
+    k = _num_to_ask(request, proposer, budget, max_seq_len)
     if k < 1:
         return []
     if request.spec_skip > 0:
@@ -126,6 +147,9 @@ class Proposer(Protocol):
     state."""
 
     k: int  # num_speculative_tokens
+
+    def prepare(self, wanted: list[tuple[Request, int]]) -> None:
+        """The (request, k) pairs this step will likely ask for: a proposer that batches computes them now."""
 
     def propose(self, request: Request, k: int) -> list[int]: ...
 

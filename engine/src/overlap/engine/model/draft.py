@@ -6,8 +6,9 @@ blocks as the target's, handed out from a free list of its own, so every sequenc
 draft K/V too. Per request it keeps the ids whose K/V its pool holds (`_DraftSeq.tokens`): a proposal first rolls
 that back to the longest prefix the request's tokens still share (what the target rejected, the draft drops too;
 the blocks past it go back to the free list), then feeds the rest of the known tokens as one chunk and its own
-greedy tokens one at a time, k forwards for k proposals. It runs on the engine thread, in the scheduler, one
-sequence at a time (docs/engine.md, "Speculative decoding").
+greedy tokens one at a time, k forwards for k proposals. It runs on the engine thread, in the scheduler, for every
+sequence likely to propose in a step at once (`prepare`): each forward is one batch of them (docs/engine.md,
+"Speculative decoding").
 
 Its proposals are a deterministic function of the tokens, a one-hot draft distribution, so the target's
 verification (`types.accept_proposals`) stays rejection sampling and the output keeps the target's distribution.
@@ -51,34 +52,55 @@ class DraftModelProposer(Proposer):
         self.block_size = self.runner.block_size
         self._free = list(range(self.runner.num_kv_blocks - 1, -1, -1))  # pop() takes the lowest id
         self._seqs: dict[str, _DraftSeq] = {}
+        self._ready: dict[str, tuple[int, list[int]]] = {}  # request id -> (its length, proposals) from prepare
+
+    def prepare(self, wanted: list[tuple[Request, int]]) -> None:
+        """Propose for all of `wanted` ((request, k) pairs) at once: one forward over every sequence's unseen tokens,
+        then k - 1 over their latest proposals, each a batch of the sequences still short of their k. The proposals
+        wait in `_ready` for `propose`, keyed by the request's length (its tokens only grow, so a length still
+        current means the same tokens)."""
+        feeds: dict[str, list[int]] = {}  # request id -> what its next draft forward feeds
+        ks: dict[str, int] = {}
+        for request, k in wanted:
+            tokens = request.all_token_ids
+            k = min(k, self.k, self.runner.max_model_len - len(tokens) + 1)  # it writes up to position len + k - 2
+            if k < 1:
+                continue
+            rid = request.request_id
+            seq = self._seqs.setdefault(rid, _DraftSeq())
+            seq.tokens = tokens[: _common_prefix(seq.tokens, tokens, len(tokens) - 1)]  # roll back what was rejected
+            if self._fit(seq, len(tokens) + k - 1):  # else the draft pool is full: it decodes plainly
+                feeds[rid], ks[rid] = tokens[len(seq.tokens) :], k
+                self._ready[rid] = (len(tokens), [])
+        while feeds:
+            batch = [ScheduledSeq(request_id=rid, token_ids=feed, start_pos=len(self._seqs[rid].tokens),
+                                  block_table=self._seqs[rid].blocks, do_sample=True, sampling=_GREEDY)
+                     for rid, feed in feeds.items()]  # fmt: skip
+            batch.sort(key=lambda seq: len(seq.token_ids) == 1)  # the runner takes prompt chunks first, then decodes
+            sampled = self.runner.execute(ModelInput(seqs=batch)).token_ids
+            feeds = {}
+            for step, token in zip(batch, sampled, strict=True):
+                rid = step.request_id
+                self._seqs[rid].tokens += step.token_ids
+                drafts = self._ready[rid][1]
+                if token != NONFINITE_TOKEN:
+                    drafts.append(token)
+                    if len(drafts) < ks[rid]:
+                        feeds[rid] = [token]
 
     def propose(self, request: Request, k: int) -> list[int]:
-        tokens = request.all_token_ids
-        k = min(k, self.k, self.runner.max_model_len - len(tokens) + 1)  # the draft writes up to position len + k - 2
-        if k < 1:
-            return []
-        seq = self._seqs.setdefault(request.request_id, _DraftSeq())
-        kept = _common_prefix(seq.tokens, tokens, len(tokens) - 1)  # at least the last token is fed again
-        seq.tokens = tokens[:kept]
-        if not self._fit(seq, len(tokens) + k - 1):
-            return []  # the draft pool is full: this sequence decodes plainly
-        feed, pos, drafts = tokens[kept:], kept, []
-        for _ in range(k):
-            step = ScheduledSeq(request_id=request.request_id, token_ids=feed, start_pos=pos, block_table=seq.blocks,
-                                do_sample=True, sampling=_GREEDY)  # fmt: skip
-            token = self.runner.execute(ModelInput(seqs=[step])).token_ids[0]
-            seq.tokens += feed
-            if token == NONFINITE_TOKEN:
-                break
-            drafts.append(token)
-            pos, feed = pos + len(feed), [token]
-        return drafts
+        length, drafts = self._ready.pop(request.request_id, (None, None))
+        if length != request.num_tokens:  # not foreseen by prepare (or stale): this one alone
+            self.prepare([(request, k)])
+            length, drafts = self._ready.pop(request.request_id, (None, []))
+        return drafts[:k]
 
     def probe(self, request: Request) -> bool:
         return True  # the draft always has something to propose; back-off and k follow its acceptance
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            self._ready.pop(request_id, None)
             seq = self._seqs.pop(request_id, None)
             if seq is not None:
                 self._free.extend(reversed(seq.blocks))
