@@ -104,4 +104,7 @@ def test_gpu_check_dry_run_on_cpu_runs_every_case(tmp_path):
     assert set(families) == {"qwen3-moe", "gemma-3"} and all(r["exact"] for r in families.values())
     assert families["gemma-3"]["window_kv_blocks"] > 0 and families["gemma-3"]["prefix_cache_hits"] > 0
     assert {r["case"] for r in rows if r["case"] in ("moe", "gemma") and r["step_ms"] > 0} == {"moe", "gemma"}
+    (spec,) = [r for r in rows if r["case"] == "speculative"]
+    assert spec["verify_steps"] > 0 and 1 <= spec["verify_tokens_per_step"] <= 5 and spec["floor_ms"] > 0
+    assert spec["plain_step_ms"] > 0 and spec["verify_step_ms"] > 0 and spec["ngram_tokens_per_step"] > 0
     assert "| model | batch |" in proc.stdout

@@ -21,6 +21,8 @@ leaves its data. Cases, most valuable first:
 8. quantized: each quantized scheme at the ~8B shape (below).
 9. moe, gemma: a small Qwen3-MoE through the fused-MoE kernels and a small Gemma 3 (its sliding layers' own KV
    pool) against transformers, and their real widths' decode steps (gpu_check_families.py).
+10. speculative: ngram at the ~8B shape, batch 1: a step verifying 4 proposals against the plain step and the floor,
+    the tokens it appends, and what prompt lookup reaches through the engine (gpu_spec.py).
 
 `--dry-run-cpu` runs every case on the CPU with small shapes (Triton's interpreter for the attention kernel), so
 the script itself is tested where there is no GPU. Without CUDA (and without --dry-run-cpu) it exits 2 and says so.
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from overlap.bench.floor import decode_floor_bytes
 from overlap.bench.gpu_check_families import case_gemma, case_moe, format_rows  # noqa: F401 (cases run by name)
+from overlap.bench.gpu_spec import case_speculative, format_row  # noqa: F401 (case_speculative: run by name)
 
 # Shapes of the models people serve, with random weights (vocabulary and context as theirs).
 SHAPES = {
@@ -54,7 +57,7 @@ DRY_RUN_SHAPES = {
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
 CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile", "quantized",
-         "moe", "gemma")  # fmt: skip
+         "moe", "gemma", "speculative")  # fmt: skip
 
 
 def _progress(message: str) -> None:
@@ -534,6 +537,8 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"quantized {r['model']} {r['quantization']}: last logits within {r['max_abs_diff']:.4f} of "
                          f"the dequantized reference's (std {r['reference_std']:.4f}), top token equal in "
                          f"{r['top1_equal']} of {r['prompts']} prompts")  # fmt: skip
+        elif r["case"] == "speculative":
+            lines.append(format_row(r))
         elif r["case"] == "error":
             lines.append(f"{r['failed']} FAILED: {r['error']}")
     return "\n".join(lines + format_rows(rows))
