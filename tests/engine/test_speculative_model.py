@@ -268,32 +268,34 @@ def test_engine_samples_the_same_joint_distribution_with_speculation(tmp_path):
     """A 256-token Llama, prompts alternating two tokens that a logit bias puts far above the rest and top_k 2 keeps
     alone (their odds still follow the model), unseeded: the 5 tokens of 2,000 requests, with and without
     speculation, are one distribution by a two-sample chi-squared test over the 32 outcomes, while about half of the
-    speculating run's proposals are accepted."""
+    speculating run's proposals are accepted; with ngram, and with the model drafting for itself (greedy proposals:
+    the likelier token, accepted at its probability)."""
     from tests.support.hf_models import save_variant
 
     folder = save_variant("llama", tmp_path / "llama")
     sampling = SamplingParams(max_tokens=5, temperature=1.0, top_k=2, logit_bias=((5, 60.0), (6, 60.0)))
     requests = {f"s{i}": ([5, 6] * 6 + [5] * (i % 2), sampling) for i in range(2000)}
     cells = list(itertools.product((5, 6), repeat=5))
-    counts, stats = {}, None
-    for spec in (None, NGRAM):
+    draft = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4, "disable_by_batch_size": 1024}
+    counts = {}
+    for name, spec in (("plain", None), ("ngram", NGRAM), ("draft", draft)):
         engine = Engine(EngineConfig(model=str(folder), max_seq_len=64, num_kv_blocks=1024, max_num_seqs=256,
                                      speculative_config=spec, seed=11))  # fmt: skip
         outputs = add_and_run(engine, requests)
         engine.close()
         if spec is not None:
             stats = engine.stats()
+            assert stats["spec_decode_num_draft_tokens_total"] > 2000
+            assert 0.2 < _acceptance(stats) < 0.9, (name, _acceptance(stats))
         joint = collections.Counter(tuple(tokens_of(outputs[rid])) for rid in requests)
         assert set(joint) <= set(cells)
-        counts[spec is None] = [joint[cell] for cell in cells]
-    assert stats["spec_decode_num_draft_tokens_total"] > 2000
-    assert 0.2 < _acceptance(stats) < 0.9
-    plain, spec = counts[True], counts[False]
-    stat, df = 0.0, -1
-    for a, b in zip(plain, spec, strict=True):  # 2 x 32 contingency table, equal sample sizes: pooled expectations
-        pooled = (a + b) / 2
-        if pooled:
-            stat += (a - pooled) ** 2 / pooled + (b - pooled) ** 2 / pooled
-            df += 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
-    assert p > P_MIN, (plain, spec)
+        counts[name] = [joint[cell] for cell in cells]
+    for name in ("ngram", "draft"):
+        stat, df = 0.0, -1
+        for a, b in zip(counts["plain"], counts[name], strict=True):  # 2 x 32 table, equal sizes: pooled expectations
+            pooled = (a + b) / 2
+            if pooled:
+                stat += (a - pooled) ** 2 / pooled + (b - pooled) ** 2 / pooled
+                df += 1
+        p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+        assert p > P_MIN, (name, counts["plain"], counts[name])

@@ -29,6 +29,13 @@ from overlap.engine.types import NONFINITE_TOKEN, ModelInput, SamplingParams, Sc
 _GREEDY = SamplingParams(temperature=0)
 
 
+def _draft_sampling(sampling: SamplingParams) -> SamplingParams:
+    """Greedy, with the request's logit_bias (a fixed shift of its logits, which can decide the target's token); the
+    penalties and bad words depend on the output history, which the draft runner does not keep, so it leaves them
+    (and the rest) to the target."""
+    return _GREEDY if not sampling.logit_bias else SamplingParams(temperature=0, logit_bias=sampling.logit_bias)
+
+
 @dataclass(slots=True)
 class _DraftSeq:
     tokens: list[int] = field(default_factory=list)  # the ids whose K/V the draft pool holds, positions 0..
@@ -61,6 +68,7 @@ class DraftModelProposer(Proposer):
         current means the same tokens)."""
         feeds: dict[str, list[int]] = {}  # request id -> what its next draft forward feeds
         ks: dict[str, int] = {}
+        samplings = {request.request_id: _draft_sampling(request.sampling) for request, _ in wanted}
         for request, k in wanted:
             tokens = request.all_token_ids
             k = min(k, self.k, self.runner.max_model_len - len(tokens) + 1)  # it writes up to position len + k - 2
@@ -74,7 +82,7 @@ class DraftModelProposer(Proposer):
                 self._ready[rid] = (len(tokens), [])
         while feeds:
             batch = [ScheduledSeq(request_id=rid, token_ids=feed, start_pos=len(self._seqs[rid].tokens),
-                                  block_table=self._seqs[rid].blocks, do_sample=True, sampling=_GREEDY)
+                                  block_table=self._seqs[rid].blocks, do_sample=True, sampling=samplings[rid])
                      for rid, feed in feeds.items()]  # fmt: skip
             batch.sort(key=lambda seq: len(seq.token_ids) == 1)  # the runner takes prompt chunks first, then decodes
             sampled = self.runner.execute(ModelInput(seqs=batch)).token_ids
