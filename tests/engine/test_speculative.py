@@ -24,7 +24,7 @@ from overlap.engine.batching.speculative import (
 )
 from overlap.engine.config import EngineConfig, add_engine_flags, engine_argv, engine_overrides
 from overlap.engine.errors import ConfigError
-from overlap.engine.types import FinishReason, RequestSpec, SamplingParams, accept_proposals
+from overlap.engine.types import FinishReason, RequestSpec, RunnerOutput, SamplingParams, accept_proposals
 from tests.support.engine import (
     copying_token,
     create_engine,
@@ -280,7 +280,9 @@ def test_proposals_fill_a_step_only_up_to_the_compute_bound_rows(batch, stop_at,
         r.prompt_token_ids[:] = r.all_token_ids[:] = [5, 6, 7, 8] * 2
         scheduler.add_request(r, 0.0)
     prompts = scheduler.schedule(0.0)
-    scheduler.postprocess(prompts, [5] * batch, 0.0)  # each first token repeats one: ngram proposes for every one
+    scheduler.postprocess(
+        prompts, RunnerOutput([5] * batch, (0.0, 0.0)), 0.0
+    )  # each first token repeats one: ngram proposes for every one
     batch_seqs = scheduler.schedule(0.1).model_input.seqs
     assert len(batch_seqs) == batch
     assert sum(seq.num_draft_tokens for seq in batch_seqs) == max_proposals

@@ -23,7 +23,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
 
 def case_speculative(check) -> None:
     from overlap.bench.floor import decode_floor_bytes
-    from overlap.engine import Engine, SamplingParams
+    from overlap.engine import Engine, RequestSpec, SamplingParams
     from overlap.engine.model.runner import ModelRunner
     from overlap.engine.types import ModelInput, ScheduledSeq
 
@@ -74,7 +74,8 @@ def case_speculative(check) -> None:
         # ngram through the engine: what prompt lookup reaches on this model
         engine = Engine(config, runner=runner)
         repeating = prompt[:8] * (len(prompt) // 8)
-        engine.add_request("ngram", repeating, SamplingParams(max_tokens=steps * 2, temperature=0, ignore_eos=True))
+        sampling = SamplingParams(max_tokens=steps * 2, temperature=0, ignore_eos=True)
+        engine.add_request(RequestSpec("ngram", repeating, sampling))
         num_steps = 0
         while engine.has_unfinished():
             engine.step()
