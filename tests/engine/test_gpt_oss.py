@@ -16,7 +16,8 @@ import torch
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.experts import dequantize_mxfp4
-from overlap.engine.model.loader import load_weights, read_spec
+from overlap.engine.model.loader import load_weights
+from overlap.engine.model.model_spec import read_spec
 from overlap.engine.model.parallel import plan_shard, shard_spec
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq

@@ -67,7 +67,7 @@ def test_moe_config_fields_are_read_as_transformers_reads_them(model_type, field
     """Sparse and dense layers, sliding windows, the expert count under either of its names, top-k."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from overlap.engine.model.loader import read_spec
+    from overlap.engine.model.model_spec import read_spec
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
     config = AutoConfig.for_model(model_type, **shape, **fields)
@@ -278,7 +278,7 @@ def test_qwen3_moe_at_the_30b_a3b_width_gives_transformers_greedy_tokens(tmp_pat
 def test_a_quantized_mixture_of_experts_is_refused_naming_its_format(built, tmp_path):
     from overlap.engine.errors import ModelLoadError
     from overlap.engine.model import shapes
-    from overlap.engine.model.loader import read_spec
+    from overlap.engine.model.model_spec import read_spec
     from tests.support.hf_models import edit_config
 
     quantized = shapes.shape_config("qwen2.5-0.5b", "w4a16")["quantization_config"]

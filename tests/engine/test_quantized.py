@@ -601,12 +601,12 @@ def test_random_weights_of_a_quantized_shape_are_codes_of_its_scheme(tmp_path):
 def test_a_shape_written_in_an_fp8_scheme_reads_back_as_the_random_weights_lay_it_out(tmp_path, scheme):
     """`overlap model build-shape --quantization fp8|fp8-block` writes what the loader reads as FP8 weights, and the
     benchmarks' random weights of the same config have the same layout (a scale per row and group of 128 columns)."""
-    from overlap.engine.model import loader, shapes
+    from overlap.engine.model import loader, model_spec, shapes
 
     config = shapes.shape_config("qwen2.5-0.5b", scheme) | {"num_hidden_layers": 1, "vocab_size": 1024}
     shapes._write_weights(tmp_path, config)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = loader.read_spec(tmp_path)
+    spec = model_spec.read_spec(tmp_path)
     read = loader.load_weights(spec, tmp_path, torch.bfloat16, torch.device("cpu")).layers[0].gate_up
     made = loader.random_weights(spec, torch.bfloat16, torch.device("cpu")).layers[0].gate_up
     for weight in (read, made):

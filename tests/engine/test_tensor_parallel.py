@@ -23,7 +23,7 @@ import torch
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ModelLoadError
 from overlap.engine.model.experts import MoeSpec
-from overlap.engine.model.loader import read_spec
+from overlap.engine.model.model_spec import read_spec
 from overlap.engine.model.parallel import plan_shard
 from overlap.engine.model.runner import ModelRunner
 from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq

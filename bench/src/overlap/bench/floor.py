@@ -11,7 +11,7 @@ import time
 def decode_floor_bytes(runner, batch: int, context: float) -> float:
     """What a decode step of `batch` sequences at `context` positions must read: the weights it streams
     (`runner.weight_bytes`) and their K/V."""
-    from overlap.engine.model.loader import kv_bytes_per_token
+    from overlap.engine.model.model_spec import kv_bytes_per_token
 
     return runner.weight_bytes + batch * context * kv_bytes_per_token(runner.spec, runner.dtype)
 

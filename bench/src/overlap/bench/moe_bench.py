@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from overlap.engine.config import EngineConfig
     from overlap.engine.errors import ConfigError
     from overlap.engine.model.layers.moe import SparseMoE
-    from overlap.engine.model.loader import kv_bytes_per_token
+    from overlap.engine.model.model_spec import kv_bytes_per_token
     from overlap.engine.model.runner import ModelRunner
     from overlap.engine.model.shapes import shape_config
 

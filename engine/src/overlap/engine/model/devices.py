@@ -11,7 +11,7 @@ import torch
 from overlap.engine.batching.window_blocks import WindowBlocks
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError
-from overlap.engine.model.loader import ModelSpec, blocks_for_bytes, kv_bytes_per_token
+from overlap.engine.model.model_spec import ModelSpec, blocks_for_bytes, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

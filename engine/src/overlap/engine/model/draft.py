@@ -136,7 +136,7 @@ class DraftModelProposer(Proposer):
 def check_same_vocabulary(draft_dir: Path, target_dir: Path | None, target_vocab_size: int) -> None:
     """ConfigError unless the draft's vocabulary is the target's: the same vocab_size and, where both folders have a
     tokenizer.json, the same token -> id map (a proposal is an id; another tokenizer's id means another token)."""
-    from overlap.engine.model.loader import read_spec
+    from overlap.engine.model.model_spec import read_spec
 
     draft_vocab = read_spec(draft_dir, None).vocab_size
     if draft_vocab != target_vocab_size:

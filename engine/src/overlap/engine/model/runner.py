@@ -9,6 +9,7 @@ Where each part lives:
 
 | part | module |
 |---|---|
+| a folder's config (what loads, what is refused) and its weights, fused | `model_spec.py`, `loader.py` |
 | device, dtype, attention backend, KV-pool size | `devices.py` |
 | a family's forward (Llama, Mistral, Qwen2, Phi-3; Qwen3; Gemma 1-3; their mixtures of experts) | `models/` |
 | its layers: linear (oneDNN / torch), RMSNorm, RoPE with the K/V write, paged attention, MLP, experts | `layers/` |
@@ -50,8 +51,9 @@ from overlap.engine.model.helper import HelperThread
 from overlap.engine.model.layers.attention import PagedAttention
 from overlap.engine.model.layers.linear import LinearBackend, pick_linear_backend
 from overlap.engine.model.layers.rotary import Rotary, partial_rotary_layout
-from overlap.engine.model.loader import ModelWeights, load_weights, read_spec, rope_tables
+from overlap.engine.model.loader import ModelWeights, load_weights
 from overlap.engine.model.loader import random_weights as make_random_weights
+from overlap.engine.model.model_spec import read_spec, rope_tables
 from overlap.engine.model.models import ModelParts, build_model
 from overlap.engine.model.parallel import Collectives, Ranks, free_address, init_group, plan_shard, shard_spec
 from overlap.engine.model.quant.weight import QuantizedWeight

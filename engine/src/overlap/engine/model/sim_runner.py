@@ -165,7 +165,7 @@ class SimRunner(Runner):
     def for_model(cls, config, model_dir: Path) -> SimRunner:
         """The simulated device `config.simulated_device` asks for, in the shape of the model in `model_dir`: its
         vocabulary, EOS ids, sampling defaults and context length (the weights are never read)."""
-        from overlap.engine.model.loader import read_spec
+        from overlap.engine.model.model_spec import read_spec
 
         spec = read_spec(model_dir)
         cost = CostModel(float(config.simulated_device["fixed_s"]), float(config.simulated_device["per_token_s"]))

@@ -1,6 +1,6 @@
 """Rotary position embeddings (RoPE) applied to a step's q and k, with the step's K and V written into the pool.
 
-The tables are transformers' own (`loader.rope_tables`), in rotate-half form with the sign of sin's first half
+The tables are transformers' own (`model_spec.rope_tables`), in rotate-half form with the sign of sin's first half
 folded in. Partial rotary (only the first rotary_dim dims of a head rotate, in pairs (i, i + rotary_dim/2)) runs as
 full-width rotate-half: the q/k dims of every head are reordered once at load so the rotated pairs come first in
 each half and the passed-through ones after them, with angle 0 (`partial_rotary_layout`).
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from overlap.engine.errors import ModelLoadError
-from overlap.engine.model.loader import ModelSpec, ModelWeights
+from overlap.engine.model.loader import ModelWeights
+from overlap.engine.model.model_spec import ModelSpec
 from overlap.engine.model.native import CpuOps
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ from overlap.engine.model.layers.mlp import GatedMLP
 from overlap.engine.model.layers.moe import SparseMoE
 from overlap.engine.model.layers.norm import RMSNorm
 from overlap.engine.model.layers.rotary import Rotary, StepRotary
-from overlap.engine.model.loader import LayerWeights, ModelSpec, ModelWeights
+from overlap.engine.model.loader import LayerWeights, ModelWeights
+from overlap.engine.model.model_spec import ModelSpec
 from overlap.engine.model.native import CpuOps
 
 if TYPE_CHECKING:
