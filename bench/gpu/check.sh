@@ -8,7 +8,7 @@
 # Nothing is installed: it runs with the python3 that has a CUDA build of torch, Triton and transformers, and puts
 # the components' sources on PYTHONPATH (the engine needs no other package for this).
 # Usage: bench/gpu/check.sh [--out FILE.jsonl]
-#        [--cases env,bandwidth,correctness,decode,prefill,busy,tensor_parallel,profile,quantized,moe,gemma]
+#        [--cases env,bandwidth,correctness,decode,prefill,busy,tensor_parallel,profile,quantized,moe,gemma,speculative]
 #        [--steps N]   (tensor_parallel: 2 ranks against 1 where there are 2+ GPUs; "skipped: 1 GPU" otherwise)
 #        bench/gpu/check.sh --dry-run-cpu   (every case on this CPU with small shapes: checks the script)
 # Without a GPU (and without --dry-run-cpu) it exits with code 2 and says so.

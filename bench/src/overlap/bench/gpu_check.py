@@ -41,6 +41,7 @@ from pathlib import Path
 
 from overlap.bench.floor import decode_floor_bytes
 from overlap.bench.gpu_check_families import case_gemma, case_moe, format_rows  # noqa: F401 (cases run by name)
+from overlap.bench.gpu_quantized import case_quantized  # noqa: F401 (run by name)
 from overlap.bench.gpu_spec import case_speculative, format_row  # noqa: F401 (case_speculative: run by name)
 
 # Shapes of the models people serve, with random weights (vocabulary and context as theirs).
@@ -140,8 +141,23 @@ class Check:
             attention = "triton" if interpret and os.environ.get("TRITON_INTERPRET") == "1" else "torch"
         return EngineConfig(device=self.device.type, attention_backend=attention, **changes)
 
+    def random_runner(self, name: str, tokens_per_seq: int, batch: int, graphs: bool = True,
+                      quantization: str | None = None):  # fmt: skip
+        """A bf16 runner of shape `name` with random weights and a pool for `batch` sequences of `tokens_per_seq`
+        tokens; and the seconds it took to make."""
+        from overlap.engine.model.runner import ModelRunner
 
-# ---- the cases ------------------------------------------------------------------------------------------------------
+        blocks = batch * -(-tokens_per_seq // 16) + 64
+        config = self.engine_config(dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch, max_seq_len=2048,
+                                    cuda_graphs=graphs)  # fmt: skip
+        started = time.perf_counter()
+        runner = ModelRunner(config, self.model_dir(name, quantization), random_weights=True, cpu_paths=not self.dry)
+        return runner, time.perf_counter() - started
+
+
+# ---- the cases ----------------------------------------------------------------------------------------------------
+
+
 def case_env(check: Check) -> None:
     import platform
 
@@ -251,32 +267,19 @@ def case_correctness(check: Check) -> None:
         _progress(f"correctness {dtype} buffers={num_buffers} graphs={graphs}: {row['top1_agreement']:.4f}")
 
 
-def _runner(check: Check, name: str, tokens_per_seq: int, batch: int, graphs: bool = True,
-            quantization: str | None = None):  # fmt: skip
-    """A bf16 runner with random weights and a pool for `batch` sequences of `tokens_per_seq` tokens."""
-    from overlap.engine.model.runner import ModelRunner
-
-    blocks = batch * -(-tokens_per_seq // 16) + 64
-    config = check.engine_config(dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch, max_seq_len=2048,
-                                 cuda_graphs=graphs)  # fmt: skip
-    started = time.perf_counter()
-    runner = ModelRunner(config, check.model_dir(name, quantization), random_weights=True, cpu_paths=not check.dry)
-    return runner, time.perf_counter() - started
-
-
 def case_decode(check: Check) -> None:
     from overlap.bench.overlap_load import measure_overlap
 
     warmup = 5
     max_tokens = 2 * (warmup + check.steps) + 2  # no request finishes while measured: every step a pure decode
     for name in check.shapes:
-        runner, load_s = _runner(check, name, check.prompt_len + max_tokens, max(check.batches))
+        runner, load_s = check.random_runner(name, check.prompt_len + max_tokens, max(check.batches))
         _progress(f"decode {name}: runner ready in {load_s:.1f} s ({runner.kernels})")
         runs = [(b, True) for b in check.batches] + [(1, False)]
         for batch, graphs in runs:
             if not graphs:
                 runner.close()
-                runner, _ = _runner(check, name, check.prompt_len + max_tokens, max(check.batches), graphs=False)
+                runner, _ = check.random_runner(name, check.prompt_len + max_tokens, max(check.batches), graphs=False)
             graph_steps = runner.graph_steps
             result = measure_overlap(runner, 2, batch=batch, steps=check.steps, host_ms=0.0, warmup_steps=warmup,
                                      prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
@@ -299,7 +302,7 @@ def case_prefill(check: Check) -> None:
 
     num, length = (2, 64) if check.dry else (4, 2048)
     for name in check.shapes:
-        runner, _ = _runner(check, name, length, num)
+        runner, _ = check.random_runner(name, length, num)
         blocks = -(-length // 16)
         seqs = [ScheduledSeq(f"p{i}", [5 + (i + j) % 300 for j in range(length)], 0,
                              list(range(i * blocks, (i + 1) * blocks)), True, SamplingParams(temperature=0))
@@ -329,7 +332,7 @@ def case_busy(check: Check) -> None:
     batch, warmup = check.busy_batch, 5
     max_tokens = 2 * (warmup + check.steps) + 2
     name = list(check.shapes)[-1]
-    runner, _ = _runner(check, name, check.prompt_len + max_tokens, batch)
+    runner, _ = check.random_runner(name, check.prompt_len + max_tokens, batch)
     for num_buffers in (1, 2):
         executor = make_executor(runner, num_buffers)
         load = DecodeLoad(executor, batch=batch, num_requests=batch, prompt_len=check.prompt_len,
@@ -369,7 +372,7 @@ def case_profile(check: Check) -> None:
         torch.profiler.ProfilerActivity.CUDA if check.device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
     )
     for batch in (1, check.busy_batch):
-        runner, _ = _runner(check, name, check.prompt_len + max_tokens, check.busy_batch)  # a pool for max_seq_len
+        runner, _ = check.random_runner(name, check.prompt_len + max_tokens, check.busy_batch)  # a pool for max_seq_len
         executor = make_executor(runner, 2)
         load = DecodeLoad(executor, batch=batch, num_requests=batch, prompt_len=check.prompt_len,
                           max_tokens=max_tokens)  # fmt: skip
@@ -429,67 +432,6 @@ def case_tensor_parallel(check: Check) -> None:
         engine.runner.close()
     check.emit("tensor_parallel", ranks=2, gpus=gpus, same_tokens=tokens[1] == tokens[2],
                tokens_per_s_1=rates[1], tokens_per_s_2=rates[2])  # fmt: skip
-
-
-QUANTIZED_SCHEMES = ("w4a16", "w8a8", "fp8", "fp8-block")
-
-
-def case_quantized(check: Check) -> None:
-    """Each quantized scheme (random codes in its producer's layout) at the largest shape: W4A16 and block-FP8
-    through the Triton kernel that dequantizes inside the matmul, W8A8 through `torch._int_mm` (cuBLASLt int8), FP8
-    with a scale per row through `torch._scaled_mm` (per-token FP8 activations) where the card has FP8. Decode steps
-    against the streaming floor of the stored bytes, and the last logits of 4 prompts against the same codes
-    dequantized at load (OVERLAP_QUANTIZED_KERNELS=0) through the bf16 path."""
-    # a dry run on the CPU checks the script: there fp8 and w8a8 take the paths fp8-block and the bf16 reference take
-    for scheme in ("w4a16", "fp8-block") if check.dry else QUANTIZED_SCHEMES:
-        _quantized_scheme(check, scheme)
-
-
-def _quantized_scheme(check: Check, scheme: str) -> None:
-    from overlap.bench.overlap_load import measure_overlap
-    from overlap.engine.types import ModelInput, SamplingParams, ScheduledSeq
-
-    name = list(check.shapes)[-1]  # the largest shape
-    warmup, batches = 3, ((1,) if check.dry else (1, 16, 64))  # a dry run checks the script, not the speed
-    max_tokens = 2 * (warmup + check.steps) + 2
-    runner, load_s = _runner(check, name, check.prompt_len + max_tokens, max(batches), quantization=scheme)
-    _progress(f"quantized {name} {scheme}: runner ready in {load_s:.1f} s ({runner.kernels})")
-    for batch in batches:
-        result = measure_overlap(runner, 2, batch=batch, steps=check.steps, host_ms=0.0, warmup_steps=warmup,
-                                 prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
-        step_s = batch / result.tokens_per_s if result.tokens_per_s else float("inf")
-        context = check.prompt_len + warmup + check.steps / 2
-        floor_s = decode_floor_bytes(runner, batch, context) / check.bandwidth if check.bandwidth else None
-        check.emit("quantized", model=name, quantization=scheme, batch=batch, step_ms=1000 * step_s,
-                   floor_ms=None if floor_s is None else 1000 * floor_s,
-                   step_over_floor=None if floor_s is None else step_s / floor_s, weight_bytes=runner.weight_bytes,
-                   kernels=runner.kernels)  # fmt: skip
-        _progress(f"quantized {name} {scheme} batch {batch}: {1000 * step_s:.2f} ms a step")
-    runner.close()
-
-    def last_logits(kernels: str):
-        previous = os.environ.get("OVERLAP_QUANTIZED_KERNELS")
-        os.environ["OVERLAP_QUANTIZED_KERNELS"] = kernels
-        try:
-            r, _ = _runner(check, name, 256, 4, graphs=False, quantization=scheme)
-        finally:
-            os.environ.pop("OVERLAP_QUANTIZED_KERNELS") if previous is None else os.environ.update(
-                OVERLAP_QUANTIZED_KERNELS=previous)  # fmt: skip
-        prompts = [[5 + (7 * i + j) % 500 for j in range(24 + 8 * i)] for i in range(4)]
-        seqs = [ScheduledSeq(f"q{i}", p, 0, list(range(16 * i, 16 * i + 16)), True, SamplingParams(temperature=0))
-                for i, p in enumerate(prompts)]  # fmt: skip
-        logits = r.compute_logits(ModelInput(seqs)).float().cpu()
-        r.close()
-        return logits
-
-    # Random weights give near-flat logits, where greedy tokens say little: the logits themselves are compared.
-    kernel, reference = last_logits("1"), last_logits("0")
-    diff = float((kernel - reference).abs().max())
-    check.emit("quantized_logits", model=name, quantization=scheme, max_abs_diff=diff,
-               reference_std=float(reference.std()), top1_equal=int((kernel.argmax(-1) == reference.argmax(-1)).sum()),
-               prompts=kernel.shape[0])  # fmt: skip
-    _progress(f"quantized {name} {scheme}: logits within {diff:.4f} of the dequantized reference's "
-              f"(std {reference.std():.4f})")  # fmt: skip
 
 
 def format_table(rows: list[dict]) -> str:
