@@ -243,6 +243,14 @@ class EngineConfig:
     # filled in; `speculative` is the parsed SpeculativeConfig.
     speculative_config: dict | None = None
 
+    # LoRA adapters (vLLM's flags; docs/lora.md): `max_loras` device slots of rank up to `max_lora_rank`, and up to
+    # `max_cpu_loras` adapters kept read in host memory. `lora_modules`: adapter name -> PEFT folder, loaded at start.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+    lora_modules: dict[str, str] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
@@ -288,6 +296,15 @@ class EngineConfig:
         )
         check(1 <= self.num_priority_levels <= 8, "num_priority_levels must be in 1..8")
         check(isinstance(self.cuda_graphs, bool), "cuda_graphs must be true or false")
+        check(isinstance(self.enable_lora, bool), "enable_lora must be true or false")
+        check(type(self.max_loras) is int and self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras!r}")
+        check(type(self.max_lora_rank) is int and self.max_lora_rank >= 1,
+              f"max_lora_rank must be >= 1, got {self.max_lora_rank!r}")  # fmt: skip
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check(type(self.max_cpu_loras) is int and self.max_cpu_loras >= self.max_loras,
+              f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")  # fmt: skip
+        check(not self.lora_modules or self.enable_lora, "lora_modules needs enable_lora")
         spec = parse_speculative_config(self.speculative_config)
         self.speculative_config = None if spec is None else spec.to_dict()
         if self.simulated_device is not None:
@@ -362,7 +379,18 @@ ENGINE_FLAGS = (
      "(method ngram: prompt_lookup_min/max default to 5; method draft_model: \"model\", a smaller model folder with "
      "the same vocabulary; disable_by_batch_size: the batch at which it stops, default 16 on a CPU and 256 on CUDA; "
      "eagle, eagle3, mtp and others are refused by name)"),
+    ("--max-loras", "max_loras", int, "LoRA adapters on the device at once (slots; with --enable-lora)"),
+    ("--max-lora-rank", "max_lora_rank", int, "the highest rank of a LoRA adapter that loads"),
+    ("--max-cpu-loras", "max_cpu_loras", int, "LoRA adapters kept read in host memory (>= --max-loras)"),
 )  # fmt: skip
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """argparse type of one --lora-modules entry: name=path (vLLM's form)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"must be name=path, got {text!r}")
+    return name, path
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -377,12 +405,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="reuse the KV of shared prompt prefixes (default on)",
     )
+    group.add_argument("--enable-lora", dest="engine_enable_lora", default=None, action="store_true",
+                       help="serve LoRA adapters (PEFT folders) on the base model; docs/lora.md")  # fmt: skip
+    group.add_argument("--lora-modules", dest="engine_lora_modules", type=_lora_module, nargs="+", default=None,
+                       metavar="NAME=PATH", help="LoRA adapters loaded at start, served as model NAME")  # fmt: skip
 
 
 def engine_overrides(args: argparse.Namespace) -> dict:
     """The EngineConfig fields the engine flags in `args` set (only the flags given)."""
-    fields = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    fields = [dest for _, dest, _, _ in ENGINE_FLAGS] + ["enable_prefix_caching", "enable_lora", "lora_modules"]
     changes = {f: getattr(args, f"engine_{f}") for f in fields if getattr(args, f"engine_{f}", None) is not None}
+    if "lora_modules" in changes:
+        changes["lora_modules"] = dict(changes["lora_modules"])
     if "dtype" in changes:
         changes["dtype"] = _DTYPE_ALIASES.get(changes["dtype"], changes["dtype"])
     return changes
@@ -398,4 +432,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     caching = getattr(args, "engine_enable_prefix_caching", None)
     if caching is not None:
         argv.append("--enable-prefix-caching" if caching else "--no-enable-prefix-caching")
+    if getattr(args, "engine_enable_lora", None):
+        argv.append("--enable-lora")
+    modules = getattr(args, "engine_lora_modules", None)
+    if modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in modules)]
     return argv

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from overlap.engine.batching.block_manager import BlockManager
+from overlap.engine.batching.lora_slots import LoraRegistry
 from overlap.engine.batching.scheduler import ScheduledBatch, Scheduler
 from overlap.engine.batching.speculative import compute_bound_rows
 from overlap.engine.batching.window_blocks import WindowBlocks
@@ -117,6 +118,10 @@ class Engine:
         self._driver_wakeup = threading.Event()
         self._closing = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # LoRA adapter name -> PEFT folder: the names requests may give (`RequestSpec.lora_name`)
+        self.loras = LoraRegistry(config.enable_lora, runner.read_lora)
+        for name, path in config.lora_modules.items():
+            self.loras.add(name, path)
 
     # ---- requests in ---------------------------------------------------------------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
@@ -185,11 +190,14 @@ class Engine:
         arrived = now if spec.arrival_time is None else float(spec.arrival_time)
         if timeout_s is None:
             timeout_s = self.config.default_timeout_s
+        if spec.lora_name is not None and not isinstance(spec.lora_name, str):
+            raise InvalidRequestError(f"lora_name must be a string, got {spec.lora_name!r}")
         # the engine's own copy of the prompt: a caller reusing its list cannot change a request in flight
         return Request(
             spec=dataclasses.replace(spec, prompt_token_ids=prompt),
             times=RequestTimes(arrived=arrived),
             deadline=None if timeout_s is None else arrived + timeout_s,
+            lora_path=None if spec.lora_name is None else self.loras.path_of(spec.lora_name),
         )
 
     def abort(self, request_id: str) -> bool:
@@ -407,6 +415,9 @@ class Engine:
                 reason.value: self._finished_by_reason[reason.value] for reason in FinishReason
             },
             "config": self.config.to_dict(),
+            # vLLM's lora_requests_info: the adapters of running and waiting requests (max_lora is config's max_loras)
+            "lora_running": scheduler.lora_slots.info[0],
+            "lora_waiting": scheduler.lora_slots.info[1],
         }
 
     # ---- asyncio convenience -----------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """The prefix cache's block hashes and the log of blocks it adds and evicts: one definition for the engine and for a
 router that scores replicas by what they hold (`overlap router`).
 
-A full block of `block_size` tokens is keyed by (its parent block's hash, its token ids); the first block's parent is
-ROOT_HASH. A block's hash is CPython's hash of that key: for tuples of ints it is deterministic, the same in every
-64-bit CPython process on any host (no per-process seed: that applies to str and bytes only), so a router computes
-the hashes an engine publishes from the token ids alone. The block size comes from the engine (its KV events say
-which), never from a second setting. HASH_SCHEME names this definition; a router refuses any other.
+A full block of `block_size` tokens is keyed by (its parent block's hash, its token ids); the first block's parent
+is ROOT_HASH, or for a request through a LoRA adapter `root_hash(adapter)`: no KV is shared across adapters (nor
+with the base model), since every layer's K and V differ. A block's hash is CPython's hash of that key: for tuples
+of ints it is deterministic, the same in every 64-bit CPython process on any host (no per-process seed: that applies
+to str and bytes only), so a router computes the hashes an engine publishes from the token ids alone. The block size
+comes from the engine (its KV events say which), never from a second setting. HASH_SCHEME names this definition; a
+router refuses any other.
 
 `KvEventLog` numbers every change to the cache: +1 a block's hash became cached, -1 it was evicted. A reader asks
 for the events after the last number it saw; one that fell behind the log's window gets a snapshot instead.
@@ -13,6 +15,7 @@ for the events after the last number it saw; one that fell behind the log's wind
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections import deque
@@ -26,18 +29,29 @@ KV_EVENT_WINDOW = 1 << 16  # events kept for readers that poll; one further behi
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
 
 
-def extend_keys(keys: list[BlockKey], tokens: Sequence[int], block_size: int, num_full_blocks: int) -> list[BlockKey]:
-    """Extend the hash chain `keys` (in place) over `tokens` to `num_full_blocks` full blocks."""
+def root_hash(adapter: str | None = None) -> int:
+    """The first block's parent: ROOT_HASH for the base model; for a LoRA adapter one derived from its name with a
+    hash that is the same in every process (str's built-in hash is seeded per process)."""
+    if adapter is None:
+        return ROOT_HASH
+    return hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest())))
+
+
+def extend_keys(keys: list[BlockKey], tokens: Sequence[int], block_size: int, num_full_blocks: int,
+                root: int = ROOT_HASH) -> list[BlockKey]:  # fmt: skip
+    """Extend the hash chain `keys` (in place) over `tokens` to `num_full_blocks` full blocks; `root` is the first
+    block's parent (`root_hash`)."""
     while len(keys) < num_full_blocks:
         i = len(keys)
-        parent = hash(keys[-1]) if keys else ROOT_HASH
+        parent = hash(keys[-1]) if keys else root
         keys.append((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
     return keys
 
 
-def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    """The hashes of every full block of `tokens`, as an engine publishes them."""
-    return [hash(key) for key in extend_keys([], tokens, block_size, len(tokens) // block_size)]
+def block_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """The hashes of every full block of `tokens` (through LoRA `adapter`), as an engine publishes them."""
+    keys = extend_keys([], tokens, block_size, len(tokens) // block_size, root_hash(adapter))
+    return [hash(key) for key in keys]
 
 
 class KvEventLog:

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal, Protocol
 
-from overlap.engine.errors import InvalidRequestError
+from overlap.engine.errors import ConfigError, InvalidRequestError
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 
@@ -136,6 +136,7 @@ class RequestSpec:
     # The id of an earlier request with the same prompt (one of a request's `n` sequences): this one then reuses
     # that request's computed prompt blocks instead of computing the prompt again.
     share_prompt_with: str | None = None
+    lora_name: str | None = None  # a LoRA adapter loaded in the engine (`Engine.loras`); None: the base model
 
 
 @dataclass(slots=True)
@@ -207,6 +208,7 @@ class ScheduledSeq:
     # (0, the null block, where a block fell out of the window); the live list of the request. Empty: block b of
     # `block_table` is block b + 1 there (callers that free nothing by window: runner-level tests, benchmarks).
     window_block_table: list[int] = field(default_factory=list)
+    lora_slot: int = -1  # the device slot of the sequence's LoRA adapter (-1: the base model)
 
 
 @dataclass(slots=True)
@@ -214,6 +216,8 @@ class ModelInput:
     """Everything the runner needs for one forward pass. Prefill chunks come first, then decodes."""
 
     seqs: list[ScheduledSeq]
+    # LoRA adapters to put into device slots before this step: (slot, adapter name, its folder)
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -284,6 +288,10 @@ class Runner(Protocol):
     def add_grammar(self, request_id: str, grammar: str) -> None:
         """Compile a request's structured-output grammar before it is scheduled (InvalidRequestError if bad)."""
         raise InvalidRequestError("structured output needs the model runner (this runner has no grammars)")
+
+    def read_lora(self, name: str, path: str) -> int:
+        """Read and check a LoRA adapter's folder against the model (ModelLoadError if it does not fit); its rank."""
+        raise ConfigError("LoRA adapters need the model runner (this runner has no model to adapt)")
 
     def forget_request(self, request_id: str) -> None:
         """A finished request's per-request state goes (called once no step in flight holds it)."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from overlap.engine.batching.window_blocks import WindowBlocks
-from overlap.engine.prefix_hash import REMOVED, STORED, BlockKey, KvEventLog, extend_keys
+from overlap.engine.prefix_hash import REMOVED, STORED, BlockKey, KvEventLog, extend_keys, root_hash
 from overlap.engine.requests.request import Request
 
 
@@ -299,7 +299,8 @@ class BlockManager:
     # ---- prefix cache ------------------------------------------------------------------------------------------
     def _keys_for(self, request: Request, num_full_blocks: int) -> list[BlockKey]:
         """Extend the request's hash chain to cover `num_full_blocks` blocks of its tokens."""
-        return extend_keys(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks)
+        return extend_keys(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks,
+                           root_hash(request.lora_name))  # fmt: skip
 
     def register_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks whose K/V is now written (call after the step that computed them); the

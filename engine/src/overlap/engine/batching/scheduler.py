@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from overlap.engine.batching import speculative
 from overlap.engine.batching.block_manager import BlockManager
+from overlap.engine.batching.lora_slots import LoraSlots
 from overlap.engine.batching.policies import make_batching_policy
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.requests.queue import make_request_queue
@@ -104,6 +105,7 @@ class Scheduler:
         self.proposer = proposer
         self.spec_max_rows = (spec and spec.disable_by_batch_size) or spec_max_rows
         self.spec_counters = speculative.SpecDecodeCounters([0] * (spec.num_speculative_tokens if spec else 0))
+        self.lora_slots = LoraSlots(config.max_loras if config.enable_lora else 0)
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         """The live knobs the scheduler reads; called between steps."""
@@ -150,7 +152,8 @@ class Scheduler:
         #    hold its whole prompt (prefix-cache hits reused); those blocks are reserved now. Without chunked
         #    prefill its prompt must fit the remaining budget whole. If only the pool is in the way and running
         #    requests of strictly lower priority hold enough blocks, the lowest-priority, latest of them are
-        #    preempted for it. The first head that cannot start ends admission: nothing jumps the queue.
+        #    preempted for it. A head through a LoRA adapter also needs a device slot for it (the adapter's own, or
+        #    one no running request uses). The first head that cannot start ends admission: nothing jumps the queue.
         # The runner gets prefill chunks first, then decodes.
         bm = self.block_manager
         running = self.running
@@ -225,6 +228,8 @@ class Scheduler:
                     break
                 if not self._prompt_ready(request):
                     break  # its sibling is still computing the shared prompt; nothing jumps the queue
+                if not self.lora_slots.can_acquire(request):
+                    break  # every adapter slot serves running requests
                 num_cached = bm.allocate(request, budget)
                 if num_cached is None:
                     victims = self._victims_for(request)
@@ -248,6 +253,7 @@ class Scheduler:
 
         batch = self._build_batch(scheduled, finished, preempted, proposals)
         batch.scheduled_at = now
+        self.lora_slots.observe(waiting)
         return batch
 
     def _build_batch(
@@ -275,6 +281,7 @@ class Scheduler:
                     num_generated=request.num_output_tokens,
                     prompt_token_ids=request.prompt_token_ids if _needs_prompt(request.sampling) else None,
                     num_draft_tokens=len(drafts),
+                    lora_slot=request.lora_slot,
                 )
                 request.num_computed_tokens = end  # until postprocess rolls it back to the accepted proposals
                 request.spec_in_flight = True
@@ -294,6 +301,7 @@ class Scheduler:
                 sampling=request.sampling,
                 num_generated=request.num_output_tokens + placeholders,
                 prompt_token_ids=request.prompt_token_ids if _needs_prompt(request.sampling) else None,
+                lora_slot=request.lora_slot,
             )
             request.num_computed_tokens = end
             if seq.do_sample:
@@ -302,7 +310,7 @@ class Scheduler:
             (decodes if is_decode else prefills).append((request, seq, end))
         items = prefills + decodes
         return ScheduledBatch(
-            model_input=ModelInput(seqs=[seq for _, seq, _ in items]),
+            model_input=ModelInput(seqs=[seq for _, seq, _ in items], lora_loads=self.lora_slots.take_loads()),
             requests=[request for request, _, _ in items],
             num_computed_after=[end for _, _, end in items],
             finished=finished,
@@ -334,6 +342,7 @@ class Scheduler:
         if request.status is RequestStatus.PREEMPTED:
             self.num_preempted -= 1
         request.status = RequestStatus.RUNNING
+        self.lora_slots.acquire(request)
         bisect.insort(self.running, request, key=self._running_key)
 
     def _victims_for(self, request: Request) -> list[Request]:
@@ -354,6 +363,7 @@ class Scheduler:
         """Recompute-style preemption: free the KV, keep the generated tokens, requeue at the front."""
         self.running.remove(request)
         self.block_manager.free(request)
+        self.lora_slots.release(request)
         request.num_placeholders = 0
         request.spec_in_flight = False
         request.epoch += 1  # tokens of its steps still in flight are dropped
@@ -471,6 +481,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
+        self.lora_slots.release(request)
         request.finish(reason, now, error)
 
     # ---- inspection --------------------------------------------------------------------------------------------

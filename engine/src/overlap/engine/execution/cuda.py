@@ -28,6 +28,7 @@ step N. Per step:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution.base import MAX_BUFFERS, Executor, Step, placeholder_source
 from overlap.engine.execution.busy import BusyTracker, kernel_union_s
-from overlap.engine.types import ModelInput, RunnerOutput, ScheduledSeq
+from overlap.engine.types import ModelInput, RunnerOutput
 
 KERNEL_SAMPLE_EVERY = 1000  # steps between profiled steps
 KERNEL_SAMPLE_FIRST = KERNEL_SAMPLE_EVERY - 1  # the first profiled step: short benchmark runs never pay for one
@@ -124,9 +125,7 @@ class CudaExecutor(Executor):
             if row is not None:
                 gather_pos.append(offset)
                 gather_rows.append(row)
-                seq = ScheduledSeq(
-                    seq.request_id, [0], seq.start_pos, seq.block_table, seq.do_sample, seq.sampling, seq.num_generated
-                )
+                seq = dataclasses.replace(seq, token_ids=[0], prompt_token_ids=None, num_draft_tokens=0)
             if seq.do_sample:
                 sample_rows.append(self._row_for(seq.request_id))
             host_seqs.append(seq)
@@ -137,7 +136,7 @@ class CudaExecutor(Executor):
         work.num_sampled = len(sample_rows)
 
         with torch.cuda.stream(self._h2d):
-            inputs = runner.prepare(ModelInput(host_seqs))
+            inputs = runner.prepare(ModelInput(host_seqs, step.model_input.lora_loads))
             gather_pos_t, gather_rows_t, sample_rows_t = runner.to_device(gather_pos, gather_rows, sample_rows)
             staged = torch.cuda.Event()
             staged.record(self._h2d)

@@ -53,6 +53,7 @@ from overlap.engine.model.layers.linear import LinearBackend, pick_linear_backen
 from overlap.engine.model.layers.rotary import Rotary, partial_rotary_layout
 from overlap.engine.model.loader import ModelWeights, load_weights
 from overlap.engine.model.loader import random_weights as make_random_weights
+from overlap.engine.model.lora import LoraCache, lora_rows
 from overlap.engine.model.model_spec import read_spec, rope_tables
 from overlap.engine.model.models import ModelParts, build_model
 from overlap.engine.model.parallel import Collectives, Ranks, free_address, init_group, plan_shard, shard_spec
@@ -151,6 +152,7 @@ class ModelRunner(Runner):
             # the streaming floor of a decode step (with the K/V), and the multiply-adds per row behind it
             self.weight_bytes, self.weight_params = _weight_bytes(weights)
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
+            partial_rotary = cos.shape[1] != spec.head_dim  # q and k rows reordered below
             weights, cos, sin = partial_rotary_layout(layer_spec, weights, cos, sin)
             rotary = Rotary(cos.to(device, dtype), sin.to(device, dtype), self.ops)
             sliding_rotary = None
@@ -195,6 +197,12 @@ class ModelRunner(Runner):
                                window_pool=self.kv_split is not None)  # fmt: skip
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
+            self.lora: LoraCache | None = None
+            if config.enable_lora:
+                if partial_rotary:
+                    raise ModelLoadError("LoRA adapters on a model with partial rotary are not supported")
+                self.lora = LoraCache(spec, layer_spec, self.shard, config.max_lora_rank, config.max_cpu_loras)
+                self.lora.attach(self.model, config.max_loras, dtype, device)
         halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)
         self.packer = InputPacker(
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_model_len=self.max_model_len,
@@ -208,15 +216,17 @@ class ModelRunner(Runner):
         self.sampling = SamplingState(self.model_dir, spec.vocab_size, frozenset(self.eos_token_ids), device,
                                       config.seed, argmax)  # fmt: skip
         # Not yet under tensor parallelism: a captured graph would hold the collectives of one step.
+        # nor with LoRA: a graph would hold one step's row groups
         if device.type == "cuda" and triton is not None and config.cuda_graphs and self.tp is None and (
-                self.kv_split is None):  # fmt: skip
+                self.kv_split is None) and not config.enable_lora:  # fmt: skip
             self.enable_decode_graphs(graphs.cuda_capture(device))
 
     def _halves_min_tokens(self, plan: str) -> int | None:
         """The fewest tokens a step runs as two halves under `EngineConfig.cpu_step_plan` (None: never). Halves have
         no barrier per op but read every weight twice: auto takes them for small weights, and for large ones only in
         steps with enough arithmetic to hide the second read (prefill); docs/engine.md has the measurements."""
-        if not self.cpu_paths or plan == "whole" or self.tp is not None:  # a rank's forward is one whole batch
+        # a rank's forward is one whole batch; LoRA's row groups are one per step, for one forward
+        if not self.cpu_paths or plan == "whole" or self.tp is not None or self.config.enable_lora:
             return None
         if self.spec.quantization is not None and plan == "auto":
             # quantized kernels run on all threads inside each call and a prefill dequantizes each weight once: two
@@ -304,6 +314,10 @@ class ModelRunner(Runner):
     def prepare(self, batch: ModelInput) -> StepInputs:
         inputs = self.packer.pack(batch)
         inputs.batch = batch
+        if self.lora is not None:
+            for slot, name, path in batch.lora_loads:
+                self.lora.activate(slot, name, path)
+            inputs.lora = lora_rows(batch.seqs, self.device)
         return inputs
 
     def device_step(self, inputs: StepInputs) -> DeviceStep:
@@ -381,6 +395,11 @@ class ModelRunner(Runner):
     # ---- per-request state and lifetime ------------------------------------------------------------------------
     def add_grammar(self, request_id: str, grammar: str) -> None:
         self.sampling.add_grammar(request_id, grammar)
+
+    def read_lora(self, name: str, path: str) -> int:
+        if self.lora is None:
+            raise ConfigError("LoRA adapters need enable_lora (--enable-lora)")
+        return self.lora.read(name, path).rank
 
     def forget_request(self, request_id: str) -> None:
         self.sampling.forget(request_id)

@@ -56,6 +56,7 @@ class StepInputs:
     spec: list[tuple[int, int, list[int]]] = field(default_factory=list)
     seq_rows: list[int] = field(default_factory=list)
     row_drafts: list[list[int]] = field(default_factory=list)
+    lora: object = None  # the rows of each LoRA adapter (model/lora.py LoraRows); None: every row is the base's
 
     def plan_for(self, window: int | None) -> AttentionPlan:
         """The plan of a layer with this sliding window (None: full attention)."""

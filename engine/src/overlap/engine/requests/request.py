@@ -78,6 +78,10 @@ class Request:
     spec_skip: int = 0
     spec_backoff: int = 0
     spec_accepted_avg: float | None = None
+    # LoRA: the adapter's folder (kept with the request: an unloaded adapter's requests still finish), and its device
+    # slot while the request runs (-1: none; batching/lora_slots.py)
+    lora_path: str | None = None
+    lora_slot: int = -1
     finish_reason: FinishReason | None = None
     error: str | None = None
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
@@ -102,6 +106,10 @@ class Request:
     @property
     def priority(self) -> int:
         return self.spec.priority
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.spec.lora_name
 
     # ---- sizes -------------------------------------------------------------------------------------------------
     @property

@@ -189,15 +189,17 @@ def _rows_kernel(onednn: OneDnnBackend, dtype: torch.dtype) -> native.PackedLine
 class Linear:
     """y = x W^T + b through the backend, W packed for it once; decode-sized x through the backend's native rows
     kernel where it has one for this weight. A quantized W runs through the method picked for it on this machine
-    (`quantized_method`), or is dequantized here once where none fits."""
+    (`quantized_method`), or is dequantized here once where none fits. With LoRA (`lora`, model/lora.py) each
+    adapter's delta is added after the base kernel, whatever that kernel is."""
 
-    __slots__ = ("backend", "bias", "dequantized", "quant", "rows", "rows_max", "weight")
+    __slots__ = ("backend", "bias", "dequantized", "lora", "quant", "rows", "rows_max", "weight")
 
     def __init__(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None,
                  backend: LinearBackend) -> None:  # fmt: skip
         self.backend = backend
         self.bias = bias
         self.rows, self.rows_max = None, 0  # (kernel, address, n, k) for x of at most rows_max rows
+        self.lora = None  # a LoraDelta where adapters are enabled
         self.quant: QuantMethod | None = None
         self.dequantized = isinstance(weight, QuantizedWeight)
         if self.dequantized:
@@ -221,6 +223,11 @@ class Linear:
         return f"{self.backend.name} (dequantized at load)" if self.dequantized else self.backend.name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.batch.groups:
+            return self.lora.apply(x, self._base(x))
+        return self._base(x)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant(x)
             return y if self.bias is None else y.add_(self.bias)
@@ -230,8 +237,8 @@ class Linear:
         return self.backend.linear(x, self.weight, self.bias)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        """SiLU(x W^T + b), in one pass where the backend fuses it."""
-        if self.quant is not None:
+        """SiLU(x W^T + b), in one pass where the backend fuses it (not with an adapter's delta to add first)."""
+        if self.quant is not None or (self.lora is not None and self.lora.batch.groups):
             return F.silu(self(x))
         if 0 < x.shape[0] <= self.rows_max and self.rows[0].reads_rows_of(x):
             kernel, address, n, k = self.rows

@@ -98,6 +98,7 @@ class LlamaModel:
                             parts.spec.norm_fp32)  # fmt: skip
         self.head = Linear(w.lm_head, None, parts.linear)
         self.tp = parts.tp
+        self.lora = None  # the LoraBatch its projections' adapters read (model/lora.py); None: no adapters
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's output: the ranks' partial sums added (as it is on one device)."""
@@ -116,6 +117,9 @@ class LlamaModel:
         """Logits [num sampled seqs, vocab] (model dtype); writes the step's K/V into the pool."""
         steps: dict[Rotary, StepRotary] = {rotary: rotary.at(inputs.positions) for rotary in self.rotaries}
         x = self.embed_tokens(inputs.input_ids)
+        lora = inputs.lora if self.lora is not None else None
+        if self.lora is not None:
+            self.lora.groups = [] if lora is None else lora.rows
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             plan = inputs.plan_for(layer.window)
@@ -128,6 +132,8 @@ class LlamaModel:
                 if inputs.sample_rows.numel() == 0:
                     return x.new_empty(0, self.spec.vocab_size)
                 q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
+                if lora is not None:
+                    self.lora.groups = lora.sampled
                 attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window, layer.sinks)
             else:
                 attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window,

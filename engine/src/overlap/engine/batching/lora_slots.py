@@ -1,0 +1,115 @@
+"""LoRA adapters on the engine's side: the registry of names requests may give (`LoraRegistry`), and which adapter
+each of the runner's `max_loras` device slots holds and how many running requests use it (`LoraSlots`).
+
+A request through an adapter takes a slot when it is admitted (`can_acquire` / `acquire`) and gives it back when it
+finishes or is preempted (`release`). An adapter already in a slot is shared; otherwise it goes into the slot idle
+longest (empty first), and the step that first uses it carries the load (`take_loads` -> `ModelInput.lora_loads`,
+which every tensor-parallel rank applies before its forward). A slot in use is never refilled, so a running request
+always computes with the adapter it named, even after that adapter was unloaded from the engine's registry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from overlap.engine.errors import ConfigError, InvalidRequestError
+
+AdapterKey = tuple[str, str]  # (name, folder)
+
+
+class LoraRegistry:
+    """Adapter name -> PEFT folder, for every thread: `add` checks the folder first (`check`, the runner's
+    `read_lora`, raises with the reason), `remove` stops new requests (accepted ones keep their folder and finish)."""
+
+    def __init__(self, enabled: bool, check: Callable[[str, str], object]) -> None:
+        self.enabled = enabled
+        self._check = check
+        self._paths: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, path: str) -> None:
+        if not self.enabled:
+            raise ConfigError("LoRA adapters need enable_lora (--enable-lora)")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ConfigError(f"a LoRA adapter needs a name and a path, got {name!r}, {path!r}")
+        with self._lock:
+            if name in self._paths:
+                raise ConfigError(f"LoRA adapter {name!r} is already loaded")
+        self._check(name, path)
+        with self._lock:
+            self._paths[name] = path
+
+    def remove(self, name: str) -> bool:
+        """False if no adapter has that name."""
+        with self._lock:
+            return self._paths.pop(name, None) is not None
+
+    def path_of(self, name: str) -> str:
+        with self._lock:
+            path = self._paths.get(name)
+        if path is None:
+            raise InvalidRequestError(f"no LoRA adapter {name!r} is loaded")
+        return path
+
+    def snapshot(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._paths)
+
+
+class LoraSlots:
+    """`max_loras` 0: LoRA is off (every request is the base model's)."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.holds: list[AdapterKey | None] = [None] * max_loras
+        self.users = [0] * max_loras
+        self._slot_of: dict[AdapterKey, int] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict((slot, None) for slot in range(max_loras))  # oldest first
+        self._loads: list[tuple[int, str, str]] = []
+        self.info: tuple[list[str], list[str]] = ([], [])  # adapters of running and of waiting requests
+
+    def can_acquire(self, request) -> bool:
+        """Whether the request may start now: no adapter, or its adapter in a slot or a slot free for it."""
+        return request.lora_name is None or (request.lora_name, request.lora_path) in self._slot_of or bool(self._idle)
+
+    def acquire(self, request) -> None:
+        """Give the request (through an adapter) its adapter's slot, filled now if needed; after can_acquire."""
+        if request.lora_name is None:
+            return
+        key = (request.lora_name, request.lora_path)
+        slot = self._slot_of.get(key)
+        if slot is None:
+            assert self._idle, "acquire without a free slot"
+            slot = next(iter(self._idle))
+            old = self.holds[slot]
+            if old is not None:
+                del self._slot_of[old]
+            self.holds[slot], self._slot_of[key] = key, slot
+            self._loads.append((slot, *key))
+        self._idle.pop(slot, None)
+        self.users[slot] += 1
+        request.lora_slot = slot
+
+    def release(self, request) -> None:
+        """The request (finished or preempted) no longer uses its slot."""
+        slot, request.lora_slot = request.lora_slot, -1
+        if slot < 0:
+            return
+        assert self.users[slot] > 0, f"slot {slot} released more often than acquired"
+        self.users[slot] -= 1
+        if self.users[slot] == 0:
+            self._idle[slot] = None  # the most recently used of the idle ones: evicted last
+
+    def take_loads(self) -> list[tuple[int, str, str]]:
+        """The (slot, name, folder) fills since the last call, for the next step."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def observe(self, waiting) -> None:
+        """Note the adapters of running and of `waiting` requests (`vllm:lora_requests_info`), replaced whole: other
+        threads read `info`."""
+        if self.max_loras:
+            running = [key[0] for key, users in zip(self.holds, self.users, strict=True) if key is not None and users]
+            self.info = (running, sorted({request.lora_name for request in waiting} - {None}))

@@ -1,0 +1,306 @@
+"""LoRA adapters in PEFT's format, applied beside the base linear layers (vLLM's `lora/` in miniature).
+
+An adapter is a folder of `adapter_config.json` and `adapter_model.safetensors`, as PEFT's `save_pretrained` writes
+it. Each adapted module of layer i holds lora_A [r, in] and lora_B [out, r]; the module's output gains
+scaling * B (A x), scaling = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)). `read_adapter` maps PEFT's module
+names onto the engine's fused projections (q|k|v, gate|up) and refuses what cannot apply to this base: an unknown
+target module, a rank above `max_lora_rank`, a shape of another base model, PEFT options this engine does not run.
+
+On the device every adapted projection holds `max_loras` slots (`LoraDelta`): A stacked over the projection's
+segments ([slots, segments * max_rank, in]) and B block-diagonal ([slots, out, segments * max_rank]), zero where an
+adapter has a smaller rank or no such module, scaling folded into B. A step's rows are grouped by slot
+(`LoraRows`); each group is gathered, shrunk by A and expanded by B in two matmuls and added to the base output in
+the model's dtype. The base kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
+
+Under tensor parallelism each rank keeps its share: a column-parallel projection (q|k|v, gate|up) its rows of B, a
+row-parallel one (o, down) its columns of A (its partial sum is all-reduced with the base's).
+
+`LoraCache` is the host side of one runner: adapters read from disk, least recently used first out past
+`max_cpu_loras`; a slot is (re)filled from it when the scheduler assigns an adapter to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from overlap.engine.errors import ModelLoadError
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# PEFT module name -> (the engine's projection, its segment there): q|k|v and gate|up are one matmul each here.
+# Phi-3's checkpoints fuse them already (qkv_proj, gate_up_proj): one segment over the whole output.
+MODULES = {
+    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "qkv_proj": ("qkv", 0), "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "gate_up_proj": ("gate_up", 0), "down_proj": ("down", 0),
+}  # fmt: skip
+SEGMENTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# PEFT options that change what the delta is; refused by name rather than computed wrongly
+_REFUSED = {
+    "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas", "modules_to_save": "modules_to_save (fully trained modules)",
+}  # fmt: skip
+
+
+class LoraError(ModelLoadError):
+    """An adapter that cannot be served on this base model (the message says why)."""
+
+
+@dataclass(slots=True)
+class LoraAdapter:
+    """An adapter on the host: per (layer, PEFT module), A [r, in] and scaling * B [out, r] in fp32."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _geometry(spec) -> dict[str, tuple[int, int, int]]:
+    """PEFT module -> (first output row in its projection, outputs, inputs) on the whole (unsharded) model."""
+    q, kv, hidden, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, 0
+    geometry = {"q_proj": (0, q, hidden), "k_proj": (q, kv, hidden), "v_proj": (q + kv, kv, hidden),
+                "qkv_proj": (0, q + 2 * kv, hidden), "o_proj": (0, hidden, q)}  # fmt: skip
+    if spec.moe is None:  # a mixture of experts' MLP is not a plain linear layer: adapters on it are refused
+        inter = spec.intermediate_size
+        geometry |= {"gate_proj": (0, inter, hidden), "up_proj": (inter, inter, hidden),
+                     "gate_up_proj": (0, 2 * inter, hidden), "down_proj": (0, hidden, inter)}  # fmt: skip
+    return geometry
+
+
+def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapter:
+    """The adapter in PEFT folder `path`, checked against the base model's `spec`; LoraError says what is wrong."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except OSError as exc:
+        raise LoraError(f"adapter {name!r}: no {CONFIG_FILE} in {str(folder)!r} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise LoraError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
+    for key, what in _REFUSED.items():
+        if config.get(key):
+            raise LoraError(f"adapter {name!r}: {what} ({key}) is not supported")
+    if config.get("bias", "none") != "none":
+        raise LoraError(f"adapter {name!r}: trained biases (bias={config['bias']!r}) are not supported")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if type(rank) is not int or rank < 1 or not isinstance(alpha, int | float):
+        raise LoraError(f"adapter {name!r}: r must be an integer >= 1 and lora_alpha a number, got {rank!r}, {alpha!r}")
+    if rank > max_rank:
+        raise LoraError(f"adapter {name!r} has rank {rank}, above max_lora_rank {max_rank}")
+    geometry = _geometry(spec)
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in geometry]
+    if unknown:
+        raise LoraError(f"adapter {name!r}: unknown target modules {', '.join(sorted(unknown))} for "
+                        f"{spec.architecture} (known: {', '.join(geometry)})")  # fmt: skip
+    try:
+        tensors = load_file(folder / WEIGHTS_FILE)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise LoraError(f"adapter {name!r}: cannot read {WEIGHTS_FILE} in {str(folder)!r}: {exc}") from None
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match[2] not in geometry:
+            raise LoraError(f"adapter {name!r}: tensor {key!r} is not a LoRA weight of a known module "
+                            f"({', '.join(geometry)})")  # fmt: skip
+        layer = int(match[1])
+        if layer >= spec.num_layers:
+            raise LoraError(f"adapter {name!r} adapts layer {layer}; this base model has {spec.num_layers} layers "
+                            "(an adapter for another base model)")  # fmt: skip
+        halves.setdefault((layer, match[2]), {})[match[3]] = tensor.float()
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    modules = {}
+    for (layer, module), pair in sorted(halves.items()):
+        _, outputs, inputs = geometry[module]
+        a, b = pair.get("A"), pair.get("B")
+        where = f"layers.{layer}.{module}"
+        if a is None or b is None:
+            raise LoraError(f"adapter {name!r}: {where} has lora_{'B' if b is None else 'A'} without its pair")
+        if a.shape != (rank, inputs) or b.shape != (outputs, rank):
+            raise LoraError(f"adapter {name!r} was made for another base model: {where} has lora_A "
+                            f"{list(a.shape)} and lora_B {list(b.shape)}, this model needs [{rank}, {inputs}] and "
+                            f"[{outputs}, {rank}]")  # fmt: skip
+        modules[layer, module] = (a, b * scaling)
+    return LoraAdapter(name, str(folder), rank, scaling, modules)
+
+
+class LoraRows:
+    """A step's rows grouped by adapter slot: (slot, row indices on the device, or None for every row), base rows
+    left out; `sampled` the same for the sampled rows, which alone go through the last layer past its K/V."""
+
+    __slots__ = ("rows", "sampled")
+
+    def __init__(self, row_slots: list[int], sampled_slots: list[int], device: torch.device) -> None:
+        self.rows, self.sampled = _groups(row_slots, device), _groups(sampled_slots, device)
+
+
+class LoraBatch:
+    """The row groups the model's projections serve now, shared by all its `LoraDelta`s: the forward sets `groups`
+    from the step's `LoraRows` ([]: every row is the base model's)."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+
+
+def lora_rows(seqs, device: torch.device) -> LoraRows | None:
+    """The step's rows by adapter slot (ScheduledSeq.lora_slot), in the packer's order: each sequence's tokens, and
+    each sampled one's last token (and its proposals' rows); None when every sequence is the base model's."""
+    if all(seq.lora_slot < 0 for seq in seqs):
+        return None
+    rows = [seq.lora_slot for seq in seqs for _ in seq.token_ids]
+    sampled = [seq.lora_slot for seq in seqs if seq.do_sample for _ in range(1 + seq.num_draft_tokens)]
+    return LoraRows(rows, sampled, device)
+
+
+def _groups(slots: list[int], device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
+    groups: dict[int, list[int]] = {}
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            groups.setdefault(slot, []).append(row)
+    return [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
+            for slot, rows in groups.items()]  # fmt: skip
+
+
+class LoraDelta:
+    """One projection's slots: out += B[slot] (A[slot] x) for each row group of the step (`LoraRows`)."""
+
+    __slots__ = ("a", "b", "batch", "out_rows", "segment_rows")
+
+    def __init__(self, batch: LoraBatch, slots: int, max_rank: int, segments: int, inputs: int,
+                 out_rows: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        self.batch = batch
+        outputs = out_rows[1] - out_rows[0]
+        self.a = torch.zeros(slots, segments * max_rank, inputs, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, outputs, segments * max_rank, dtype=dtype, device=device)
+        self.out_rows = out_rows  # [first, last) of the projection's output rows this linear computes
+        self.segment_rows = max_rank
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base output of x) plus each row group's delta, in place."""
+        for slot, rows in self.batch.groups:
+            xs = x if rows is None else x.index_select(0, rows)
+            delta = torch.matmul(torch.matmul(xs, self.a[slot].t()), self.b[slot].t())
+            if rows is None:
+                y.add_(delta)
+            else:
+                y.index_add_(0, rows, delta)
+        return y
+
+    def fill(self, slot: int, segment: int, a: torch.Tensor | None, b: torch.Tensor | None, first: int) -> None:
+        """Write one module's A [r, in] and B [out, r] (its outputs from row `first` of the projection) into `slot`'s
+        segment; None clears it. The rows of B outside this linear's `out_rows` are not its."""
+        cols = slice(segment * self.segment_rows, (segment + 1) * self.segment_rows)
+        self.a[slot, cols].zero_()
+        self.b[slot, :, cols].zero_()
+        if a is None:
+            return
+        lo, hi = max(first, self.out_rows[0]), min(first + b.shape[0], self.out_rows[1])
+        if lo >= hi:
+            return
+        rank = a.shape[0]
+        self.a[slot, cols.start : cols.start + rank] = a.to(self.a.dtype)
+        self.b[slot, lo - self.out_rows[0] : hi - self.out_rows[0], cols.start : cols.start + rank] = b[
+            lo - first : hi - first
+        ].to(self.b.dtype)
+
+
+def _shard_module(module: str, a: torch.Tensor, b: torch.Tensor, spec, shard) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's share of a module's A and B: rows of B for column-parallel projections, columns of A for
+    row-parallel ones (parallel.py's layout)."""
+    d = spec.head_dim
+    q_rows, kv_rows, inter = (shard.q_heads[0] * d, shard.q_heads[1] * d), \
+        (shard.kv_heads[0] * d, shard.kv_heads[1] * d), shard.inter  # fmt: skip
+    rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "gate_proj": inter, "up_proj": inter}
+    cols = {"o_proj": q_rows, "down_proj": inter}
+    if module in rows:
+        return a, b[rows[module][0] : rows[module][1]]
+    if module in cols:
+        return a[:, cols[module][0] : cols[module][1]], b
+    raise LoraError(f"{module} (a fused checkpoint module) is not supported under tensor parallelism")
+
+
+class LoraCache:
+    """One runner's adapters: read on first use and kept in host memory (least recently used first out past
+    `max_cpu_loras`), and its model's `LoraDelta`s filled slot by slot."""
+
+    def __init__(self, spec, layer_spec, shard, max_rank: int, max_cpu_loras: int) -> None:
+        self.spec, self.layer_spec, self.shard = spec, layer_spec, shard
+        self.max_rank, self.max_cpu_loras = max_rank, max_cpu_loras
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self._lock = threading.Lock()  # `read` runs on callers' threads too (checking an adapter as it is added)
+        self.deltas: list[dict[str, list[LoraDelta]]] = []  # per layer: projection -> its linears' deltas
+
+    def read(self, name: str, path: str) -> LoraAdapter:
+        """The adapter, from host memory or (then kept) from its folder."""
+        with self._lock:
+            adapter = self.host.get(name)
+        if adapter is None or adapter.path != str(path):
+            adapter = read_adapter(name, path, self.spec, self.max_rank)
+        with self._lock:
+            self.host[name] = adapter
+            self.host.move_to_end(name)
+            while len(self.host) > self.max_cpu_loras:
+                self.host.popitem(last=False)
+        return adapter
+
+    def attach(self, model, max_loras: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Give every layer's projections their (empty) slots, and the model the `LoraBatch` its forward sets."""
+        s, d = self.layer_spec, self.layer_spec.head_dim
+        qkv_out, hidden = (s.num_heads + 2 * s.num_kv_heads) * d, s.hidden_size
+        model.lora = batch = LoraBatch()
+        for layer in model.layers:
+            projections = {"qkv": [(layer.qkv, (0, qkv_out), hidden)], "o": [(layer.o, (0, hidden), s.num_heads * d)]}
+            mlp = layer.mlp
+            if hasattr(mlp, "inter"):  # a dense GatedMLP (a sparse block takes no adapters)
+                inter = mlp.inter
+                ups = [(mlp.gate_up, (0, 2 * inter), hidden)] if mlp.gate_up is not None else \
+                    [(mlp.gate, (0, inter), hidden), (mlp.up, (inter, 2 * inter), hidden)]  # fmt: skip
+                projections |= {"gate_up": ups, "down": [(mlp.down, (0, hidden), inter)]}
+            deltas = {}
+            for proj, linears in projections.items():
+                deltas[proj] = []
+                for linear, out_rows, inputs in linears:
+                    linear.lora = LoraDelta(batch, max_loras, self.max_rank, SEGMENTS[proj], inputs, out_rows, dtype,
+                                            device)  # fmt: skip
+                    deltas[proj].append(linear.lora)
+            self.deltas.append(deltas)
+        return None
+
+    def activate(self, slot: int, name: str, path: str) -> None:
+        """Fill `slot` with the adapter (every module it lacks cleared)."""
+        adapter = self.read(name, path)
+        with torch.inference_mode():  # the slots were made in inference mode
+            self._fill(slot, adapter)
+
+    def _fill(self, slot: int, adapter: LoraAdapter) -> None:
+        geometry = _geometry(self.layer_spec)
+        for index, deltas in enumerate(self.deltas):
+            filled: set[tuple[str, int]] = set()
+            for module, (proj, segment) in MODULES.items():
+                pair = adapter.modules.get((index, module))
+                if pair is None or proj not in deltas:
+                    continue
+                a, b = pair if self.shard is None else _shard_module(module, *pair, self.spec, self.shard)
+                for delta in deltas[proj]:
+                    delta.fill(slot, segment, a, b, geometry[module][0])
+                filled.add((proj, segment))
+            for proj, proj_deltas in deltas.items():
+                for segment in range(SEGMENTS[proj]):
+                    if (proj, segment) not in filled:
+                        for delta in proj_deltas:
+                            delta.fill(slot, segment, None, None, 0)

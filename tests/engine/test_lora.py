@@ -1,0 +1,177 @@
+"""LoRA adapters made by PEFT on the tiny model: the base and four adapters mixed in one batch, each row's greedy
+tokens equal to transformers + PEFT with that row's adapter; slots and host copies recycled; the prefix cache kept
+apart per adapter; adapters that cannot apply refused with their reason."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.engine import Engine, EngineConfig, SamplingParams
+from overlap.engine.errors import ConfigError, InvalidRequestError
+from overlap.engine.model.loader import read_spec
+from overlap.engine.model.lora import LoraError, read_adapter
+from overlap.engine.prefix_hash import block_hashes
+from overlap.engine.types import RequestSpec
+from tests.support.engine import run_to_completion, tokens_of
+
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, rsLoRA, target modules): every module, some of them, ranks 2..16
+ADAPTERS = {
+    "all-r8": (8, 16, False, ALL),
+    "qv-rs4": (4, 8, True, ["q_proj", "v_proj"]),
+    "mlp-r16": (16, 8, False, ["o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "ku-r2": (2, 4, False, ["k_proj", "up_proj"]),
+}
+NEW_TOKENS = 12
+
+
+def make_adapter(base: Path, folder: Path, rank: int, alpha: float, rslora: bool, targets: list[str],
+                 seed: int) -> Path:  # fmt: skip
+    """PEFT's adapter on `base` with random A and B (B non-zero: PEFT's own init would leave it 0), saved by PEFT."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers (+ PEFT with `adapter`) greedy continuations."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
+            outs.append(out[0, len(prompt) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(tiny_model_dir, root / name, *params, seed=i)
+            for i, (name, params) in enumerate(ADAPTERS.items())}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 8192) for _ in range(rng.randint(5, 40))] for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: Path, adapters, prompts) -> dict[str | None, list[list[int]]]:
+    """Each adapter's (None: the base's) greedy tokens per prompt, by transformers + PEFT."""
+    runs = {None: peft_greedy(tiny_model_dir, None, prompts, NEW_TOKENS)}
+    for name, folder in adapters.items():
+        runs[name] = peft_greedy(tiny_model_dir, folder, prompts, NEW_TOKENS)
+    return runs
+
+
+def _engine(model_dir: Path, adapters: dict[str, Path], **config) -> Engine:
+    config = {"max_seq_len": 128, "num_kv_blocks": 128, "enable_lora": True, "max_lora_rank": 16, **config}
+    return Engine(EngineConfig(model=str(model_dir), lora_modules={k: str(v) for k, v in adapters.items()}, **config))
+
+
+def _run_mixed(engine: Engine, prompts: list[list[int]], names: list[str | None]) -> dict[tuple, list[int]]:
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for name in names:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(RequestSpec(f"{name}/{i}", prompt, greedy, lora_name=name))
+    outputs = run_to_completion(engine)
+    return {(name, i): tokens_of(outputs[f"{name}/{i}"]) for name in names for i in range(len(prompts))}
+
+
+def test_mixed_batch_matches_peft(tiny_model_dir: Path, adapters, prompts, expected) -> None:
+    """The base and four adapters in the same steps (a slot each): every row computed with its own adapter."""
+    names = [None, *adapters]
+    for name in adapters:  # the adapters change the tokens, so a row served by the wrong one would show
+        assert expected[name] != expected[None], name
+    engine = _engine(tiny_model_dir, adapters, max_loras=4)
+    got = _run_mixed(engine, prompts, names)
+    assert engine.stats()["last_batch_size"] == len(names) * len(prompts)  # one batch held them all
+    for name in names:
+        for i in range(len(prompts)):
+            assert got[name, i] == expected[name][i][:NEW_TOKENS], (name, i)
+
+
+def test_slots_and_host_copies_recycled(tiny_model_dir: Path, adapters, prompts, expected) -> None:
+    """Two device slots and two host copies for four adapters: requests wait for a slot, adapters are read again
+    from their folders, and every request still gets its own adapter's tokens."""
+    engine = _engine(tiny_model_dir, adapters, max_loras=2, max_cpu_loras=2)
+    names = [*adapters, None, *reversed(adapters)]
+    got = _run_mixed(engine, prompts[:1], list(dict.fromkeys(names)))
+    for (name, i), tokens in got.items():
+        assert tokens == expected[name][i][:NEW_TOKENS], name
+    # unloaded: new requests are refused, the base still serves
+    assert engine.loras.remove("all-r8")
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter 'all-r8'"):
+        engine.add_request(RequestSpec("late", prompts[0], SamplingParams(max_tokens=2), lora_name="all-r8"))
+
+
+def test_unload_lets_running_requests_finish(tiny_model_dir: Path, adapters, prompts, expected) -> None:
+    engine = _engine(tiny_model_dir, {"qv-rs4": adapters["qv-rs4"]})
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    engine.add_request(RequestSpec("r", prompts[0], greedy, lora_name="qv-rs4"))
+    first = engine.step()
+    assert engine.loras.remove("qv-rs4") and engine.loras.snapshot() == {}
+    outputs = first + [out for outs in run_to_completion(engine).values() for out in outs]
+    assert tokens_of(outputs) == expected["qv-rs4"][0][:NEW_TOKENS]
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(tiny_model_dir: Path, adapters, expected) -> None:
+    """The same prompt through the base, then an adapter, then the adapter again: only the second adapter request
+    reuses KV (the adapter's own), and its tokens stay PEFT's."""
+    prompt = [5 + i for i in range(40)]
+    engine = _engine(tiny_model_dir, {"all-r8": adapters["all-r8"]})
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    cached = {}
+    for rid, name in (("base", None), ("lora", "all-r8"), ("again", "all-r8")):
+        engine.add_request(RequestSpec(rid, prompt, greedy, lora_name=name))
+        outputs = run_to_completion(engine)[rid]
+        cached[rid] = outputs[-1].num_cached_tokens
+        if name is not None:
+            assert tokens_of(outputs) == peft_greedy(tiny_model_dir, adapters[name], [prompt], 4)[0]
+    assert cached == {"base": 0, "lora": 0, "again": 32}
+    assert block_hashes(prompt, 16) != block_hashes(prompt, 16, "all-r8") != block_hashes(prompt, 16, "other")
+
+
+def test_bad_adapters_are_refused(tiny_model_dir: Path, adapters, built, tmp_path: Path) -> None:
+    spec = read_spec(tiny_model_dir)
+    with pytest.raises(LoraError, match="rank 16, above max_lora_rank 8"):
+        read_adapter("big", adapters["mlp-r16"], spec, max_rank=8)
+    other = make_adapter(built("qwen2")[0], tmp_path / "other", 4, 8, False, ["q_proj"], seed=9)
+    with pytest.raises(LoraError, match=r"made for another base model: layers\.0\.q_proj"):
+        read_adapter("other", other, spec, max_rank=16)
+    head = make_adapter(tiny_model_dir, tmp_path / "head", 4, 8, False, ["q_proj", "lm_head"], seed=9)
+    with pytest.raises(LoraError, match="unknown target modules lm_head"):
+        read_adapter("head", head, spec, max_rank=16)
+    with pytest.raises(LoraError, match=r"no adapter_config\.json"):
+        read_adapter("none", tmp_path, spec, max_rank=16)
+    engine = _engine(tiny_model_dir, {}, max_lora_rank=8)
+    with pytest.raises(LoraError, match="above max_lora_rank"):
+        engine.loras.add("big", str(adapters["mlp-r16"]))
+    assert engine.loras.snapshot() == {}
+    with pytest.raises(ConfigError, match="need enable_lora"):
+        Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=64, num_kv_blocks=16)).loras.add("a", "b")
