@@ -8,9 +8,10 @@ target module, a rank above `max_lora_rank`, a shape of another base model, PEFT
 
 On the device every adapted projection holds `max_loras` slots (`LoraDelta`): A stacked over the projection's
 segments ([slots, segments * max_rank, in]) and B block-diagonal ([slots, out, segments * max_rank]), zero where an
-adapter has a smaller rank or no such module, scaling folded into B. A step's rows are grouped by slot
-(`LoraRows`); each group is gathered, shrunk by A and expanded by B in two matmuls and added to the base output in
-the model's dtype. The base kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
+adapter has a smaller rank or no such module, scaling folded into B. On CPU a step's rows are grouped by slot
+(`RowSlots`); each group is gathered, shrunk by A and expanded by B in two matmuls and added to the base output in
+the model's dtype. On CUDA two Triton launches per projection take a slot per row (`triton_lora.py`, BGMV). The base
+kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
 
 Under tensor parallelism each rank keeps its share: a column-parallel projection (q|k|v, gate|up) its rows of B, a
 row-parallel one (o, down) its columns of A (its partial sum is all-reduced with the base's).
@@ -137,26 +138,6 @@ def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapte
     return LoraAdapter(name, str(folder), rank, scaling, modules)
 
 
-class LoraRows:
-    """A step's rows grouped by adapter slot: (slot, row indices on the device, or None for every row), base rows
-    left out; `sampled` the same for the sampled rows, which alone go through the last layer past its K/V."""
-
-    __slots__ = ("rows", "sampled")
-
-    def __init__(self, row_slots: list[int], sampled_slots: list[int], device: torch.device) -> None:
-        self.rows, self.sampled = _groups(row_slots, device), _groups(sampled_slots, device)
-
-
-class LoraBatch:
-    """The row groups the model's projections serve now, shared by all its `LoraDelta`s: the forward sets `groups`
-    from the step's `LoraRows` ([]: every row is the base model's)."""
-
-    __slots__ = ("groups",)
-
-    def __init__(self) -> None:
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
-
-
 def lora_rows(seqs, device: torch.device) -> LoraRows | None:
     """The step's rows by adapter slot (ScheduledSeq.lora_slot), in the packer's order: each sequence's tokens, and
     each sampled one's last token (and its proposals' rows); None when every sequence is the base model's."""
@@ -164,16 +145,42 @@ def lora_rows(seqs, device: torch.device) -> LoraRows | None:
         return None
     rows = [seq.lora_slot for seq in seqs for _ in seq.token_ids]
     sampled = [seq.lora_slot for seq in seqs if seq.do_sample for _ in range(1 + seq.num_draft_tokens)]
-    return LoraRows(rows, sampled, device)
+    return LoraRows(RowSlots(rows, device), RowSlots(sampled, device))
 
 
-def _groups(slots: list[int], device: torch.device) -> list[tuple[int, torch.Tensor | None]]:
-    groups: dict[int, list[int]] = {}
-    for row, slot in enumerate(slots):
-        if slot >= 0:
-            groups.setdefault(slot, []).append(row)
-    return [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
-            for slot, rows in groups.items()]  # fmt: skip
+class RowSlots:
+    """Rows' adapter slots two ways: `groups`, (slot, row indices on the device, or None for every row) per adapter,
+    base rows left out, for the gathered matmuls; `slots`, a slot per row on the device (-1: base), for the kernel."""
+
+    __slots__ = ("groups", "slots")
+
+    def __init__(self, slots: list[int], device: torch.device) -> None:
+        groups: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(row)
+        self.groups = [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
+                       for slot, rows in groups.items()]  # fmt: skip
+        self.slots = torch.tensor(slots, dtype=torch.int32, device=device) if device.type == "cuda" else None
+
+
+@dataclass(slots=True)
+class LoraRows:
+    """A step's rows, and its sampled rows, which alone go through the last layer past its K/V."""
+
+    rows: RowSlots
+    sampled: RowSlots
+
+
+class LoraBatch:
+    """The rows the model's projections serve now, shared by all its `LoraDelta`s: the forward sets `current` from
+    the step's `LoraRows` (None: every row is the base model's)."""
+
+    __slots__ = ("current", "triton")
+
+    def __init__(self, triton) -> None:
+        self.current: RowSlots | None = None
+        self.triton = triton  # the triton_lora module on the GPU path, else None: gathered torch matmuls
 
 
 class LoraDelta:
@@ -191,8 +198,11 @@ class LoraDelta:
         self.segment_rows = max_rank
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base output of x) plus each row group's delta, in place."""
-        for slot, rows in self.batch.groups:
+        """y (the base output of x) plus each row's adapter delta, in place."""
+        current, triton = self.batch.current, self.batch.triton
+        if triton is not None:
+            return triton.lora_bgmv(x, y, self.a, self.b, current.slots)
+        for slot, rows in current.groups:
             xs = x if rows is None else x.index_select(0, rows)
             delta = torch.matmul(torch.matmul(xs, self.a[slot].t()), self.b[slot].t())
             if rows is None:
@@ -262,7 +272,10 @@ class LoraCache:
         """Give every layer's projections their (empty) slots, and the model the `LoraBatch` its forward sets."""
         s, d = self.layer_spec, self.layer_spec.head_dim
         qkv_out, hidden = (s.num_heads + 2 * s.num_kv_heads) * d, s.hidden_size
-        model.lora = batch = LoraBatch()
+        triton = None
+        if device.type == "cuda":
+            from overlap.engine.model import triton_lora as triton
+        model.lora = batch = LoraBatch(triton)
         for layer in model.layers:
             projections = {"qkv": [(layer.qkv, (0, qkv_out), hidden)], "o": [(layer.o, (0, hidden), s.num_heads * d)]}
             mlp = layer.mlp

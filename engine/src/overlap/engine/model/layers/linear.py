@@ -223,7 +223,7 @@ class Linear:
         return f"{self.backend.name} (dequantized at load)" if self.dequantized else self.backend.name
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is not None and self.lora.batch.groups:
+        if self.lora is not None and self.lora.batch.current is not None:
             return self.lora.apply(x, self._base(x))
         return self._base(x)
 
@@ -238,7 +238,7 @@ class Linear:
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU(x W^T + b), in one pass where the backend fuses it (not with an adapter's delta to add first)."""
-        if self.quant is not None or (self.lora is not None and self.lora.batch.groups):
+        if self.quant is not None or (self.lora is not None and self.lora.batch.current is not None):
             return F.silu(self(x))
         if 0 < x.shape[0] <= self.rows_max and self.rows[0].reads_rows_of(x):
             kernel, address, n, k = self.rows

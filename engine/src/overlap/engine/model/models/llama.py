@@ -119,7 +119,7 @@ class LlamaModel:
         x = self.embed_tokens(inputs.input_ids)
         lora = inputs.lora if self.lora is not None else None
         if self.lora is not None:
-            self.lora.groups = [] if lora is None else lora.rows
+            self.lora.current = None if lora is None else lora.rows
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             plan = inputs.plan_for(layer.window)
@@ -133,7 +133,7 @@ class LlamaModel:
                     return x.new_empty(0, self.spec.vocab_size)
                 q, x = q.index_select(0, inputs.sample_rows), x.index_select(0, inputs.sample_rows)
                 if lora is not None:
-                    self.lora.groups = lora.sampled
+                    self.lora.current = lora.sampled
                 attn = self.attention(q, layer.k_pool, layer.v_pool, *plan.last_layer, layer.window, layer.sinks)
             else:
                 attn = self.attention(q, layer.k_pool, layer.v_pool, plan.kernel_plan, plan.seqs, layer.window,
