@@ -32,7 +32,7 @@ NEW_TOKENS = 12
 
 
 def make_adapter(base: Path, folder: Path, rank: int, alpha: float, rslora: bool, targets: list[str],
-                 seed: int) -> Path:  # fmt: skip
+                 seed: int, spread: float = 0.05) -> Path:  # fmt: skip
     """PEFT's adapter on `base` with random A and B (B non-zero: PEFT's own init would leave it 0), saved by PEFT."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -44,7 +44,7 @@ def make_adapter(base: Path, folder: Path, rank: int, alpha: float, rslora: bool
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+                param.copy_(torch.randn(param.shape, generator=gen) * spread)
     peft_model.save_pretrained(folder)
     return folder
 
@@ -95,6 +95,7 @@ def _engine(model_dir: Path, adapters: dict[str, Path], **config) -> Engine:
 
 
 def _run_mixed(engine: Engine, prompts: list[list[int]], names: list[str | None]) -> dict[tuple, list[int]]:
+    """Every prompt through every adapter (None: the base), all added before the first step."""
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     for name in names:
         for i, prompt in enumerate(prompts):
@@ -114,6 +115,29 @@ def test_mixed_batch_matches_peft(tiny_model_dir: Path, adapters, prompts, expec
     for name in names:
         for i in range(len(prompts)):
             assert got[name, i] == expected[name][i][:NEW_TOKENS], (name, i)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_qwen2_shape_mixed_on_one_and_two_ranks(built, tmp_path_factory, size: int) -> None:
+    """A Qwen2 shape (GQA, q/k/v biases, tied embeddings) with two adapters and the base in one batch, on one rank
+    and split across two (each rank holds B's rows of q|k|v and gate|up, A's columns of o and down): PEFT's tokens."""
+    folder = built("qwen2")[0]
+    root = tmp_path_factory.mktemp("qwen2-adapters")
+    adapters = {
+        "all": make_adapter(folder, root / "all", 8, 16, False, ALL, seed=11, spread=0.3),
+        "qv-rs": make_adapter(folder, root / "qv", 4, 8, True, ["q_proj", "v_proj"], seed=12, spread=0.3),
+    }
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 30)]
+    expected = {name: peft_greedy(folder, adapters.get(name), prompts, NEW_TOKENS) for name in (None, *adapters)}
+    assert expected["all"] != expected[None] and expected["qv-rs"] != expected[None]
+    engine = _engine(folder, adapters, max_loras=2, tensor_parallel_size=size, num_threads=1)
+    try:
+        got = _run_mixed(engine, prompts, [None, *adapters])
+    finally:
+        engine.close()
+    for (name, i), tokens in got.items():
+        assert tokens == expected[name][i][:NEW_TOKENS], (name, i)
 
 
 def test_slots_and_host_copies_recycled(tiny_model_dir: Path, adapters, prompts, expected) -> None:
