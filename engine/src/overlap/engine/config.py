@@ -300,9 +300,7 @@ class EngineConfig:
         check(type(self.max_loras) is int and self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras!r}")
         check(type(self.max_lora_rank) is int and self.max_lora_rank >= 1,
               f"max_lora_rank must be >= 1, got {self.max_lora_rank!r}")  # fmt: skip
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras
-        check(type(self.max_cpu_loras) is int and self.max_cpu_loras >= self.max_loras,
+        check(self.max_cpu_loras is None or (type(self.max_cpu_loras) is int and self.max_cpu_loras >= self.max_loras),
               f"max_cpu_loras must be >= max_loras ({self.max_loras}), got {self.max_cpu_loras!r}")  # fmt: skip
         check(not self.lora_modules or self.enable_lora, "lora_modules needs enable_lora")
         spec = parse_speculative_config(self.speculative_config)
@@ -315,6 +313,11 @@ class EngineConfig:
                 and all(isinstance(v, int | float) and math.isfinite(v) and v >= 0 for v in sim.values()),
                 f"simulated_device must be {{fixed_s: seconds >= 0, per_token_s: seconds >= 0}}, got {sim!r}",
             )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """LoRA adapters kept read in host memory: max_cpu_loras, by default max_loras."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

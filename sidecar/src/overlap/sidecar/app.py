@@ -104,6 +104,7 @@ async def _on_engine_hello(state: ServerState, hello: p.Hello) -> None:
     state.model_name = state.config.served_model_name or hello.model_name
     state.sampling_defaults = dict(hello.sampling_defaults)
     state.quantization = hello.quantization
+    state.lora_adapters = dict(hello.lora_adapters)
 
 
 def _tokenizer_source(hello: p.Hello) -> str:

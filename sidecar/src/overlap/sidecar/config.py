@@ -50,6 +50,8 @@ class SidecarConfig:
     body_timeout_s: float = 30.0
     grace_period_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     stats_interval_s: float = 0.5  # how often engine stats are polled (metrics, readiness)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): off refuses them
+    allow_runtime_lora_updating: bool = False
 
     # The secrets themselves, read by `from_args`; never flags, never in `to_argv`.
     admin_token: str | None = None  # bearer token for /admin/*; admin routes refuse everything when unset
@@ -104,6 +106,14 @@ def _optional_int(text: str) -> int | None:
     return None if text == "" else int(text)
 
 
+def _bool(text: str) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
     field: str  # the SidecarConfig field it sets
@@ -142,7 +152,9 @@ FLAGS = (
     Flag("watch_config", str, "engine config file (ConfigMap mount) whose live knobs are applied when it changes"),
     Flag("watch_interval_s", float, "how often the watched config file is checked"),
     Flag("alive_file", str, "a file that exists from start-up until the sidecar has drained and stopped"),
-)
+    Flag("allow_runtime_lora_updating", _bool,
+         "true: POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the engine's LoRA adapters"),
+)  # fmt: skip
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 assert all(flag.field in _FIELDS for flag in FLAGS), "every flag sets a SidecarConfig field"
 

@@ -7,6 +7,7 @@ engine's latest stats by a custom Collector.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -111,6 +112,7 @@ class EngineCollector(Collector):
             value=float(stats.get("num_generation_tokens_total") or 0),
         )
         yield from _spec_decode_metrics(stats)
+        yield from _lora_metrics(stats)
         for name, key, doc in (
             ("overlap_queue_depth", "num_waiting_by_priority", "Requests waiting in the engine, per priority"),
             ("overlap_running_requests", "num_running_by_priority", "Requests running in the engine, per priority"),
@@ -126,6 +128,21 @@ class EngineCollector(Collector):
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 family.add_metric([knob], float(value))
         yield family
+
+
+def _lora_metrics(stats: dict):
+    """vLLM's `vllm:lora_requests_info`: the adapters of running and waiting requests (comma-separated) and the slots,
+    as labels; the value is when this was read (the Gateway API inference extension's lora-affinity scorer reads
+    it). Only with LoRA enabled."""
+    config = stats.get("config") or {}
+    if not config.get("enable_lora"):
+        return
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])  # fmt: skip
+    labels = [str(config.get("max_loras", 0)), ",".join(stats.get("lora_waiting") or []),
+              ",".join(stats.get("lora_running") or [])]  # fmt: skip
+    family.add_metric(labels, time.time())
+    yield family
 
 
 def _spec_decode_metrics(stats: dict):

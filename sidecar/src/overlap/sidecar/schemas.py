@@ -154,6 +154,18 @@ def _grammar(body: _Common, name: str, value) -> str:
     return json.dumps({"grammars": [{"lark_grammar": value}]})
 
 
+class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's /v1/load_lora_adapter: a PEFT folder the engine can read, served as model `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's; the name alone identifies an adapter here
+
+
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
 
@@ -224,7 +236,7 @@ _MODELS = _object({
     "object": {"const": "list"},
     "data": {"type": "array", "items": _object(
         {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "max_model_len": _INT},
-        quantization=_STR)},
+        quantization=_STR, root=_STR, parent=_STR)},  # a LoRA adapter: its folder and its base model
 })  # fmt: skip
 _TOKENS = _object({
     "count": _INT, "max_model_len": _INT, "tokens": {"type": "array", "items": _INT},
@@ -238,6 +250,8 @@ RESPONSES: dict[str, list[tuple[str, dict]]] = {
     "/v1/completions": [(_JSON, _completion("text_completion", _object({**_CHOICE, "text": _STR}))), _SSE],
     "/v1/chat/completions": [(_JSON, _completion("chat.completion", _object({**_CHOICE, "message": _MESSAGE}))), _SSE],
     "/v1/models": [(_JSON, _MODELS)],
+    "/v1/load_lora_adapter": [("text/plain", _STR)],
+    "/v1/unload_lora_adapter": [("text/plain", _STR)],
     "/tokenize": [(_JSON, _TOKENS)],
     "/detokenize": [(_JSON, _object({"prompt": _STR}))],
     "/version": [(_JSON, _object({"version": _STR}))],

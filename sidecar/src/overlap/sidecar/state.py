@@ -59,6 +59,7 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json, from the Hello
     draining: bool = False
     applied_config: dict = field(default_factory=dict)  # the engine config after the last live change
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> folder, as the engine has them
 
     @property
     def ready(self) -> bool:

@@ -201,7 +201,7 @@ class ModelRunner(Runner):
             if config.enable_lora:
                 if partial_rotary:
                     raise ModelLoadError("LoRA adapters on a model with partial rotary are not supported")
-                self.lora = LoraCache(spec, layer_spec, self.shard, config.max_lora_rank, config.max_cpu_loras)
+                self.lora = LoraCache(spec, layer_spec, self.shard, config.max_lora_rank, config.num_cpu_loras)
                 self.lora.attach(self.model, config.max_loras, dtype, device)
         halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)
         self.packer = InputPacker(

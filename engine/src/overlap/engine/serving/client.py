@@ -131,7 +131,7 @@ class EngineClient:
             stream = self._streams.pop(message.request_id, None)
             if stream is not None:
                 stream.queue.put_nowait(EngineRejected(message.kind, message.message))
-        elif isinstance(message, (p.StatsReply, p.ReconfigureReply, p.KvEventsReply)):
+        elif isinstance(message, (p.StatsReply, p.ReconfigureReply, p.KvEventsReply, p.LoraUpdateReply)):
             future = self._replies.pop(message.seq, None)
             if future is not None and not future.done():
                 future.set_result(message)
@@ -203,3 +203,8 @@ class EngineClient:
         if reply.error is not None:
             raise ConfigError(reply.error)
         return reply.applied
+
+    async def update_lora(self, name: str, path: str | None, timeout: float = 60.0) -> p.LoraUpdateReply:
+        """Load LoRA adapter `name` from `path` (None: unload it); the reply has the adapters after it, or the
+        error that left them as they were."""
+        return await self._ask(lambda seq: p.LoraUpdate(seq, name, path), timeout)

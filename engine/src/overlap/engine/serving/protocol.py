@@ -84,6 +84,14 @@ class Reconfigure(_Message, tag="reconf"):
     knobs: LiveKnobs  # all of them: what the engine runs from its next step on
 
 
+class LoraUpdate(_Message, tag="lora"):
+    """Load LoRA adapter `name` from folder `path`, or (path None) unload it: its running requests finish first."""
+
+    seq: int
+    name: str
+    path: str | None = None
+
+
 class StatsRequest(_Message, tag="stats?"):
     seq: int
 
@@ -118,6 +126,7 @@ class Hello(_Message, tag="hello"):
     sampling_defaults: dict[str, float] = {}
     quantization: str = ""  # the checkpoint's quantization format ("" for float weights)
     kernels: str = ""  # what runs the step's work on this machine (ModelRunner.kernels)
+    lora_adapters: dict[str, str] = {}  # LoRA adapter name -> folder, the names a request's model may give
 
 
 WireTimes = _wire_struct(RequestTimes, "WireTimes", array_like=True)
@@ -201,6 +210,13 @@ class ReconfigureReply(_Message, tag="reconf!"):
     error: str | None = None  # ConfigError message when nothing was applied
 
 
+class LoraUpdateReply(_Message, tag="lora!"):
+    seq: int
+    adapters: dict[str, str] = {}  # LoRA adapter name -> folder, after the change
+    error: str | None = None  # why nothing changed
+    not_found: bool = False  # the error is an unload of a name not loaded
+
+
 class StatsReply(_Message, tag="stats!"):
     seq: int
     stats: dict[str, Any]
@@ -221,12 +237,14 @@ Message = (
     AddRequest
     | Abort
     | Reconfigure
+    | LoraUpdate
     | StatsRequest
     | KvEventsRequest
     | Hello
     | Outputs
     | RequestError
     | ReconfigureReply
+    | LoraUpdateReply
     | StatsReply
     | KvEventsReply
 )

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from overlap.engine.config import EngineConfig
-from overlap.engine.errors import ConfigError, InvalidRequestError
+from overlap.engine.errors import ConfigError, InvalidRequestError, OverlapError
 from overlap.engine.prefix_hash import HASH_SCHEME, snapshot_events
 from overlap.engine.serving import protocol as p
 
@@ -180,6 +180,8 @@ class EngineServer:
                 conn.send(p.ReconfigureReply(seq=message.seq, applied=applied))
             except ConfigError as exc:
                 conn.send(p.ReconfigureReply(seq=message.seq, error=str(exc)))
+        elif isinstance(message, p.LoraUpdate):
+            conn.send(self._update_lora(message))
         elif isinstance(message, p.StatsRequest):
             stats = dict(self.engine.stats())
             stats["num_connections"] = len(self._connections)
@@ -189,6 +191,19 @@ class EngineServer:
             conn.send(self._kv_events(message))
         else:
             log.warning("connection %d sent an unexpected %s; ignored", conn.id, type(message).__name__)
+
+    def _update_lora(self, message: p.LoraUpdate) -> p.LoraUpdateReply:
+        loras = self.engine.loras
+        try:
+            if message.path is not None:
+                loras.add(message.name, message.path)  # read and checked here, between steps
+            elif not loras.remove(message.name):
+                return p.LoraUpdateReply(message.seq, loras.snapshot(), f"no LoRA adapter {message.name!r} is loaded",
+                                         not_found=True)  # fmt: skip
+        except OverlapError as exc:  # ConfigError, LoraError: the reason, nothing changed
+            return p.LoraUpdateReply(message.seq, loras.snapshot(), str(exc))
+        self._hello_frame = self._hello()  # later connections see the adapters
+        return p.LoraUpdateReply(message.seq, loras.snapshot())
 
     def _kv_events(self, message: p.KvEventsRequest) -> p.KvEventsReply:
         bm = self.engine.block_manager
@@ -319,6 +334,7 @@ class EngineServer:
             sampling_defaults=dict(engine.sampling_defaults),
             quantization=engine.quantization,
             kernels=getattr(engine.runner, "kernels", ""),
+            lora_adapters=engine.loras.snapshot(),
         )
 
     def _close(self) -> None:

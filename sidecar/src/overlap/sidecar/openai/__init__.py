@@ -1,7 +1,7 @@
 """The public port's API: OpenAI's completions, chat completions and models, vLLM's tokenize routes, the probes.
 
-One module per endpoint (`completions`, `chat`, `models`, `tokenize`, `health`, `kv_events`: what a router reads),
-with the shared parts beside them: `request` (OpenAI request -> prompt ids and SamplingParams), `serving` (a
+One module per endpoint (`completions`, `chat`, `models`, `lora`, `tokenize`, `health`, `kv_events`: what a router
+reads), with the shared parts beside them: `request` (OpenAI request -> prompt ids and SamplingParams), `serving` (a
 request's sequences in the engine), `collect` and `stream` (whole and streamed answers), `shape` (what differs
 between completion and chat responses), `sequences` (the records they share).
 """
@@ -13,6 +13,7 @@ from overlap.sidecar.openai.chat import chat_completions
 from overlap.sidecar.openai.completions import completions
 from overlap.sidecar.openai.health import healthz, readyz, version
 from overlap.sidecar.openai.kv_events import kv_events
+from overlap.sidecar.openai.lora import load_lora_adapter, unload_lora_adapter
 from overlap.sidecar.openai.models import list_models
 from overlap.sidecar.openai.tokenize import detokenize, tokenize, tokenizer_files
 
@@ -22,7 +23,11 @@ ROUTES = [
      schemas.CompletionRequest),
     ("POST", "/v1/chat/completions", "Create a chat completion (OpenAI-compatible; stream for SSE)",
      chat_completions, schemas.ChatCompletionRequest),
-    ("GET", "/v1/models", "List the served model", list_models, None),
+    ("GET", "/v1/models", "List the served model and its LoRA adapters", list_models, None),
+    ("POST", "/v1/load_lora_adapter", "Load a LoRA adapter (PEFT folder) into the engine (vLLM's; needs "
+     "--allow-runtime-lora-updating)", load_lora_adapter, schemas.LoadLoraAdapterRequest),
+    ("POST", "/v1/unload_lora_adapter", "Unload a LoRA adapter; its requests finish first (vLLM's; needs "
+     "--allow-runtime-lora-updating)", unload_lora_adapter, schemas.UnloadLoraAdapterRequest),
     ("POST", "/tokenize", "Token ids of a prompt or chat messages (vLLM's shape)", tokenize, schemas.TokenizeRequest),
     ("POST", "/detokenize", "Text of token ids (vLLM's shape)", detokenize, schemas.DetokenizeRequest),
     ("GET", "/version", "The server's version", version, None),

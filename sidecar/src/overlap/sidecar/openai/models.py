@@ -1,4 +1,4 @@
-"""GET /v1/models: the one served model."""
+"""GET /v1/models: the served model, and each LoRA adapter with the base as its `parent` (vLLM's shape)."""
 
 from __future__ import annotations
 
@@ -17,4 +17,7 @@ async def list_models(request: web.Request) -> web.Response:
              "max_model_len": state.max_model_len}  # fmt: skip
     if state.quantization:  # the format the weights are stored and computed in
         model["quantization"] = state.quantization
-    return json_response({"object": "list", "data": [model]})
+    adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "overlap", "root": path,
+                 "parent": state.model_name, "max_model_len": state.max_model_len}
+                for name, path in sorted(state.lora_adapters.items())]  # fmt: skip
+    return json_response({"object": "list", "data": [model, *adapters]})

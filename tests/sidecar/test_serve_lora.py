@@ -1,0 +1,71 @@
+"""LoRA adapters through `overlap serve` with vLLM's flags and routes: --enable-lora --lora-modules, adapters listed
+in /v1/models with their parent, POST /v1/load_lora_adapter and /v1/unload_lora_adapter with runtime updating allowed
+(and refused without it), `vllm:lora_requests_info` in /metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.lora import make_adapter
+from tests.support.sidecar import http, overlap_serve, wait_until
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("serve-adapters")
+    return {
+        "sql": make_adapter(tiny_model_dir, root / "sql", 8, 16, False, ["q_proj", "v_proj", "down_proj"], seed=1),
+        "chat": make_adapter(tiny_model_dir, root / "chat", 4, 8, True, ["k_proj", "o_proj", "up_proj"], seed=2),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, adapters):
+    config = "num_kv_blocks: 128\nnum_threads: 1\nmax_seq_len: 128\n"
+    flags = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}",
+             "--allow-runtime-lora-updating", "true")  # fmt: skip
+    with overlap_serve(tiny_model_dir, "engine.yaml", config, *flags) as s:
+        yield s
+
+
+def _models(server) -> dict[str, dict]:
+    status, _, body = http("GET", f"{server['url']}/v1/models")
+    assert status == 200
+    return {m["id"]: m for m in body["data"]}
+
+
+def test_adapters_are_listed_with_their_parent_and_loaded_and_unloaded_at_run_time(server, adapters):
+    base = server["model"]
+    models = _models(server)
+    assert set(models) == {base, "sql"}
+    assert models["sql"]["parent"] == base and models["sql"]["root"] == str(adapters["sql"])
+    load = {"lora_name": "chat", "lora_path": str(adapters["chat"])}
+    status, _, body = http("POST", f"{server['url']}/v1/load_lora_adapter", load)
+    assert status == 200 and "chat" in str(body)
+    assert set(_models(server)) == {base, "sql", "chat"}
+    status, _, body = http("POST", f"{server['url']}/v1/load_lora_adapter", load)
+    assert status == 400 and "already loaded" in body["error"]["message"]
+    status, _, body = http("POST", f"{server['url']}/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nope"})
+    assert status == 400 and "no adapter_config.json" in body["error"]["message"]
+    status, _, _ = http("POST", f"{server['url']}/v1/unload_lora_adapter", {"lora_name": "chat"})
+    assert status == 200 and set(_models(server)) == {base, "sql"}
+    status, _, body = http("POST", f"{server['url']}/v1/unload_lora_adapter", {"lora_name": "chat"})
+    assert status == 404 and "no LoRA adapter 'chat'" in body["error"]["message"]
+    status, _, body = http("POST", f"{server['url']}/v1/completions", {"model": "chat", "prompt": "x"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    info = 'vllm:lora_requests_info{max_lora="2"'  # once the sidecar has polled the engine's stats (every 0.5 s)
+    wait_until(lambda: info in http("GET", f"{server['url']}/metrics")[2], 10, "vllm:lora_requests_info")
+
+
+async def test_runtime_updating_is_refused_unless_allowed(tmp_path):
+    from tests.sidecar.test_app_inprocess import make_client
+
+    client = await make_client(tmp_path)
+    try:
+        response = await client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/a"})
+        assert response.status == 403
+        body = await response.json()
+        assert body["error"]["code"] == "lora_updating_disabled"
+        assert "--allow-runtime-lora-updating" in body["error"]["message"]
+    finally:
+        await client.close()
