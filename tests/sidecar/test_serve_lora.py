@@ -1,13 +1,17 @@
 """LoRA adapters through `overlap serve` with vLLM's flags and routes: --enable-lora --lora-modules, adapters listed
-in /v1/models with their parent, POST /v1/load_lora_adapter and /v1/unload_lora_adapter with runtime updating allowed
-(and refused without it), `vllm:lora_requests_info` in /metrics."""
+in /v1/models with their parent, the request's `model` picking the adapter (tokens equal to transformers + PEFT),
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter with runtime updating allowed (and refused without it),
+`vllm:lora_requests_info` in /metrics."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.lora import make_adapter
+from tests.support.lora import make_adapter, peft_greedy
 from tests.support.sidecar import http, overlap_serve, wait_until
+
+PROMPT = [5, 17, 300, 42, 9, 1200, 77]
+NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,21 @@ def test_adapters_are_listed_with_their_parent_and_loaded_and_unloaded_at_run_ti
     assert status == 404 and body["error"]["code"] == "model_not_found"
     info = 'vllm:lora_requests_info{max_lora="2"'  # once the sidecar has polled the engine's stats (every 0.5 s)
     wait_until(lambda: info in http("GET", f"{server['url']}/metrics")[2], 10, "vllm:lora_requests_info")
+
+
+def test_the_model_field_picks_the_adapter(server, tiny_model_dir, adapters):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = {name: tokenizer.decode(peft_greedy(tiny_model_dir, adapters.get(name), [PROMPT], NEW_TOKENS)[0],
+                                       skip_special_tokens=True)
+                for name in (server["model"], "sql")}  # fmt: skip
+    assert expected["sql"] != expected[server["model"]]
+    for name in (server["model"], "sql"):
+        body = {"model": name, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        status, _, out = http("POST", f"{server['url']}/v1/completions", body)
+        assert status == 200, out
+        assert out["model"] == name and out["choices"][0]["text"] == expected[name]
 
 
 async def test_runtime_updating_is_refused_unless_allowed(tmp_path):

@@ -32,14 +32,16 @@ async def accept(request: web.Request, schema: type):
 
 
 def check_model(state: ServerState, model: str | None) -> None:
-    """`model` must name the served model (None: not given, where the route allows that)."""
-    if model is not None and model != state.model_name:
-        raise ApiError(
-            404,
-            f"the model {model!r} does not exist; this server serves {state.model_name!r}",
-            code="model_not_found",
-            param="model",
-        )
+    """`model` must name the served model or one of its LoRA adapters (None: not given, where the route allows)."""
+    if model is not None and model != state.model_name and model not in state.lora_adapters:
+        served = ", ".join(repr(name) for name in [state.model_name, *sorted(state.lora_adapters)])
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}",
+                       code="model_not_found", param="model")  # fmt: skip
+
+
+def lora_name(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a (checked) `model` names; None for the base model."""
+    return model if model is not None and model != state.model_name else None
 
 
 def _body_or_header(request: web.Request, value, header: str, convert, what: str, param: str):

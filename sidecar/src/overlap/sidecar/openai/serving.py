@@ -36,7 +36,8 @@ async def respond(request: web.Request, state: ServerState, body: schemas._Commo
         raise ApiError(400, f"best_of must be in n..{cap}, got {best_of}", param="best_of")
     if best_of > n and body.stream:
         raise ApiError(400, "best_of > n cannot be streamed (the best ones are known only at the end)", param="best_of")
-    reply = Reply(f"{shape.id_prefix}-{uuid.uuid4().hex}", state.model_name, shape, n, best_of,
+    lora = req.lora_name(state, body.model)  # the request's model picks the adapter, and answers as it
+    reply = Reply(f"{shape.id_prefix}-{uuid.uuid4().hex}", lora or state.model_name, shape, n, best_of,
                   prompts[0][1].logprobs is not None, request.headers.get("x-overlap-timing") == "1",
                   tool_setup)  # fmt: skip
     sequences: list[Sequence] = []
@@ -50,7 +51,8 @@ async def respond(request: web.Request, state: ServerState, body: schemas._Commo
                 if best_of > n and sampling.logprobs is None:
                     seq_sampling = dataclasses.replace(seq_sampling, logprobs=0)  # ranking needs each token's
                 seq_id = reply.request_id if len(prompts) == 1 and best_of == 1 else f"{reply.request_id}-{p}-{j}"
-                spec = RequestSpec(seq_id, ids, seq_sampling, priority, timeout_s, share_prompt_with=first_id)
+                spec = RequestSpec(seq_id, ids, seq_sampling, priority, timeout_s, share_prompt_with=first_id,
+                                   lora_name=lora)  # fmt: skip
                 generation = Generation(state, spec, stop, arrival=arrival)
                 first_id = first_id or seq_id
                 sequences.append(Sequence(p * best_of + j, p, generation, ids if echo else None, j == 0))
