@@ -155,6 +155,8 @@ STATS_KEYS = {
     "spec_decode_num_accepted_tokens_per_pos",
     # the sliding layers' own pool of a model that mixes layer types (batching/window_blocks.py; 0 without one)
     "num_window_kv_blocks", "num_free_window_kv_blocks",
+    # LoRA adapters of running and waiting requests (vllm:lora_requests_info, docs/lora.md)
+    "lora_running", "lora_waiting",
 }  # fmt: skip
 
 

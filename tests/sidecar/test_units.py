@@ -71,7 +71,9 @@ def test_every_request_field_crosses_the_wire():
                             repetition_penalty=1.2, grammar='{"grammars": []}', prompt_logprobs=1)  # fmt: skip
     defaults = SamplingParams()
     assert all(getattr(params, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(SamplingParams))
-    spec = RequestSpec("r", [1], params, priority=0, timeout_s=2.5, arrival_time=12.25, share_prompt_with="q")
+    spec = RequestSpec(
+        "r", [1], params, priority=0, timeout_s=2.5, arrival_time=12.25, share_prompt_with="q", lora_name="sql"
+    )
     bare = RequestSpec("", [], defaults)
     assert all(getattr(spec, f.name) != getattr(bare, f.name) for f in dataclasses.fields(RequestSpec))
     wire = p.AddRequest.from_record(spec)
