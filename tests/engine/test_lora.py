@@ -192,3 +192,26 @@ def test_triton_bgmv_matches_the_gathered_matmuls(dtype) -> None:
     torch.testing.assert_close(kernel.float(), torch.stack(rows), **tolerance)
     torch.testing.assert_close(gathered.float(), torch.stack(rows), **tolerance)
     assert torch.equal(kernel[0], base[0]) and torch.equal(kernel[5], base[5])
+
+
+def test_adapters_over_a_quantized_base(tiny_model_dir: Path, adapters, prompts, tmp_path: Path) -> None:
+    """The tiny model as a GPTQ W4 checkpoint (its projections through the CPU's int kernels): two adapters and the
+    base in one batch equal transformers + PEFT on the float weights the codes stand for."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tests.support import handwritten_checkpoints
+
+    quantized = tmp_path / "gptq"
+    reference = handwritten_checkpoints.write(tiny_model_dir, quantized, method="gptq", group=32)
+    dequantized = Path(shutil.copytree(tiny_model_dir, tmp_path / "dequantized"))
+    save_file({name: tensor.contiguous() for name, tensor in reference.items()}, str(dequantized / "model.safetensors"))
+    names = [None, "all-r8", "qv-rs4"]
+    expected = {name: peft_greedy(dequantized, adapters.get(name), prompts, NEW_TOKENS) for name in names}
+    engine = _engine(quantized, {name: adapters[name] for name in names[1:]}, max_loras=2)
+    assert engine.quantization.startswith("gptq W4A16")
+    layer = engine.runner.model.layers[0]
+    assert layer.qkv.quant is not None and layer.qkv.lora is not None  # the int kernel, the delta beside it
+    for (name, i), tokens in _run_mixed(engine, prompts, names).items():
+        assert tokens == expected[name][i][:NEW_TOKENS], (name, i)
