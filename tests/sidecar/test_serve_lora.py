@@ -88,3 +88,20 @@ async def test_runtime_updating_is_refused_unless_allowed(tmp_path):
         assert "--allow-runtime-lora-updating" in body["error"]["message"]
     finally:
         await client.close()
+
+
+def test_runtime_updating_follows_vllms_variable(monkeypatch):
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (what the operator sets on a pod with adapters) is the flag's default."""
+    import argparse
+
+    from overlap.sidecar.config import add_flags
+
+    def parsed(*argv: str) -> bool:
+        parser = argparse.ArgumentParser()
+        add_flags(parser)
+        return parser.parse_args(list(argv)).allow_runtime_lora_updating
+
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert parsed() is False
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert parsed() is True and parsed("--allow-runtime-lora-updating", "false") is False

@@ -50,7 +50,7 @@ class SidecarConfig:
     body_timeout_s: float = 30.0
     grace_period_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
     stats_interval_s: float = 0.5  # how often engine stats are polled (metrics, readiness)
-    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): off refuses them
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter: off refuses them (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
 
     # The secrets themselves, read by `from_args`; never flags, never in `to_argv`.
@@ -119,6 +119,7 @@ class Flag:
     field: str  # the SidecarConfig field it sets
     type: object  # what argparse converts the text with
     help: str
+    env_name: str | None = None  # the environment variable, where vLLM's name is kept (default OVERLAP_<FIELD>)
 
     @property
     def name(self) -> str:
@@ -126,7 +127,7 @@ class Flag:
 
     @property
     def env(self) -> str:
-        return ENV_PREFIX + self.field.upper()
+        return self.env_name or ENV_PREFIX + self.field.upper()
 
 
 FLAGS = (
@@ -153,7 +154,8 @@ FLAGS = (
     Flag("watch_interval_s", float, "how often the watched config file is checked"),
     Flag("alive_file", str, "a file that exists from start-up until the sidecar has drained and stopped"),
     Flag("allow_runtime_lora_updating", _bool,
-         "true: POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the engine's LoRA adapters"),
+         "true: POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the engine's LoRA adapters",
+         env_name="VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
 )  # fmt: skip
 _FIELDS = {f.name: f for f in dataclasses.fields(SidecarConfig)}
 assert all(flag.field in _FIELDS for flag in FLAGS), "every flag sets a SidecarConfig field"

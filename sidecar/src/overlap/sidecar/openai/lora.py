@@ -1,5 +1,6 @@
 """vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter: LoRA adapters added to and removed from the running
-engine, refused unless the sidecar runs with --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+engine, refused unless the sidecar runs with --allow-runtime-lora-updating true (or vLLM's
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
 
 The engine reads and checks an adapter before it is listed; an unloaded adapter's running and queued requests finish
 with it, new ones naming it get 404. Both answer with vLLM's plain-text line on success.
@@ -30,8 +31,8 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 async def _update(request: web.Request, name: str, path: str | None) -> None:
     state = request.app[STATE]
     if not state.config.allow_runtime_lora_updating:
-        raise ApiError(403, "runtime LoRA updating is off: start the sidecar with --allow-runtime-lora-updating true",
-                       code="lora_updating_disabled")  # fmt: skip
+        raise ApiError(403, "runtime LoRA updating is off: start the sidecar with --allow-runtime-lora-updating true "
+                       "(or VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)", code="lora_updating_disabled")  # fmt: skip
     if not name:
         raise ApiError(400, "lora_name must not be empty", param="lora_name")
     if name == state.model_name:
