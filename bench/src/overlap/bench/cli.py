@@ -19,6 +19,7 @@ _BENCH_MODULES = (
     "overlap.bench.quant_bench",  # overlap bench quantized
     "overlap.bench.moe_bench",  # overlap bench moe
     "overlap.bench.spec_bench",  # overlap bench spec
+    "overlap.bench.lora_bench",  # overlap bench lora
 )
 
 

@@ -65,7 +65,7 @@ class LoraAdapter:
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def _geometry(spec) -> dict[str, tuple[int, int, int]]:
+def module_geometry(spec) -> dict[str, tuple[int, int, int]]:
     """PEFT module -> (first output row in its projection, outputs, inputs) on the whole (unsharded) model."""
     q, kv, hidden, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, 0
     geometry = {"q_proj": (0, q, hidden), "k_proj": (q, kv, hidden), "v_proj": (q + kv, kv, hidden),
@@ -100,7 +100,7 @@ def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapte
         raise LoraError(f"adapter {name!r}: r must be an integer >= 1 and lora_alpha a number, got {rank!r}, {alpha!r}")
     if rank > max_rank:
         raise LoraError(f"adapter {name!r} has rank {rank}, above max_lora_rank {max_rank}")
-    geometry = _geometry(spec)
+    geometry = module_geometry(spec)
     targets = config.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in geometry]
@@ -301,7 +301,7 @@ class LoraCache:
             self._fill(slot, adapter)
 
     def _fill(self, slot: int, adapter: LoraAdapter) -> None:
-        geometry = _geometry(self.layer_spec)
+        geometry = module_geometry(self.layer_spec)
         for index, deltas in enumerate(self.deltas):
             filled: set[tuple[str, int]] = set()
             for module, (proj, segment) in MODULES.items():
