@@ -12,8 +12,8 @@ import torch
 
 from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.errors import ConfigError, InvalidRequestError
-from overlap.engine.model.loader import read_spec
 from overlap.engine.model.lora import LoraError, read_adapter
+from overlap.engine.model.model_spec import read_spec
 from overlap.engine.prefix_hash import block_hashes
 from overlap.engine.types import RequestSpec
 from tests.support.engine import run_to_completion, tokens_of

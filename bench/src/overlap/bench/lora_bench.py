@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from overlap.bench.model_args import model_folder
     from overlap.engine import Engine, EngineConfig
     from overlap.engine.model.builder import ensure_default_model
-    from overlap.engine.model.loader import read_spec
+    from overlap.engine.model.model_spec import read_spec
 
     torch.set_num_threads(args.threads)
     output_len = args.output_len or (16 if args.quick else 64)
