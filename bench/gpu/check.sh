@@ -3,12 +3,13 @@
 # (random bf16 weights made on the device) against the memory-streaming floor, busy share by CUDA events and by
 # kernel time; W4A16, W8A8, FP8 and block-FP8 at the 8B shape (case quantized) against their floor and a dequantized
 # reference; a small Qwen3-MoE (fused-MoE kernels) and Gemma 3 against transformers and their real widths' decode
-# steps (cases moe, gemma). One JSON line per case goes to --out as it runs; a table at the end. Under 8 minutes on an H200.
+# steps (cases moe, gemma); an ngram step at the 8B shape (case speculative); LoRA's Triton kernels against the CPU
+# path (case lora). One JSON line per case goes to --out as it runs; a table at the end. Under 8 minutes on an H200.
 #
 # Nothing is installed: it runs with the python3 that has a CUDA build of torch, Triton and transformers, and puts
 # the components' sources on PYTHONPATH (the engine needs no other package for this).
 # Usage: bench/gpu/check.sh [--out FILE.jsonl]
-#        [--cases env,bandwidth,correctness,decode,prefill,busy,tensor_parallel,profile,quantized,moe,gemma,speculative]
+#        [--cases env,bandwidth,correctness,decode,prefill,busy,tensor_parallel,profile,quantized,moe,gemma,speculative,lora]
 #        [--steps N]   (tensor_parallel: 2 ranks against 1 where there are 2+ GPUs; "skipped: 1 GPU" otherwise)
 #        bench/gpu/check.sh --dry-run-cpu   (every case on this CPU with small shapes: checks the script)
 # Without a GPU (and without --dry-run-cpu) it exits with code 2 and says so.

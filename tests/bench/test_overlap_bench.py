@@ -107,4 +107,6 @@ def test_gpu_check_dry_run_on_cpu_runs_every_case(tmp_path):
     (spec,) = [r for r in rows if r["case"] == "speculative"]
     assert spec["verify_steps"] > 0 and 1 <= spec["verify_tokens_per_step"] <= 5 and spec["floor_ms"] > 0
     assert spec["plain_step_ms"] > 0 and spec["verify_step_ms"] > 0 and spec["ngram_tokens_per_step"] > 0
+    (lora,) = [r for r in rows if r["case"] == "lora"]  # on a CPU both sides take the gathered matmuls
+    assert lora["rows_equal"] == lora["rows"] == 6
     assert "| model | batch |" in proc.stdout

@@ -9,7 +9,8 @@ leaves its data. Cases, most valuable first:
 3. correctness: the tiny model through the engine (chunked prefill, prefix-cache hits, fragmented block tables after
    a first wave frees its blocks) against transformers on the same GPU, teacher-forced: fp32 must pick
    transformers' top token at every position (greedy exact), bf16 reports its agreement; with 1 and 2 buffers and
-   CUDA graphs on and off; plus the host syncs `torch.cuda.set_sync_debug_mode` saw in the step loop.
+   CUDA graphs on and off; plus the host syncs `torch.cuda.set_sync_debug_mode` saw in the step loop. And
+   tensor_parallel: two ranks' tokens against one's (gpu_correctness.py).
 4. decode: random-weight Llama shapes of ~1B and ~8B in bf16 (weights made on the device), tok/s and step time at
    batch 1, 16, 64, 128, 256 against the step's streaming floor: (weights + the K/V it reads) / the copy bandwidth.
    Batch 1 also without CUDA graphs.
@@ -18,11 +19,13 @@ leaves its data. Cases, most valuable first:
    time (torch's profiler over the same steps), which exposes a launch-bound step.
 7. profile: where a decode step's device time goes, ~8B shape at batch 1 and 64 with graphs: kernel time per step
    by kernel name (torch's profiler), the kernels per step, the heaviest ones.
-8. quantized: each quantized scheme at the ~8B shape (below).
+8. quantized: each quantized scheme at the ~8B shape (gpu_quantized.py).
 9. moe, gemma: a small Qwen3-MoE through the fused-MoE kernels and a small Gemma 3 (its sliding layers' own KV
    pool) against transformers, and their real widths' decode steps (gpu_check_families.py).
 10. speculative: ngram at the ~8B shape, batch 1: a step verifying 4 proposals against the plain step and the floor,
     the tokens it appends, and what prompt lookup reaches through the engine (gpu_spec.py).
+11. lora: the base and two adapters mixed in one fp32 batch through the Triton BGMV kernels, against the CPU path
+    (gpu_lora.py).
 
 `--dry-run-cpu` runs every case on the CPU with small shapes (Triton's interpreter for the attention kernel), so
 the script itself is tested where there is no GPU. Without CUDA (and without --dry-run-cpu) it exits 2 and says so.
@@ -36,13 +39,16 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
+from overlap.bench import gpu_check_families, gpu_correctness, gpu_lora, gpu_quantized, gpu_spec
 from overlap.bench.floor import decode_floor_bytes
-from overlap.bench.gpu_check_families import case_gemma, case_moe, format_rows  # noqa: F401 (cases run by name)
+from overlap.bench.gpu_check_families import case_gemma, case_moe  # noqa: F401 (cases run by name)
+from overlap.bench.gpu_correctness import case_correctness, case_tensor_parallel  # noqa: F401 (run by name)
+from overlap.bench.gpu_lora import case_lora  # noqa: F401 (run by name)
 from overlap.bench.gpu_quantized import case_quantized  # noqa: F401 (run by name)
-from overlap.bench.gpu_spec import case_speculative, format_row  # noqa: F401 (case_speculative: run by name)
+from overlap.bench.gpu_spec import case_speculative  # noqa: F401 (run by name)
+from overlap.bench.meter import log_progress
 
 # Shapes of the models people serve, with random weights (vocabulary and context as theirs).
 SHAPES = {
@@ -58,11 +64,7 @@ DRY_RUN_SHAPES = {
                         num_key_value_heads=1, vocab_size=512, max_position_embeddings=1024),
 }  # fmt: skip
 CASES = ("env", "bandwidth", "correctness", "decode", "prefill", "busy", "tensor_parallel", "profile", "quantized",
-         "moe", "gemma", "speculative")  # fmt: skip
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+         "moe", "gemma", "speculative", "lora")  # fmt: skip
 
 
 def require_cuda() -> str:
@@ -195,78 +197,6 @@ def case_bandwidth(check: Check) -> None:
     check.emit("bandwidth", bytes=size, seconds=best, bytes_per_s=check.bandwidth)
 
 
-def case_correctness(check: Check) -> None:
-    """The tiny model through the engine vs transformers, teacher-forced, for each pipeline setting."""
-    import random
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from overlap.engine.core import Engine
-    from overlap.engine.model.builder import ensure_default_model
-    from overlap.engine.types import RequestSpec, SamplingParams
-
-    model_dir = ensure_default_model()
-    rng = random.Random(0)
-    firsts = [[rng.randrange(3, 2000) for _ in range(rng.randrange(20, 150))] for _ in range(8)]
-    # wave 2 shares the first waves' prompts' first 64 tokens (prefix-cache hits) and lands in freed, scattered blocks
-    seconds = [p[:64] + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 60))] for p in firsts]
-    settings = [("float32", b, g) for b in (1, 2) for g in (False, True)] + [("bfloat16", 2, True)]
-    if check.dry:
-        settings = [("float32", 1, False), ("float32", 2, False), ("bfloat16", 2, False)]
-    references = {}
-    for dtype, num_buffers, graphs in settings:
-        started = time.perf_counter()
-        config = check.engine_config(False, model=str(model_dir), dtype=dtype, num_buffers=num_buffers,
-                                     cuda_graphs=graphs, max_num_batched_tokens=64, num_kv_blocks=256,
-                                     max_seq_len=512)  # fmt: skip
-        engine = Engine(config)
-        sampling = SamplingParams(max_tokens=8 if check.dry else 32, temperature=0, ignore_eos=True)
-        outputs, syncs = {}, []
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if check.device.type == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for wave, prompts in enumerate((firsts, seconds)):
-                    for i, prompt in enumerate(prompts):
-                        engine.add_request(RequestSpec(f"w{wave}-{i}", prompt, sampling))
-                    while engine.has_unfinished():
-                        for out in engine.step():
-                            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            finally:
-                if check.device.type == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
-        syncs = sorted(
-            {
-                str(w.message).splitlines()[0]
-                for w in caught
-                if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)
-            }
-        )
-        stats = engine.stats()
-        graph_steps = engine.runner.graph_steps
-        engine.close()
-        if dtype not in references:
-            references[dtype] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-            references[dtype] = references[dtype].to(check.device).eval()
-        hf = references[dtype]
-        agree = total = 0
-        with torch.inference_mode():
-            for wave, prompts in enumerate((firsts, seconds)):
-                for i, prompt in enumerate(prompts):
-                    out = outputs[f"w{wave}-{i}"]
-                    ids = torch.tensor([prompt + out], device=check.device)
-                    top = hf(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
-                    agree += sum(a == b for a, b in zip(top, out, strict=True))
-                    total += len(out)
-        row = check.emit("correctness", dtype=dtype, num_buffers=num_buffers, cuda_graphs=graphs,
-                         tokens=total, top1_agreement=agree / total, exact=agree == total,
-                         prefix_cache_hits=stats.get("prefix_cache_hits_total"), graph_steps=graph_steps,
-                         host_syncs_in_step_loop=syncs, seconds=time.perf_counter() - started)  # fmt: skip
-        _progress(f"correctness {dtype} buffers={num_buffers} graphs={graphs}: {row['top1_agreement']:.4f}")
-
-
 def case_decode(check: Check) -> None:
     from overlap.bench.overlap_load import measure_overlap
 
@@ -274,7 +204,7 @@ def case_decode(check: Check) -> None:
     max_tokens = 2 * (warmup + check.steps) + 2  # no request finishes while measured: every step a pure decode
     for name in check.shapes:
         runner, load_s = check.random_runner(name, check.prompt_len + max_tokens, max(check.batches))
-        _progress(f"decode {name}: runner ready in {load_s:.1f} s ({runner.kernels})")
+        log_progress(f"decode {name}: runner ready in {load_s:.1f} s ({runner.kernels})")
         runs = [(b, True) for b in check.batches] + [(1, False)]
         for batch, graphs in runs:
             if not graphs:
@@ -293,7 +223,7 @@ def case_decode(check: Check) -> None:
                        floor_ms=None if floor_s is None else 1000 * floor_s,
                        step_over_floor=None if floor_s is None else step_s / floor_s,
                        mean_context=context, kernels=runner.kernels, runner_start_s=load_s)  # fmt: skip
-            _progress(f"decode {name} batch {batch} graphs={graphs}: {result.tokens_per_s:.0f} tok/s")
+            log_progress(f"decode {name} batch {batch} graphs={graphs}: {result.tokens_per_s:.0f} tok/s")
         runner.close()
 
 
@@ -316,7 +246,7 @@ def case_prefill(check: Check) -> None:
             best = min(best, time.perf_counter() - start)
         check.emit("prefill", model=name, dtype="bfloat16", prompts=num, prompt_len=length, seconds=best,
                    tokens_per_s=num * length / best)  # fmt: skip
-        _progress(f"prefill {name}: {num * length / best:.0f} tok/s")
+        log_progress(f"prefill {name}: {num * length / best:.0f} tok/s")
         runner.close()
 
 
@@ -354,7 +284,7 @@ def case_busy(check: Check) -> None:
             kernel_share = kernel_time_s(prof) / wall
         check.emit("busy", model=name, batch=batch, num_buffers=num_buffers, steps=check.steps,
                    event_busy_share=snap.busy_ratio, kernel_busy_share=kernel_share, wall_s=wall)  # fmt: skip
-        _progress(f"busy {name} buffers={num_buffers}: events {snap.busy_ratio:.3f}, kernels {kernel_share}")
+        log_progress(f"busy {name} buffers={num_buffers}: events {snap.busy_ratio:.3f}, kernels {kernel_share}")
     runner.close()
 
 
@@ -395,45 +325,10 @@ def case_profile(check: Check) -> None:
                    kernel_ms_per_step=sum(v[0] for v in by_name.values()),
                    kernels_per_step=sum(v[1] for v in by_name.values()),
                    top=[[n, round(ms, 4), round(c, 1)] for n, (ms, c) in top])  # fmt: skip
-        _progress(f"profile {name} batch {batch}: {sum(v[0] for v in by_name.values()):.2f} kernel ms per step")
+        log_progress(f"profile {name} batch {batch}: {sum(v[0] for v in by_name.values()):.2f} kernel ms per step")
 
 
 # ---- report ---------------------------------------------------------------------------------------------------------
-def case_tensor_parallel(check: Check) -> None:
-    """The tiny model on 2 ranks (NCCL, GPUs 0 and 1; gloo in a dry run) against 1: the same greedy tokens, and the
-    decode throughput of each. Skipped, and said so, on a machine with one GPU."""
-    import torch
-
-    from overlap.engine.core import Engine
-    from overlap.engine.model.builder import ensure_default_model
-    from overlap.engine.types import RequestSpec, SamplingParams
-
-    gpus = 0 if check.dry else torch.cuda.device_count()
-    if not check.dry and gpus < 2:
-        check.emit("tensor_parallel", skipped=f"{gpus} GPU")
-        _progress(f"tensor_parallel: skipped, {gpus} GPU")
-        return
-    model_dir = ensure_default_model()
-    prompts = [[3 + (7 * i + j) % 1900 for j in range(24 + i)] for i in range(8)]
-    sampling = SamplingParams(max_tokens=8 if check.dry else 64, temperature=0, ignore_eos=True)
-    tokens, rates = {}, {}
-    for size in (1, 2):
-        engine = Engine(check.engine_config(False, model=str(model_dir), dtype="float32", num_kv_blocks=256,
-                                            max_seq_len=512, tensor_parallel_size=size))  # fmt: skip
-        started, outputs = time.perf_counter(), {}
-        for i, prompt in enumerate(prompts):
-            engine.add_request(RequestSpec(f"r{i}", prompt, sampling))
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        rates[size] = sum(map(len, outputs.values())) / (time.perf_counter() - started)
-        tokens[size] = [outputs[f"r{i}"] for i in range(len(prompts))]
-        engine.close()
-        engine.runner.close()
-    check.emit("tensor_parallel", ranks=2, gpus=gpus, same_tokens=tokens[1] == tokens[2],
-               tokens_per_s_1=rates[1], tokens_per_s_2=rates[2])  # fmt: skip
-
-
 def format_table(rows: list[dict]) -> str:
     """The decode rows as the README's table, then the other cases one line each."""
     env = next((r for r in rows if r["case"] == "env"), None)
@@ -451,11 +346,7 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"| {r['model']} | {r['batch']} | {'on' if r['graph_steps'] else 'off'} | "
                          f"{r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | {floor} | {ratio} |")  # fmt: skip
     for r in rows:
-        if r["case"] == "correctness":
-            lines.append(f"correctness {r['dtype']} buffers={r['num_buffers']} graphs={r['cuda_graphs']}: "
-                         f"top-1 agreement {r['top1_agreement']:.4f} over {r['tokens']} tokens, host syncs "
-                         f"{len(r['host_syncs_in_step_loop'])}")  # fmt: skip
-        elif r["case"] == "prefill":
+        if r["case"] == "prefill":
             lines.append(f"prefill {r['model']}: {r['tokens_per_s']:.0f} tok/s ({r['prompts']} x {r['prompt_len']})")
         elif r["case"] == "profile":
             lines.append(f"profile {r['model']} batch {r['batch']}: {r['kernel_ms_per_step']:.2f} kernel ms, "
@@ -467,23 +358,11 @@ def format_table(rows: list[dict]) -> str:
                          f"events {r['event_busy_share']:.3f}, kernels {kernels}")  # fmt: skip
         elif r["case"] == "bandwidth":
             lines.append(f"device-to-device copy: {r['bytes_per_s'] / 1e12:.2f} TB/s (read + write)")
-        elif r["case"] == "tensor_parallel":
-            lines.append(f"tensor parallel: skipped: {r['skipped']}" if "skipped" in r else
-                         f"tensor parallel, 2 ranks: tokens {'equal to' if r['same_tokens'] else 'DIFFER from'} 1 "
-                         f"rank's; {r['tokens_per_s_2']:.0f} tok/s vs {r['tokens_per_s_1']:.0f}")  # fmt: skip
-        elif r["case"] == "quantized":
-            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms floor ({r['step_over_floor']:.2f}x)"
-            lines.append(f"quantized {r['model']} {r['quantization']} batch {r['batch']}: {r['step_ms']:.2f} ms a "
-                         f"step, {floor}, {r['weight_bytes'] / 1e9:.2f} GB of weights")  # fmt: skip
-        elif r["case"] == "quantized_logits":
-            lines.append(f"quantized {r['model']} {r['quantization']}: last logits within {r['max_abs_diff']:.4f} of "
-                         f"the dequantized reference's (std {r['reference_std']:.4f}), top token equal in "
-                         f"{r['top1_equal']} of {r['prompts']} prompts")  # fmt: skip
-        elif r["case"] == "speculative":
-            lines.append(format_row(r))
         elif r["case"] == "error":
             lines.append(f"{r['failed']} FAILED: {r['error']}")
-    return "\n".join(lines + format_rows(rows))
+    for module in (gpu_correctness, gpu_quantized, gpu_check_families, gpu_spec, gpu_lora):
+        lines += module.format_rows(rows)
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in CASES:
         if case not in cases:
             continue
-        _progress(f"case {case}")
+        log_progress(f"case {case}")
         try:
             globals()[f"case_{case}"](check)
         except Exception as exc:  # the next case still runs; the line says what broke

@@ -18,18 +18,14 @@ import json
 import random
 import time
 
+from overlap.bench.meter import log_progress
+
 DRY_FAMILY_SHAPES = {
     "moe": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, vocab_size=512),
     "gemma": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=32),
 }  # fmt: skip
-
-
-def _progress(message: str) -> None:
-    import sys
-
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _small_model(check, family: str):
@@ -131,7 +127,7 @@ def _decode_rows(check, family: str, shape: str, layers: int, floor: bool) -> No
                    floor_ms=None if floor_s is None else 1000 * floor_s,
                    step_over_floor=None if floor_s is None else step_s / floor_s,
                    weight_bytes=runner.weight_bytes, kernels=runner.kernels)  # fmt: skip
-        _progress(f"{family} {shape} batch {batch}: {1000 * step_s:.2f} ms a step")
+        log_progress(f"{family} {shape} batch {batch}: {1000 * step_s:.2f} ms a step")
     runner.close()
 
 
@@ -150,7 +146,7 @@ def _with_fused_moe_on_cpu(check, fn):
 def case_moe(check) -> None:
     row = _with_fused_moe_on_cpu(check, lambda: _family_correctness(check, "qwen3-moe"))
     check.emit("moe_correctness", family="qwen3-moe", **row)
-    _progress(f"moe correctness: top-1 agreement {row['top1_agreement']:.4f} over {row['tokens']} tokens")
+    log_progress(f"moe correctness: top-1 agreement {row['top1_agreement']:.4f} over {row['tokens']} tokens")
     # the floor of a sparse step is the bytes of the experts it touches: `overlap bench moe` measures that on a CPU
     _with_fused_moe_on_cpu(check, lambda: _decode_rows(check, "moe", "qwen3-30b-a3b", 4, floor=False))
 
@@ -158,7 +154,7 @@ def case_moe(check) -> None:
 def case_gemma(check) -> None:
     row = _family_correctness(check, "gemma-3")
     check.emit("gemma_correctness", family="gemma-3", **row)
-    _progress(f"gemma correctness: top-1 agreement {row['top1_agreement']:.4f} over {row['tokens']} tokens")
+    log_progress(f"gemma correctness: top-1 agreement {row['top1_agreement']:.4f} over {row['tokens']} tokens")
     _decode_rows(check, "gemma", "gemma-3-1b", 26, floor=True)
 
 

@@ -5,15 +5,9 @@ at load."""
 from __future__ import annotations
 
 import os
-import sys
-import time
 
 from overlap.bench.floor import decode_floor_bytes
-
-
-def _progress(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
+from overlap.bench.meter import log_progress
 
 QUANTIZED_SCHEMES = ("w4a16", "w8a8", "fp8", "fp8-block")
 
@@ -37,7 +31,7 @@ def _quantized_scheme(check, scheme: str) -> None:
     warmup, batches = 3, ((1,) if check.dry else (1, 16, 64))  # a dry run checks the script, not the speed
     max_tokens = 2 * (warmup + check.steps) + 2
     runner, load_s = check.random_runner(name, check.prompt_len + max_tokens, max(batches), quantization=scheme)
-    _progress(f"quantized {name} {scheme}: runner ready in {load_s:.1f} s ({runner.kernels})")
+    log_progress(f"quantized {name} {scheme}: runner ready in {load_s:.1f} s ({runner.kernels})")
     for batch in batches:
         result = measure_overlap(runner, 2, batch=batch, steps=check.steps, host_ms=0.0, warmup_steps=warmup,
                                  prompt_len=check.prompt_len, max_tokens=max_tokens)  # fmt: skip
@@ -48,7 +42,7 @@ def _quantized_scheme(check, scheme: str) -> None:
                    floor_ms=None if floor_s is None else 1000 * floor_s,
                    step_over_floor=None if floor_s is None else step_s / floor_s, weight_bytes=runner.weight_bytes,
                    kernels=runner.kernels)  # fmt: skip
-        _progress(f"quantized {name} {scheme} batch {batch}: {1000 * step_s:.2f} ms a step")
+        log_progress(f"quantized {name} {scheme} batch {batch}: {1000 * step_s:.2f} ms a step")
     runner.close()
 
     def last_logits(kernels: str):
@@ -72,5 +66,20 @@ def _quantized_scheme(check, scheme: str) -> None:
     check.emit("quantized_logits", model=name, quantization=scheme, max_abs_diff=diff,
                reference_std=float(reference.std()), top1_equal=int((kernel.argmax(-1) == reference.argmax(-1)).sum()),
                prompts=kernel.shape[0])  # fmt: skip
-    _progress(f"quantized {name} {scheme}: logits within {diff:.4f} of the dequantized reference's "
+    log_progress(f"quantized {name} {scheme}: logits within {diff:.4f} of the dequantized reference's "
               f"(std {reference.std():.4f})")  # fmt: skip
+
+
+def format_rows(rows: list[dict]) -> list[str]:
+    """The quantized case's lines of the report."""
+    lines = []
+    for r in rows:
+        if r["case"] == "quantized":
+            floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms floor ({r['step_over_floor']:.2f}x)"
+            lines.append(f"quantized {r['model']} {r['quantization']} batch {r['batch']}: {r['step_ms']:.2f} ms a "
+                         f"step, {floor}, {r['weight_bytes'] / 1e9:.2f} GB of weights")  # fmt: skip
+        elif r["case"] == "quantized_logits":
+            lines.append(f"quantized {r['model']} {r['quantization']}: last logits within {r['max_abs_diff']:.4f} of "
+                         f"the dequantized reference's (std {r['reference_std']:.4f}), top token equal in "
+                         f"{r['top1_equal']} of {r['prompts']} prompts")  # fmt: skip
+    return lines

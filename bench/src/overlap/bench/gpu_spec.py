@@ -96,7 +96,7 @@ def case_speculative(check) -> None:
                ngram_proposed=stats["spec_decode_num_draft_tokens_total"])  # fmt: skip
 
 
-def format_row(r: dict) -> str:
+def _format_row(r: dict) -> str:
     floor = "-" if r["floor_ms"] is None else f"{r['floor_ms']:.2f} ms floor"
     ratios = "" if r["floor_ms"] is None else f" ({r['plain_over_floor']:.2f}x / {r['verify_over_floor']:.2f}x)"
     return (f"speculative {r['model']} batch 1, k {r['k']}: plain step {r['plain_step_ms']:.2f} ms, verifying step "
@@ -104,6 +104,11 @@ def format_row(r: dict) -> str:
             f"step with oracle proposals ({r['oracle_speedup']:.2f}x a plain step's rate); ngram on random weights "
             f"{r['ngram_tokens_per_step']:.2f} tokens a step, {r['ngram_accepted']} of {r['ngram_proposed']} "
             "proposals accepted")  # fmt: skip
+
+
+def format_rows(rows: list[dict]) -> list[str]:
+    """The speculative case's lines of the report."""
+    return [_format_row(r) for r in rows if r["case"] == "speculative"]
 
 
 def _median(values: list[float]) -> float:

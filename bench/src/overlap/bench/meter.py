@@ -1,9 +1,11 @@
-"""What a replay watches while it runs: a progress bar, the machine's load average, and how often it samples."""
+"""What a long benchmark shows while it runs: progress lines and bars, the machine's load average, and how often a
+replay samples."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 SAMPLE_EVERY_S = 0.1
 
@@ -29,3 +31,8 @@ def progress_bar(total: int, label: str, enabled: bool):
         leave=False,
         dynamic_ncols=True,
     )
+
+
+def log_progress(message: str) -> None:
+    """One progress line on stderr, with the time of day."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
