@@ -1,8 +1,8 @@
 """`overlap router`: its index and scores as units, then the real thing: two `overlap serve` replicas (real engines,
-the tiny model) behind an `overlap router` process, driven over HTTP: a prompt goes where its prefix is cached (the
-router computes the block hashes the engines publish), a session stays put, the tokenizer comes from a replica,
-a replica killed under load loses nothing, and a router that finds its replicas by DNS name holds requests until
-one is ready."""
+the tiny model, LoRA on) behind an `overlap router` process, driven over HTTP: a prompt goes where its prefix is
+cached (the router computes the block hashes the engines publish), a session stays put, a LoRA adapter's requests
+go where it is served and loaded, the tokenizer comes from a replica, a replica killed under load loses nothing,
+and a router that finds its replicas by DNS name holds requests until one is ready."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from overlap.gateway.router.app import Router, RouterConfig
 from overlap.gateway.router.picker import Pick, Picker, PrefixIndex, ReplicaState
 from overlap.sidecar import schemas
 from overlap.sidecar.text import TextProcessor
+from tests.support.lora import make_adapter
 from tests.support.sidecar import Proc, free_port, http, metric_value, overlap_cmd, overlap_serve, wait_until
 
 
@@ -72,6 +73,28 @@ def test_the_prefix_policy_weighs_cached_tokens_against_backlogs_and_keeps_sessi
         Picker("closest")
 
 
+def test_an_adapters_requests_go_where_it_is_served_and_stay_where_it_is_loaded_until_that_costs_more():
+    a, b = ReplicaState("a", ready=True), ReplicaState("b", ready=True)
+    picker = Picker("prefix", seed=0)  # U = 256 tokens
+    b.set_models([{"id": "base"}, {"id": "sql", "parent": "base"}])
+    a.in_flight = 3  # busier, but a does not serve sql (it would answer 404): b
+    assert picker.pick([a, b], [], 16, 64, adapter="sql") == Pick(b, "only", 0)
+    assert picker.pick([a, b], [], 16, 64, adapter="chat").replica is b  # served nowhere: by the score alone
+
+    a.set_models(b.models)
+    first = picker.pick([a, b], [], 16, 64, adapter="sql")  # loaded nowhere: the least loaded
+    assert first == Pick(b, "load", 0, adapter_loaded=False)
+    picker.routed(first, [], 16, 64, None, adapter="sql")
+    a.in_flight = 0
+    b.in_flight = 2  # two streams on b cost less than loading sql on a (one U): it stays
+    assert picker.pick([a, b], [], 16, 64, adapter="sql") == Pick(b, "adapter", 0, adapter_loaded=True)
+    assert picker.pick([a, b], [], 16, 64).replica is a  # the base model goes by load
+    b.starting, b.backlog_tokens = 1, 400  # now b's backlog costs more than loading it on a: it moves
+    assert picker.pick([a, b], [], 16, 64, adapter="sql") == Pick(a, "load", 0, adapter_loaded=False)
+    a.adapter_requests = {"sql": 1}  # a request for sql running on a: loaded there too
+    assert picker.pick([a, b], [], 16, 64, adapter="sql").adapter_loaded
+
+
 def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it():
     """A poll that times out on a loaded machine must not send a live replica's prefixes elsewhere: the replica stays
     ready with its blocks until a second poll in a row fails; a good poll in between starts the count again."""
@@ -79,11 +102,12 @@ def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it
     router = Router(RouterConfig(replicas=[url]))
     state = router.replicas[url] = ReplicaState(url)
     good = {"hash_scheme": HASH_SCHEME, "epoch": "e1", "block_size": 16, "load": {}, "ready": True}
-    router._polled(state, {**good, "events": [(STORED, 1), (STORED, 2)], "reset": True, "next_seq": 2})
-    assert state.ready and router.picker.index.matches([1, 2], [url]) == {url: 2}
+    models = {"data": [{"id": "base"}, {"id": "sql", "parent": "base"}]}
+    router._polled(state, {**good, "events": [(STORED, 1), (STORED, 2)], "reset": True, "next_seq": 2}, models)
+    assert state.ready and router.picker.index.matches([1, 2], [url]) == {url: 2} and state.adapters == {"sql"}
 
     router._polled(state, None)  # one failed poll: nothing changes, the next poll goes on from the same event
-    assert state.ready and state.failed_polls == 1 and router.ready.is_set()
+    assert state.ready and state.failed_polls == 1 and router.ready.is_set() and state.adapters == {"sql"}
     assert router.picker.index.matches([1, 2], [url]) == {url: 2} and (state.epoch, state.next_seq) == ("e1", 2)
 
     router._polled(state, {**good, "events": [(STORED, 3)], "reset": False, "next_seq": 3})  # a good one resets
@@ -92,7 +116,7 @@ def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it
     assert state.ready and router.picker.index.matches([1, 2, 3], [url]) == {url: 3}
 
     router._polled(state, None)  # the second in a row: down, its blocks out of the index, a snapshot next
-    assert not state.ready and not router.ready.is_set() and len(router.picker.index) == 0
+    assert not state.ready and not router.ready.is_set() and len(router.picker.index) == 0 and not state.adapters
     assert (state.epoch, state.next_seq) == ("", 0)
     router._polled(state, {**good, "events": [(STORED, 1)], "reset": True, "next_seq": 4})
     assert state.ready and state.failed_polls == 0 and router.picker.index.matches([1, 2], [url]) == {url: 1}
@@ -102,9 +126,10 @@ def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir):
     config = json.dumps({"num_kv_blocks": 256, "max_num_seqs": 8, "num_threads": 1})
+    lora = ("--enable-lora", "--max-lora-rank", "4", "--allow-runtime-lora-updating", "true")
     workdir = Path(tempfile.mkdtemp(prefix="ovl-router-"))
     with ExitStack() as stack:
-        replicas = [stack.enter_context(overlap_serve(tiny_model_dir, "engine.json", config)) for _ in range(2)]
+        replicas = [stack.enter_context(overlap_serve(tiny_model_dir, "engine.json", config, *lora)) for _ in range(2)]
         port = free_port()
         cmd = overlap_cmd("router", "--port", str(port), "--poll-interval-s", "0.05",
                           *[a for r in replicas for a in ("--replica", r["url"])])  # fmt: skip
@@ -112,12 +137,12 @@ def fleet(tiny_model_dir):
         stack.callback(router.stop, 30)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: http("GET", f"{url}/readyz", timeout=2)[0] == 200, 60, "router ready", router)
-        yield {"url": url, "replicas": replicas, "router": router, "model": replicas[0]["model"]}
+        yield {"url": url, "replicas": replicas, "router": router, "model": replicas[0]["model"], "dir": workdir}
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def complete(fleet, prompt, headers=None, max_tokens=4) -> dict:
-    body = {"model": fleet["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+def complete(fleet, prompt, headers=None, max_tokens=4, model=None) -> dict:
+    body = {"model": model or fleet["model"], "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     status, _, answer = http("POST", f"{fleet['url']}/v1/completions", body, headers=headers, timeout=60)
     assert status == 200, answer
     return answer
@@ -167,6 +192,51 @@ def test_a_session_header_keeps_a_conversation_on_one_replica(fleet):
     for i in range(4):
         complete(fleet, [5 + i, 6, 7], headers={"x-session-id": "conversation-1"})
     assert sorted(a - b for a, b in zip(finished(), before, strict=True)) == [0, 4]
+
+
+def test_an_adapters_requests_go_to_the_replica_that_serves_it_and_then_stay_where_it_is_loaded(fleet, tiny_model_dir):
+    """sql is loaded into the second replica only: its requests all go there (the first replica would answer 404),
+    hashed through the adapter as the engine hashes them; chat, on both and loaded on neither, goes to one of them
+    and its later requests follow. The router's /v1/models lists what the replicas serve."""
+    folder = make_adapter(tiny_model_dir, fleet["dir"] / "sql", 4, 8, False, ["q_proj", "v_proj"], seed=3)
+    first, second = fleet["replicas"]
+    for replica, names in ((second, ("sql", "chat")), (first, ("chat",))):
+        for name in names:
+            status, _, body = http("POST", f"{replica['url']}/v1/load_lora_adapter",
+                                   {"lora_name": name, "lora_path": str(folder)})  # fmt: skip
+            assert status == 200, body
+
+    def listed():
+        status, _, body = http("GET", f"{fleet['url']}/v1/models")
+        return {m["id"]: m.get("parent") for m in body["data"]} if status == 200 else {}
+
+    wait_until(lambda: listed() == {fleet["model"]: None, "sql": fleet["model"], "chat": fleet["model"]}, 10,
+               "the adapters in the router's /v1/models", fleet["router"])  # fmt: skip
+
+    def finished():
+        return [replica_metric(r, "overlap_requests_finished_total", 'reason="length"') for r in fleet["replicas"]]
+
+    def adapter_requests(loaded):
+        return router_metric(fleet, "overlap_router_adapter_requests_total", f'loaded="{loaded}"')
+
+    before, hits_before = finished(), router_metric(fleet, "overlap_router_prefix_hit_tokens_total")
+    loaded_before = (adapter_requests("true"), adapter_requests("false"))
+    story = " ".join(f"Row {i} of the ledger lists a barrel of salt." for i in range(10))
+    assert complete(fleet, story, model="sql")["model"] == "sql"
+    wait_until(lambda: router_metric(fleet, "overlap_router_index_blocks") > 0, 10, "the blocks in the index")
+    for turn in range(2):
+        complete(fleet, story + f" Then {turn}.", model="sql")
+    assert [a - b for a, b in zip(finished(), before, strict=True)] == [0, 3]
+    # the router's hashes through the adapter are the engine's: the story's blocks were found on the replica
+    assert router_metric(fleet, "overlap_router_prefix_hit_tokens_total") - hits_before >= 2 * 64
+    assert (adapter_requests("true") - loaded_before[0], adapter_requests("false") - loaded_before[1]) == (2, 1)
+
+    before = finished()
+    for i in range(3):
+        complete(fleet, [21, i + 3, 4], model="chat")
+    assert sorted(a - b for a, b in zip(finished(), before, strict=True)) == [0, 3]
+    status, _, error = http("POST", f"{fleet['url']}/v1/completions", {"model": "nowhere", "prompt": "x"})
+    assert status == 404 and error["error"]["code"] == "model_not_found"  # the replica's words
 
 
 def test_a_replica_killed_under_load_loses_nothing(fleet):

@@ -6,19 +6,22 @@ is short (`picker.py` says how it scores).
   whose address went is dropped at once. Each is polled every `--poll-interval-s` at `/v1/kv-events`:
   the blocks its prefix cache added and evicted since the last poll (a snapshot first and after an engine restart),
   its load (waiting, running, KV usage, the sidecar's admission queue) and whether it is ready or draining. The
-  block size and hash scheme come from there too, so nothing is configured twice. One failed poll (a timeout on a
+  block size and hash scheme come from there too, so nothing is configured twice. `/v1/models` is read in the
+  same poll (the same failure rule): the LoRA adapters the replica serves. One failed poll (a timeout on a
   loaded machine) changes nothing; the second in a row marks the replica down and drops its blocks from the index.
 - A request: its prompt tokenized once here (the model's tokenizer: `--tokenizer DIR`, else the files a replica
-  serves at `/v1/tokenizer`), hashed into blocks, a replica picked, the request relayed as it came (streams chunk
-  by chunk). A replica that refuses the connection, answers 5xx or 429 before a byte went to the client is marked
-  down (until its next good poll) and the request goes to the next best: nothing accepted is lost while another
-  replica is up. One that fails mid-stream cannot be retried (the client has part of the answer).
+  serves at `/v1/tokenizer`), hashed into blocks (through the LoRA adapter its `model` names), a replica picked,
+  the request relayed as it came (streams chunk by chunk). A replica that refuses the connection, answers 5xx or
+  429 before a byte went to the client is marked down (until its next good poll) and the request goes to the next
+  best: nothing accepted is lost while another replica is up. One that fails mid-stream cannot be retried (the
+  client has part of the answer).
 - No replica ready (none yet, scaled to zero, all failing): a request is held up to `--hold-timeout-s` (at most
   `--max-held` at once) until one is, then sent; `overlap_router_held_requests` counts them, which the operator's
   control loop reads to scale from zero. The router is the scale-from-zero activator of a routed service.
 - `/router/healthz`: 200 while the router runs (its pod's probes: it must take requests to hold them). `/readyz`:
-  200 while some replica is ready. `/metrics`: picks by reason, prompt and prefix-hit tokens, the index size, pick
-  and tokenize latency, retries, held requests, ready replicas.
+  200 while some replica is ready. `/v1/models`: the models the ready replicas serve (the base and every adapter).
+  `/metrics`: picks by reason, adapter requests by whether the replica had the adapter loaded, prompt and
+  prefix-hit tokens, the index size, pick and tokenize latency, retries, held requests, ready replicas.
 """
 
 from __future__ import annotations
@@ -104,6 +107,8 @@ class Router(HoldingProxy):
         )
         self.retries = Counter("overlap_router_retries", "Requests sent again to another replica", registry=r)
         self.failed = Counter("overlap_router_failed_requests", "Requests no replica could take", registry=r)
+        self.adapter_picks = Counter("overlap_router_adapter_requests", "Requests for a LoRA adapter, by whether the "
+                                     "replica picked had it loaded", ["loaded"], registry=r)  # fmt: skip
         self.pick_time = Histogram("overlap_router_pick_seconds", "Scoring and choosing a replica", registry=r,
                                    buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2))  # fmt: skip
         self.tokenize_time = Histogram("overlap_router_tokenize_seconds", "Tokenizing a prompt for scoring",
@@ -121,7 +126,7 @@ class Router(HoldingProxy):
     # ------------------------------------------------------------------------------------------------ lifecycle
     def routes(self) -> dict[str, object]:
         return {"/readyz": self.readyz, "/router/readyz": self.readyz, "/router/healthz": self.healthz,
-                "/metrics": self.metrics}  # fmt: skip
+                "/metrics": self.metrics, "/v1/models": self.list_models}  # fmt: skip
 
     def background(self) -> list:
         return [self._resolve(), self._load_tokenizer()] if self.config.replicas_from else [self._load_tokenizer()]
@@ -180,21 +185,28 @@ class Router(HoldingProxy):
     async def _poll(self, state: ReplicaState) -> None:
         timeout = aiohttp.ClientTimeout(total=max(2.0, 10 * self.config.poll_interval_s))
         while True:
-            try:
-                params = {"since": str(state.next_seq), "epoch": state.epoch}
-                async with self.session.get(f"{state.url}/v1/kv-events", params=params, timeout=timeout) as response:
-                    body = await response.json() if response.status == 200 else None
-            except (*UPSTREAM_ERRORS, json.JSONDecodeError):
-                body = None
-            self._polled(state, body)
+            params = {"since": str(state.next_seq), "epoch": state.epoch}
+            body, models = await asyncio.gather(self._get_json(f"{state.url}/v1/kv-events", params, timeout),
+                                                self._get_json(f"{state.url}/v1/models", None, timeout))  # fmt: skip
+            self._polled(state, body if isinstance(models, dict) else None, models)
             await asyncio.sleep(self.config.poll_interval_s)
 
-    def _polled(self, state: ReplicaState, body: dict | None) -> None:
-        """A poll's answer, None when it failed (no connection, a timeout, not 200). One failed poll changes nothing:
+    async def _get_json(self, url: str, params: dict | None, timeout: aiohttp.ClientTimeout):
+        try:
+            async with self.session.get(url, params=params, timeout=timeout) as response:
+                return await response.json() if response.status == 200 else None
+        except (*UPSTREAM_ERRORS, json.JSONDecodeError):
+            return None
+
+    def _polled(self, state: ReplicaState, body: dict | None, models: dict | None = None) -> None:
+        """A poll's answer: its KV events (`body`) and its /v1/models (`models`), body None when either failed (no
+        connection, a timeout, not 200). One failed poll changes nothing:
         on a loaded machine a live replica's poll can time out, and dropping its blocks would send its prefixes
         elsewhere. The second in a row marks it down (its index dropped until a good poll brings a snapshot)."""
         if body is not None:
             state.failed_polls = 0
+            if models is not None:
+                state.set_models(models.get("data") or [])
             self._update(state, body)
             return
         state.failed_polls += 1
@@ -227,6 +239,7 @@ class Router(HoldingProxy):
             log.warning("replica %s is down; not routed to until it answers again", state.url)
         state.ready = False
         state.next_seq, state.epoch = 0, ""  # the next good poll brings a snapshot
+        state.set_models([])
         self.picker.index.drop(state.url)
         self._readiness_changed()
 
@@ -287,7 +300,10 @@ class Router(HoldingProxy):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         deadline = time.monotonic() + self.config.hold_timeout_s
         raw = await request.read()
-        hashes: dict[int, list[int]] = {}  # block size -> the prompt's block hashes
+        body = self._json_body(request, raw)
+        model = body.get("model") if body is not None else None
+        model = model if isinstance(model, str) else None
+        hashes: dict[tuple[int, str | None], list[int]] = {}  # (block size, adapter) -> the prompt's block hashes
         session = request.headers.get(self.config.session_header)
         tokens: list[int] | None = None  # tokenized at the first pick: a held request may wait for the tokenizer
         tried: set[str] = set()
@@ -299,22 +315,27 @@ class Router(HoldingProxy):
                     break  # every ready replica refused it, or none became ready in time
                 continue
             if tokens is None:
-                tokens = await self._scored_tokens(request, raw)
+                tokens = await self._scored_tokens(request, body)
             started = time.perf_counter()
             size = candidates[0].block_size or 16
-            if size not in hashes:
-                hashes[size] = block_hashes(tokens, size)
-            pick = self.picker.pick(candidates, hashes[size], size, len(tokens), session)
+            adapter = model if any(model in r.adapters for r in self.replicas.values()) else None
+            key = (size, adapter)
+            if key not in hashes:
+                hashes[key] = block_hashes(tokens, size, adapter)
+            pick = self.picker.pick(candidates, hashes[key], size, len(tokens), session, adapter)
             self.pick_time.observe(time.perf_counter() - started)
             if attempt:
                 self.retries.inc()
             attempt += 1
             tried.add(pick.replica.url)
-            response = await self._forward(request, raw, pick.replica, self.picker.uncached(pick, size, len(tokens)))
+            uncached = self.picker.uncached(pick, size, len(tokens))
+            response = await self._forward(request, raw, pick.replica, uncached, adapter)
             if response is None:  # refused before anything was sent to the client: try the next best
                 continue
             self.picks.labels(pick.reason).inc()
-            self.picker.routed(pick, hashes[size], size, len(tokens), session)
+            if adapter is not None:
+                self.adapter_picks.labels(str(pick.adapter_loaded).lower()).inc()
+            self.picker.routed(pick, hashes[key], size, len(tokens), session, adapter)
             if tokens:
                 self.prompt_tokens.inc(len(tokens))
                 self.hit_tokens.inc(min(pick.hit_blocks * size, len(tokens)))
@@ -327,24 +348,32 @@ class Router(HoldingProxy):
         body = {"error": {"message": message, "type": "service_unavailable", "code": "no_ready_replica"}}
         return web.json_response(body, status=503, headers={"Retry-After": "1"})
 
-    async def _scored_tokens(self, request: web.Request, raw: bytes) -> list[int]:
-        scored = request.method == "POST" and request.path in SCORED_PATHS
-        if not scored or self.config.policy not in ("prefix", "approx"):
-            return []
-        started = time.perf_counter()
-        tokens: list[int] = []
+    @staticmethod
+    def _json_body(request: web.Request, raw: bytes) -> dict | None:
+        """A completion or chat request's body (None for anything else, or what is no JSON object)."""
+        if request.method != "POST" or request.path not in SCORED_PATHS:
+            return None
         with contextlib.suppress(ValueError, UnicodeDecodeError):
             body = json.loads(raw)
-            if isinstance(body, dict):
-                tokens = await self.prompt_tokens_of(request.path, body)
+            return body if isinstance(body, dict) else None
+        return None
+
+    async def _scored_tokens(self, request: web.Request, body: dict | None) -> list[int]:
+        if body is None or self.config.policy not in ("prefix", "approx"):
+            return []
+        started = time.perf_counter()
+        tokens = await self.prompt_tokens_of(request.path, body)
         self.tokenize_time.observe(time.perf_counter() - started)
         return tokens
 
-    async def _forward(self, request: web.Request, raw: bytes, replica: ReplicaState,
-                       uncached: int) -> web.StreamResponse | None:  # fmt: skip
+    async def _forward(self, request: web.Request, raw: bytes, replica: ReplicaState, uncached: int,
+                       adapter: str | None) -> web.StreamResponse | None:  # fmt: skip
         """Relay to `replica`; None when it refused before the client got anything (connection, 5xx, 429).
-        `uncached` prompt tokens count in its backlog until its answer starts."""
+        `uncached` prompt tokens count in its backlog until its answer starts; LoRA `adapter` is loaded there while
+        the request runs."""
         replica.in_flight += 1
+        if adapter is not None:
+            replica.adapter_requests[adapter] = replica.adapter_requests.get(adapter, 0) + 1
         replica.starting += 1
         replica.backlog_tokens += uncached
         before_first_byte = True
@@ -377,6 +406,22 @@ class Router(HoldingProxy):
         finally:
             streaming()
             replica.in_flight -= 1
+            if adapter is not None:
+                replica.adapter_requests[adapter] -= 1
+                if not replica.adapter_requests[adapter]:
+                    del replica.adapter_requests[adapter]
+
+    async def list_models(self, request: web.Request) -> web.StreamResponse:
+        """The models the ready replicas serve: the base model, then every LoRA adapter any of them serves (a request
+        for one goes to a replica that serves it). Relayed as any request while no replica has answered a poll."""
+        served: dict[str, dict] = {}
+        for replica in self.candidates():
+            for model in replica.models:
+                served.setdefault(model["id"], model)
+        if not served:
+            return await self.handle(request)
+        ordered = sorted(served.values(), key=lambda m: (bool(m.get("parent")), m["id"]))
+        return web.json_response({"object": "list", "data": ordered})
 
     async def healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"held": self.waiting.count, "replicas": len(self.replicas),
@@ -392,7 +437,8 @@ class Router(HoldingProxy):
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "router",
-        help="route requests across replicas by their cached prefixes and load (OpenAI API in front of sidecars)",
+        help="route requests across replicas by their cached prefixes, LoRA adapters and load (OpenAI API in front "
+        "of sidecars)",
         description=__doc__.splitlines()[0],
     )
     defaults = RouterConfig(replicas=["http://placeholder"])

@@ -11,12 +11,22 @@ would start and finish soonest, estimated in prompt tokens of work:
             + U x its waiting requests this router did not send (other clients; from its last poll)
             + FULL_KV_PENALTY x U if its KV cache is over 95% full (it would evict or preempt to take it)
             - SESSION_BONUS x U if the request's session went to r last
+            + ADAPTER_LOAD x U if the request names a LoRA adapter r has not loaded (it reads it into a slot first)
 
 U is the mean uncached prompt of the requests routed so far (a moving average). The backlog is the router's own
 and exact at the moment of the pick, so a burst spreads at once; a group's requests stay where its prefix is
 cached until that replica's backlog costs more than computing the prompt elsewhere. Ties go to the fewest
 requests in flight. The other policies are the baselines a benchmark compares with: `least-queue`, `round-robin`,
 `random` (what a plain Kubernetes Service does).
+
+LoRA adapters: every replica registers the same adapters (the same `--lora-modules`, or the operator's pass that
+loads spec.adapters into every ready pod), but one that has not yet (a new pod before that pass) answers 404, so
+a request for adapter X goes only to replicas that list X in their /v1/models (to any, if none does: the replica's
+404 then names what is served). Registered is not loaded: an engine keeps a few adapters in device slots and host
+memory and reads another from its folder on first use. A replica has X loaded, as far as the router can tell, while
+this router has requests for X running there, or when X's last request went there (a slot is refilled only when
+its adapter is idle longest). Elsewhere X costs ADAPTER_LOAD x U more, so X's requests stay on the replica that
+holds it until its load costs more; if none holds it, they go to the least loaded, which then holds it.
 """
 
 from __future__ import annotations
@@ -113,6 +123,15 @@ class ReplicaState:
     starting: int = 0  # of which not streaming yet
     backlog_tokens: int = 0  # their uncached prompt tokens
     failed_polls: int = 0  # KV-event polls failed in a row (the router's DOWN_AFTER_FAILED_POLLS marks it down)
+    models: list[dict] = field(default_factory=list)  # its /v1/models entries: the base model, then its adapters
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves (the entries with a parent)
+    adapter_requests: dict[str, int] = field(default_factory=dict)  # adapter -> this router's requests in flight
+
+    def set_models(self, models: object) -> None:
+        """From its /v1/models `data`; anything else there counts as no model."""
+        models = models if isinstance(models, list) else []
+        self.models = [m for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        self.adapters = frozenset(m["id"] for m in self.models if m.get("parent"))
 
     @property
     def queue(self) -> int:
@@ -122,14 +141,16 @@ class ReplicaState:
 @dataclass
 class Pick:
     replica: ReplicaState
-    reason: str  # prefix | session | load | random | round-robin | only
+    reason: str  # prefix | session | adapter | load | random | round-robin | only
     hit_blocks: int = 0
+    adapter_loaded: bool = False  # the request names a LoRA adapter that the replica has loaded
 
 
 DECODE_TOKENS = 16  # a streaming request's share of each step, in prompt tokens
 SESSION_BONUS = 2.0  # in mean uncached prompts
 FULL_KV_PENALTY = 4.0
 FULL_KV = 0.95
+ADAPTER_LOAD = 1.0  # in mean uncached prompts: reading an adapter into a slot, and the wait for a free slot
 
 
 class Picker:
@@ -141,14 +162,26 @@ class Picker:
         self.approx = PrefixIndex(capacity=approx_capacity)  # from this router's own picks
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session id -> replica url, most recent last
         self.max_sessions = 100_000
+        self.adapter_homes: OrderedDict[str, str] = OrderedDict()  # LoRA adapter -> the replica its last request went
         self.mean_uncached = 256.0  # U: tokens, a moving average over routed requests
         self._rng = random.Random(seed)
         self._next = 0
 
     def pick(self, candidates: list[ReplicaState], hashes: list[int], block_size: int, num_tokens: int,
-             session: str | None = None) -> Pick:  # fmt: skip
+             session: str | None = None, adapter: str | None = None) -> Pick:  # fmt: skip
         """The replica for a request of `num_tokens` prompt tokens whose full blocks have these hashes (candidates:
-        ready, not draining)."""
+        ready, not draining), through LoRA `adapter` (None: the base model)."""
+        if adapter is not None:
+            candidates = [r for r in candidates if adapter in r.adapters] or candidates
+        pick = self._pick(candidates, hashes, block_size, num_tokens, session, adapter)
+        pick.adapter_loaded = adapter is not None and self.has_loaded(pick.replica, adapter)
+        return pick
+
+    def has_loaded(self, replica: ReplicaState, adapter: str) -> bool:
+        return replica.adapter_requests.get(adapter, 0) > 0 or self.adapter_homes.get(adapter) == replica.url
+
+    def _pick(self, candidates: list[ReplicaState], hashes: list[int], block_size: int, num_tokens: int,
+              session: str | None, adapter: str | None) -> Pick:  # fmt: skip
         if len(candidates) == 1:
             return Pick(candidates[0], "only", self._hits(candidates, hashes).get(candidates[0].url, 0))
         if self.policy == "random":
@@ -162,19 +195,24 @@ class Picker:
         last = self.sessions.get(session) if session else None
         unit = self.mean_uncached
 
-        def cost(r: ReplicaState, with_session: bool = True) -> tuple[float, int]:
+        def cost(r: ReplicaState, with_affinity: bool = True) -> tuple[float, int]:
             others_waiting = max(0, int(r.load.get("num_waiting", 0)) + int(r.load.get("queued", 0)) - r.starting)
             value = max(num_tokens - hits[r.url] * block_size, 0) + r.backlog_tokens
             value += DECODE_TOKENS * (r.in_flight - r.starting) + unit * others_waiting
             if float(r.load.get("kv_usage", 0.0)) > FULL_KV:
                 value += FULL_KV_PENALTY * unit
-            if with_session and last == r.url:
+            if with_affinity and last == r.url:
                 value -= SESSION_BONUS * unit
+            if with_affinity and adapter is not None and not self.has_loaded(r, adapter):
+                value += ADAPTER_LOAD * unit
             return value, r.in_flight
 
         best = min(candidates, key=cost)
-        if last == best.url and min(candidates, key=lambda r: cost(r, False)) is not best:
+        by_load = min(candidates, key=lambda r: cost(r, False))
+        if last == best.url and by_load is not best:
             reason = "session"
+        elif adapter is not None and by_load is not best:
+            reason = "adapter"
         elif hits[best.url] > 0 and hits[best.url] >= max(hits.values()):
             reason = "prefix"
         else:
@@ -186,14 +224,16 @@ class Picker:
         """The prompt tokens `pick.replica` will compute for the request."""
         return max(num_tokens - pick.hit_blocks * block_size, 1)
 
-    def routed(self, pick: Pick, hashes: list[int], block_size: int, num_tokens: int, session: str | None) -> None:
-        """After a request went to `pick.replica`: remember its session, its uncached share and (router-side
-        tracking) its blocks."""
-        if session:
-            self.sessions[session] = pick.replica.url
-            self.sessions.move_to_end(session)
-            if len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)
+    def routed(self, pick: Pick, hashes: list[int], block_size: int, num_tokens: int, session: str | None,
+               adapter: str | None = None) -> None:  # fmt: skip
+        """After a request went to `pick.replica`: remember its session, where its adapter is loaded, its uncached
+        share and (router-side tracking) its blocks."""
+        for key, seen in ((session, self.sessions), (adapter, self.adapter_homes)):
+            if key:
+                seen[key] = pick.replica.url
+                seen.move_to_end(key)
+                if len(seen) > self.max_sessions:
+                    seen.popitem(last=False)
         if num_tokens:
             self.mean_uncached += 0.05 * (self.uncached(pick, block_size, num_tokens) - self.mean_uncached)
         if self.policy == "approx":
