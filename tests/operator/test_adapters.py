@@ -1,32 +1,33 @@
 """spec.adapters: the pod the operator builds for them, and adapters loaded into and unloaded from a running pod
 through its API without rolling the Deployment.
 
-The pod's API here is `VllmLoraAPI`, a thin aiohttp server speaking vLLM's three calls (GET /v1/models, POST
-/v1/load_lora_adapter, POST /v1/unload_lora_adapter) with vLLM's bodies, until the real sidecar serves them (branch
-`lora`); the operator, kopf, the kubernetes client and the emulated API server are the real ones.
+The pod's API is a real `overlap serve --enable-lora --allow-runtime-lora-updating true` on the tiny model (one for
+the module), with adapters PEFT made on it; what the pod's adapters container would have fetched is a link in the
+links folder to such an adapter. The operator, kopf, the kubernetes client and the emulated API server are the
+real ones.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import os
+import secrets
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
-from aiohttp import web
 
 from overlap.engine.delivery.adapters import link_name
 from overlap.operator import adapter_sync, adapters, children, reconcile
 from overlap.operator import spec as specs
 from tests.support.cluster import NAMESPACE, chart_grants, not_granted, operator_requests, wait_for
+from tests.support.lora import make_adapter
 from tests.support.model_sources import HubServer
-from tests.support.sidecar import free_port, overlap_cmd
+from tests.support.sidecar import overlap_cmd, overlap_serve
 
 OWNER = {
     "apiVersion": "overlap.dev/v1alpha1",
@@ -100,99 +101,58 @@ def test_changing_the_adapter_list_changes_the_configmap_never_the_pod_template(
     assert ("ConfigMap", "llm-adapters") in {(kind, name) for kind, name, _ in unwanted}
 
 
-class VllmLoraAPI:
-    """vLLM's adapter endpoints over real HTTP, on loopback: an adapter loads from a path in `fetched` (what the
-    pod's adapters container has linked), and /v1/models lists each loaded one with its root and parent."""
-
-    def __init__(self, base: str = "llm") -> None:
-        self.base, self.fetched, self.loaded, self.calls = base, set(), {}, []
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-
-    def __enter__(self) -> VllmLoraAPI:
-        self._thread.start()
-        assert self._started.wait(10), "the test API did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _serve(self) -> None:
-        app = web.Application()
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/load_lora_adapter", self._load)
-        app.router.add_post("/v1/unload_lora_adapter", self._unload)
-        runner = web.AppRunner(app)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._started.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
-
-    async def _models(self, request: web.Request) -> web.Response:
-        cards = [{"id": self.base, "object": "model", "root": "/models/llm", "parent": None}]
-        cards += [{"id": n, "object": "model", "root": p, "parent": self.base} for n, p in self.loaded.items()]
-        return web.json_response({"object": "list", "data": cards})
-
-    @staticmethod
-    def _error(message: str, status: int) -> web.Response:
-        body = {"error": {"message": message, "type": "BadRequestError" if status == 400 else "NotFoundError",
-                          "param": None, "code": status}}  # fmt: skip
-        return web.json_response(body, status=status)
-
-    async def _load(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        name, path = body.get("lora_name"), body.get("lora_path")
-        self.calls.append(("load", name, path))
-        if name in self.loaded:
-            return self._error(f"The lora adapter '{name}' has already been loaded.", 400)
-        if path not in self.fetched:
-            return self._error(f"No adapter found for {path}", 404)
-        self.loaded[name] = path
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
-
-    async def _unload(self, request: web.Request) -> web.Response:
-        name = (await request.json()).get("lora_name")
-        self.calls.append(("unload", name))
-        if self.loaded.pop(name, None) is None:
-            return self._error(f"The lora adapter '{name}' cannot be found.", 404)
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_whose_uri_changed() -> None:
-    wanted = adapters.paths({"adapters": [SQL, CHAT]})
-    assert wanted["sql"] == f"{adapters.LINK_DIR}/{link_name('sql', SQL['uri'])}"
-    with VllmLoraAPI() as pod:
-        pod.fetched.add(wanted["sql"])  # chat still fetching
-        states = adapter_sync.sync_pod(pod.url, wanted)
-        assert states["sql"] == (adapter_sync.LOADED, "")
-        assert states["chat"][0] == adapter_sync.NOT_LOADED and "404: No adapter found for" in states["chat"][1]
-        pod.fetched.add(wanted["chat"])
-        assert adapter_sync.sync_pod(pod.url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
-        pod.calls.clear()
-        assert adapter_sync.sync_pod(pod.url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
-        assert pod.calls == []  # nothing to do: nothing called but /v1/models
-
-        moved = adapters.paths({"adapters": [{**SQL, "uri": "hf://acme/sql-lora@v2"}]})
-        pod.fetched.add(moved["sql"])
-        assert adapter_sync.sync_pod(pod.url, moved) == {"sql": (adapter_sync.LOADED, "")}
-        assert sorted(pod.calls) == [("load", "sql", moved["sql"]), ("unload", "chat"), ("unload", "sql")]
-        assert pod.loaded == moved
-        with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not a vLLM API there: said, not crashed
-            adapter_sync.sync_pod(f"{pod.url}/elsewhere", moved)
-
-
 @pytest.fixture(scope="module")
-def lora_pod() -> Iterator[VllmLoraAPI]:
-    with VllmLoraAPI() as pod:
-        yield pod
+def lora_pod(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
+    """A real pod API (`overlap serve` with runtime LoRA updating), and a PEFT adapter on its model to link."""
+    folder = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapter") / "peft", 4, 8, False,
+                          ["q_proj", "v_proj"], seed=5)  # fmt: skip
+    config = "num_kv_blocks: 64\nnum_threads: 1\nmax_seq_len: 64\n"
+    flags = ("--enable-lora", "--max-lora-rank", "4", "--allow-runtime-lora-updating", "true")
+    with overlap_serve(tiny_model_dir, "engine.yaml", config, *flags) as server:
+        yield {**server, "adapter": folder, "port": int(server["url"].rsplit(":", 1)[1])}
+
+
+def fetched(lora_pod: dict, path: str) -> None:
+    """What the pod's adapters container does once an adapter is fetched: its link, to the adapter's folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).symlink_to(lora_pod["adapter"], target_is_directory=True)
+
+
+def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_whose_uri_changed(
+    lora_pod, tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(adapters, "LINK_DIR", str(tmp_path / "links"))  # the pod's links folder, here
+    calls = []
+    real_call = adapter_sync._call
+
+    def call(url, body, timeout_s):  # the operator's calls, recorded on their way to the real API
+        calls.append((url.rsplit("/", 1)[-1], *(body or {}).values()))
+        return real_call(url, body, timeout_s)
+
+    monkeypatch.setattr(adapter_sync, "_call", call)
+    wanted = adapters.paths({"adapters": [SQL, CHAT]})
+    assert wanted["sql"] == f"{tmp_path}/links/{link_name('sql', SQL['uri'])}"
+    url = lora_pod["url"]
+    fetched(lora_pod, wanted["sql"])  # chat still fetching
+    states = adapter_sync.sync_pod(url, wanted)
+    assert states["sql"] == (adapter_sync.LOADED, "")
+    assert states["chat"][0] == adapter_sync.NOT_LOADED
+    assert states["chat"][1].startswith(f"400: adapter 'chat': no adapter_config.json in '{wanted['chat']}'")
+    fetched(lora_pod, wanted["chat"])
+    assert adapter_sync.sync_pod(url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
+    calls.clear()
+    assert adapter_sync.sync_pod(url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
+    assert calls == [("models",)]  # nothing to do: nothing called but /v1/models
+
+    moved = adapters.paths({"adapters": [{**SQL, "uri": "hf://acme/sql-lora@v2"}]})
+    fetched(lora_pod, moved["sql"])
+    calls.clear()
+    assert adapter_sync.sync_pod(url, moved) == {"sql": (adapter_sync.LOADED, "")}
+    assert sorted(calls[1:]) == [("load_lora_adapter", "sql", moved["sql"]), ("unload_lora_adapter", "chat"),
+                                 ("unload_lora_adapter", "sql")]  # fmt: skip
+    assert adapter_sync.served_adapters(url) == moved
+    with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not a vLLM API there: said, not crashed
+        adapter_sync.sync_pod(f"{url}/elsewhere", moved)
 
 
 def _ready_pod(cluster, name: str) -> None:
@@ -228,11 +188,20 @@ def _failed_fetch_log(folder: Path) -> str:
 def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rolling_it(
     cluster, operator_process, lora_pod, tmp_path
 ) -> None:
+    """The operator (another process) loads from the pod's links folder, so the links are made there, under names
+    of this run's own (a uri's revision), and removed after."""
+    if not os.access(Path(adapters.LINK_DIR).parent, os.W_OK):
+        pytest.skip(f"the operator loads adapters from {adapters.LINK_DIR}, which this user cannot create")
+    run = secrets.token_hex(4)
+    sql, chat, math = ({**a, "uri": f"hf://acme/{a['name']}-lora@{run}"} for a in (SQL, CHAT, MATH))
     name = "lora"
     spec = {"model": {"servedName": "llm", "path": "/models/llm"}, "resources": {"gpus": 0},
-            "sidecar": {"port": lora_pod.port}, "adapters": [SQL, CHAT, GONE]}  # fmt: skip
+            "sidecar": {"port": lora_pod["port"]}, "adapters": [sql, chat, GONE]}  # fmt: skip
     manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}}
-    lora_pod.fetched |= set(adapters.paths({"adapters": [SQL, CHAT, MATH]}).values())
+    links = list(adapters.paths({"adapters": [sql, chat, math]}).values())
+    made_dir = not Path(adapters.LINK_DIR).exists()
+    for path in links:
+        fetched(lora_pod, path)
     # the pod's adapters container's log, as kubelet would serve it: the real fetch of the adapter that cannot be
     log = _failed_fetch_log(tmp_path)
     cluster.api.pod_logs = lambda pod, container: log if container == "adapters" else ""
@@ -243,18 +212,20 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
         _ready_pod(cluster, name)
         wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "chat": "Loaded", "gone": "NotLoaded"},
                  timeout=20, what="two adapters loaded into the pod, the third not")  # fmt: skip
-        assert set(lora_pod.loaded) == {"sql", "chat"}
+        assert set(adapter_sync.served_adapters(lora_pod["url"])) == {"sql", "chat"}
         (gone,) = [e for e in cluster.get("inferenceservice", name)["status"]["adapters"] if e["name"] == "gone"]
-        assert gone["message"].startswith("404: No adapter found for /var/run/overlap-adapters/gone-")
+        assert gone["message"].startswith(
+            "400: adapter 'gone': no adapter_config.json in '/var/run/overlap-adapters/gone-"
+        )
         assert "; fetch: error: hf://acme/missing-lora" in gone["message"] and "404" in gone["message"], gone
 
-        spec["adapters"] = [SQL, MATH]  # chat out, math in
+        spec["adapters"] = [sql, math]  # chat out, math in
         cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
         wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "math": "Loaded"}, timeout=20,
                  what="math loaded and chat gone")  # fmt: skip
-        assert set(lora_pod.loaded) == {"sql", "math"} and ("unload", "chat") in lora_pod.calls
+        assert set(adapter_sync.served_adapters(lora_pod["url"])) == {"sql", "math"}  # chat unloaded
         listed = json.loads(cluster.get("configmap", f"{name}-adapters")["data"]["adapters.json"])
-        assert listed == {"sql": SQL["uri"], "math": MATH["uri"]}
+        assert listed == {"sql": sql["uri"], "math": math["uri"]}
         after = cluster.get("deployment", name)
         assert after["metadata"]["generation"] == deployment["metadata"]["generation"]  # not rolled
         assert after["spec"]["template"] == deployment["spec"]["template"]
@@ -267,6 +238,11 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
         assert "--enable-lora" not in args
         assert not not_granted(operator_requests(cluster), chart_grants())
     finally:
+        for path in links:
+            Path(path).unlink(missing_ok=True)
+        if made_dir:
+            with contextlib.suppress(OSError):  # another run's links still there
+                Path(adapters.LINK_DIR).rmdir()
         cluster.api.pod_logs = None
         cluster.kubectl("delete", "inferenceservice", name, "-n", NAMESPACE, "--ignore-not-found")
         cluster.kubectl("delete", "pod", f"{name}-0", "-n", NAMESPACE, "--ignore-not-found")
