@@ -236,3 +236,24 @@ def test_the_baselines_follow_their_published_arithmetic():
     assert llmd.target(Signals(0, 2, ttft_p90_s=0.8), 2)[0] == 3  # s 0.8 > 0.55: one up
     assert llmd.target(Signals(50, 2, ttft_p90_s=0.8), 4)[0] == 4  # 2 of 4 ready: ask 0.4, between: hold
     assert llmd.target(Signals(100, 4, ttft_p90_s=0.2, itl_p90_s=0.01), 4)[0] == 3  # s 0.2 < 0.4: one down
+
+
+def test_the_modelled_fleet_agrees_with_the_engines(report, burst_file, tmp_path):
+    """`--fleet model` (the engines' batching in simulated time, what the trace sweep runs) against the real engines
+    on the same trace and fleets."""
+    engines = {run["label"]: run for run in report[0]["runs"]}
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()):
+        runs = "static-min,static-max,static-2,overlap"
+        args = ["--runs", runs, "--start-replicas", "1", "--fleet", "model", "--json", "--out", str(tmp_path)]
+        assert main(control_args(burst_file, *args)) == 0
+    model = {run["label"]: run for run in json.loads(stdout.getvalue())["runs"]}
+    for label in ("static-min", "static-max", "static-2"):
+        ours, real = model[label], engines[label]
+        print(label, {k: (ours[k], real[k]) for k in ("throughput_rps", "latency_p50_ms", "slo_attainment")})
+        assert ours["finished"] == real["finished"] == ours["requests"]
+        assert ours["replica_seconds"] == pytest.approx(real["replica_seconds"], rel=0.1)
+        assert abs(ours["slo_attainment"] - real["slo_attainment"]) < 0.1
+        assert ours["latency_p50_ms"] == pytest.approx(real["latency_p50_ms"], rel=0.35)
+    assert model["overlap"]["finished"] == model["overlap"]["requests"]
+    assert model["overlap"]["scale_ups"] >= 1 and model["overlap"]["scale_downs"] >= 1

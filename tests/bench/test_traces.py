@@ -179,7 +179,7 @@ def test_a_trace_file_in_the_azure_format_is_named_by_its_file(tmp_path):
 
 
 def test_generated_bursts_are_seeded_and_ten_times_the_base_rate():
-    from overlap.bench.traces import random_bursts
+    from overlap.bench.trace_families import random_bursts, resolve
 
     one, same, other = (random_bursts(2.0, 10.0, 1800.0, seed=s) for s in (1, 1, 2))
     assert one == same and one != other
@@ -187,6 +187,6 @@ def test_generated_bursts_are_seeded_and_ten_times_the_base_rate():
     per_5s = np.bincount((arrivals // 5).astype(int))
     # quiet stretches near the base rate (10 per 5 s), burst stretches near 10x it
     assert 5 <= np.median(per_5s) <= 16 and per_5s.max() >= 70
-    assert traces.resolve_trace("bursts:3").name == "bursts-x10-seed3"
+    assert resolve("bursts:3").name == "bursts-x10-seed3"
     with pytest.raises(TraceError, match="whole number"):
-        traces.resolve_trace("bursts:many")
+        resolve("bursts:many")

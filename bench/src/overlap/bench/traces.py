@@ -131,18 +131,9 @@ _BUILTIN_NOTES = {
 }
 
 
-# `--trace bursts:SEED`: an hour of the Azure conversation family with bursts (generated, not shipped).
-BURSTS_PREFIX = "bursts:"
-
-
 def resolve_trace(name_or_path: str) -> Trace:
-    """A built-in trace by name (steady, bursty, bursty_2x, diurnal, azure), `bursts:SEED` (generated) or a file
-    path."""
-    if name_or_path.startswith(BURSTS_PREFIX):
-        seed = name_or_path[len(BURSTS_PREFIX) :]
-        if not seed.isdigit():
-            raise TraceError(f"trace {name_or_path!r}: bursts:SEED takes a whole number, e.g. bursts:1")
-        return azure_bursts(int(seed))
+    """A built-in trace by name (steady, bursty, bursty_2x, diurnal, azure) or a file path (generated families,
+    `FAMILY:SEED`: overlap.bench.trace_families.resolve)."""
     path = BUILTIN_TRACES.get(name_or_path)
     if path is None:
         path = Path(name_or_path)
@@ -162,12 +153,18 @@ def load_trace(path: str | Path) -> Trace:
     if suffix in (".jsonl", ".json", ".ndjson"):
         return load_jsonl(path)
     if suffix == ".csv":
-        with open(path, newline="") as f:
-            header = next(csv.reader(f), None)
-        if header and tuple(h.strip() for h in header[:3]) == _AZURE_HEADER:
-            return load_azure(path)
-        return load_csv(path)
+        return load_azure(path) if is_azure_csv(path) else load_csv(path)
     raise TraceError(f"{path}: unknown trace format {suffix!r} (use .jsonl or .csv)")
+
+
+def is_azure_csv(path: str | Path) -> bool:
+    """A CSV file in the Azure LLM inference trace's schema (TIMESTAMP,ContextTokens,GeneratedTokens)."""
+    path = Path(path)
+    if path.suffix.lower() != ".csv" or not path.is_file():
+        return False
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), None)
+    return bool(header) and tuple(h.strip() for h in header[:3]) == _AZURE_HEADER
 
 
 def _request_from_fields(fields: dict, where: str) -> TraceRequest:
@@ -290,7 +287,7 @@ def _make_requests(arrivals, rng: np.random.Generator, prompt_tokens, max_tokens
     ]
 
 
-def _poisson_arrivals(rng: np.random.Generator, rate: float, start: float, end: float) -> list[float]:
+def poisson_arrivals(rng: np.random.Generator, rate: float, start: float, end: float) -> list[float]:
     times, t = [], start
     while True:
         t += rng.exponential(1.0 / rate)
@@ -308,9 +305,9 @@ def poisson(
     priorities: tuple[int, ...] = (DEFAULT_PRIORITY,),
 ) -> Trace:
     """Poisson arrivals at `rate` requests/s for `duration_s` seconds."""
-    _check_positive(rate=rate, duration_s=duration_s)
+    check_positive(rate=rate, duration_s=duration_s)
     rng = np.random.default_rng(seed)
-    arrivals = _poisson_arrivals(rng, rate, 0.0, duration_s)
+    arrivals = poisson_arrivals(rng, rate, 0.0, duration_s)
     return Trace(
         tuple(_make_requests(arrivals, rng, prompt_tokens, max_tokens, priorities)), f"poisson-{rate:g}rps-seed{seed}"
     )
@@ -328,56 +325,21 @@ def on_off_bursts(
     priorities: tuple[int, ...] = (DEFAULT_PRIORITY,),
 ) -> Trace:
     """Alternate `on_s` seconds of Poisson arrivals at `rate_on` with `off_s` seconds at `rate_off` (may be 0)."""
-    _check_positive(rate_on=rate_on, on_s=on_s, off_s=off_s, duration_s=duration_s)
+    check_positive(rate_on=rate_on, on_s=on_s, off_s=off_s, duration_s=duration_s)
     if rate_off < 0:
         raise TraceError(f"rate_off must be >= 0, got {rate_off}")
     rng = np.random.default_rng(seed)
     arrivals, t = [], 0.0
     while t < duration_s:
-        arrivals += _poisson_arrivals(rng, rate_on, t, min(t + on_s, duration_s))
+        arrivals += poisson_arrivals(rng, rate_on, t, min(t + on_s, duration_s))
         t += on_s
         if rate_off > 0 and t < duration_s:
-            arrivals += _poisson_arrivals(rng, rate_off, t, min(t + off_s, duration_s))
+            arrivals += poisson_arrivals(rng, rate_off, t, min(t + off_s, duration_s))
         t += off_s
     return Trace(
         tuple(_make_requests(arrivals, rng, prompt_tokens, max_tokens, priorities)),
         f"bursts-{rate_on:g}on-{rate_off:g}off-seed{seed}",
     )
-
-
-def random_bursts(
-    base_rate: float,
-    factor: float,
-    duration_s: float,
-    burst_s: tuple[float, float] = (5.0, 30.0),
-    mean_gap_s: float = 180.0,
-    seed: int = 0,
-) -> Trace:
-    """Poisson arrivals at `base_rate`, and bursts at `factor` x it: each lasts a uniform draw from `burst_s`
-    seconds and starts an exponential gap (mean `mean_gap_s`) after the previous one ends. Token counts are 1 (give
-    them a mix, e.g. with_azure_mix)."""
-    _check_positive(base_rate=base_rate, factor=factor, duration_s=duration_s, mean_gap_s=mean_gap_s)
-    if not 0 < burst_s[0] <= burst_s[1]:
-        raise TraceError(f"burst_s must be (low, high) with 0 < low <= high, got {burst_s}")
-    rng = np.random.default_rng(seed)
-    arrivals, t = [], 0.0
-    while t < duration_s:
-        quiet_end = min(t + rng.exponential(mean_gap_s), duration_s)
-        arrivals += _poisson_arrivals(rng, base_rate, t, quiet_end)
-        burst_end = min(quiet_end + rng.uniform(*burst_s), duration_s)
-        arrivals += _poisson_arrivals(rng, base_rate * factor, quiet_end, burst_end)
-        t = burst_end
-    requests = [TraceRequest(arrival_s=float(a), prompt_tokens=1, max_tokens=1) for a in arrivals]
-    return Trace(tuple(requests), f"bursts-x{factor:g}-seed{seed}")
-
-
-def azure_bursts(seed: int) -> Trace:
-    """`bursts:SEED`: an hour at 30% of the Azure conversation hour's mean rate with x10 bursts of 5-30 s every ~3
-    minutes (about half its mean overall; each burst about twice its peak minute), with its token mix."""
-    azure = load_azure()
-    base = 0.3 * len(azure.requests) / azure.duration_s
-    trace = with_azure_mix(random_bursts(base, 10.0, 3600.0, seed=seed), scale=1.0, seed=seed)
-    return Trace(trace.requests, trace.name, (*trace.transforms, "generated: x10 bursts of 5-30 s, gaps ~exp(180 s)"))
 
 
 def diurnal(
@@ -392,11 +354,11 @@ def diurnal(
 ) -> Trace:
     """A daily ramp compressed to `period_s`: the rate follows a cosine from `min_rate` (t=0) up to `max_rate`
     (t=period/2) and back. Non-homogeneous Poisson arrivals drawn by thinning."""
-    _check_positive(max_rate=max_rate, period_s=period_s, duration_s=duration_s)
+    check_positive(max_rate=max_rate, period_s=period_s, duration_s=duration_s)
     if not 0 <= min_rate <= max_rate:
         raise TraceError(f"need 0 <= min_rate <= max_rate, got {min_rate} and {max_rate}")
     rng = np.random.default_rng(seed)
-    candidates = _poisson_arrivals(rng, max_rate, 0.0, duration_s)
+    candidates = poisson_arrivals(rng, max_rate, 0.0, duration_s)
     keep = rng.random(len(candidates))
     arrivals = [
         t
@@ -426,7 +388,7 @@ def with_azure_mix(trace: Trace, scale: float, seed: int = 0) -> Trace:
     return trace.with_requests(requests, f"Azure conversation token mix x{scale:g}")
 
 
-def _check_positive(**values: float) -> None:
+def check_positive(**values: float) -> None:
     for key, value in values.items():
         if not value > 0:
             raise TraceError(f"{key} must be > 0, got {value}")
@@ -437,7 +399,7 @@ def _check_positive(**values: float) -> None:
 
 def scale_rate(trace: Trace, factor: float) -> Trace:
     """Multiply the arrival rate by `factor` (arrival offsets are divided by it)."""
-    _check_positive(factor=factor)
+    check_positive(factor=factor)
     return trace.with_requests(
         (dataclasses.replace(r, arrival_s=r.arrival_s / factor) for r in trace.requests), f"rate x{factor:g}"
     )
@@ -448,7 +410,7 @@ def scale_tokens(
 ) -> Trace:
     """Multiply prompt token counts and max output tokens by `factor` (at least 1 each, optionally capped).
     Text prompts are kept as they are (only their max output tokens scale)."""
-    _check_positive(factor=factor)
+    check_positive(factor=factor)
 
     def scaled(count: int, cap: int | None) -> int:
         value = max(1, round(count * factor))
@@ -471,7 +433,7 @@ def scale_tokens(
 def inject_burst(trace: Trace, at_s: float, length_s: float, factor: float = 2.0, seed: int = 0) -> Trace:
     """Multiply the arrival rate by `factor` between `at_s` and `at_s + length_s`: each request in the window is
     joined by (factor - 1) copies on average, placed at uniform random times inside the window."""
-    _check_positive(length_s=length_s)
+    check_positive(length_s=length_s)
     if at_s < 0 or factor < 1:
         raise TraceError(f"need at_s >= 0 and factor >= 1, got at_s={at_s}, factor={factor}")
     rng = np.random.default_rng(seed)
@@ -491,11 +453,11 @@ def truncate(trace: Trace, duration_s: float | None = None, max_requests: int | 
     requests = list(trace.requests)
     parts = []
     if duration_s is not None:
-        _check_positive(duration_s=duration_s)
+        check_positive(duration_s=duration_s)
         requests = [r for r in requests if r.arrival_s < duration_s]
         parts.append(f"first {duration_s:g} s")
     if max_requests is not None:
-        _check_positive(max_requests=max_requests)
+        check_positive(max_requests=max_requests)
         requests = requests[:max_requests]
         parts.append(f"first {max_requests} requests")
     if not requests:

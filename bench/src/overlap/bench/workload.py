@@ -7,7 +7,8 @@ import argparse
 
 import numpy as np
 
-from overlap.bench.traces import Trace, TraceError, TraceRequest, TraceTransforms, resolve_trace, truncate
+from overlap.bench.trace_families import resolve
+from overlap.bench.traces import Trace, TraceError, TraceRequest, TraceTransforms, truncate
 
 QUICK_TRACE_S = 15.0  # --quick replays the first seconds of the trace
 _PROMPT_ID_RANGE = (10, 1000)  # token ids for count-only prompts: ordinary ids of any vocabulary
@@ -70,7 +71,7 @@ def parse_burst(text: str | None) -> tuple[float, float, float] | None:
 
 
 def load_for_args(args: argparse.Namespace) -> Trace:
-    trace = resolve_trace(args.trace)
+    trace = resolve(args.trace)
     transforms = TraceTransforms(
         start_s=args.start_s,
         duration_s=args.duration_s,

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from overlap.bench.control_replay.loop import prepare_requests, run_control
+from overlap.bench.control_replay.model_fleet import prepare_lengths, run_modelled
 from overlap.bench.control_replay.plan import (
     AZURE_SCALE_RATE,
     AZURE_SCALE_TOKENS,
@@ -49,7 +50,8 @@ from overlap.bench.control_replay.summary import (
     verdict,
 )
 from overlap.bench.report import markdown_table, text_table
-from overlap.bench.traces import BURSTS_PREFIX, TraceError, truncate
+from overlap.bench.trace_families import FAMILIES, is_family_trace
+from overlap.bench.traces import TraceError, is_azure_csv, truncate
 from overlap.bench.workload import QUICK_TRACE_S, add_transform_arguments, load_for_args, parse_sim_cost
 
 
@@ -59,8 +61,9 @@ def add_parser(subparsers) -> None:
         help="replay a trace against simulated replicas driven by the operator's control loop (scaling, tuning)",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"azure defaults: --scale-rate {AZURE_SCALE_RATE:g} --scale-tokens {AZURE_SCALE_TOKENS:g} "
-        "(other traces: 1 and 1). Runs: static-min, static-max and static-N hold min/max/N replicas; watermark "
+        epilog=f"azure defaults (the Azure hour, FAMILY:SEED and any CSV in the Azure schema): --scale-rate "
+        f"{AZURE_SCALE_RATE:g} --scale-tokens {AZURE_SCALE_TOKENS:g} (other traces: 1 and 1). Runs: static-min, "
+        "static-max and static-N hold min/max/N replicas; watermark "
         "is decide() on the queue watermark alone; hpa-cpu, keda-queue and llm-slo are the baselines "
         "(control_replay/baselines.py); overlap is decide() with the predictive floor, the SLO law and tuning "
         f"of {', '.join(TUNING_BOUNDS)} within {TUNING_BOUNDS}.",
@@ -68,7 +71,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--trace",
         default=DEFAULT_TRACE,
-        help="azure | diurnal | steady | bursty | bursty_2x | bursts:SEED (generated) | a .jsonl/.csv file",
+        help="azure | diurnal | steady | bursty | bursty_2x | FAMILY:SEED, a generated hour of one family of load "
+        f"({', '.join(FAMILIES)}; bench/src/overlap/bench/traces/README.md) | a .jsonl/.csv file (a CSV in the "
+        "Azure trace's schema, TIMESTAMP,ContextTokens,GeneratedTokens, is read as one)",
     )
     parser.add_argument(
         "--runs",
@@ -150,6 +155,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--quick", action="store_true", help=f"replay only the first {QUICK_TRACE_S:g} s of the scaled trace"
     )
+    parser.add_argument(
+        "--fleet",
+        choices=("engines", "model"),
+        default="engines",
+        help="engines: each replica a real Engine on the simulated device, in real time (default); model: the "
+        "engines' batching as a model in simulated time (control_replay/model_fleet.py), seconds a run",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed for prompt token ids")
     parser.add_argument("--json", action="store_true", help="print the report JSON on stdout (the rest on stderr)")
     parser.add_argument("--out", help="report folder (default reports/control-<UTC time>)")
@@ -187,7 +199,8 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
         raise TraceError(f"--period-s must be > 0, got {args.period_s}")
     if args.drain_s is not None and not args.drain_s >= 0:
         raise TraceError(f"--drain-s must be >= 0, got {args.drain_s}")
-    azure = args.trace == "azure" or args.trace.startswith(BURSTS_PREFIX)  # the Azure family: its defaults
+    # the Azure hour, the generated families and any trace in its CSV schema (raw production time and tokens)
+    azure = args.trace == "azure" or is_family_trace(args.trace) or is_azure_csv(args.trace)
     trace_args = argparse.Namespace(**vars(args))
     if trace_args.scale_rate is None:
         trace_args.scale_rate = AZURE_SCALE_RATE if azure else 1.0
@@ -238,16 +251,19 @@ def _is_static(name: str) -> bool:
     return True
 
 
-def compare(setup: Setup, names: list[str]) -> dict:
-    """Run each plan on the same trace; the report as a JSON-able dict."""
-    prepared = prepare_requests(setup.trace, setup.seed)
+def compare(setup: Setup, names: list[str], fleet: str = "engines") -> dict:
+    """Run each plan on the same trace, on real engines or the modelled fleet; the report as a JSON-able dict."""
+    if fleet == "model":
+        prepared, replay = prepare_lengths(setup.trace, setup.seed), run_modelled
+    else:
+        prepared, replay = prepare_requests(setup.trace, setup.seed), run_control
     runs = []
     for plan in setup.plans(names):
         setup.say(
             f"run {plan.label}: {plan.initial_replicas} replicas, controller {plan.controller}, "
             f"tuning {'on' if plan.tune else 'off'}",
         )
-        run = run_control(setup, plan, prepared)
+        run = replay(setup, plan, prepared)
         summary = summarize_run(run, setup)
         runs.append(summary)
         setup.say(
@@ -275,6 +291,7 @@ def compare(setup: Setup, names: list[str]) -> dict:
             "tuning_bounds": TUNING_BOUNDS,
             "router": "least outstanding requests over ready replicas",
         },
+        "fleet": fleet,
         "runs": runs,
         "verdict": verdict(runs, (setup.min_replicas, setup.max_replicas)),
     }
@@ -291,7 +308,7 @@ def _run(args: argparse.Namespace) -> int:
     for line in header_lines(setup):
         print(line, file=log)
     started = time.monotonic()
-    report = compare(setup, names)
+    report = compare(setup, names, args.fleet)
     report["wall_s"] = round(time.monotonic() - started, 1)
     header, rows = table(report["runs"])
     plot(report["runs"], out_dir / "control.png", setup.trace.describe())
