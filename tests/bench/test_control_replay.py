@@ -217,6 +217,9 @@ def test_runs_statics_expands_to_every_fleet_between_the_bounds():
                               "1", "--max-replicas", "3", "--no-progress"])  # fmt: skip
     _, names = control_replay.setup_from_args(args)
     assert names == ["static-2", "static-1", "static-3", "overlap"]
+    # the default: every fixed fleet and overlap, so the verdict line is complete
+    _, names = control_replay.setup_from_args(parser.parse_args(["control", "--trace", "steady", "--no-progress"]))
+    assert names == [f"static-{n}" for n in range(1, 9)] + ["overlap"]
 
 
 def test_the_baselines_follow_their_published_arithmetic():
