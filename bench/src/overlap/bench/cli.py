@@ -14,6 +14,7 @@ _BENCH_MODULES = (
     "overlap.bench.replay",  # overlap bench replay
     "overlap.bench.advise",  # overlap bench advise
     "overlap.bench.control_replay",  # overlap bench control
+    "overlap.bench.control_sweep",  # overlap bench control-sweep
     "overlap.bench.sampling_bench",  # overlap bench sampling
     "overlap.bench.routing",  # overlap bench routing
     "overlap.bench.quant_bench",  # overlap bench quantized
