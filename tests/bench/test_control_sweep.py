@@ -50,9 +50,30 @@ def test_the_bars_are_computed_over_the_split():
 
 @pytest.mark.parametrize(
     "extra, message",
-    [(["--families", "nosuch"], "--families: unknown nosuch"), (["--seeds", "0"], "seeds per family")],
+    [
+        (["--families", "nosuch"], "--families: unknown nosuch"),
+        (["--seeds", "0"], "seeds per family"),
+        (["--set", "decide.NO_SUCH=1"], "decide has no numeric constant 'NO_SUCH'"),
+        (["--set", "policy.X=1"], "MODULE decide, forecast or tuning"),
+        (["--set", "decide.BURST_EXCESS=lots"], "'lots' is not a float"),
+    ],
 )
 def test_bad_arguments_get_one_line_errors(extra, message, capsys, tmp_path):
     assert main(["bench", "control-sweep", "--out", str(tmp_path), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_rule_constant_is_set_for_the_sweep_and_put_back():
+    from overlap.bench.control_sweep import override_constants
+    from overlap.operator.control import decide, tuning
+
+    before, undo = decide.BURST_EXCESS, []
+    try:
+        done = override_constants(["decide.BURST_EXCESS=0.3", "tuning.UNDO_AFTER_INTERVALS=5"], undo)
+        assert done == {"decide.BURST_EXCESS": 0.3, "tuning.UNDO_AFTER_INTERVALS": 5}
+        assert decide.BURST_EXCESS == 0.3 and tuning.UNDO_AFTER_INTERVALS == 5
+    finally:
+        for module, name, old in reversed(undo):
+            setattr(module, name, old)
+    assert before == decide.BURST_EXCESS

@@ -39,8 +39,42 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--split", choices=(*SPLITS, "both"), default="both", help="default: both, side by side")
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all)")
     parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per family and split (%(default)d)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="override a rule constant of overlap.operator.control.{decide,forecast,tuning} for this sweep, e.g. "
+        "decide.BURST_EXCESS=0.3: how the constants are chosen on train (repeatable)",
+    )
     parser.add_argument("--out", help="report folder (default reports/control-sweep-<UTC time>)")
     parser.set_defaults(func=_run)
+
+
+def override_constants(assignments: list[str], undo: list | None = None) -> dict[str, float]:
+    """Set rule constants (`decide.BURST_EXCESS=0.3`) in the control modules for this process; the rules read them
+    at call time. Only an existing numeric constant can be set. `undo` collects (module, name, old value)."""
+    import importlib
+
+    done = {}
+    for text in assignments:
+        target, sep, value = text.partition("=")
+        module_name, _, name = target.strip().rpartition(".")
+        if not sep or module_name not in ("decide", "forecast", "tuning"):
+            raise TraceError(f"--set {text!r}: give MODULE.NAME=VALUE with MODULE decide, forecast or tuning")
+        module = importlib.import_module(f"overlap.operator.control.{module_name}")
+        old = getattr(module, name, None)
+        if not name.isupper() or isinstance(old, bool) or not isinstance(old, int | float):
+            raise TraceError(f"--set {text!r}: {module_name} has no numeric constant {name!r}")
+        try:
+            new = type(old)(float(value)) if isinstance(old, float) else int(value)
+        except ValueError:
+            raise TraceError(f"--set {text!r}: {value!r} is not a {type(old).__name__}") from None
+        if undo is not None:
+            undo.append((module, name, old))
+        setattr(module, name, new)
+        done[target.strip()] = new
+    return done
 
 
 def judge_trace(name: str, control_args: list[str] = ()) -> dict:
@@ -209,6 +243,15 @@ def _run(args: argparse.Namespace) -> int:
     if unknown or not families:
         raise TraceError(f"--families: unknown {', '.join(unknown) or '(none)'}; choose from {', '.join(FAMILIES)}")
     split_seeds("train", args.seeds)  # checks the count
+    undo: list = []
+    try:
+        return _sweep_and_report(args, families, override_constants(args.set, undo))
+    finally:
+        for module, name, old in reversed(undo):
+            setattr(module, name, old)
+
+
+def _sweep_and_report(args: argparse.Namespace, families: list[str], overrides: dict[str, float]) -> int:
     splits = list(SPLITS) if args.split == "both" else [args.split]
     out = Path(args.out or f"reports/control-sweep-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -223,6 +266,7 @@ def _run(args: argparse.Namespace) -> int:
         for family in families:
             plot_family([r for r in results if r["family"] == family], out / f"{split}-{family}.png")
     report = {
+        "overrides": overrides,
         "splits": {split: summarize(results) for split, results in by_split.items()},
         "traces": {
             split: [{k: v for k, v in r.items() if k != "timelines"} for r in rs] for split, rs in by_split.items()
@@ -231,9 +275,12 @@ def _run(args: argparse.Namespace) -> int:
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     plots = [f"![{split} {family}]({split}-{family}.png)" for split in by_split for family in families]
+    changed = [f"constants set: {', '.join(f'{k}={v:g}' for k, v in overrides.items())}"] if overrides else []
     (out / "report.md").write_text(
-        "\n".join(["# Control sweep", "", markdown_table(header, rows), "", *lines, "", *plots, ""])
+        "\n".join(["# Control sweep", "", *changed, "", markdown_table(header, rows), "", *lines, "", *plots, ""])
     )
+    for line in changed:
+        print(line)
     print("\n" + text_table(header, rows))
     for line in lines:
         print(line)
