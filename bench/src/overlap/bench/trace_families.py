@@ -20,9 +20,9 @@ from overlap.bench.traces import (
     TraceError,
     TraceRequest,
     check_positive,
-    load_azure,
     poisson_arrivals,
     resolve_trace,
+    shipped_azure,
     with_azure_mix,
 )
 
@@ -32,7 +32,7 @@ SPLITS = ("train", "test")
 
 
 def azure_mean_rps() -> float:
-    azure = load_azure()
+    azure = shipped_azure()
     return len(azure.requests) / azure.duration_s
 
 
@@ -85,7 +85,7 @@ def random_bursts(
 def azure_bursts(seed: int) -> Trace:
     """`bursts:SEED`: an hour at 30% of the Azure conversation hour's mean rate with x10 bursts of 5-30 s every ~3
     minutes (about half its mean overall; each burst about twice its peak minute), with its token mix."""
-    azure = load_azure()
+    azure = shipped_azure()
     base = 0.3 * len(azure.requests) / azure.duration_s
     trace = with_azure_mix(random_bursts(base, 10.0, 3600.0, seed=seed), scale=1.0, seed=seed)
     return Trace(trace.requests, trace.name, (*trace.transforms, "generated: x10 bursts of 5-30 s, gaps ~exp(180 s)"))
@@ -157,7 +157,7 @@ def conversation(seed: int) -> Trace:
     """The shipped conversation hour compressed by 0.6-1.3 (its rate times that) with token counts at 0.6-1.5x."""
     rng = np.random.default_rng(seed)
     rate, tokens = rng.uniform(0.6, 1.3), rng.uniform(0.6, 1.5)
-    azure = load_azure()
+    azure = shipped_azure()
     requests = tuple(
         TraceRequest(
             arrival_s=r.arrival_s / rate,

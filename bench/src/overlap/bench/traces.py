@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Iterable
@@ -371,9 +372,15 @@ def diurnal(
     )
 
 
+@functools.cache
+def shipped_azure() -> Trace:
+    """The shipped conversation hour, parsed once (a Trace is immutable): the generators draw from it."""
+    return load_azure(AZURE_TRACE)
+
+
 def with_azure_mix(trace: Trace, scale: float, seed: int = 0) -> Trace:
     """The trace's arrivals with (prompt, output) token pairs drawn from the Azure conversation hour, scaled."""
-    azure = load_azure()
+    azure = shipped_azure()
     pairs = [(r.prompt_tokens or 1, r.max_tokens) for r in azure.requests]
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(pairs), size=len(trace.requests))
