@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from overlap.bench.control_replay.loop import ControlRun, _Loop, prepare_requests
 from overlap.bench.control_replay.plan import PROGRESS_EVERY_S, RunPlan, Setup
 from overlap.bench.workload import fit_to_context
+from overlap.engine.types import FinishReason
 
 KV_BLOCKS, BLOCK_SIZE = 4096, 16  # the simulated runner's pool (Engine.stats() num_kv_blocks on a SimRunner)
 STATS_STEPS = 128  # the engine's window for avg_batch_size (core._WINDOW_STEPS)
@@ -36,28 +37,21 @@ class _Seq:
 
 
 @dataclass(slots=True)
-class _Finished:
-    """What the loop's on_finished reads of an engine output."""
-
-    request_id: str
-    num_output_tokens: int
-    finish_reason: object
-    error: str | None
-    times: object
-
-
-@dataclass(slots=True)
 class _Times:
     first_scheduled: float | None
     first_token: float | None
     finished: float
 
 
-class _Reason:
-    value = "length"
+@dataclass(slots=True)
+class _Finished:
+    """The fields of an engine output the loop's on_finished reads (a request ends at its max_tokens here)."""
 
-    def __str__(self) -> str:
-        return "length"
+    request_id: str
+    num_output_tokens: int
+    times: _Times
+    finish_reason: FinishReason = FinishReason.LENGTH
+    error: str | None = None
 
 
 class ModelReplica:
@@ -193,9 +187,8 @@ class _ModelLoop(_Loop):
         self.fleet.append(ModelReplica(name, self.setup, self.knobs, self.now, ready_at, self.finished))
 
     def finished(self, seq: _Seq, now: float) -> None:
-        out = _Finished(f"r{seq.index}", self.lengths[seq.index][1], _Reason(), None, None)
-        out.times = _Times(seq.first_scheduled, seq.first_token, now)
-        self.on_finished(out)
+        times = _Times(seq.first_scheduled, seq.first_token, now)
+        self.on_finished(_Finished(f"r{seq.index}", self.lengths[seq.index][1], times))
 
     def route(self, i: int, now: float, sampling_cls=None, invalid_error=None) -> None:
         ready = [r for r in self.fleet if r.is_ready(now)]
