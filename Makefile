@@ -76,6 +76,7 @@ bench: venv model  ## every benchmark, full size (prints tables; see README "Per
 	$(BIN)/overlap bench http
 	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control
+	$(BIN)/overlap bench control-sweep
 	$(BIN)/overlap bench sampling
 	$(BIN)/overlap bench spec
 	$(BIN)/overlap bench routing

@@ -36,7 +36,13 @@ def add_parser(subparsers) -> None:
         epilog="Each trace is `overlap bench control --trace FAMILY:SEED --runs statics,overlap --fleet model` with "
         "that command's defaults. Bars: " + ", ".join(f"{k} {v:g}" for k, v in BARS.items()),
     )
-    parser.add_argument("--split", choices=(*SPLITS, "both"), default="both", help="default: both, side by side")
+    parser.add_argument(
+        "--split",
+        choices=(*SPLITS, "both"),
+        default="both",
+        help="train: seeds 1..n of each family (where rule constants may be chosen); test: seeds 1001..1000+n "
+        "(only reported); both (default): side by side",
+    )
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: all)")
     parser.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="seeds per family and split (%(default)d)")
     parser.add_argument(
