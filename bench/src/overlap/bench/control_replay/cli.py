@@ -172,6 +172,8 @@ def add_parser(subparsers) -> None:
 
 def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, list[str]]:
     """Check the arguments (TraceError with one line for anything wrong) and build the shared setup."""
+    if args.min_replicas < 1 or args.max_replicas < args.min_replicas:
+        raise TraceError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
     given = args.runs if args.runs is not None else ",".join(QUICK_RUNS if args.quick else DEFAULT_RUNS)
     names = [n.strip() for n in given.split(",") if n.strip()]
     if "statics" in names:  # every fixed fleet from --min-replicas to --max-replicas: what the verdict compares with
@@ -183,8 +185,6 @@ def setup_from_args(args: argparse.Namespace, log=sys.stdout) -> tuple[Setup, li
         raise TraceError(
             f"--runs: unknown run {', '.join(unknown) or '(none given)'}; choose from {', '.join(RUNS)}, static-N"
         )
-    if args.min_replicas < 1 or args.max_replicas < args.min_replicas:
-        raise TraceError(f"need 1 <= --min-replicas <= --max-replicas, got {args.min_replicas} and {args.max_replicas}")
     for flag in ("time_scale", "slo_s", "up_watermark", "max_num_seqs", "ttft_slo_s", "tpot_slo_s"):
         if not getattr(args, flag) > 0:
             raise TraceError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
