@@ -19,8 +19,7 @@ Replicas follow whichever of three rules asks for more:
 The two reactive rules wait while replicas start (a backlog built during a cold start does not shrink in proportion
 to the replicas on their way, so scaling again on it overshoots) and while bursts are held for, and give way to a
 larger batch while the engines have headroom (tune before scale). Scale-in needs a whole quiet scale-down window,
-latency averaged under 0.8 of its SLO over it, and the highest forecast load of the look-back (the HPA's scale-down
-stabilization) to fit the smaller fleet with a margin
+latency averaged under 0.8 of its SLO over it, and the recent forecast load to fit the smaller fleet with a margin
 (no 2 <-> 1 flapping); it goes as far as that allows, at most half the fleet per step. With `minReplicas` 0 the last
 replica goes after an idle timeout without arrivals, and the first request the activator holds brings one back at
 once. A signal whose query failed holds everything; the per-replica figures are over the pods Prometheus scraped.
@@ -34,6 +33,7 @@ import math
 from dataclasses import replace
 from typing import NamedTuple
 
+from overlap.operator.control.forecast import quantile
 from overlap.operator.control.policy import (
     HOLD,
     SCALE_DOWN,
@@ -271,8 +271,8 @@ def _scale_in(
     per_replica = signals.waiting_per_replica()
     if per_replica is None or per_replica >= policy.down_watermark:
         return None
-    if not history.covers(now, max(policy.down_window_s, policy.down_cooldown_s)):
-        return None  # HPA-style stabilization: the load that sizes a scale-in spans a whole look-back
+    if policy.down_window_s and not history.covers(now, policy.down_window_s):
+        return None
     window = [*history.window(now, policy.down_window_s), signals]
     if not all((v := s.waiting_per_replica()) is not None and v < policy.down_watermark for s in window):
         return None
@@ -304,12 +304,11 @@ def _scale_in(
 
 
 def _recent_load(history: History, now: float, policy: ScalingPolicy, floor: Floor | None) -> float | None:
-    """The highest forecast load (replicas) over the longer of the scale-down window and cooldown, this tick's
-    included, as the HPA's scale-down stabilization takes the highest recommendation of its window; None without
-    one."""
+    """The forecast load (replicas) over the longer of the scale-down window and cooldown, this tick's included: its
+    90th percentile, so the spikes of the last minutes count and one noisy reading does not; None without one."""
     look_back = max(policy.down_window_s, policy.down_cooldown_s)
     loads = [load for t, load in history.loads if now - t <= look_back] + ([floor.load] if floor else [])
-    return max(loads) if loads else None
+    return quantile(loads, 0.9) if loads else None
 
 
 def _hold_reason(signals: Signals, policy: Policy) -> str:
