@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from overlap.bench.control_replay.loop import ControlRun, _Loop, prepare_requests
 from overlap.bench.control_replay.plan import PROGRESS_EVERY_S, RunPlan, Setup
 from overlap.bench.workload import fit_to_context
+from overlap.engine.config import LiveKnobs
 from overlap.engine.types import FinishReason
 
 KV_BLOCKS, BLOCK_SIZE = 4096, 16  # the simulated runner's pool (Engine.stats() num_kv_blocks on a SimRunner)
@@ -57,7 +58,8 @@ class _Finished:
 class ModelReplica:
     """One pod: its own `engine` (stats, reconfigure, has_unfinished) as the loop reads a real one."""
 
-    def __init__(self, name: str, setup: Setup, knobs: dict, created: float, ready_at: float, on_finished) -> None:
+    def __init__(self, name: str, setup: Setup, knobs: LiveKnobs, created: float, ready_at: float,
+                 on_finished) -> None:  # fmt: skip
         self.name = name
         self.engine = self
         self.created, self.ready_at = created, ready_at
@@ -65,7 +67,7 @@ class ModelReplica:
         self.draining = False
         self.num_submitted = self.num_finished = 0
         self.fixed_s, self.per_token_s = setup.cost_ms_us[0] / 1000, setup.cost_ms_us[1] / 1e6
-        self.max_num_seqs, self.budget = int(knobs["max_num_seqs"]), int(knobs["max_num_batched_tokens"])
+        self.max_num_seqs, self.budget = knobs.max_num_seqs, knobs.max_num_batched_tokens
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.step_end: float | None = None  # when the step in flight ends; None: idle
@@ -113,9 +115,8 @@ class ModelReplica:
             "avg_batch_size": sum(self._batches) / max(len(self._batches), 1),
         }
 
-    def reconfigure(self, **knobs) -> None:
-        self.max_num_seqs = int(knobs.get("max_num_seqs", self.max_num_seqs))
-        self.budget = int(knobs.get("max_num_batched_tokens", self.budget))
+    def reconfigure(self, knobs: LiveKnobs) -> None:
+        self.max_num_seqs, self.budget = knobs.max_num_seqs, knobs.max_num_batched_tokens
 
     # ---- the model ----------------------------------------------------------------------------------------------
     def submit(self, index: int, prompt_tokens: int, max_tokens: int, now: float) -> None:
@@ -228,7 +229,7 @@ class _ModelLoop(_Loop):
         wall = self.now
         run = self.run
         run.replica_seconds = sum(r.lifetime(wall) for r in self.fleet)
-        run.final_knobs = dict(self.knobs)
+        run.final_knobs = self.knobs.to_dict()
         run.submit_lag_ms = {"p99": 0.0, "max": 0.0}
         run.result.wall_s = wall
         run.result.submit_end_s = requests[-1].arrival_s
