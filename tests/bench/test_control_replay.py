@@ -11,7 +11,7 @@ import time
 import pytest
 
 from overlap.bench import control_replay
-from overlap.bench.traces import on_off_bursts
+from overlap.bench.trace_generators import on_off_bursts
 from overlap.cli import main
 from overlap.engine.config import EngineConfig
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from overlap.bench.trace_families import FAMILIES, HOUR_S, azure_mean_rps, resolve, split_seeds
-from overlap.bench.traces import TraceError, shipped_azure
+from overlap.bench.trace_generators import shipped_azure
+from overlap.bench.traces import TraceError
 from overlap.cli import main
 
 

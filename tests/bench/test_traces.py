@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from overlap.bench import traces
+from overlap.bench import trace_generators, traces
 from overlap.bench.traces import Trace, TraceError, TraceRequest
 
 
 @pytest.mark.parametrize(
     "make",
     [
-        lambda seed: traces.poisson(20, 5, seed=seed),
-        lambda seed: traces.on_off_bursts(40, 2, 1.0, 2.0, 6, seed=seed),
-        lambda seed: traces.diurnal(1, 30, 4, 8, seed=seed),
+        lambda seed: trace_generators.poisson(20, 5, seed=seed),
+        lambda seed: trace_generators.on_off_bursts(40, 2, 1.0, 2.0, 6, seed=seed),
+        lambda seed: trace_generators.diurnal(1, 30, 4, 8, seed=seed),
     ],
     ids=["poisson", "bursts", "diurnal"],
 )
@@ -26,19 +26,19 @@ def test_generators_are_identical_for_the_same_seed_and_differ_otherwise(make):
 
 
 def test_poisson_rate_is_about_right():
-    trace = traces.poisson(50, 40, seed=1)
+    trace = trace_generators.poisson(50, 40, seed=1)
     assert 45 < len(trace) / 40 < 55
     assert all(0 <= r.arrival_s < 40 for r in trace.requests)
 
 
 def test_bursts_concentrate_arrivals_in_the_on_periods():
-    trace = traces.on_off_bursts(rate_on=60, rate_off=0, on_s=1, off_s=3, duration_s=12, seed=3)
+    trace = trace_generators.on_off_bursts(rate_on=60, rate_off=0, on_s=1, off_s=3, duration_s=12, seed=3)
     # with rate_off = 0 every arrival lies in an on period [4k, 4k + 1)
     assert all(r.arrival_s % 4 < 1 for r in trace.requests)
 
 
 def test_diurnal_ramp_peaks_in_the_middle_of_the_period():
-    trace = traces.diurnal(min_rate=1, max_rate=60, period_s=10, duration_s=10, seed=2)
+    trace = trace_generators.diurnal(min_rate=1, max_rate=60, period_s=10, duration_s=10, seed=2)
     arrivals = np.array([r.arrival_s for r in trace.requests])
     middle = ((arrivals > 3.5) & (arrivals < 6.5)).sum()
     edges = ((arrivals < 1.5) | (arrivals > 8.5)).sum()
@@ -46,7 +46,7 @@ def test_diurnal_ramp_peaks_in_the_middle_of_the_period():
 
 
 def test_scale_rate_and_tokens_record_what_they_did():
-    base = traces.poisson(10, 10, seed=0)
+    base = trace_generators.poisson(10, 10, seed=0)
     faster = traces.scale_rate(base, 2)
     assert [r.arrival_s for r in faster.requests] == pytest.approx([r.arrival_s / 2 for r in base.requests])
     smaller = traces.scale_tokens(faster, 0.5, max_output_tokens=10)
@@ -57,7 +57,7 @@ def test_scale_rate_and_tokens_record_what_they_did():
 
 
 def test_inject_burst_doubles_the_rate_inside_the_window_only():
-    base = traces.poisson(20, 20, seed=4)
+    base = trace_generators.poisson(20, 20, seed=4)
     burst = traces.inject_burst(base, at_s=5, length_s=5, factor=2, seed=1)
 
     def count(trace, lo, hi):
@@ -70,7 +70,7 @@ def test_inject_burst_doubles_the_rate_inside_the_window_only():
 
 
 def test_truncate_keeps_the_start():
-    base = traces.poisson(20, 20, seed=4)
+    base = trace_generators.poisson(20, 20, seed=4)
     cut = traces.truncate(base, duration_s=5)
     assert cut.requests == tuple(r for r in base.requests if r.arrival_s < 5)
     assert len(traces.truncate(base, max_requests=7)) == 7
@@ -153,10 +153,10 @@ def test_azure_trace_loads_and_scales():
 
 
 def test_shipped_traces_match_their_recipes():
-    for name, recipe in traces.BUILTIN_RECIPES.items():
+    for name, recipe in trace_generators.BUILTIN_RECIPES.items():
         shipped = traces.resolve_trace(name)
         assert shipped.requests == tuple(traces.TraceRequest(**r.to_dict()) for r in recipe().requests), (
-            f"{name}.jsonl is stale: run python -m overlap.bench.traces"
+            f"{name}.jsonl is stale: run python -m overlap.bench.trace_generators"
         )
     assert len(traces.resolve_trace("bursty_2x")) > len(traces.resolve_trace("bursty"))
 

@@ -28,10 +28,7 @@ from pathlib import Path
 from overlap.bench.meter import SAMPLE_EVERY_S, load_average, progress_bar
 from overlap.bench.replay_endpoint import replay_target
 from overlap.bench.report import RequestRecord, RunResult, table_rows, text_table, write_report
-from overlap.bench.traces import (
-    Trace,
-    TraceError,
-)
+from overlap.bench.traces import Trace, TraceError
 from overlap.bench.workload import (
     QUICK_TRACE_S,
     add_transform_arguments,

@@ -15,16 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from overlap.bench.traces import (
-    Trace,
-    TraceError,
-    TraceRequest,
-    check_positive,
-    poisson_arrivals,
-    resolve_trace,
-    shipped_azure,
-    with_azure_mix,
-)
+from overlap.bench.trace_generators import poisson_arrivals, shipped_azure, with_azure_mix
+from overlap.bench.traces import Trace, TraceError, TraceRequest, check_positive, resolve_trace
 
 HOUR_S = 3600.0
 TEST_SEED_OFFSET = 1000  # test seeds are 1001.. : disjoint from train's 1..1000
