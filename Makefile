@@ -9,12 +9,12 @@ TOOLS := .tools
 # Where the CPU wheel of torch lies on this kind of machine (pip also reads PIP_FIND_LINKS).
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
-# Each component is its own distribution (engine/, sidecar/, gateway/, operator/, bench/, each with a pyproject.toml); a
-# target installs, in editable mode, the ones it needs. The stamps remember what is installed.
-SERVE_COMPONENTS := -e 'engine[model]' -e 'sidecar[serve]'
+# Each component is its own distribution (engine/, openai/, sidecar/, gateway/, operator/, bench/, each with a
+# pyproject.toml); a target installs, in editable mode, the ones it needs. The stamps remember what is installed.
+SERVE_COMPONENTS := -e 'engine[model]' -e openai -e 'sidecar[serve]'
 ALL_COMPONENTS := $(SERVE_COMPONENTS) -e gateway -e operator -e bench
-COMPONENT_PYPROJECTS := engine/pyproject.toml sidecar/pyproject.toml gateway/pyproject.toml operator/pyproject.toml \
-	bench/pyproject.toml
+COMPONENT_PYPROJECTS := engine/pyproject.toml openai/pyproject.toml sidecar/pyproject.toml gateway/pyproject.toml \
+	operator/pyproject.toml bench/pyproject.toml
 
 .PHONY: help venv venv-serve run test lint bench bench-quick model tools prometheus registry chart-check crd-sync clean \
 	images constraints e2e reliability
@@ -33,7 +33,7 @@ $(VENV)/.stamp-base:
 	@$(BIN)/pip uninstall -q -y overlap 2>/dev/null || true
 	@touch $@
 
-$(VENV)/.stamp-serve: $(VENV)/.stamp-base engine/pyproject.toml sidecar/pyproject.toml
+$(VENV)/.stamp-serve: $(VENV)/.stamp-base engine/pyproject.toml openai/pyproject.toml sidecar/pyproject.toml
 	$(BIN)/pip install -q $(FIND_LINKS) $(SERVE_COMPONENTS)
 	@touch $@
 

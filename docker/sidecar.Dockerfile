@@ -11,9 +11,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 COPY docker/constraints.txt /src/constraints.txt
 RUN python3 -m venv /opt/overlap
 COPY engine /src/engine
+COPY openai /src/openai
 COPY sidecar /src/sidecar
 COPY gateway /src/gateway
-RUN /opt/overlap/bin/pip install -c /src/constraints.txt /src/engine /src/sidecar /src/gateway
+RUN /opt/overlap/bin/pip install -c /src/constraints.txt /src/engine /src/openai /src/sidecar /src/gateway
 
 FROM ${PYTHON_IMAGE}
 COPY --from=build /opt/overlap /opt/overlap

@@ -20,8 +20,8 @@ import pytest
 from overlap.engine.prefix_hash import HASH_SCHEME, REMOVED, STORED
 from overlap.gateway.router.app import Router, RouterConfig
 from overlap.gateway.router.picker import Pick, Picker, PrefixIndex, ReplicaState
-from overlap.sidecar import schemas
-from overlap.sidecar.text import TextProcessor
+from overlap.openai import schemas
+from overlap.openai.text import TextProcessor
 from tests.support.lora import make_adapter
 from tests.support.sidecar import Proc, free_port, http, metric_value, overlap_cmd, overlap_serve, wait_until
 

@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-COMPONENTS = ("engine", "sidecar", "operator", "bench")
+COMPONENTS = ("engine", "openai", "sidecar", "gateway", "operator", "bench")
+# The `overlap` subcommands each distribution adds (overlap-openai adds none: it is a library the sidecar and the router
+# share).
+COMMANDS = {
+    "engine": "overlap-engine",
+    "sidecar": "overlap-sidecar",
+    "serve": "overlap-sidecar",
+    "gateway": "overlap-gateway",
+    "operator": "overlap-operator",
+    "bench": "overlap-bench",
+}
 SAFE_PATH_VARIABLE = "PYTHON" + "SAFEPATH"  # spelled in two halves: the workaround scan below reads this file too
 
 
@@ -29,6 +39,14 @@ def test_a_fresh_import_of_operator_from_the_root_is_the_standard_librarys() -> 
     out = _python_at_root(
         "import sys; sys.modules.pop('operator', None); import operator; operator.eq; print(operator.__file__)"
     )
+    assert out.returncode == 0, out.stderr
+    assert not out.stdout.strip().startswith(str(REPO)), out.stdout
+
+
+def test_import_openai_from_the_root_is_the_client_library() -> None:
+    """The root's openai/ folder (the overlap-openai component) is no package: `import openai` there still gets the
+    OpenAI client, as `operator` gets the standard library's."""
+    out = _python_at_root("import openai; print(openai.__file__, openai.OpenAI.__name__)")
     assert out.returncode == 0, out.stderr
     assert not out.stdout.strip().startswith(str(REPO)), out.stdout
 
@@ -75,7 +93,8 @@ def test_each_component_has_its_own_distribution_and_registers_its_commands() ->
     from overlap.cli import COMMAND_GROUP
 
     registered = {e.name: e.dist.name for e in entry_points(group=COMMAND_GROUP)}
-    assert registered == {c: f"overlap-{c}" for c in COMPONENTS}
+    assert registered == COMMANDS
+    assert {p.parent.name for p in REPO.glob("*/pyproject.toml")} == set(COMPONENTS)
     for component in COMPONENTS:
         assert (REPO / component / "pyproject.toml").is_file()
         assert not (REPO / component / "src" / "overlap" / "__init__.py").exists(), "overlap must stay a namespace"
@@ -105,7 +124,7 @@ def test_the_operator_and_the_sidecar_install_without_torch(tmp_path: Path) -> N
     assert "operator" in installed and "sidecar" not in installed and "bench" not in installed
     assert "sidecar" in missing and "bench" in missing  # named with what installs them
     sidecar = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", REPO / "sidecar"],
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", REPO / "openai", REPO / "sidecar"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert sidecar.returncode == 0, sidecar.stdout + sidecar.stderr

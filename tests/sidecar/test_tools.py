@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from overlap.sidecar import tools
+from overlap.openai import tools
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip

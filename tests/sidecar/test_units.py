@@ -10,8 +10,9 @@ import pytest
 from overlap.engine.config import LiveKnobs
 from overlap.engine.serving import protocol as p
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, SamplingParams, TokenLogprob
+from overlap.openai.text import TextProcessor
 from overlap.sidecar.admission import Admission
-from overlap.sidecar.text import TextProcessor
+from overlap.sidecar.detokenize import IncrementalDetokenizer
 
 
 def test_protocol_round_trip_over_a_socket():
@@ -109,7 +110,7 @@ def text(tiny_model_dir) -> TextProcessor:
 def test_detokenizer_holds_back_split_multibyte_characters(text):
     sample = "héllo wörld, 日本語 and 🎉 done"
     ids = text.encode(sample)
-    detok = text.detokenizer([], [])
+    detok = IncrementalDetokenizer(text, [], [])
     pieces = [detok.push([i]) for i in ids]
     assert "".join(pieces) + detok.flush() == text.decode(ids)
     assert all("\ufffd" not in piece for piece in pieces)  # never half a character
@@ -124,7 +125,7 @@ def test_stop_strings_cut_the_same_text_at_the_same_token_however_the_tokens_are
     rng = random.Random(0)
     results = set()
     for grouping in range(20):
-        detok = text.detokenizer([], stop)
+        detok = IncrementalDetokenizer(text, [], stop)
         shown, consumed, at = "", 0, 0
         while at < len(ids) and not detok.stopped:
             size = 1 if grouping == 0 else rng.randint(1, 5)
@@ -139,7 +140,7 @@ def test_stop_strings_cut_the_same_text_at_the_same_token_however_the_tokens_are
 
 def test_stop_string_split_across_tokens_is_cut_and_never_shown(text):
     ids = text.encode("alpha beta STOP gamma")
-    detok = text.detokenizer([], ["STOP", "never"])
+    detok = IncrementalDetokenizer(text, [], ["STOP", "never"])
     shown = ""
     for i in ids:
         shown += detok.push([i])

@@ -251,7 +251,7 @@ def tokenize_cost(model_dir: str | None = None, repeats: int = 50) -> list[dict]
     """What the router adds per request by tokenizing for scoring: the median time of a plain prompt and of the same
     text through the chat template, at three prompt sizes (the model's tokenizer; the tiny model's by default)."""
     from overlap.engine.model.builder import ensure_default_model
-    from overlap.sidecar.text import TextProcessor
+    from overlap.openai.text import TextProcessor
 
     text = TextProcessor(model_dir or ensure_default_model())
     words = ["the", "river", "turned", "north", "past", "the", "old", "mill", "and", "the", "bridge"]

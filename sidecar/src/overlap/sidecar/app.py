@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from overlap.engine.serving import protocol as p
 from overlap.engine.serving.client import EngineClient, EngineUnavailable
-from overlap.sidecar import schemas
+from overlap.openai.text import TextProcessor, tokenizer_folder
 from overlap.sidecar.admin import init_admin_app, watch_config_file
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
@@ -24,8 +24,8 @@ from overlap.sidecar.http import json_response, metrics_handler
 from overlap.sidecar.metrics import EngineCollector, SidecarMetrics
 from overlap.sidecar.middlewares import api_key_auth, error_middleware
 from overlap.sidecar.openai import ROUTES
+from overlap.sidecar.openapi import openapi_document
 from overlap.sidecar.state import STATE, ServerState
-from overlap.sidecar.text import TextProcessor, tokenizer_folder
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def setup_routes(app: web.Application) -> None:
     for method, path, _, handler, _ in ROUTES:
         app.router.add_route(method, path, handler)
     app.router.add_get("/metrics", metrics_handler(state.registry))
-    document = schemas.openapi_document(
+    document = openapi_document(
         [(m, path, summary, body) for m, path, summary, _, body in ROUTES]
         + [("GET", "/metrics", "Prometheus metrics", None), ("GET", "/openapi.json", "This document", None)]
     )

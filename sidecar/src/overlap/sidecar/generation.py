@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from overlap.engine.serving.client import EngineRejected, EngineUnavailable
 from overlap.engine.types import RequestSpec
+from overlap.sidecar.detokenize import IncrementalDetokenizer
 from overlap.sidecar.state import ApiError, ServerState, engine_unavailable
 
 
@@ -52,7 +53,7 @@ class Generation:
             state.metrics.rejected_by["engine_unavailable"].inc()
             raise engine_unavailable() from exc
         admission.admit(spec.request_id, len(prompt_token_ids), sampling.max_tokens)
-        self.detokenizer = state.text.detokenizer(prompt_token_ids, stop)
+        self.detokenizer = IncrementalDetokenizer(state.text, prompt_token_ids, stop)
         self.wants_logprobs = sampling.logprobs is not None
         self.done = False
         self._closed = False

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from overlap.sidecar.text import TextProcessor
+from overlap.openai.text import TextProcessor
 
 
 def _split(lp) -> tuple[float | None, list]:

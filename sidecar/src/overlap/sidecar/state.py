@@ -11,10 +11,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from overlap.engine.serving.client import EngineClient
+from overlap.openai.text import TextProcessor
 from overlap.sidecar.admission import Admission
 from overlap.sidecar.config import SidecarConfig
 from overlap.sidecar.metrics import SidecarMetrics
-from overlap.sidecar.text import TextProcessor
 
 
 class ApiError(Exception):

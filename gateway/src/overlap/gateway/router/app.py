@@ -45,9 +45,7 @@ from overlap.engine.errors import ConfigError
 from overlap.engine.prefix_hash import HASH_SCHEME, block_hashes
 from overlap.gateway.proxy import UPSTREAM_ERRORS, HoldingProxy, add_listen_flags, end_to_end, relay, run
 from overlap.gateway.router.picker import POLICIES, Picker, ReplicaState
-
-# A chat request is scored on the tokens the sidecar renders from it: its schemas and tool rendering, one definition.
-from overlap.sidecar import schemas, tools
+from overlap.openai import schemas, tools  # a chat request scored on the tokens the sidecar renders from it
 
 log = logging.getLogger("overlap.router")
 SCORED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -244,7 +242,7 @@ class Router(HoldingProxy):
         self._readiness_changed()
 
     async def _load_tokenizer(self) -> None:
-        from overlap.sidecar.text import TextProcessor, tokenizer_folder  # the sidecar's, as for the chat schemas
+        from overlap.openai.text import TextProcessor, tokenizer_folder  # the sidecar's tokenizer: the same tokens
 
         loop = asyncio.get_running_loop()
         if self.config.tokenizer:

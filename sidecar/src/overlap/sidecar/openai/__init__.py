@@ -8,7 +8,7 @@ between completion and chat responses), `sequences` (the records they share).
 
 from __future__ import annotations
 
-from overlap.sidecar import schemas
+from overlap.openai import schemas
 from overlap.sidecar.openai.chat import chat_completions
 from overlap.sidecar.openai.completions import completions
 from overlap.sidecar.openai.health import healthz, readyz, version

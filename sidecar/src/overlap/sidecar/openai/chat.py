@@ -8,7 +8,7 @@ import json
 from aiohttp import web
 from jinja2 import TemplateError
 
-from overlap.sidecar import schemas, tools
+from overlap.openai import schemas, tools
 from overlap.sidecar.openai import request as req
 from overlap.sidecar.openai.serving import respond
 from overlap.sidecar.openai.shape import CHAT

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from overlap.sidecar import schemas
+from overlap.openai import schemas
 from overlap.sidecar.openai import request as req
 from overlap.sidecar.openai.serving import respond
 from overlap.sidecar.openai.shape import COMPLETION

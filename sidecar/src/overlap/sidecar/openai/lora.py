@@ -11,7 +11,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from overlap.engine.serving.client import EngineUnavailable
-from overlap.sidecar import schemas
+from overlap.openai import schemas
 from overlap.sidecar.http import read_body
 from overlap.sidecar.state import STATE, ApiError, engine_unavailable
 

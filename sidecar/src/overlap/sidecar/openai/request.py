@@ -10,7 +10,7 @@ from aiohttp import web
 
 from overlap.engine.errors import InvalidRequestError
 from overlap.engine.types import SamplingParams
-from overlap.sidecar import schemas
+from overlap.openai import schemas
 from overlap.sidecar.http import read_body
 from overlap.sidecar.state import STATE, ApiError, ServerState
 

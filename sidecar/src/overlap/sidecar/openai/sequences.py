@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from overlap.openai.tools import ToolSetup
+from overlap.openai.tools import extract as extract_tool_calls
 from overlap.sidecar.generation import Delta, Generation
 from overlap.sidecar.openai.shape import CompletionShape
 from overlap.sidecar.state import ServerState
-from overlap.sidecar.tools import ToolSetup
-from overlap.sidecar.tools import extract as extract_tool_calls
 
 
 @dataclass(slots=True)

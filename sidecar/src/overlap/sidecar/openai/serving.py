@@ -9,7 +9,8 @@ import uuid
 from aiohttp import web
 
 from overlap.engine.types import RequestSpec, SamplingParams
-from overlap.sidecar import schemas
+from overlap.openai import schemas
+from overlap.openai.tools import ToolSetup
 from overlap.sidecar.generation import Generation
 from overlap.sidecar.openai import request as req
 from overlap.sidecar.openai.collect import collect
@@ -17,7 +18,6 @@ from overlap.sidecar.openai.sequences import Reply, Sequence
 from overlap.sidecar.openai.shape import CompletionShape
 from overlap.sidecar.openai.stream import stream
 from overlap.sidecar.state import ApiError, ServerState
-from overlap.sidecar.tools import ToolSetup
 
 
 async def respond(request: web.Request, state: ServerState, body: schemas._Common, shape: CompletionShape,

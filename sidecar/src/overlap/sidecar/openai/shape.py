@@ -3,8 +3,8 @@ stream chunk's delta, and the logprobs' form. The rest of a response (sequences,
 
 from __future__ import annotations
 
+from overlap.openai.text import TextProcessor
 from overlap.sidecar.logprobs import chat_logprobs, completion_logprobs
-from overlap.sidecar.text import TextProcessor
 
 
 class CompletionShape:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from overlap.sidecar import schemas
+from overlap.openai import schemas
 from overlap.sidecar.generation import Delta
 from overlap.sidecar.http import encode_json
 from overlap.sidecar.openai.sequences import Reply, Sequence, echoed, envelope, tool_calls, usage

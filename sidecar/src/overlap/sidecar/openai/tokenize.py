@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 from jinja2 import TemplateError
 
-from overlap.sidecar import schemas
+from overlap.openai import schemas
 from overlap.sidecar.http import json_response, read_body
 from overlap.sidecar.openai import request as req
 from overlap.sidecar.state import STATE, ApiError

@@ -1,0 +1,60 @@
+"""Generated ids to text in the sidecar: detokenized incrementally (a character split across tokens is held back
+until complete), with `stop` strings matched on the detokenized text."""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from overlap.openai.text import TextProcessor
+
+_PROMPT_CONTEXT_TOKENS = 6  # prompt ids fed to the decoder first, so the first generated token gets its spacing right
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas. With stop strings, the last `max(len(stop)) - 1` characters are held
+    back (they might begin a stop string); when one matches, the text is cut before it and `stopped` is set. Stop
+    strings are checked after every token, as vLLM does, so the result does not depend on how many tokens arrive
+    at once (a speculative step delivers several); `tokens_kept` says how many of the last push's ids were
+    consumed, up to the one that completed the stop string."""
+
+    def __init__(self, text: TextProcessor, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self._backend = text.backend
+        self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], skip_special_tokens=True)
+        self._stop = [s for s in stop if s]
+        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self.text = ""  # everything decoded so far (cut at a stop string once matched)
+        self._emitted = 0
+        self.stopped = False
+        self.tokens_kept = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        """Feed new ids; return the text that is now safe to show (maybe "")."""
+        if self.stopped:
+            self.tokens_kept = 0
+            return ""
+        self.tokens_kept = len(token_ids)
+        for n, token_id in enumerate(token_ids, 1):
+            piece = self._stream.step(self._backend, token_id)
+            if not piece:
+                continue
+            search_from = max(0, len(self.text) - self._holdback)  # a stop string this piece completes starts here
+            self.text += piece
+            if self._stop:
+                cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) != -1), default=-1)
+                if cut != -1:
+                    self.text = self.text[:cut]
+                    self.stopped = True
+                    self.tokens_kept = n
+                    return self._take(len(self.text))
+        return self._take(len(self.text) - self._holdback)
+
+    def flush(self) -> str:
+        """At the end of generation: whatever was held back."""
+        return self._take(len(self.text))
+
+    def _take(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self.text[self._emitted : end]
+        self._emitted = end
+        return delta
