@@ -246,7 +246,8 @@ def test_openapi_describes_every_route(server):
                 ("get", "/health"), ("get", "/healthz"), ("get", "/readyz"), ("get", "/metrics"),
                 ("get", "/openapi.json"), ("post", "/tokenize"), ("post", "/detokenize"),
                 ("get", "/version"), ("get", "/ping"), ("post", "/ping"), ("get", "/v1/kv-events"),
-                ("get", "/v1/tokenizer")}  # fmt: skip
+                ("get", "/v1/tokenizer"), ("post", "/v1/load_lora_adapter"),
+                ("post", "/v1/unload_lora_adapter")}  # fmt: skip
     documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     assert documented == expected
     body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
