@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,7 @@ def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
 
 
 COMMANDS = list(_commands(build_parser()))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_walk_finds_the_commands_the_readme_names():
@@ -60,10 +63,24 @@ def test_a_known_command_of_a_component_not_installed_says_what_installs_it(monk
         assert cli.main(argv) == 2
         error = capsys.readouterr().err
         assert f"`overlap {command}` is not installed here" in error, error
-        assert f"overlap-{component}" in error and "make venv" in error and f"pip install -e {component}" in error
+        assert f"overlap-{component}" in error and "make venv" in error and cli.pip_command(component) in error
         assert "invalid choice" not in error
     parser = cli.build_parser()
     assert "bench" in parser.format_help() and "make venv" in parser.format_help()  # `overlap --help` names them
     with pytest.raises(SystemExit) as exited:  # an unknown command is still argparse's error
         cli.main(["benhc"])
     assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_each_pip_hint_names_the_components_its_distribution_needs():
+    """`pip install -e bench` alone fails on a fresh machine: overlap-operator, overlap-gateway, ... are on no package
+    index. The hint names every component a distribution depends on (the engine is installed where `overlap` runs)."""
+    from overlap.cli import COMPONENT_COMMANDS, pip_command
+
+    for component in COMPONENT_COMMANDS:
+        folder = "sidecar" if component == "serve" else component
+        project = tomllib.loads((REPO / folder / "pyproject.toml").read_text())["project"]
+        needed = [d for d in project["dependencies"] if d.startswith("overlap-") and not d.startswith("overlap-engine")]
+        for dependency in needed:
+            name = dependency.split("==")[0].split("[")[0].removeprefix("overlap-")
+            assert f"-e {name}" in pip_command(component), (component, dependency)

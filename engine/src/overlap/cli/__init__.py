@@ -32,15 +32,26 @@ COMPONENT_COMMANDS = {
     "operator": ("operator",),
     "bench": ("bench",),
 }
-_PIP_TARGETS = {"engine": "'engine[model]'", "sidecar": "sidecar", "serve": "'sidecar[serve]'", "gateway": "gateway",
-                "operator": "operator", "bench": "bench"}  # fmt: skip
+# The folders `pip install -e` takes for each: the component's own last, after the other components it depends on,
+# which no package index has (the engine is there wherever `overlap` runs).
+_PIP_TARGETS = {
+    "engine": ("'engine[model]'",),
+    "sidecar": ("openai", "sidecar"),
+    "serve": ("openai", "'sidecar[serve]'"),
+    "gateway": ("openai", "gateway"),
+    "operator": ("operator",),
+    "bench": ("openai", "sidecar", "gateway", "operator", "bench"),
+}
+
+
+def pip_command(component: str) -> str:
+    return "pip install " + " ".join(f"-e {target}" for target in _PIP_TARGETS[component])
 
 
 def _install_hint(component: str) -> str:
-    target = _PIP_TARGETS[component]
-    distribution = "overlap-" + target.strip("'").split("[")[0]
+    distribution = "overlap-" + _PIP_TARGETS[component][-1].strip("'").split("[")[0]
     return (f"the {component} component ({distribution}): `make venv` installs every component, or "
-            f"`pip install -e {target}` from the repository's root")  # fmt: skip
+            f"`{pip_command(component)}` from the repository's root")  # fmt: skip
 
 
 def missing_commands(installed: set[str]) -> dict[str, str]:
@@ -59,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         entry.load()(subparsers)
     parser.missing_commands = missing_commands({entry.name for entry in found})
     if parser.missing_commands:
-        missing = "; ".join(f"{', '.join(COMPONENT_COMMANDS[component])} (`pip install -e {_PIP_TARGETS[component]}`)"
+        missing = "; ".join(f"{', '.join(COMPONENT_COMMANDS[component])} (`{pip_command(component)}`)"
                             for component in dict.fromkeys(parser.missing_commands.values()))  # fmt: skip
         parser.epilog = f"not installed here: {missing}, from the repository's root; `make venv` installs them all"
     return parser
