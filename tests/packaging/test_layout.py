@@ -101,9 +101,10 @@ def test_each_component_has_its_own_distribution_and_registers_its_commands() ->
 
 
 @pytest.mark.slow
-def test_the_operator_and_the_sidecar_install_without_torch(tmp_path: Path) -> None:
+def test_the_operator_the_gateway_and_the_sidecar_install_without_torch(tmp_path: Path) -> None:
     """A fresh venv with only the engine's base and the operator component, as the operator image has; then the
-    sidecar beside them, as the sidecar image has."""
+    gateway without the sidecar (what they share is overlap-openai); then the sidecar beside them, as the sidecar
+    image has."""
     venv.create(tmp_path / "venv", with_pip=True)
     python, overlap = tmp_path / "venv" / "bin" / "python", tmp_path / "venv" / "bin" / "overlap"
     install = subprocess.run(
@@ -123,8 +124,17 @@ def test_the_operator_and_the_sidecar_install_without_torch(tmp_path: Path) -> N
     installed, _, missing = commands.partition("not installed here:")
     assert "operator" in installed and "sidecar" not in installed and "bench" not in installed
     assert "sidecar" in missing and "bench" in missing  # named with what installs them
+    gateway = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", REPO / "openai", REPO / "gateway"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert gateway.returncode == 0, gateway.stdout + gateway.stderr
+    imports = subprocess.run([python, "-c", "import overlap.gateway.router.app, overlap.sidecar"], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert "No module named 'overlap.sidecar'" in imports.stderr, imports.stderr
+    assert subprocess.run([overlap, "router", "--help"], capture_output=True, timeout=60).returncode == 0
     sidecar = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", REPO / "openai", REPO / "sidecar"],
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", REPO / "sidecar"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert sidecar.returncode == 0, sidecar.stdout + sidecar.stderr
