@@ -13,6 +13,22 @@ import pytest
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left_open():
+    """A test that leaves torch.distributed's default group open (a tensor-parallel runner not closed) fails here,
+    by name, instead of every later test in the process that starts one (or that loads with compressed-tensors,
+    which broadcasts when a group exists)."""
+    yield
+    import sys
+
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            pytest.fail("the test left a torch.distributed process group open: close its runner (runner.close())")
+
+
 @pytest.fixture(scope="module")
 def two_torch_threads():
     """torch on two intra-op threads for the module (the runner splits a batch in two halves with 2+), then back."""
