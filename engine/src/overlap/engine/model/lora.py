@@ -207,8 +207,8 @@ class LoraDelta:
             delta = torch.matmul(torch.matmul(xs, self.a[slot].t()), self.b[slot].t())
             if rows is None:
                 y.add_(delta)
-            else:
-                y.index_add_(0, rows, delta)
+            else:  # a row is in one group only, so a gather, an add and a scatter; index_add_ is slow here
+                y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
         return y
 
     def fill(self, slot: int, segment: int, a: torch.Tensor | None, b: torch.Tensor | None, first: int) -> None:
