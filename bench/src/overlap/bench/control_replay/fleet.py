@@ -10,32 +10,17 @@ from overlap.bench.control_replay.plan import Setup
 from overlap.engine.config import LiveKnobs
 
 
-class Replica:
-    """One simulated pod: an Engine on an asynchronous SimRunner, stepped by its own thread. Times are seconds on
-    the run's clock (`clock()`)."""
+class Pod:
+    """What the loop reads of a pod, whichever fleet it is in: when it was asked for and will be ready, whether it is
+    draining or gone, its outstanding requests, and the replica-seconds it cost."""
 
-    def __init__(self, name: str, setup: Setup, knobs: LiveKnobs, clock, ready_at: float, on_finished) -> None:
-        from overlap.engine import Engine, EngineConfig
-        from overlap.engine.model.sim_runner import CostModel, SimRunner
-
-        fixed_ms, per_token_us = setup.cost_ms_us
-        config = EngineConfig().with_live(knobs)
-        runner = SimRunner.from_config(config, CostModel(fixed_ms / 1000, per_token_us / 1e6), asynchronous=True)
-        self.name = name
-        self.engine = Engine(config, runner=runner)
-        self.created = clock()
+    def __init__(self, created: float, ready_at: float) -> None:
+        self.created = created
         self.ready_at = ready_at
         self.stopped: float | None = None  # when it went (drained, or cancelled while starting)
         self.draining = False
-        self.num_submitted = 0  # written by the router thread only
-        self.num_finished = 0  # written by this replica's thread only
-        self._clock = clock
-        self._busy_s_seen = 0.0
-        self._on_finished = on_finished
-        self._closing = False
-        self._wakeup = threading.Event()
-        self._thread = threading.Thread(target=self._drive, name=f"replica-{name}", daemon=True)
-        self._thread.start()
+        self.num_submitted = 0  # written by the router only
+        self.num_finished = 0  # written by the pod's stepping only
 
     def is_ready(self, now: float) -> bool:
         return not self.draining and self.stopped is None and now >= self.ready_at
@@ -48,6 +33,35 @@ class Replica:
     @property
     def outstanding(self) -> int:
         return self.num_submitted - self.num_finished
+
+    def lifetime(self, end: float) -> float:
+        """Replica-seconds it cost up to `end`: from the scale-up (a starting pod already holds its node) until it
+        went."""
+        stopped = end if self.stopped is None else min(self.stopped, end)
+        return max(0.0, stopped - self.created)
+
+
+class Replica(Pod):
+    """One simulated pod: an Engine on an asynchronous SimRunner, stepped by its own thread. Times are seconds on
+    the run's clock (`clock()`)."""
+
+    def __init__(self, name: str, setup: Setup, knobs: LiveKnobs, clock, ready_at: float, on_finished) -> None:
+        from overlap.engine import Engine, EngineConfig
+        from overlap.engine.model.sim_runner import CostModel, SimRunner
+
+        fixed_ms, per_token_us = setup.cost_ms_us
+        config = EngineConfig().with_live(knobs)
+        runner = SimRunner.from_config(config, CostModel(fixed_ms / 1000, per_token_us / 1e6), asynchronous=True)
+        self.name = name
+        self.engine = Engine(config, runner=runner)
+        super().__init__(clock(), ready_at)
+        self._clock = clock
+        self._busy_s_seen = 0.0
+        self._on_finished = on_finished
+        self._closing = False
+        self._wakeup = threading.Event()
+        self._thread = threading.Thread(target=self._drive, name=f"replica-{name}", daemon=True)
+        self._thread.start()
 
     def submit(self, request_id: str, tokens: list[int], sampling, arrival_time: float) -> None:
         from overlap.engine import RequestSpec
@@ -89,12 +103,6 @@ class Replica:
         if self.stopped is None and self.draining:
             self.stopped = self._clock()
 
-    def lifetime(self, end: float) -> float:
-        """Replica-seconds it cost up to `end`: from the scale-up (a starting pod already holds its node) until it
-        went."""
-        stopped = end if self.stopped is None else min(self.stopped, end)
-        return max(0.0, stopped - self.created)
-
     def close(self) -> None:
         self._closing = True
         self._wakeup.set()
@@ -102,7 +110,7 @@ class Replica:
         self.engine.close()
 
 
-def least_loaded(fleet: list[Replica], now: float) -> Replica | None:
+def least_loaded(fleet: list[Pod], now: float) -> Pod | None:
     """The router's rule: the ready replica with the fewest outstanding requests (join-shortest-queue); None when
     none is ready."""
     ready = [r for r in fleet if r.is_ready(now)]

@@ -17,6 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from overlap.bench.control_replay.fleet import Pod, least_loaded
 from overlap.bench.control_replay.loop import ControlRun, _Loop, prepare_requests
 from overlap.bench.control_replay.plan import PROGRESS_EVERY_S, RunPlan, Setup
 from overlap.bench.workload import fit_to_context
@@ -55,17 +56,14 @@ class _Finished:
     error: str | None = None
 
 
-class ModelReplica:
+class ModelReplica(Pod):
     """One pod: its own `engine` (stats, reconfigure, has_unfinished) as the loop reads a real one."""
 
     def __init__(self, name: str, setup: Setup, knobs: LiveKnobs, created: float, ready_at: float,
                  on_finished) -> None:  # fmt: skip
+        super().__init__(created, ready_at)
         self.name = name
         self.engine = self
-        self.created, self.ready_at = created, ready_at
-        self.stopped: float | None = None
-        self.draining = False
-        self.num_submitted = self.num_finished = 0
         self.fixed_s, self.per_token_s = setup.cost_ms_us[0] / 1000, setup.cost_ms_us[1] / 1e6
         self.max_num_seqs, self.budget = knobs.max_num_seqs, knobs.max_num_batched_tokens
         self.waiting: deque[_Seq] = deque()
@@ -76,18 +74,7 @@ class ModelReplica:
         self.busy_s_total = self._busy_s_seen = 0.0
         self._on_finished = on_finished
 
-    # ---- what the loop reads and calls, as on a fleet.Replica ---------------------------------------------------
-    def is_ready(self, now: float) -> bool:
-        return not self.draining and self.stopped is None and now >= self.ready_at
-
-    @property
-    def is_asked_for(self) -> bool:
-        return not self.draining and self.stopped is None
-
-    @property
-    def outstanding(self) -> int:
-        return self.num_submitted - self.num_finished
-
+    # ---- what the loop calls, as on a fleet.Replica ----------------------------------------------------------------
     def drain(self, now: float) -> None:
         self.draining = True
         if now < self.ready_at or not self.has_unfinished():
@@ -96,10 +83,6 @@ class ModelReplica:
     def busy_since_last(self) -> float:
         delta, self._busy_s_seen = self.busy_s_total - self._busy_s_seen, self.busy_s_total
         return delta
-
-    def lifetime(self, end: float) -> float:
-        stopped = end if self.stopped is None else min(self.stopped, end)
-        return max(0.0, stopped - self.created)
 
     def close(self) -> None:
         pass
@@ -192,11 +175,11 @@ class _ModelLoop(_Loop):
         self.on_finished(_Finished(f"r{seq.index}", self.lengths[seq.index][1], times))
 
     def route(self, i: int, now: float, sampling_cls=None, invalid_error=None) -> None:
-        ready = [r for r in self.fleet if r.is_ready(now)]
-        if not ready:
+        replica = least_loaded(self.fleet, now)
+        if replica is None:
             self.records[i].status, self.records[i].detail = "rejected", "no ready replica"
             return
-        min(ready, key=lambda r: r.outstanding).submit(i, *self.lengths[i], now)
+        replica.submit(i, *self.lengths[i], now)
 
     def replay(self) -> ControlRun:
         setup, requests = self.setup, self.trace.requests
