@@ -18,6 +18,7 @@ import json
 import random
 import time
 
+from overlap.bench.gpu_correctness import run_waves
 from overlap.bench.meter import log_progress
 
 DRY_FAMILY_SHAPES = {
@@ -73,14 +74,9 @@ def _family_correctness(check, family: str) -> dict:
     runner = ModelRunner(config, folder, cpu_paths=False)
     engine = Engine(config, runner=runner)
     sampling = SamplingParams(max_tokens=3 if check.dry else 32, temperature=0, ignore_eos=True)
-    outputs: dict[str, list[int]] = {}
     started = time.perf_counter()
-    for wave, prompts in enumerate((firsts, seconds)):
-        for i, prompt in enumerate(prompts):
-            engine.add_request(RequestSpec(f"w{wave}-{i}", prompt, sampling))
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    outputs = run_waves(engine, [[RequestSpec(f"w{wave}-{i}", prompt, sampling) for i, prompt in enumerate(prompts)]
+                                 for wave, prompts in enumerate((firsts, seconds))])  # fmt: skip
     stats = engine.stats()
     engine.close()
     runner.close()

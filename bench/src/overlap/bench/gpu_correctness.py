@@ -9,6 +9,19 @@ import warnings
 from overlap.bench.meter import log_progress
 
 
+def run_waves(engine, waves: list[list]) -> dict[str, list[int]]:
+    """Each wave of requests (RequestSpecs) added, then stepped to the end before the next; request id -> its
+    tokens."""
+    outputs: dict[str, list[int]] = {}
+    for wave in waves:
+        for spec in wave:
+            engine.add_request(spec)
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return outputs
+
+
 def case_correctness(check) -> None:
     """The tiny model through the engine vs transformers, teacher-forced, for each pipeline setting."""
     import random
@@ -28,6 +41,9 @@ def case_correctness(check) -> None:
     settings = [("float32", b, g) for b in (1, 2) for g in (False, True)] + [("bfloat16", 2, True)]
     if check.dry:
         settings = [("float32", 1, False), ("float32", 2, False), ("bfloat16", 2, False)]
+    sampling = SamplingParams(max_tokens=8 if check.dry else 32, temperature=0, ignore_eos=True)
+    waves = [[RequestSpec(f"w{wave}-{i}", prompt, sampling) for i, prompt in enumerate(prompts)]
+             for wave, prompts in enumerate((firsts, seconds))]  # fmt: skip
     references = {}
     for dtype, num_buffers, graphs in settings:
         started = time.perf_counter()
@@ -35,19 +51,12 @@ def case_correctness(check) -> None:
                                      cuda_graphs=graphs, max_num_batched_tokens=64, num_kv_blocks=256,
                                      max_seq_len=512)  # fmt: skip
         engine = Engine(config)
-        sampling = SamplingParams(max_tokens=8 if check.dry else 32, temperature=0, ignore_eos=True)
-        outputs, syncs = {}, []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if check.device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                for wave, prompts in enumerate((firsts, seconds)):
-                    for i, prompt in enumerate(prompts):
-                        engine.add_request(RequestSpec(f"w{wave}-{i}", prompt, sampling))
-                    while engine.has_unfinished():
-                        for out in engine.step():
-                            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                outputs = run_waves(engine, waves)
             finally:
                 if check.device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")

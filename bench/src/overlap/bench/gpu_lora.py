@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from overlap.bench.gpu_correctness import run_waves
 from overlap.bench.meter import log_progress
 
 _ADAPTERS = 2
@@ -22,13 +23,11 @@ def _mixed_tokens(config, prompts: list[list[int]], names: list[str | None], max
 
     engine = Engine(config)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    outputs: dict[str, list[int]] = {}
     try:
-        for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
-            engine.add_request(RequestSpec(f"r{i}", prompt, sampling, lora_name=name))
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        rows = zip(prompts, names, strict=True)
+        outputs = run_waves(
+            engine, [[RequestSpec(f"r{i}", p, sampling, lora_name=name) for i, (p, name) in enumerate(rows)]]
+        )
     finally:
         engine.close()
     return [outputs[f"r{i}"] for i in range(len(prompts))]
