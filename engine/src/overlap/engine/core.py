@@ -355,11 +355,7 @@ class Engine:
         (`split_kv_pool`). More would leave running prefills waiting on that pool with nothing to preempt. Without
         one, the full pool's blocks."""
         window = self.block_manager.window
-        if window is None:
-            return self.block_manager.num_blocks
-        per_seq = WindowBlocks.max_blocks_per_seq(window.window, window.block_size, 1)
-        step_blocks = -(-max_num_batched_tokens // window.block_size)
-        return max(1, (window.num_blocks - step_blocks) // per_seq)
+        return self.block_manager.num_blocks if window is None else window.most_seqs(max_num_batched_tokens)
 
     def _apply_config(self, config: EngineConfig) -> None:
         self.config = config

@@ -51,6 +51,18 @@ class WindowBlocks:
         """The most blocks one sequence holds at once when its steps add up to `num_new_tokens` tokens."""
         return -(-(window - 1) // block_size) + 1 + -(-num_new_tokens // block_size)
 
+    @staticmethod
+    def blocks_for(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """The blocks that `max_num_seqs` sequences at once need, each with its window, beside a step of
+        `max_num_batched_tokens`: what the pool is sized for (`split_kv_pool`)."""
+        per_seq = WindowBlocks.max_blocks_per_seq(window, block_size, 1)
+        return max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+
+    def most_seqs(self, max_num_batched_tokens: int) -> int:
+        """The most sequences this pool holds at once by the same rule (at least 1)."""
+        step_only = self.blocks_for(self.window, self.block_size, 0, max_num_batched_tokens)
+        return max(1, (self.num_blocks - step_only) // self.max_blocks_per_seq(self.window, self.block_size, 1))
+
     # ---- admission ---------------------------------------------------------------------------------------------
     def cached_prefix(self, keys: list[BlockKey], num_hits: int) -> int:
         """The most of the full layers' `num_hits` leading cached blocks that the sliding layers can use too: their

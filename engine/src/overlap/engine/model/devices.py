@@ -119,8 +119,7 @@ def split_kv_pool(config: EngineConfig, spec: ModelSpec, num_blocks: int) -> KvP
         raise ModelLoadError(f"sliding layers with different windows {sorted(windows)} are not supported")
     (window,) = windows
     bs = config.block_size
-    per_seq = WindowBlocks.max_blocks_per_seq(window, bs, 1)
-    wanted = config.max_num_seqs * per_seq + -(-config.max_num_batched_tokens // bs)
+    wanted = WindowBlocks.blocks_for(window, bs, config.max_num_seqs, config.max_num_batched_tokens)
     num_window = min(num_blocks, wanted)
     # every layer's block has the same bytes: the blocks the sliding layers leave go to the full ones
     num_full = num_blocks + (num_blocks - num_window) * num_window_layers // num_full_layers
