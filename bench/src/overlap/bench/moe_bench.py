@@ -43,17 +43,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from overlap.engine.config import EngineConfig
-    from overlap.engine.errors import ConfigError
     from overlap.engine.model.layers.moe import SparseMoE
     from overlap.engine.model.model_spec import kv_bytes_per_token
     from overlap.engine.model.runner import ModelRunner
     from overlap.engine.model.shapes import shape_config
 
     batches = batch_sizes(args)
-    if args.layers < 1:
-        raise ConfigError("--layers must be >= 1")
     torch.set_num_threads(args.threads)
-    config = shape_config(args.model_shape) | {"num_hidden_layers": args.layers}
+    config = shape_config(args.model_shape, layers=args.layers)
     tokens = args.context + args.steps + 2
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config))

@@ -23,6 +23,8 @@ def register(subparsers) -> None:
                        help="write the decoder's projections in that scheme, as its producer writes it (random "
                        "codes): w4a16, w8a8 and fp8 as llm-compressor's compressed-tensors schemes, fp8-block as the "
                        "DeepSeek-V3 / Qwen3 FP8 releases (128x128 block scales)")  # fmt: skip
+    shape.add_argument("--layers", type=int, help="keep the first N decoder layers (the real widths, less depth: a "
+                       "model too large for this machine's memory, e.g. qwen3-30b-a3b --layers 4)")  # fmt: skip
     shape.set_defaults(func=_build_shape)
     fetch = model_sub.add_parser(
         "fetch",
@@ -98,7 +100,7 @@ def _build_shape(args: argparse.Namespace) -> int:
     from overlap.engine.model.shapes import ensure_shape_model
 
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    print(ensure_shape_model(args.name, progress=progress, quantization=args.quantization))
+    print(ensure_shape_model(args.name, progress=progress, quantization=args.quantization, layers=args.layers))
     return 0
 
 

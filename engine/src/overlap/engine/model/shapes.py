@@ -145,13 +145,19 @@ QUANT_SCHEMES = {
 }
 
 
-def shape_config(name: str, quantization: str | None = None) -> dict:
+def shape_config(name: str, quantization: str | None = None, layers: int | None = None) -> dict:
     """The config.json of shape `name`, with the tiny tokenizer's special token ids (and `quantization`'s
-    quantization_config)."""
+    quantization_config); `layers` keeps the first that many decoder layers, the widths unchanged."""
     if name not in SHAPES:
         raise ConfigError(f"unknown model shape {name!r}; choose from {', '.join(SHAPES)}")
     config = {**SHAPES[name], "torch_dtype": _DTYPE, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
               "initializer_range": 0.02}  # fmt: skip
+    if layers is not None:
+        if not 1 <= layers <= config["num_hidden_layers"]:
+            raise ConfigError(f"--layers {layers}: shape {name!r} has 1 to {config['num_hidden_layers']} layers")
+        config["num_hidden_layers"] = layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:layers]
     if quantization is not None:
         if "num_experts_per_tok" in config:
             raise ConfigError(f"shape {name!r} is a mixture of experts: quantized experts are not supported yet")
@@ -162,9 +168,10 @@ def shape_config(name: str, quantization: str | None = None) -> dict:
     return config
 
 
-def shape_model_dir(name: str, quantization: str | None = None) -> Path:
-    """Where shape `name` is cached: `<cache_root>/shapes/<name>[-<quantization>]-<recipe>`."""
-    return builder.cache_root() / "shapes" / "-".join(filter(None, (name, quantization, RECIPE)))
+def shape_model_dir(name: str, quantization: str | None = None, layers: int | None = None) -> Path:
+    """Where shape `name` is cached: `<cache_root>/shapes/<name>[-<quantization>][-L<layers>]-<recipe>`."""
+    depth = f"L{layers}" if layers is not None else None
+    return builder.cache_root() / "shapes" / "-".join(filter(None, (name, quantization, depth, RECIPE)))
 
 
 def num_parameters(config: dict) -> int:
@@ -173,14 +180,14 @@ def num_parameters(config: dict) -> int:
 
 
 def ensure_shape_model(name: str, progress: Callable[[str], None] | None = None,
-                       quantization: str | None = None) -> Path:  # fmt: skip
-    """The folder of shape `name` (its projections in `quantization`'s format, if given), built on first use
-    (minutes for the larger shapes; safe when several processes ask at once: `builder.build_model_folder` renames it
-    into place whole)."""
-    target = shape_model_dir(name, quantization)
+                       quantization: str | None = None, layers: int | None = None) -> Path:  # fmt: skip
+    """The folder of shape `name` (its projections in `quantization`'s format, if given; its first `layers` decoder
+    layers, if given), built on first use (minutes for the larger shapes; safe when several processes ask at once:
+    `builder.build_model_folder` renames it into place whole)."""
+    config = shape_config(name, quantization, layers)
+    target = shape_model_dir(name, quantization, layers)
     if builder.is_complete(target):
         return target
-    config = shape_config(name, quantization)
     started = time.monotonic()
     if progress:
         params = num_parameters(config)
