@@ -148,6 +148,34 @@ def test_the_command_prints_the_folder_or_writes_the_reason_for_the_pod_status(h
     assert "hf://acme/missing" in log.read_text() and "404" in log.read_text()
 
 
+def test_a_model_and_its_draft_are_fetched_by_one_command_and_the_eviction_keeps_both(monkeypatch, tmp_path):
+    """`overlap model fetch URI --draft URI`, as the pod's fetch container runs it for a draft_model spec: both into
+    the cache behind their links, an older model evicted, neither of the two; a draft that fails says so."""
+    draft = {"config.json": b'{"model_type": "llama"}', "model.safetensors": os.urandom(1 << 20)}
+    hub = HubServer({REPO_ID: dict(MODEL), "acme/tiny-draft": draft, "acme/old": dict(draft)}).start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    try:
+        cache, links = tmp_path / "cache", tmp_path / "links"
+        old, _ = fetch("hf://acme/old", cache, progress=lambda _: None)
+        command = lambda draft_uri: overlap_cmd(  # noqa: E731
+            "model", "fetch", f"hf://{REPO_ID}", "--link", str(links / "current"), "--draft", draft_uri,
+            "--draft-link", str(links / "draft"), "--cache-dir", str(cache), "--max-cache-gb", "0.001",
+            "--termination-log", str(tmp_path / "termination-log"))  # fmt: skip
+        done = subprocess.run(command("hf://acme/tiny-draft"), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert _files(links / "current") == FOLDER and _files(links / "draft") == draft
+        assert done.stdout.split() == [str((links / "current").resolve()), str((links / "draft").resolve())]
+        assert not old.exists() and f"evicted {old.relative_to(cache).as_posix()}" in done.stderr
+
+        log = tmp_path / "termination-log"
+        log.touch()
+        failed = subprocess.run(command("hf://acme/missing"), capture_output=True, text=True, timeout=120)
+        assert failed.returncode == 1
+        assert log.read_text().startswith("draft model: ") and "hf://acme/missing" in log.read_text()
+    finally:
+        hub.stop()
+
+
 def _archive(files: dict[str, bytes], prefix: str = "tiny-chat/") -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz") as tar:

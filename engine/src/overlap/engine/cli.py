@@ -28,19 +28,23 @@ def register(subparsers) -> None:
     shape.set_defaults(func=_build_shape)
     fetch = model_sub.add_parser(
         "fetch",
-        help="fetch a model (hf://, s3://, gs://, https:// archive, oci://) into the cache once, checked; print its "
-        "folder",
+        help="fetch a model (hf://, s3://, gs://, https:// archive, oci://), and its speculative draft if asked, "
+        "into the cache once, checked; print each folder",
         description="Fetch a model into the cache: parallel downloads that resume after a drop or a stall, every "
         "file checked against the source's hash, moved into place only when whole. A second fetch of the same "
         "version finds it there; two at once take turns. Credentials as the source's library reads them "
         "(HF_TOKEN, HF_ENDPOINT; AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL; a registry's login in "
-        "DOCKER_CONFIG's config.json, OVERLAP_OCI_PLAIN_HTTP for registries without TLS).",
+        "DOCKER_CONFIG's config.json, OVERLAP_OCI_PLAIN_HTTP for registries without TLS); --draft's with the same "
+        "credentials.",
     )
-    fetch.add_argument("uri", help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+    fetch.add_argument("uri", nargs="?", help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
                        "https://HOST/PATH.tar[.gz][#sha256=HEX], "
-                       "oci://REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST]")  # fmt: skip
+                       "oci://REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST]; may be left out with --draft")  # fmt: skip
     fetch.add_argument("--cache-dir", help="the cache folder (default: OVERLAP_MODEL_CACHE, else models/ in the cache)")
     fetch.add_argument("--link", help="make LINK a symlink to the model's folder (what the engine's --model reads)")
+    fetch.add_argument("--draft", metavar="URI", help="also fetch a speculative draft model, after the model (the "
+                       "eviction keeps both; a failure's reason starts with 'draft model: ')")  # fmt: skip
+    fetch.add_argument("--draft-link", help="make DRAFT_LINK a symlink to the draft's folder")
     fetch.add_argument("--stall-s", type=float, default=30.0, help="a read that waits this long is a stall: retried")
     fetch.add_argument("--max-cache-gb", type=float, help="evict least recently used models above this size")
     fetch.add_argument(
@@ -115,16 +119,28 @@ def _fetch(args: argparse.Namespace) -> int:
 
     cache_dir = args.cache_dir or os.environ.get("OVERLAP_MODEL_CACHE") or cache_root() / "models"
     max_bytes = int(args.max_cache_gb * 1e9) if args.max_cache_gb else None
-    try:
-        path, _ = fetch(args.uri, cache_dir, link=args.link, stall_s=args.stall_s, max_cache_bytes=max_bytes,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
-    except FetchError as exc:
-        print(f"overlap model fetch: error: {exc}", file=sys.stderr)
-        log = Path(args.termination_log)
-        if log.exists():
-            log.write_text(str(exc)[:4000])  # kubelet's limit is 4096 bytes
-        return 1
-    print(path)
+    # (what a failure's reason starts with, uri, link): the model, then its draft
+    wanted = [("", args.uri, args.link)] if args.uri else []
+    if args.draft:
+        wanted.append(("draft model: ", args.draft, args.draft_link))
+    if not wanted:
+        print("overlap model fetch: error: give a URI, --draft URI, or both", file=sys.stderr)
+        return 2
+    fetched: list[Path] = []
+    for number, (what, uri, link) in enumerate(wanted, 1):
+        try:
+            # one eviction, after the last fetch: it keeps every folder this command fetched
+            path, _ = fetch(uri, cache_dir, link=link, stall_s=args.stall_s,
+                            max_cache_bytes=max_bytes if number == len(wanted) else None, keep=fetched,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))  # fmt: skip
+        except FetchError as exc:
+            print(f"overlap model fetch: error: {what}{exc}", file=sys.stderr)
+            log = Path(args.termination_log)
+            if log.exists():
+                log.write_text(f"{what}{exc}"[:4000])  # kubelet's limit is 4096 bytes
+            return 1
+        fetched.append(path)
+        print(path)
     return 0
 
 

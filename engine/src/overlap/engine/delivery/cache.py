@@ -17,7 +17,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 LAST_USED = ".overlap-last-used"  # touched at each use: eviction's clock
@@ -79,15 +79,16 @@ class ModelCache:
             found.append((folder.relative_to(self.root).as_posix(), folder_bytes(folder), marker.stat().st_mtime))
         return found
 
-    def evict(self, max_bytes: int, keep: str) -> list[str]:
-        """Remove least recently used models (not `keep`, none whose lock is held) until the rest fit `max_bytes`."""
+    def evict(self, max_bytes: int, keep: Collection[str]) -> list[str]:
+        """Remove least recently used models (none in `keep`, none whose lock is held) until the rest fit
+        `max_bytes`."""
         entries = sorted(self.entries(), key=lambda e: e[2])
         total = sum(size for _, size, _ in entries)
         removed = []
         for key, size, _ in entries:
             if total <= max_bytes:
                 break
-            if key == keep:
+            if key in keep:
                 continue
             with self._lock_file(key).open("a") as handle:
                 try:

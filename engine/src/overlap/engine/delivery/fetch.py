@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from overlap.engine.delivery.cache import ModelCache, folder_bytes
@@ -27,9 +27,11 @@ def fetch(
     token: str | None = None,
     stall_s: float = 30.0,
     max_cache_bytes: int | None = None,
+    keep: Collection[Path] = (),
     progress: Callable[[str], None] = print,
 ) -> tuple[Path, int]:
-    """(the model's folder in the cache, bytes fetched: 0 when it was there). FetchError says what failed."""
+    """(the model's folder in the cache, bytes fetched: 0 when it was there). FetchError says what failed. The
+    eviction keeps the folders in `keep` too (a draft's fetch keeps the model fetched before it)."""
     try:
         uri = parse(uri_text)
     except ModelURIError as exc:
@@ -59,7 +61,8 @@ def fetch(
                 progress(f"{uri}: fetched {fetched / 1e9:.2f} GB in {seconds:.1f} s ({rate:.0f} MB/s)"
                          f" into {cache.path(key)}")  # fmt: skip
     if max_cache_bytes is not None:
-        for evicted in cache.evict(max_cache_bytes, keep=key):
+        kept = {key, *(Path(folder).relative_to(cache.root).as_posix() for folder in keep)}
+        for evicted in cache.evict(max_cache_bytes, keep=kept):
             progress(f"cache over {max_cache_bytes / 1e9:.1f} GB: evicted {evicted}")
     if link is not None:
         _link(Path(link), cache.path(key))
