@@ -69,13 +69,8 @@ INVALID = [
     ),
     pytest.param(
         with_spec(engine={"speculative": {"method": "eagle3", "numSpeculativeTokens": 3}}),
-        'spec.engine.speculative.method: Unsupported value: "eagle3": supported values: "ngram"',
+        'spec.engine.speculative.method: Unsupported value: "eagle3": supported values: "ngram", "draft_model"',
         id="speculative-method-not-run",
-    ),
-    pytest.param(  # a draft model would need a second model delivered to the pod (docs/operator.md)
-        with_spec(engine={"speculative": {"method": "draft_model", "numSpeculativeTokens": 3}}),
-        'spec.engine.speculative.method: Unsupported value: "draft_model": supported values: "ngram"',
-        id="speculative-draft-model-not-delivered",
     ),
     pytest.param(
         with_spec(engine={"speculative": {"method": "ngram"}}),

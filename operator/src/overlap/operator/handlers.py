@@ -195,7 +195,7 @@ def resync_all(settings: OperatorSettings, logger: logging.Logger) -> int:
                 plan = plans.desired(body, with_servicemonitor=monitors, model_image=settings.model_image)
                 plans.apply(plan, body, _reporter(body, logger), "restored")
                 # a long fetch moves no pod event: its progress is read here
-                if specs.model_fetched(body["spec"].get("model") or {}):
+                if specs.fetch_subject(body["spec"]):
                     _mirror(body, kube.read("Deployment", meta["name"], meta["namespace"]))
             adapter_sync.sync_service(body)  # the adapters fetched since the last pass are loaded
             done += 1
@@ -217,11 +217,10 @@ def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> N
     pods = kube.list_pods(namespace, selector_string(name))
     problems = status.pod_problems(pods)
     when, model = status.now_iso(), None
-    spec_model = (owner.get("spec") or {}).get("model") or {}
-    if specs.model_fetched(spec_model):
-        uri = specs.model_uri(spec_model)
+    fetched = specs.fetch_subject(owner.get("spec") or {})  # the model, its draft, or both: one fetch container
+    if fetched:
         generation = (owner.get("status") or {}).get("observedGeneration")
-        model = status.model_condition(pods, FETCH_CONTAINER, uri.text, when, generation, _fetch_progress(pods))
+        model = status.model_condition(pods, FETCH_CONTAINER, fetched, when, generation, _fetch_progress(pods))
     kube.patch_status(
         name, namespace, lambda current: status.rollout_status(current, deployment, when, problems, model)
     )

@@ -1,6 +1,7 @@
 """The model's part of the pod: the volume the weights are read from and, for a fetched `model.uri`, the cache
 volume and the init container that fetches into it (`overlap model fetch`, from the engine image); an oci:// model
-with `imageVolume` is an image volume that kubelet pulls, once per node.
+with `imageVolume` is an image volume that kubelet pulls, once per node. A draft_model's draft
+(engine.speculative.model) is fetched by the same init container, after the model, into the same cache.
 
 A fetched model is read through a link the fetch leaves in an emptyDir (the cache folder's name holds the resolved
 revision, which the operator does not know); every pod that sees the cache (the node's, or a shared claim) finds a
@@ -29,8 +30,24 @@ class ModelParts:
 
 
 def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelParts:
-    """What the defaulted spec's model needs in the pod; `security` is the containers' securityContext."""
+    """What the defaulted spec's model, and a draft_model's draft, need in the pod; `security` is the containers'
+    securityContext. One `fetch` init container fetches both, the model first (ModelReady reads its state; a
+    failure's reason says which of the two failed)."""
+    draft = specs.draft_uri(spec)
     model = spec["model"]
+    uri = specs.model_uri(model)
+    if uri is not None and specs.model_fetched(model):
+        return fetch_parts(spec, security, uri.text, draft.text if draft else None, uri.scheme)
+    parts = unfetched_parts(model)
+    if draft is None:
+        return parts
+    fetch = fetch_parts(spec, security, None, draft.text, draft.scheme)  # the model read in place, its draft fetched
+    return ModelParts([*parts.volumes, *fetch.volumes], [*parts.engine_mounts, *fetch.engine_mounts],
+                      fetch.init_containers, parts.pull_secrets)  # fmt: skip
+
+
+def unfetched_parts(model: Mapping[str, Any]) -> ModelParts:
+    """A model read where it is: in the image, a claim, a node folder, or an oci:// image volume."""
     uri = specs.model_uri(model)
     if uri is None:
         if model["source"] == "pvc":
@@ -43,17 +60,28 @@ def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelPa
     if not uri.fetched:  # pvc://CLAIM/PATH
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": uri.location, "readOnly": True}}
         return ModelParts([volume], [{"name": "model", "mountPath": model["mountPath"], "readOnly": True}])
+    # oci:// as an image volume
     secret = (model.get("secretRef") or {}).get("name")
-    if not specs.model_fetched(model):  # oci:// as an image volume
-        reference = uri.location + (f":{uri.revision}" if uri.revision else "") + (
-            f"@sha256:{uri.sha256}" if uri.sha256 else "")  # fmt: skip
-        volume = {"name": "model", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}
-        mount = {"name": "model", "mountPath": specs.MODEL_IMAGE_DIR, "readOnly": True}
-        return ModelParts([volume], [mount], pull_secrets=[secret] if secret else [])
+    reference = uri.location + (f":{uri.revision}" if uri.revision else "") + (
+        f"@sha256:{uri.sha256}" if uri.sha256 else "")  # fmt: skip
+    volume = {"name": "model", "image": {"reference": reference, "pullPolicy": "IfNotPresent"}}
+    mount = {"name": "model", "mountPath": specs.MODEL_IMAGE_DIR, "readOnly": True}
+    return ModelParts([volume], [mount], pull_secrets=[secret] if secret else [])
 
+
+def fetch_parts(spec: Mapping[str, Any], security: Mapping[str, Any], uri: str | None, draft: str | None,
+                scheme: str) -> ModelParts:  # fmt: skip
+    """The fetch init container (`overlap model fetch` of the model's `uri`, its `draft`, or both), the cache and
+    link volumes, and the engine's mounts of them. model.secretRef is read as a `scheme` fetch reads it (the model's,
+    or the draft's when the model is not fetched): a registry login for oci://, the environment otherwise."""
+    model = spec["model"]
     cache = model.get("cache") or {}
     cache_volume, fetch_security = cache_parts(model, security)
-    args = ["model", "fetch", uri.text, "--cache-dir", specs.MODEL_CACHE_DIR, "--link", specs.MODEL_LINK]
+    args = ["model", "fetch", *([uri] if uri else []), "--cache-dir", specs.MODEL_CACHE_DIR]
+    if uri:
+        args += ["--link", specs.MODEL_LINK]
+    if draft:
+        args += ["--draft", draft, "--draft-link", specs.DRAFT_LINK]
     if cache.get("maxSizeGi"):
         args += ["--max-cache-gb", f"{cache['maxSizeGi'] * 2**30 / 1e9:.3f}"]
     fetch = {
@@ -74,7 +102,8 @@ def model_parts(spec: Mapping[str, Any], security: Mapping[str, Any]) -> ModelPa
         ],
     }
     volumes = [cache_volume, {"name": "model-link", "emptyDir": {}}]
-    if secret and uri.scheme == "oci":  # a kubernetes.io/dockerconfigjson Secret, read as a registry client reads it
+    secret = (model.get("secretRef") or {}).get("name")
+    if secret and scheme == "oci":  # a kubernetes.io/dockerconfigjson Secret, read as a registry client reads it
         items = [{"key": ".dockerconfigjson", "path": "config.json"}]
         volumes.append({"name": "registry-config", "secret": {"secretName": secret, "items": items}})
         fetch["volumeMounts"].append({"name": "registry-config", "mountPath": specs.REGISTRY_CONFIG_DIR,

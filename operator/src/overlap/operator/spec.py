@@ -28,14 +28,15 @@ ENGINE_FIELDS: dict[str, str] = {
     **{camel_case(name): name for name in (*LiveKnobs.names(), *_RESTART_FIELDS)},
     "speculative": "speculative_config",
 }
-# engine.speculative (camelCase) -> vLLM's speculative_config keys
-SPECULATIVE_FIELDS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens",
+# engine.speculative (camelCase) -> vLLM's speculative_config keys; `model` is a uri here, the draft's link there
+SPECULATIVE_FIELDS = {"method": "method", "numSpeculativeTokens": "num_speculative_tokens", "model": "model",
                       "promptLookupMin": "prompt_lookup_min", "promptLookupMax": "prompt_lookup_max"}  # fmt: skip
 
 # A fetched model (model.uri): the cache volume's mount and the link the fetch leaves for the engine, in the pod.
 MODEL_CACHE_DIR = "/var/cache/overlap-models"
 MODEL_LINK_DIR = "/var/run/overlap-model"
 MODEL_LINK = f"{MODEL_LINK_DIR}/current"
+DRAFT_LINK = f"{MODEL_LINK_DIR}/draft"  # engine.speculative.model, fetched by the same fetch container
 DEFAULT_MODEL_CACHE_HOSTPATH = "/var/lib/overlap/models"
 MODEL_IMAGE_DIR = "/var/run/overlap-model-image"  # an oci:// model mounted as an image volume; the model is models/
 REGISTRY_CONFIG_DIR = "/var/run/overlap-registry"  # DOCKER_CONFIG of an oci:// fetch: the pull Secret's config.json
@@ -178,6 +179,38 @@ def model_path(model: Mapping[str, Any]) -> str:
     return f"{mount}/{uri.path}" if uri.path else mount
 
 
+# The CRD's rules on engine.speculative say the same (one sentence each there).
+DRAFT_MESSAGE = "engine.speculative.model is required with method draft_model, and refused with method ngram"
+LOOKUP_MESSAGE = "engine.speculative.promptLookupMin and promptLookupMax go with method ngram"
+
+
+def draft_uri(spec: Mapping[str, Any]) -> ModelURI | None:
+    """The parsed engine.speculative.model (a draft_model's draft), None without one; SpecError when it is not a
+    uri the pod's fetch container fetches."""
+    text = ((spec.get("engine") or {}).get("speculative") or {}).get("model")
+    if not text:
+        return None
+    if {".", ".."} & set(str(text).split("/")):
+        raise SpecError("engine.speculative.model must not hold '.' or '..' segments")
+    try:
+        uri = parse_uri(str(text))
+    except ModelURIError as exc:
+        raise SpecError(f"engine.speculative.model {exc}") from exc
+    if not uri.fetched:
+        raise SpecError("engine.speculative.model: a pvc:// uri cannot be fetched; use a fetched scheme")
+    return uri
+
+
+def fetch_subject(spec: Mapping[str, Any]) -> str | None:
+    """What the pod's fetch container fetches, as ModelReady names it (the model's uri, its draft's, or both); None
+    when the pod has no fetch container."""
+    model, draft = spec.get("model") or {}, draft_uri(spec)
+    named = [model["uri"]] if model_fetched(model) else []
+    if draft is not None:
+        named.append(f"draft {draft.text}")
+    return " with ".join(named) or None
+
+
 def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
     """The EngineConfig that `spec` asks for (validated by EngineConfig itself)."""
     engine = spec.get("engine") or {}
@@ -198,7 +231,14 @@ def engine_config(spec: Mapping[str, Any]) -> EngineConfig:
         unknown = sorted(set(speculative) - set(SPECULATIVE_FIELDS))
         if unknown:
             raise SpecError(f"spec.engine.speculative has unknown fields: {', '.join(unknown)}")
+        method = speculative.get("method")
+        if ("model" in speculative) != (method == "draft_model"):
+            raise SpecError(DRAFT_MESSAGE)
+        if method == "draft_model" and {"promptLookupMin", "promptLookupMax"} & set(speculative):
+            raise SpecError(LOOKUP_MESSAGE)
         fields["speculative_config"] = {SPECULATIVE_FIELDS[key]: value for key, value in speculative.items()}
+        if draft_uri(spec) is not None:  # the engine reads the draft where the fetch links it
+            fields["speculative_config"]["model"] = DRAFT_LINK
     fields["model"] = model_path(spec.get("model") or {})
     fields["device"] = "cuda" if gpus > 0 else "cpu"
     fields["tensor_parallel_size"] = tensor_parallel_size(spec)

@@ -1,8 +1,8 @@
 """Status per the Kubernetes API conventions: conditions with reasons, computed by pure functions.
 
 Condition types: Ready (pods serve), Progressing (a rollout or scale is under way), Degraded (the operator cannot
-do what the spec asks), ModelReady (a fetched model.uri is in the pods' cache); Scaling and Tuned belong to the
-control loop and use the same helpers.
+do what the spec asks), ModelReady (a fetched model.uri, and a draft_model's draft, are in the pods' cache); Scaling
+and Tuned belong to the control loop and use the same helpers.
 """
 
 from __future__ import annotations
