@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.support.cluster import CRD_FILE, NAMESPACE, ApiThread, Cluster, running_operator, wait_for, write_kubeconfig
-from tests.support.images import require_images
-from tests.support.model_sources import HubServer, RegistryServer
+from tests.support.cluster import NAMESPACE, Cluster, wait_for
+from tests.support.hub_node import hub_node, model_files, service_yaml
+from tests.support.model_sources import RegistryServer
 from tests.support.node_agent import NodeAgent
 from tests.support.sidecar import http
 
@@ -27,48 +26,12 @@ REPORT = Path("e2e-report") / "model-delivery.md"
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[dict]:
-    require_images()
-    workdir = tmp_path_factory.mktemp("delivery")
-    api_thread = ApiThread()
-    agent = hub = registry = None
-    try:
-        cluster = Cluster(api_thread, write_kubeconfig(workdir / "kubeconfig", api_thread.url, NAMESPACE))
-        cluster.apply("-f", str(CRD_FILE))
-        agent = NodeAgent(cluster.client, NAMESPACE, workdir / "node").start()
-        cluster.api.pod_logs = agent.container_log  # the API server asks the node for `pods/log`, as for kubelet
-        files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
-        hub = HubServer({"acme/tiny": files}, host=agent.gateway).start()  # where the pods reach the host
-        registry = RegistryServer(workdir, host=agent.gateway)
-        with running_operator(cluster, workdir, "--namespace", NAMESPACE, "--standalone"):
-            yield {"cluster": cluster, "agent": agent, "hub": hub, "registry": registry, "cache": workdir / "cache",
-                   "model_dir": tiny_model_dir}  # fmt: skip
-    finally:
-        if registry is not None:
-            registry.stop()
-        if hub is not None:
-            hub.stop()
-        if agent is not None:
-            agent.stop()
-        api_thread.close()
+    with hub_node(tmp_path_factory.mktemp("delivery"), {"acme/tiny": model_files(tiny_model_dir)}) as node:
+        yield {**node, "model_dir": tiny_model_dir}
 
 
 def _service(name: str, uri: str, node: dict, replicas: int = 1, **model) -> str:
-    """The InferenceService's YAML; its pods reach the loopback hub and registry on the node's gateway."""
-    spec = {
-        "model": {"servedName": "tiny", "uri": uri, "cache": {"hostPath": str(node["cache"])}, **model},
-        "replicas": replicas,
-        "resources": {"gpus": 0, "engine": {"cpu": "1", "memory": "2Gi"}},
-        "engine": {"maxNumSeqs": 4, "maxSeqLen": 256, "maxNumBatchedTokens": 256},
-        "sidecar": {"gracePeriodSeconds": 1},
-        "pod": {
-            "env": [
-                {"name": "HF_ENDPOINT", "value": node["hub"].url},
-                {"name": "OVERLAP_OCI_PLAIN_HTTP", "value": node["registry"].host},
-            ]
-        },
-    }
-    body = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}, "spec": spec}
-    return yaml.safe_dump(body)
+    return service_yaml(name, uri, node, replicas, model)
 
 
 def _condition(cluster: Cluster, name: str, kind: str) -> dict:
