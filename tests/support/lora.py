@@ -42,3 +42,16 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], n: i
                                  max_new_tokens=n, do_sample=False, pad_token_id=0)  # fmt: skip
             outs.append(out[0, len(prompt) :].tolist())
     return outs
+
+
+def cached_adapter(base: Path, name: str, rank: int, alpha: float, rslora: bool, targets: list[str],
+                   seed: int) -> Path:  # fmt: skip
+    """make_adapter's folder, made once into Overlap's cache (`$OVERLAP_CACHE_DIR/test-adapters`) under a name
+    that holds its settings; a half-written one (no weights yet) is made again."""
+    from overlap.engine.model.builder import cache_root
+
+    settings = f"{name}-r{rank}-a{alpha:g}{'-rs' if rslora else ''}-{'.'.join(targets)}-s{seed}"
+    folder = cache_root() / "test-adapters" / base.name / settings
+    if not (folder / "adapter_model.safetensors").exists():
+        make_adapter(base, folder, rank, alpha, rslora, targets, seed)
+    return folder
