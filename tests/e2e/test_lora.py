@@ -6,6 +6,7 @@ goes into the report (e2e-report/lora.md)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from tests.support.cluster import NAMESPACE, REPO, Cluster, wait_for
 from tests.support.hub_node import hub_node, model_files, service_yaml
-from tests.support.lora import cached_adapter, peft_greedy
+from tests.support.lora import cached_adapter, peft_greedy_each
 from tests.support.node_agent import NodeAgent
 from tests.support.sidecar import http, metric_value
 
@@ -67,13 +68,16 @@ def test_adapters_load_into_running_pods_and_the_router_keeps_each_on_a_replica_
     body = service_yaml(name, "hf://acme/tiny", lora_node, 2, adapters=_listed("sql", "chat"),
                         routing={"mode": "prefix"})  # fmt: skip
     cluster.apply("-f", "-", stdin=body)
+    marks = {"applied": time.monotonic()}
     try:
         wait_for(lambda: cluster.service(name).get("status", {}).get("readyReplicas") == 2, 240,
                  "2 replicas to serve", interval=1)  # fmt: skip
+        marks["ready"] = time.monotonic()
         before = _engine_pods(cluster, agent, name)
         assert len(before) == 2, before
         wait_for(lambda: _loaded_everywhere(cluster, name, list(before), ["sql", "chat"]), 60,
                  "sql and chat loaded on both replicas", interval=1)  # fmt: skip
+        marks["loaded"] = time.monotonic()
         generation = cluster.apps.read_namespaced_deployment(name, NAMESPACE).metadata.generation
 
         # a third adapter: the ConfigMap reaches the pods, their adapters container fetches it, the operator loads it
@@ -82,7 +86,8 @@ def test_adapters_load_into_running_pods_and_the_router_keeps_each_on_a_replica_
         listed = time.monotonic()
         wait_for(lambda: _loaded_everywhere(cluster, name, list(before), ["math"]), 150,
                  "math loaded on both replicas", interval=1)  # fmt: skip
-        third_s = time.monotonic() - listed
+        marks["third"] = time.monotonic()
+        third_s = marks["third"] - listed
         assert _engine_pods(cluster, agent, name) == before  # the same pods, no container restarted
         assert cluster.apps.read_namespaced_deployment(name, NAMESPACE).metadata.generation == generation
 
@@ -95,10 +100,10 @@ def test_adapters_load_into_running_pods_and_the_router_keeps_each_on_a_replica_
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         folders = {"tiny": None, **lora_node["adapters"]}
-        expected = {model: tokenizer.decode(peft_greedy(model_dir, folder, [PROMPT], NEW_TOKENS)[0],
-                                            skip_special_tokens=True)
-                    for model, folder in folders.items()}  # fmt: skip
+        greedy = peft_greedy_each(model_dir, folders, [PROMPT], NEW_TOKENS)
+        expected = {model: tokenizer.decode(tokens[0], skip_special_tokens=True) for model, tokens in greedy.items()}
         assert len(set(expected.values())) == len(expected), expected  # each adapter changes the tokens
+        marks["peft"] = time.monotonic()
         texts: dict[str, list[str]] = {model: [] for model in folders}
         for _ in range(ROUNDS):
             for model in folders:
@@ -109,6 +114,9 @@ def test_adapters_load_into_running_pods_and_the_router_keeps_each_on_a_replica_
                 texts[model].append(out["choices"][0]["text"])
         assert texts == {model: [text] * ROUNDS for model, text in expected.items()}
 
+        marks["requests"] = time.monotonic()
+        steps = list(marks.items())
+        print("lora e2e:", ", ".join(f"{k} +{t - p:.1f} s" for (_, p), (k, t) in itertools.pairwise(steps)))
         metrics = http("GET", f"{url}/metrics")[2]
         hits = metric_value(metrics, "overlap_router_adapter_requests_total", 'loaded="true"') or 0
         misses = metric_value(metrics, "overlap_router_adapter_requests_total", 'loaded="false"') or 0

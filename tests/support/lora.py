@@ -34,6 +34,36 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], n: i
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
+    return _greedy(model, prompts, n)
+
+
+def peft_greedy_each(base: Path, adapters: dict[str, Path | None], prompts: list[list[int]],
+                     n: int) -> dict[str, list[list[int]]]:  # fmt: skip
+    """peft_greedy for each of `adapters` (None: the base model), the base read once and each adapter put on it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    folders = {name: folder for name, folder in adapters.items() if folder is not None}
+    outs = {}
+    if folders:
+        first, *rest = folders
+        model = PeftModel.from_pretrained(model, folders[first], adapter_name=first)
+        for name in rest:
+            model.load_adapter(folders[name], adapter_name=name)
+        for name in folders:
+            model.set_adapter(name)
+            outs[name] = _greedy(model, prompts, n)
+    for name in [name for name, folder in adapters.items() if folder is None]:
+        if folders:
+            with model.disable_adapter():
+                outs[name] = _greedy(model, prompts, n)
+        else:
+            outs[name] = _greedy(model, prompts, n)
+    return outs
+
+
+def _greedy(model, prompts: list[list[int]], n: int) -> list[list[int]]:
     model.eval()
     outs = []
     with torch.inference_mode():
