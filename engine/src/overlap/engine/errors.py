@@ -10,6 +10,10 @@ class InvalidRequestError(OverlapError, ValueError):
     """A request that can never be served as asked (empty prompt, too long, bad sampling values, ...)."""
 
 
+class UnknownAdapterError(InvalidRequestError):
+    """A request naming a LoRA adapter the engine does not hold (never loaded, or unloaded before it arrived)."""
+
+
 class ConfigError(OverlapError, ValueError):
     """An engine configuration that is out of range or inconsistent."""
 

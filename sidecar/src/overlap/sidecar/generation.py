@@ -77,6 +77,8 @@ class Generation:
                         reason = "error"
                         if exc.kind == "invalid_request":
                             raise ApiError(400, str(exc)) from exc
+                        if exc.kind == "unknown_adapter":  # unloaded after the sidecar's own check let it in
+                            raise ApiError(404, str(exc), code="model_not_found", param="model") from exc
                         if exc.kind == "shutting_down":
                             raise ApiError(503, str(exc), "service_unavailable", code="draining") from exc
                         raise ApiError(500, str(exc), "internal_error") from exc

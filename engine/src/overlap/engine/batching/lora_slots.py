@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from overlap.engine.errors import ConfigError, InvalidRequestError
+from overlap.engine.errors import ConfigError, UnknownAdapterError
 
 AdapterKey = tuple[str, str]  # (name, folder)
 
@@ -50,7 +50,7 @@ class LoraRegistry:
         with self._lock:
             path = self._paths.get(name)
         if path is None:
-            raise InvalidRequestError(f"no LoRA adapter {name!r} is loaded")
+            raise UnknownAdapterError(f"no LoRA adapter {name!r} is loaded")
         return path
 
     def snapshot(self) -> dict[str, str]:

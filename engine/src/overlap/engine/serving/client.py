@@ -23,7 +23,8 @@ class EngineUnavailable(Exception):
 
 
 class EngineRejected(Exception):
-    """The engine refused a request at add time (kind: invalid_request | shutting_down | internal)."""
+    """The engine refused a request at add time (kind: invalid_request | unknown_adapter | shutting_down |
+    internal)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)

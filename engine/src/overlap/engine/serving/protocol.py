@@ -201,7 +201,7 @@ class RequestError(_Message, tag="reqerr"):
 
     request_id: str
     message: str
-    kind: str = "invalid_request"  # invalid_request | shutting_down | internal
+    kind: str = "invalid_request"  # invalid_request | unknown_adapter | shutting_down | internal
 
 
 class ReconfigureReply(_Message, tag="reconf!"):

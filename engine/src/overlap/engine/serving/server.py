@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from overlap.engine.config import EngineConfig
-from overlap.engine.errors import ConfigError, InvalidRequestError, OverlapError
+from overlap.engine.errors import ConfigError, InvalidRequestError, OverlapError, UnknownAdapterError
 from overlap.engine.prefix_hash import HASH_SCHEME, snapshot_events
 from overlap.engine.serving import protocol as p
 
@@ -229,7 +229,8 @@ class EngineServer:
             spec.share_prompt_with = None if sibling is None else f"{conn.id}:{sibling}"
             self.engine.add_request(spec)
         except InvalidRequestError as exc:
-            conn.send(p.RequestError(message.request_id, str(exc)))
+            kind = "unknown_adapter" if isinstance(exc, UnknownAdapterError) else "invalid_request"
+            conn.send(p.RequestError(message.request_id, str(exc), kind=kind))
             return
         except Exception as exc:  # a bug in the engine must not take the connection down; say what happened
             log.exception("add_request failed for %s", engine_id)
