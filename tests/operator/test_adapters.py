@@ -51,6 +51,43 @@ def pod_spec(spec: dict) -> dict:
     return built(spec)[("Deployment", "llm")]["spec"]["template"]["spec"]
 
 
+LORA_SIZES = {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 8}
+
+
+def test_the_engines_lora_sizes_reach_the_pods_engine(tmp_path) -> None:
+    """spec.engine.maxLoras, maxLoraRank and maxCpuLoras through the CRD's schema into the ConfigMap's engine.json,
+    read as the pod's engine reads it (its file, then its --enable-lora)."""
+    from overlap.engine.serving.server import load_engine_config
+    from tests.operator.test_crd import SCHEMA, refusal, with_spec
+    from tests.support.kube import admission
+
+    stored = specs.with_defaults(
+        admission.admit(with_spec(engine=LORA_SIZES, adapters=[SQL]), SCHEMA, strict=True)["spec"]
+    )
+    objects = children.build_children(OWNER, stored, specs.check_spec(stored), with_servicemonitor=False)
+    config_map = next(obj for obj in objects if obj["kind"] == "ConfigMap" and "engine.json" in obj["data"])
+    (tmp_path / "engine.json").write_text(config_map["data"]["engine.json"])
+    engine = load_engine_config(tmp_path / "engine.json", None, {"enable_lora": True})
+    assert (engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (4, 64, 8) and engine.enable_lora
+    defaulted = admission.admit(with_spec(adapters=[SQL]), SCHEMA, strict=True)["spec"]
+    config = specs.check_spec(defaulted)
+    assert (config.max_loras, config.max_lora_rank, config.num_cpu_loras) == (1, 16, 1)  # the engine's defaults
+    assert (
+        specs.check_spec(
+            admission.admit(with_spec(engine={"maxLoraRank": 1}), SCHEMA, strict=True)["spec"]
+        ).max_lora_rank
+        == 1
+    )
+
+    for field in LORA_SIZES:  # below 1: the API server refuses, and so would the engine
+        assert f"spec.engine.{field} in body should be greater than or equal to 1" in refusal(with_spec(engine={
+            field: 0}))  # fmt: skip
+    fewer = {"maxLoras": 4, "maxCpuLoras": 2}
+    assert "engine.maxCpuLoras must be >= engine.maxLoras" in refusal(with_spec(engine=fewer))
+    with pytest.raises(specs.SpecError, match=r"engine\.maxCpuLoras must be >= engine\.maxLoras"):
+        specs.check_spec(specs.with_defaults(with_spec(engine=fewer)["spec"]))
+
+
 def test_a_pod_with_adapters_runs_the_engine_with_lora_and_an_adapters_container_on_the_models_cache() -> None:
     objects = built({"adapters": [SQL, CHAT]})
     pod = pod_spec({"adapters": [SQL, CHAT]})

@@ -161,7 +161,8 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
         "numPriorityLevels": 2, "agingSeconds": 9, "defaultTimeoutSeconds": 30, "dtype": "bfloat16",
         "batching": "serial", "queuePolicy": "fifo", "blockSize": 32, "enablePrefixCaching": False,
         "enableChunkedPrefill": False, "simulatedDevice": {"fixedSeconds": 0.02, "perTokenSeconds": 0.001},
-        "tensorParallelSize": 2, "speculative": {"method": "ngram", "numSpeculativeTokens": 3},
+        "tensorParallelSize": 2, "speculative": {"method": "ngram", "numSpeculativeTokens": 3}, "maxLoras": 4,
+        "maxLoraRank": 64, "maxCpuLoras": 8,
     }  # fmt: skip
     changed = specs.with_defaults({**base, "engine": {**base["engine"], camel: changed_values[camel]}})
     if camel == "enableChunkedPrefill":

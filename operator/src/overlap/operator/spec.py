@@ -22,7 +22,7 @@ from overlap.engine.errors import ConfigError
 # The EngineConfig fields a spec may set besides the live knobs (those need a restart).
 _RESTART_FIELDS = ("kv_cache_ratio", "max_seq_len", "num_priority_levels", "dtype", "batching", "queue_policy",
                    "block_size", "enable_prefix_caching", "enable_chunked_prefill", "simulated_device",
-                   "tensor_parallel_size")  # fmt: skip
+                   "tensor_parallel_size", "max_loras", "max_lora_rank", "max_cpu_loras")  # fmt: skip
 # CRD `spec.engine` field (camelCase, by camel_case) -> EngineConfig field (snake_case).
 ENGINE_FIELDS: dict[str, str] = {
     **{camel_case(name): name for name in (*LiveKnobs.names(), *_RESTART_FIELDS)},
@@ -92,6 +92,8 @@ DEFAULTS: dict[str, Any] = {
         "blockSize": 16,
         "enablePrefixCaching": True,
         "enableChunkedPrefill": True,
+        "maxLoras": 1,
+        "maxLoraRank": 16,
     },
     "tuning": {"enabled": False, "intervalSeconds": 30},
     "sidecar": {
@@ -337,6 +339,10 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     asked = (spec.get("engine") or {}).get("tensorParallelSize")
     if gpus > 0 and asked is not None and asked != gpus:
         raise SpecError(TP_MESSAGE)
+    engine = spec.get("engine") or {}
+    cpu_loras, loras = engine.get("maxCpuLoras"), engine.get("maxLoras", 1)
+    if isinstance(cpu_loras, int) and isinstance(loras, int) and cpu_loras < loras:
+        raise SpecError("engine.maxCpuLoras must be >= engine.maxLoras")
     replicas = spec.get("replicas", 1)
     if not isinstance(replicas, int) or replicas < 0:
         raise SpecError(f"spec.replicas must be an integer >= 0, got {replicas!r}")
