@@ -14,6 +14,7 @@ from overlap.engine import Engine, EngineConfig, SamplingParams
 from overlap.engine.errors import ConfigError, InvalidRequestError
 from overlap.engine.model.lora import LoraError, read_adapter
 from overlap.engine.model.model_spec import read_spec
+from overlap.engine.model.native import lora_kernel
 from overlap.engine.prefix_hash import block_hashes
 from overlap.engine.types import RequestSpec
 from tests.support.engine import run_to_completion, tokens_of
@@ -75,6 +76,7 @@ def test_mixed_batch_matches_peft(tiny_model_dir: Path, adapters, prompts, expec
     for name in adapters:  # the adapters change the tokens, so a row served by the wrong one would show
         assert expected[name] != expected[None], name
     engine = _engine(tiny_model_dir, adapters, max_loras=4)
+    assert (engine.runner.model.lora.native is None) == (lora_kernel() is None)  # one native call where it builds
     got = _run_mixed(engine, prompts, names)
     assert engine.stats()["last_batch_size"] == len(names) * len(prompts)  # one batch held them all
     for name in names:
@@ -193,6 +195,42 @@ def test_triton_bgmv_matches_the_gathered_matmuls(dtype) -> None:
     torch.testing.assert_close(kernel.float(), torch.stack(rows), **tolerance)
     torch.testing.assert_close(gathered.float(), torch.stack(rows), **tolerance)
     assert torch.equal(kernel[0], base[0]) and torch.equal(kernel[5], base[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_delta_matches_the_torch_formula(dtype) -> None:
+    """The CPU path's one native call per projection against a row-by-row reference and the gathered matmuls: rows of
+    three adapters and the base in any order (strided x), ranks not a multiple of the kernel's 4 (3 segments of
+    rank 3), outputs past a column tile, base rows untouched; then the sampled subset of those rows."""
+    from overlap.engine.model.lora import LoraBatch, LoraDelta, RowSlots
+
+    kernel = lora_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler: the CPU path uses the gathered matmuls")
+    gen, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
+    native, gathered = LoraBatch(None, kernel), LoraBatch(None)
+    delta = LoraDelta(native, 4, 3, 3, 96, (0, 300), dtype, cpu)
+    delta.a.copy_(torch.randn(delta.a.shape, generator=gen))
+    delta.b.copy_(torch.randn(delta.b.shape, generator=gen) * 0.1)
+    slots = [-1, 3, 0, 2, 2, 0, -1, 3, 0]
+    x = torch.randn(9, 120, generator=gen).to(dtype)[:, 10:106]
+    base = torch.randn(9, 300, generator=gen).to(dtype)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+    for rows in (range(9), [1, 4, 6, 8]):  # every row, then the sampled ones (their own x and y, as the last layer)
+        picked = [slots[r] for r in rows]
+        xs, ys = x[list(rows)], base[list(rows)]
+        expected = torch.stack([ys[t].float() + (delta.b[s].float() @ (delta.a[s].float() @ xs[t].float()) if s >= 0
+                                                 else 0) for t, s in enumerate(picked)])  # fmt: skip
+        results = []
+        for batch in (native, gathered):
+            delta.batch, batch.current = batch, RowSlots(picked, cpu)
+            results.append(delta.apply(xs, ys.clone()))
+        for got in results:
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, **tolerance)
+        for t, s in enumerate(picked):
+            if s < 0:
+                assert torch.equal(results[0][t], ys[t])
 
 
 def test_adapters_over_a_quantized_base(tiny_model_dir: Path, adapters, prompts, tmp_path: Path) -> None:

@@ -7,11 +7,12 @@ names onto the engine's fused projections (q|k|v, gate|up) and refuses what cann
 target module, a rank above `max_lora_rank`, a shape of another base model, PEFT options this engine does not run.
 
 On the device every adapted projection holds `max_loras` slots (`LoraDelta`): A stacked over the projection's
-segments ([slots, segments * max_rank, in]) and B block-diagonal ([slots, out, segments * max_rank]), zero where an
-adapter has a smaller rank or no such module, scaling folded into B. On CPU a step's rows are grouped by slot
-(`RowSlots`); each group is gathered, shrunk by A and expanded by B in two matmuls and added to the base output in
-the model's dtype. On CUDA two Triton launches per projection take a slot per row (`triton_lora.py`, BGMV). The base
-kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
+segments ([slots, segments * max_rank, in]) and B block-diagonal ([slots, out, segments * max_rank]; on CPU stored
+transposed per slot), zero where an adapter has a smaller rank or no such module, scaling folded into B. On CPU one
+native call per projection adds every row's delta (`native.LoraKernel`, lora_delta.c: the step's rows ordered by
+slot, `RowSlots`); without the native library each slot's rows are gathered, shrunk by A and expanded by B in two
+matmuls and added back. On CUDA two Triton launches per projection take a slot per row (`triton_lora.py`, BGMV). The
+base kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
 
 Under tensor parallelism each rank keeps its share: a column-parallel projection (q|k|v, gate|up) its rows of B, a
 row-parallel one (o, down) its columns of A (its partial sum is all-reduced with the base's).
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError
+from overlap.engine.model.native import LoraKernel, lora_kernel
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 # PEFT module name -> (the engine's projection, its segment there): q|k|v and gate|up are one matmul each here.
@@ -149,10 +151,11 @@ def lora_rows(seqs, device: torch.device) -> LoraRows | None:
 
 
 class RowSlots:
-    """Rows' adapter slots two ways: `groups`, (slot, row indices on the device, or None for every row) per adapter,
-    base rows left out, for the gathered matmuls; `slots`, a slot per row on the device (-1: base), for the kernel."""
+    """Rows' adapter slots: `groups`, (slot, row indices on the device, or None for every row) per adapter, base rows
+    left out, for the gathered matmuls; `slots`, a slot per row (-1: base), and on CPU `order`, the adapted rows
+    grouped by slot, for the kernels."""
 
-    __slots__ = ("groups", "slots")
+    __slots__ = ("groups", "order", "slots")
 
     def __init__(self, slots: list[int], device: torch.device) -> None:
         groups: dict[int, list[int]] = {}
@@ -161,7 +164,9 @@ class RowSlots:
                 groups.setdefault(slot, []).append(row)
         self.groups = [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
                        for slot, rows in groups.items()]  # fmt: skip
-        self.slots = torch.tensor(slots, dtype=torch.int32, device=device) if device.type == "cuda" else None
+        self.slots = torch.tensor(slots, dtype=torch.int32, device=device)
+        self.order = None if device.type == "cuda" else \
+            torch.tensor([row for rows in groups.values() for row in rows], dtype=torch.int32)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -176,11 +181,12 @@ class LoraBatch:
     """The rows the model's projections serve now, shared by all its `LoraDelta`s: the forward sets `current` from
     the step's `LoraRows` (None: every row is the base model's)."""
 
-    __slots__ = ("current", "triton")
+    __slots__ = ("current", "native", "triton")
 
-    def __init__(self, triton) -> None:
+    def __init__(self, triton, native=None) -> None:
         self.current: RowSlots | None = None
-        self.triton = triton  # the triton_lora module on the GPU path, else None: gathered torch matmuls
+        self.triton = triton  # the triton_lora module on the GPU path
+        self.native = native  # the CPU path's native.LoraKernel; with neither, gathered torch matmuls
 
 
 class LoraDelta:
@@ -193,15 +199,22 @@ class LoraDelta:
         self.batch = batch
         outputs = out_rows[1] - out_rows[0]
         self.a = torch.zeros(slots, segments * max_rank, inputs, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, outputs, segments * max_rank, dtype=dtype, device=device)
+        if device.type == "cuda":
+            self.b = torch.zeros(slots, outputs, segments * max_rank, dtype=dtype, device=device)
+        else:  # B^T per slot underneath, its rows contiguous along the outputs, as the native kernel reads them
+            self.b = torch.zeros(slots, segments * max_rank, outputs, dtype=dtype).transpose(1, 2)
         self.out_rows = out_rows  # [first, last) of the projection's output rows this linear computes
         self.segment_rows = max_rank
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output of x) plus each row's adapter delta, in place."""
-        current, triton = self.batch.current, self.batch.triton
+        current, triton, native = self.batch.current, self.batch.triton, self.batch.native
         if triton is not None:
             return triton.lora_bgmv(x, y, self.a, self.b, current.slots)
+        if native is not None:
+            native(x if x.stride(1) == 1 else x.contiguous(), y, self.a, self.b.transpose(1, 2), current.order,
+                   current.slots)  # fmt: skip
+            return y
         for slot, rows in current.groups:
             xs = x if rows is None else x.index_select(0, rows)
             delta = torch.matmul(torch.matmul(xs, self.a[slot].t()), self.b[slot].t())
@@ -272,10 +285,12 @@ class LoraCache:
         """Give every layer's projections their (empty) slots, and the model the `LoraBatch` its forward sets."""
         s, d = self.layer_spec, self.layer_spec.head_dim
         qkv_out, hidden = (s.num_heads + 2 * s.num_kv_heads) * d, s.hidden_size
-        triton = None
+        triton = native = None
         if device.type == "cuda":
             from overlap.engine.model import triton_lora as triton
-        model.lora = batch = LoraBatch(triton)
+        elif dtype in LoraKernel.DTYPES:
+            native = lora_kernel()
+        model.lora = batch = LoraBatch(triton, native)
         for layer in model.layers:
             projections = {"qkv": [(layer.qkv, (0, qkv_out), hidden)], "o": [(layer.o, (0, hidden), s.num_heads * d)]}
             mlp = layer.mlp

@@ -1,14 +1,15 @@
-"""The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`) and a layer's small
-ops, RMSNorm and RoPE with the K/V write, and the sampler's greedy argmax (`cpu_ops.c`), built into one library on
-first use; projections at decode sizes (`linear_packed.c`), built into a second one with OpenMP; and quantized
-projections (`quant_w4a16.c`, `quant_w8a8.c`), a third.
+"""The runner's native kernels on CPU, fp32 or bf16: paged decode attention (`paged_attention.c`), a layer's small
+ops, RMSNorm and RoPE with the K/V write, and the sampler's greedy argmax (`cpu_ops.c`), and a projection's LoRA
+delta over mixed adapters (`lora_delta.c`), built into one library on first use; projections at decode sizes
+(`linear_packed.c`), built into a second one with OpenMP; and quantized projections (`quant_w4a16.c`,
+`quant_w8a8.c`), a third.
 
 It is plain C with no Python or torch headers, so a build is one `cc` call of about a second; the shared library is
 cached under `$OVERLAP_CACHE_DIR/native/` keyed by the sources, the flags and the CPU model (the build uses
 -march=native, so the compiler picks the instructions this CPU has: AVX2, AVX-512, AVX512-BF16), and loaded with
 ctypes, which releases the GIL for the call. Without a C compiler, or with `OVERLAP_NATIVE=0`,
-`decode_attention_kernel()` and `cpu_ops()` return None and the runner uses its torch ops instead (same results,
-slower: see docs/engine.md), after one logged warning saying why.
+`decode_attention_kernel()`, `cpu_ops()` and `lora_kernel()` return None and the runner uses its torch ops instead
+(same results, slower: see docs/engine.md), after one logged warning saying why.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from overlap.engine.model.builder import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cpu_ops.c", "bf16.h")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cpu_ops.c", "lora_delta.c", "bf16.h")]
 # -fopenmp links libgomp.so.1 by name, which resolves to the copy torch loaded: torch's threads run the kernels.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
@@ -200,6 +201,35 @@ class CpuOps:
         self._rope(qkv.data_ptr(), qkv.stride(0), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
                    slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tokens, heads, kv_heads, head_dim,
                    dtype == torch.bfloat16)  # fmt: skip
+
+
+class LoraKernel:
+    """`lora_delta.c` loaded: one projection's LoRA delta for every row of a step, whatever their adapters."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._fn = library.overlap_lora_delta
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, order: torch.Tensor,
+                 slots: torch.Tensor) -> None:  # fmt: skip
+        """y[r] += bt[s].T (a[s] x[r]) in place for each row r in `order` (int32, rows grouped by slot), s = slots[r]
+        (int32, one per row of x). x [rows, in], y [rows, out] (rows may be strided); a [slots, R, in] and bt (B
+        transposed) [slots, R, out] contiguous; one dtype, fp32 or bf16."""
+        rows, rank, inputs, outputs = x.shape[0], a.shape[1], a.shape[2], bt.shape[2]
+        _check(x.dtype in self.DTYPES and y.dtype == a.dtype == bt.dtype == x.dtype, "lora: fp32 or bf16 throughout")
+        _check(x.dim() == y.dim() == 2 and x.stride(1) == y.stride(1) == 1 and x.shape[1] == inputs
+               and y.shape == (rows, outputs) and a.is_contiguous() and bt.is_contiguous()
+               and a.shape[:2] == bt.shape[:2], "lora: layouts")  # fmt: skip
+        _check(order.dtype == slots.dtype == torch.int32 and slots.shape == (rows,) and order.numel() <= rows
+               and order.is_contiguous() and slots.is_contiguous(), "lora: order and slots")  # fmt: skip
+        status = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), order.data_ptr(), slots.data_ptr(),
+                          order.numel(), a.data_ptr(), bt.data_ptr(), rank, inputs, outputs,
+                          x.dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+        if status != 0:
+            raise MemoryError("lora delta: could not allocate its scratch buffer")
 
 
 class PackedLinearKernel:
@@ -378,6 +408,13 @@ def cpu_ops() -> CpuOps | None:
     """RMSNorm, RoPE with the K/V write, and argmax, or None without the native library."""
     library = _library()
     return None if library is None else CpuOps(library)
+
+
+@functools.cache
+def lora_kernel() -> LoraKernel | None:
+    """The mixed-adapter LoRA delta, or None without the native library."""
+    library = _library()
+    return None if library is None else LoraKernel(library)
 
 
 @functools.cache
