@@ -165,7 +165,7 @@ class RowSlots:
         self.groups = [(slot, None if len(rows) == len(slots) else torch.tensor(rows, device=device))
                        for slot, rows in groups.items()]  # fmt: skip
         self.slots = torch.tensor(slots, dtype=torch.int32, device=device)
-        self.order = None if device.type == "cuda" else \
+        self.order = None if device.type != "cpu" else \
             torch.tensor([row for rows in groups.values() for row in rows], dtype=torch.int32)  # fmt: skip
 
 
@@ -199,10 +199,10 @@ class LoraDelta:
         self.batch = batch
         outputs = out_rows[1] - out_rows[0]
         self.a = torch.zeros(slots, segments * max_rank, inputs, dtype=dtype, device=device)
-        if device.type == "cuda":
-            self.b = torch.zeros(slots, outputs, segments * max_rank, dtype=dtype, device=device)
-        else:  # B^T per slot underneath, its rows contiguous along the outputs, as the native kernel reads them
+        if device.type == "cpu":  # B^T per slot underneath, rows contiguous along the outputs, as lora_delta.c reads
             self.b = torch.zeros(slots, segments * max_rank, outputs, dtype=dtype).transpose(1, 2)
+        else:
+            self.b = torch.zeros(slots, outputs, segments * max_rank, dtype=dtype, device=device)
         self.out_rows = out_rows  # [first, last) of the projection's output rows this linear computes
         self.segment_rows = max_rank
 
@@ -288,7 +288,7 @@ class LoraCache:
         triton = native = None
         if device.type == "cuda":
             from overlap.engine.model import triton_lora as triton
-        elif dtype in LoraKernel.DTYPES:
+        elif device.type == "cpu" and dtype in LoraKernel.DTYPES:
             native = lora_kernel()
         model.lora = batch = LoraBatch(triton, native)
         for layer in model.layers:
