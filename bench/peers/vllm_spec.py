@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-REPLY = "@@vllm-spec "
+REPLY = "@@peer "  # overlap.bench.peer reads it
 
 
 def _counters(llm) -> dict:

