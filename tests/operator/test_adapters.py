@@ -13,7 +13,10 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import pytest
 import yaml
 
 from overlap.engine.delivery.adapters import link_name
-from overlap.operator import adapter_sync, adapters, children, reconcile
+from overlap.operator import adapter_sync, adapters, children, kube, reconcile
 from overlap.operator import spec as specs
 from tests.support.cluster import NAMESPACE, chart_grants, not_granted, operator_requests, wait_for
 from tests.support.lora import make_adapter
@@ -190,6 +193,116 @@ def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_
     assert adapter_sync.served_adapters(url) == moved
     with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not a vLLM API there: said, not crashed
         adapter_sync.sync_pod(f"{url}/elsewhere", moved)
+
+
+class PassKube:
+    """The kube calls of a pass, in memory: the service, and one ready pod at loopback where `lora_pod` answers;
+    `on_pass(n)` runs as pass n (from 1) lists the pods, and `delays` holds the retry delay each pass ran after."""
+
+    def __init__(self, lora_pod: dict, listed: list[dict], on_pass=lambda n: None) -> None:
+        spec = {"model": MODEL, "sidecar": {"port": lora_pod["port"]}, "adapters": listed}
+        self.owner: dict | None = {**OWNER, "spec": spec}
+        self.on_pass, self.delays, self.log = on_pass, [], ""
+        self.pod = {"metadata": {"name": "llm-0"},
+                    "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+
+    def list_pods(self, namespace, selector):
+        self.delays.append(adapter_sync._DELAYS.get(OWNER["metadata"]["uid"]))
+        self.on_pass(len(self.delays))
+        return [self.pod]
+
+    def read_service(self, name, namespace):
+        return self.owner
+
+    def patch_status(self, name, namespace, compute):
+        self.owner = {**self.owner, "status": {**(self.owner.get("status") or {}), **compute(self.owner)}}
+
+    def log_tail(self, pod, namespace, container, lines=1):
+        return self.log
+
+    def states(self) -> dict[str, tuple[str, str]]:
+        entries = ((self.owner or {}).get("status") or {}).get("adapters") or []
+        return {e["name"]: (e["state"], e.get("message", "")) for e in entries}
+
+
+@pytest.fixture
+def pass_kube(monkeypatch, tmp_path):
+    """PassKube's calls in place of the cluster's, the links under tmp_path, short retries; none left pending."""
+    monkeypatch.setattr(adapters, "LINK_DIR", str(tmp_path / "links"))
+    monkeypatch.setattr(adapter_sync, "RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(adapter_sync, "RETRY_MAX_S", 0.1)
+    monkeypatch.setattr(adapter_sync, "_STOPPED", threading.Event())
+
+    def install(fake: PassKube) -> PassKube:
+        for call in ("list_pods", "read_service", "patch_status", "log_tail"):
+            monkeypatch.setattr(kube, call, getattr(fake, call))
+        return fake
+
+    yield install
+    adapter_sync.stop_retries()
+
+
+def test_an_adapter_fetched_after_the_pass_is_loaded_by_a_retried_pass_without_a_resync(lora_pod, pass_kube) -> None:
+    sql = {**SQL, "uri": "hf://acme/sql-lora@retry"}
+    path = adapters.paths({"adapters": [sql]})["sql"]
+    # the adapters container links it while the fourth pass runs: the three before find no link
+    fake = pass_kube(PassKube(lora_pod, [sql], on_pass=lambda n: n == 4 and fetched(lora_pod, path)))
+    adapter_sync.sync_service(fake.owner)  # the reconcile's pass
+    state, message = fake.states()["sql"]
+    assert state == adapter_sync.NOT_LOADED and adapter_sync.NOT_FETCHED in message
+    wait_for(lambda: fake.states()["sql"][0] == adapter_sync.LOADED, timeout=10, what="sql loaded by a retry")
+    assert fake.delays == [None, 0.05, 0.1, 0.1]  # backoff: doubled, capped
+    assert adapter_sync.served_adapters(lora_pod["url"])["sql"] == path
+    time.sleep(0.3)  # loaded: no retry after it
+    assert len(fake.delays) == 4 and not adapter_sync._RETRIES
+
+
+def test_a_refused_adapter_or_a_failed_fetch_is_not_retried_and_a_retry_goes_with_its_adapter_or_service(
+    lora_pod, pass_kube, tmp_path, monkeypatch
+) -> None:
+    uid = OWNER["metadata"]["uid"]
+    big = tmp_path / "rank8"  # the pod's engine runs with --max-lora-rank 4
+    shutil.copytree(lora_pod["adapter"], big)
+    config = json.loads((big / "adapter_config.json").read_text())
+    (big / "adapter_config.json").write_text(json.dumps({**config, "r": 8}))
+    large = {"name": "large", "uri": "hf://acme/large-lora"}
+    Path(adapters.paths({"adapters": [large]})["large"]).parent.mkdir(parents=True)
+    Path(adapters.paths({"adapters": [large]})["large"]).symlink_to(big, target_is_directory=True)
+    fake = pass_kube(PassKube(lora_pod, [large, GONE]))
+    fake.log = "adapter gone: error: hf://acme/missing-lora: 404 Repository Not Found\n"
+    adapter_sync.sync_service(fake.owner)
+    states = fake.states()
+    assert "has rank 8, above max_lora_rank 4" in states["large"][1]
+    assert "; fetch: error: hf://acme/missing-lora" in states["gone"][1]
+    time.sleep(0.3)
+    assert len(fake.delays) == 1 and not adapter_sync._RETRIES  # both left to the resync
+
+    # a pending retry goes when its adapter leaves the list (the reconcile's pass), the service is deleted, or the
+    # operator stops
+    monkeypatch.setattr(adapter_sync, "RETRY_FIRST_S", 30.0)
+    fake.owner["spec"]["adapters"] = [CHAT]  # its link never comes
+    adapter_sync.sync_service(fake.owner)
+    timer = adapter_sync._RETRIES[uid]
+    fake.owner["spec"]["adapters"] = []
+    adapter_sync.sync_service(fake.owner)
+    assert timer.finished.is_set() and uid not in adapter_sync._RETRIES
+    fake.owner["spec"]["adapters"] = [CHAT]
+    adapter_sync.sync_service(fake.owner)
+    adapter_sync.forget(uid)  # announce_deletion
+    assert uid not in adapter_sync._RETRIES
+    adapter_sync.sync_service(fake.owner)
+    adapter_sync.stop_retries()  # the operator's cleanup
+    assert not adapter_sync._RETRIES
+    adapter_sync.sync_service(fake.owner)
+    assert not adapter_sync._RETRIES  # none planned after it
+
+    # a retry that finds the service deleted drops it
+    monkeypatch.setattr(adapter_sync, "_STOPPED", threading.Event())
+    monkeypatch.setattr(adapter_sync, "RETRY_FIRST_S", 0.05)
+    adapter_sync.sync_service(fake.owner)
+    passes, fake.owner = len(fake.delays), None
+    time.sleep(0.3)
+    assert len(fake.delays) == passes and not adapter_sync._RETRIES and not adapter_sync._DELAYS
 
 
 def _ready_pod(cluster, name: str) -> None:

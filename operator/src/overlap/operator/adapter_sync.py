@@ -5,18 +5,22 @@ into status.adapters.
 The pod's adapters container fetches each listed adapter behind a link whose name holds a hash of its uri
 (adapters.py); an adapter the pod serves from another path (its uri changed) is unloaded and loaded again, and one
 whose link is not there yet (still fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at
-the next pass. Passes run on a pod's events, after a reconcile and at every resync.
+the next pass. Passes run on a pod's events, after a reconcile and at every resync, and, while a listed adapter
+waits for its fetch, again soon (`_plan_retry`): a new adapter loads once fetched, not at the next resync.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from typing import Any
+
+import kopf
 
 from overlap.engine.delivery.adapters import log_prefix
 from overlap.operator import adapters, kube, status
@@ -33,6 +37,19 @@ LOADED, NOT_LOADED = "Loaded", "NotLoaded"
 # pods for up to a minute, and the reconcile and the control loop must not wait on it.
 _PASSES: dict[str, threading.Lock] = {}
 _GUARD = threading.Lock()
+
+# A pass that leaves an adapter unloaded only because it is not fetched yet (kubelet brings a new list to the pod
+# within its sync period, then the adapters container fetches it) is run again soon, with backoff, rather than at
+# the next resync; one retry pending per service at most, on a timer thread: the reconcile and the control loop
+# never wait on it.
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 15.0
+NOT_FETCHED = "no adapter_config.json in "  # the engine's words for an adapter folder that is not there (its link)
+FETCH_FAILED = "; fetch: error: "  # the adapters container's last line about it is an error (_with_fetch_lines)
+_RETRIES: dict[str, threading.Timer] = {}  # uid -> its pending retry
+_DELAYS: dict[str, float] = {}  # uid -> the delay of its last retry, doubled for the next
+_STOPPED = threading.Event()  # the operator is stopping: no new retry
+
+log = logging.getLogger(__name__)
 
 
 class PodAPIError(OSError):
@@ -100,16 +117,73 @@ def sync_service(owner: Mapping[str, Any]) -> None:
     with _GUARD:
         one_pass = _PASSES.setdefault(owner["metadata"]["uid"], threading.Lock())
     with one_pass:
-        _sync_service(owner)
+        # planned under the pass's lock: an older pass cannot plan a retry after a newer one cancelled it
+        _plan_retry(owner, _sync_service(owner))
 
 
-def _sync_service(owner: Mapping[str, Any]) -> None:
+def _plan_retry(owner: Mapping[str, Any], waiting: bool) -> None:
+    """A retry of the service's pass when `waiting` (an adapter not fetched yet) and none is pending; none, and the
+    backoff reset, when nothing waits (loaded, refused, or no longer listed)."""
+    meta = owner["metadata"]
+    uid = meta["uid"]
+    with _GUARD:
+        if not waiting or _STOPPED.is_set():
+            _forget(uid)
+            return
+        if uid in _RETRIES:
+            return  # the pending one will see what this pass saw
+        delay = min(RETRY_MAX_S, 2 * _DELAYS[uid]) if uid in _DELAYS else RETRY_FIRST_S
+        timer = threading.Timer(delay, _retry, (meta["name"], meta["namespace"], uid))
+        timer.daemon = True  # never holds up the operator's exit
+        _RETRIES[uid], _DELAYS[uid] = timer, delay
+        timer.start()
+
+
+def _retry(name: str, namespace: str, uid: str) -> None:
+    """The timer's pass, on the service as it is now (its list may have changed since)."""
+    with _GUARD:
+        if _RETRIES.get(uid) is not threading.current_thread():
+            return  # cancelled meanwhile
+        del _RETRIES[uid]
+    try:
+        owner = kube.read_service(name, namespace)
+        if owner is None or owner["metadata"].get("uid") != uid or owner["metadata"].get("deletionTimestamp"):
+            forget(uid)
+            return
+        sync_service(owner)
+    except (kopf.TemporaryError, kopf.PermanentError) as exc:  # the API failed: the resync tries again
+        log.warning(f"adapters of {namespace}/{name}: {exc}")
+
+
+def forget(uid: str) -> None:
+    """Drop the service's pending retry (it was deleted)."""
+    with _GUARD:
+        _forget(uid)
+
+
+def _forget(uid: str) -> None:
+    timer = _RETRIES.pop(uid, None)
+    if timer is not None:
+        timer.cancel()
+    _DELAYS.pop(uid, None)
+
+
+def stop_retries() -> None:
+    """At the operator's shutdown: pending retries cancelled, no new one planned (a pass in flight finishes)."""
+    _STOPPED.set()
+    with _GUARD:
+        for uid in list(_RETRIES):
+            _forget(uid)
+
+
+def _sync_service(owner: Mapping[str, Any]) -> bool:
+    """The pass; True when an adapter was left unloaded in a ready pod only because it is not fetched yet."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     spec = specs.with_defaults(owner.get("spec") or {})
     if not spec.get("adapters"):
         if (owner.get("status") or {}).get("adapters"):
             kube.patch_status(name, namespace, lambda current: {"adapters": []})
-        return
+        return False
     wanted = adapters.paths(spec)
     seen: dict[tuple[str, str], tuple[str, str]] = {}
     for pod in kube.list_pods(namespace, selector_string(name)):
@@ -126,6 +200,14 @@ def _sync_service(owner: Mapping[str, Any]) -> None:
         seen.update({(adapter, pod_name): state for adapter, state in states.items()})
     when = status.now_iso()
     kube.patch_status(name, namespace, lambda current: {"adapters": adapter_status(current, seen, when)})
+    return any(_waits_for_fetch(state, message) for state, message in seen.values())
+
+
+def _waits_for_fetch(state: str, message: str) -> bool:
+    """Not loaded because its link is not there yet: loadable once fetched. A refusal (a rank above the engine's
+    maximum, another base model's shapes) would only be refused again, and a failed fetch is retried by the adapters
+    container on its own clock: both wait for the resync."""
+    return state == NOT_LOADED and NOT_FETCHED in message and FETCH_FAILED not in message
 
 
 def _with_fetch_lines(states: dict[str, tuple[str, str]], log: str | None) -> dict[str, tuple[str, str]]:

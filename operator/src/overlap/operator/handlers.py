@@ -166,6 +166,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()
+    adapter_sync.stop_retries()  # the passes planned for adapters still being fetched
 
 
 async def _resync_forever(settings: OperatorSettings, logger: logging.Logger) -> None:
@@ -284,6 +285,7 @@ def mirror_pods(body: kopf.Body, **_: Any) -> None:
 
 
 @kopf.on.delete(*CR, optional=True)
-def announce_deletion(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+def announce_deletion(name: str, namespace: str, uid: str, logger: logging.Logger, **_: Any) -> None:
     # optional=True: no finalizer; owner references let the garbage collector remove the children.
+    adapter_sync.forget(uid)  # a pass planned for an adapter still being fetched
     logger.info(f"InferenceService {namespace}/{name} deleted; its children go with the garbage collector")
