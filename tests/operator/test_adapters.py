@@ -207,7 +207,7 @@ class PassKube:
                     "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
 
     def list_pods(self, namespace, selector):
-        self.delays.append(adapter_sync._DELAYS.get(OWNER["metadata"]["uid"]))
+        self.delays.append(adapter_sync._WAITS.get(OWNER["metadata"]["uid"], (None, None))[1])
         self.on_pass(len(self.delays))
         return [self.pod]
 
@@ -296,13 +296,27 @@ def test_a_refused_adapter_or_a_failed_fetch_is_not_retried_and_a_retry_goes_wit
     adapter_sync.sync_service(fake.owner)
     assert not adapter_sync._RETRIES  # none planned after it
 
-    # a retry that finds the service deleted drops it
+    # an adapter whose link never comes is retried for RETRY_FOR_S, then left to the resync; a newly listed one
+    # gets short retries again
     monkeypatch.setattr(adapter_sync, "_STOPPED", threading.Event())
     monkeypatch.setattr(adapter_sync, "RETRY_FIRST_S", 0.05)
+    monkeypatch.setattr(adapter_sync, "RETRY_FOR_S", 0.2)
+    adapter_sync.sync_service(fake.owner)
+    time.sleep(0.5)  # past RETRY_FOR_S and a last retry
+    wait_for(lambda: uid not in adapter_sync._RETRIES and not adapter_sync._PASSES[uid].locked(), timeout=5,
+             what="the retries of chat given up")  # fmt: skip
+    passes = len(fake.delays)
+    adapter_sync.sync_service(fake.owner)  # the resync's pass: chat still waits
+    assert uid not in adapter_sync._RETRIES and len(fake.delays) == passes + 1
+    fake.owner["spec"]["adapters"] = [CHAT, MATH]
+    adapter_sync.sync_service(fake.owner)
+    assert adapter_sync._WAITS[uid][:2] == ({"chat", "math"}, 0.05) and uid in adapter_sync._RETRIES
+
+    # a retry that finds the service deleted drops it
     adapter_sync.sync_service(fake.owner)
     passes, fake.owner = len(fake.delays), None
     time.sleep(0.3)
-    assert len(fake.delays) == passes and not adapter_sync._RETRIES and not adapter_sync._DELAYS
+    assert len(fake.delays) == passes and not adapter_sync._RETRIES and not adapter_sync._WAITS
 
 
 def _ready_pod(cluster, name: str) -> None:

@@ -5,8 +5,10 @@ into status.adapters.
 The pod's adapters container fetches each listed adapter behind a link whose name holds a hash of its uri
 (adapters.py); an adapter the pod serves from another path (its uri changed) is unloaded and loaded again, and one
 whose link is not there yet (still fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at
-the next pass. Passes run on a pod's events, after a reconcile and at every resync, and, while a listed adapter
-waits for its fetch, again soon (`_plan_retry`): a new adapter loads once fetched, not at the next resync.
+the next pass. Passes run on a pod's events, after a reconcile and at every resync; while an adapter is still being
+fetched, the service's pass also runs again soon, with backoff (`_plan_retry`), so a new adapter loads once it is
+fetched, not at the next resync. A refused adapter (a rank above the engine's maximum, another base model's) and a
+failed fetch wait for the resync: a retry would be refused again, and the adapters container retries its fetch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
@@ -41,12 +44,13 @@ _GUARD = threading.Lock()
 # A pass that leaves an adapter unloaded only because it is not fetched yet (kubelet brings a new list to the pod
 # within its sync period, then the adapters container fetches it) is run again soon, with backoff, rather than at
 # the next resync; one retry pending per service at most, on a timer thread: the reconcile and the control loop
-# never wait on it.
-RETRY_FIRST_S, RETRY_MAX_S = 1.0, 15.0
+# never wait on it. Past RETRY_FOR_S of waiting the resync takes over: a folder fetched without the adapter's
+# config reads as one not fetched, and would be polled for ever.
+RETRY_FIRST_S, RETRY_MAX_S, RETRY_FOR_S = 1.0, 15.0, 600.0
 NOT_FETCHED = "no adapter_config.json in "  # the engine's words for an adapter folder that is not there (its link)
 FETCH_FAILED = "; fetch: error: "  # the adapters container's last line about it is an error (_with_fetch_lines)
 _RETRIES: dict[str, threading.Timer] = {}  # uid -> its pending retry
-_DELAYS: dict[str, float] = {}  # uid -> the delay of its last retry, doubled for the next
+_WAITS: dict[str, tuple[frozenset[str], float, float]] = {}  # uid -> (adapters waiting, last delay, since when)
 _STOPPED = threading.Event()  # the operator is stopping: no new retry
 
 log = logging.getLogger(__name__)
@@ -121,21 +125,25 @@ def sync_service(owner: Mapping[str, Any]) -> None:
         _plan_retry(owner, _sync_service(owner))
 
 
-def _plan_retry(owner: Mapping[str, Any], waiting: bool) -> None:
-    """A retry of the service's pass when `waiting` (an adapter not fetched yet) and none is pending; none, and the
-    backoff reset, when nothing waits (loaded, refused, or no longer listed)."""
+def _plan_retry(owner: Mapping[str, Any], waiting: set[str]) -> None:
+    """A retry of the service's pass while adapters wait for their fetch (`waiting`) and none is pending; none, and
+    the backoff reset, when nothing waits (loaded, refused, or no longer listed)."""
     meta = owner["metadata"]
     uid = meta["uid"]
     with _GUARD:
         if not waiting or _STOPPED.is_set():
             _forget(uid)
             return
-        if uid in _RETRIES:
-            return  # the pending one will see what this pass saw
-        delay = min(RETRY_MAX_S, 2 * _DELAYS[uid]) if uid in _DELAYS else RETRY_FIRST_S
+        names, delay, since = _WAITS.get(uid, (frozenset(), 0.0, 0.0))
+        if not waiting <= names:  # a newly listed adapter: short retries again
+            names, delay, since = frozenset(waiting), 0.0, time.monotonic()
+        _WAITS[uid] = (names, delay, since)
+        if uid in _RETRIES or time.monotonic() - since > RETRY_FOR_S:
+            return  # the pending one will see what this pass saw; or the resync's turn
+        delay = min(RETRY_MAX_S, 2 * delay) if delay else RETRY_FIRST_S
         timer = threading.Timer(delay, _retry, (meta["name"], meta["namespace"], uid))
         timer.daemon = True  # never holds up the operator's exit
-        _RETRIES[uid], _DELAYS[uid] = timer, delay
+        _RETRIES[uid], _WAITS[uid] = timer, (names, delay, since)
         timer.start()
 
 
@@ -165,7 +173,7 @@ def _forget(uid: str) -> None:
     timer = _RETRIES.pop(uid, None)
     if timer is not None:
         timer.cancel()
-    _DELAYS.pop(uid, None)
+    _WAITS.pop(uid, None)
 
 
 def stop_retries() -> None:
@@ -176,14 +184,14 @@ def stop_retries() -> None:
             _forget(uid)
 
 
-def _sync_service(owner: Mapping[str, Any]) -> bool:
-    """The pass; True when an adapter was left unloaded in a ready pod only because it is not fetched yet."""
+def _sync_service(owner: Mapping[str, Any]) -> set[str]:
+    """The pass; the adapters it left unloaded in a ready pod only because they are not fetched yet."""
     name, namespace = owner["metadata"]["name"], owner["metadata"]["namespace"]
     spec = specs.with_defaults(owner.get("spec") or {})
     if not spec.get("adapters"):
         if (owner.get("status") or {}).get("adapters"):
             kube.patch_status(name, namespace, lambda current: {"adapters": []})
-        return False
+        return set()
     wanted = adapters.paths(spec)
     seen: dict[tuple[str, str], tuple[str, str]] = {}
     for pod in kube.list_pods(namespace, selector_string(name)):
@@ -200,7 +208,7 @@ def _sync_service(owner: Mapping[str, Any]) -> bool:
         seen.update({(adapter, pod_name): state for adapter, state in states.items()})
     when = status.now_iso()
     kube.patch_status(name, namespace, lambda current: {"adapters": adapter_status(current, seen, when)})
-    return any(_waits_for_fetch(state, message) for state, message in seen.values())
+    return {adapter for (adapter, _), (state, message) in seen.items() if _waits_for_fetch(state, message)}
 
 
 def _waits_for_fetch(state: str, message: str) -> bool:
