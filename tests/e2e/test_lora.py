@@ -37,8 +37,8 @@ def lora_node(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) ->
     folders = {name: cached_adapter(tiny_model_dir, name, *settings) for name, settings in ADAPTERS.items()}
     repos = {"acme/tiny": model_files(tiny_model_dir)}
     repos.update({f"acme/{name}-lora": model_files(folder) for name, folder in folders.items()})
-    # a short resync: an adapter fetched after the list changed is loaded at the next pass
-    with hub_node(tmp_path_factory.mktemp("lora"), repos, "--resync-s", "2") as node:
+    # the default resync: an adapter fetched after the list changed is loaded by the pass retried while it waits
+    with hub_node(tmp_path_factory.mktemp("lora"), repos) as node:
         yield {**node, "adapters": folders, "model_dir": tiny_model_dir}
 
 
