@@ -127,6 +127,18 @@ def test_k_follows_recent_acceptance():
         assert num_to_propose(request.spec_accepted_avg, 4) == want, (accepted, request.spec_accepted_avg)
 
 
+def test_a_try_that_sat_a_step_out_gains_only_past_that_step():
+    (request,) = create_requests(1)
+    record_acceptance(request, 1)  # proposed with no step in flight: one accepted token is a gain
+    assert request.spec_backoff == 0 and request.spec_skip == 0
+    request.spec_waited = True  # sat a step out first: one accepted token only wins that step back
+    record_acceptance(request, 1)
+    assert request.spec_backoff == 1 and request.spec_skip == 1 and not request.spec_waited
+    request.spec_waited = True
+    record_acceptance(request, 2)
+    assert request.spec_backoff == 0
+
+
 # ---- the verification rule -------------------------------------------------------------------------------------
 def test_accept_proposals_takes_the_agreeing_prefix_and_the_targets_next_token():
     assert accept_proposals([4, 5, 6], [4, 5]) == [4, 5, 6]  # all accepted, then the bonus token

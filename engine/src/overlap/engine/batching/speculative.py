@@ -46,14 +46,16 @@ def num_to_propose(accepted_avg: float | None, k_max: int) -> int:
 
 def record_acceptance(request: Request, accepted: int) -> None:
     """Fold one verifying step's accepted proposals into the request's average (see num_to_propose); a try that
-    gains nothing backs off, one that gains anything resets the back-off."""
+    gains nothing backs off, one that gains anything resets the back-off. A try that sat a step out for its token in
+    flight gains only past the token that step would have decoded: one accepted proposal merely wins it back."""
     if request.spec_accepted_avg is None:
         request.spec_accepted_avg = float(accepted)
     else:
         decay = SPEC_ACCEPTANCE_DECAY
         request.spec_accepted_avg = decay * accepted + (1 - decay) * request.spec_accepted_avg
-    if accepted:
+    if accepted > int(request.spec_waited):
         request.spec_backoff = 0
+        request.spec_waited = False
     else:
         back_off(request)
 
@@ -62,6 +64,7 @@ def back_off(request: Request) -> None:
     """A try that gained nothing: 1, 2, 4, .. SPEC_MAX_BACKOFF plain decodes before the next."""
     request.spec_backoff = min(2 * request.spec_backoff or 1, SPEC_MAX_BACKOFF)
     request.spec_skip = request.spec_backoff
+    request.spec_waited = False
 
 
 @dataclass(slots=True)
@@ -134,7 +137,10 @@ def proposals_for(request: Request, proposer: Proposer, budget: int, max_seq_len
         # Its last token is in flight. Sit this step out only if the proposer expects to find something (ngram:
         # the tokens known so far already end in an n-gram seen before); else decode on, overlapped, and look
         # again at the next step: a pause that finds nothing to propose would cost a step for nothing.
-        return None if proposer.probe(request) else []
+        if not proposer.probe(request):
+            return []
+        request.spec_waited = True
+        return None
     drafts = proposer.propose(request, k)
     if not drafts:
         back_off(request)

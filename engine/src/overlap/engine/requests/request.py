@@ -73,11 +73,13 @@ class Request:
     # Speculative decoding (batching/scheduler.py): a step verifying this request's proposals is in flight (it is not
     # scheduled again until that step is back); plain decodes to run before it tries to speculate again, and the
     # current back-off (doubled by each try that gains nothing, 0 after one that does); the average of proposals
-    # accepted per try, which sets how many it proposes (batching/speculative.py, num_to_propose).
+    # accepted per try, which sets how many it proposes (batching/speculative.py, num_to_propose); whether the
+    # current try sat a step out for its token in flight (it must then win that step back to gain).
     spec_in_flight: bool = False
     spec_skip: int = 0
     spec_backoff: int = 0
     spec_accepted_avg: float | None = None
+    spec_waited: bool = False
     # LoRA: the adapter's folder (kept with the request: an unloaded adapter's requests still finish), and its device
     # slot while the request runs (-1: none; batching/lora_slots.py)
     lora_path: str | None = None
