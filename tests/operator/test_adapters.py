@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from overlap.engine.delivery.adapters import link_name
+from overlap.engine.errors import ADAPTER_NOT_FOUND
 from overlap.operator import adapter_sync, adapters, children, kube, reconcile
 from overlap.operator import spec as specs
 from tests.support.cluster import NAMESPACE, chart_grants, not_granted, operator_requests, wait_for
@@ -249,7 +250,7 @@ def test_an_adapter_fetched_after_the_pass_is_loaded_by_a_retried_pass_without_a
     fake = pass_kube(PassKube(lora_pod, [sql], on_pass=lambda n: n == 4 and fetched(lora_pod, path)))
     adapter_sync.sync_service(fake.owner)  # the reconcile's pass
     state, message = fake.states()["sql"]
-    assert state == adapter_sync.NOT_LOADED and adapter_sync.NOT_FETCHED in message
+    assert state == adapter_sync.NOT_LOADED and ADAPTER_NOT_FOUND in message
     wait_for(lambda: fake.states()["sql"][0] == adapter_sync.LOADED, timeout=10, what="sql loaded by a retry")
     assert fake.delays == [None, 0.05, 0.1, 0.1]  # backoff: doubled, capped
     assert adapter_sync.served_adapters(lora_pod["url"])["sql"] == path

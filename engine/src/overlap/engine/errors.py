@@ -18,6 +18,11 @@ class ConfigError(OverlapError, ValueError):
     """An engine configuration that is out of range or inconsistent."""
 
 
+# How the engine refuses a LoRA adapter whose folder has no config (yet): the operator reads it as "not fetched yet"
+# and tries the load again soon (operator/adapter_sync.py).
+ADAPTER_NOT_FOUND = "no adapter_config.json in"
+
+
 class ModelLoadError(OverlapError):
     """A model folder that cannot be loaded (missing files, unsupported architecture)."""
 

@@ -26,6 +26,7 @@ from typing import Any
 import kopf
 
 from overlap.engine.delivery.adapters import log_prefix
+from overlap.engine.errors import ADAPTER_NOT_FOUND
 from overlap.operator import adapters, kube, status
 from overlap.operator import spec as specs
 from overlap.operator.identity import selector_string
@@ -47,7 +48,6 @@ _GUARD = threading.Lock()
 # never wait on it. Past RETRY_FOR_S of waiting the resync takes over: a folder fetched without the adapter's
 # config reads as one not fetched, and would be polled for ever.
 RETRY_FIRST_S, RETRY_MAX_S, RETRY_FOR_S = 1.0, 15.0, 600.0
-NOT_FETCHED = "no adapter_config.json in "  # the engine's words for an adapter folder that is not there (its link)
 FETCH_FAILED = "; fetch: error: "  # the adapters container's last line about it is an error (_with_fetch_lines)
 _RETRIES: dict[str, threading.Timer] = {}  # uid -> its pending retry
 _WAITS: dict[str, tuple[frozenset[str], float, float]] = {}  # uid -> (adapters waiting, last delay, since when)
@@ -215,7 +215,7 @@ def _waits_for_fetch(state: str, message: str) -> bool:
     """Not loaded because its link is not there yet: loadable once fetched. A refusal (a rank above the engine's
     maximum, another base model's shapes) would only be refused again, and a failed fetch is retried by the adapters
     container on its own clock: both wait for the resync."""
-    return state == NOT_LOADED and NOT_FETCHED in message and FETCH_FAILED not in message
+    return state == NOT_LOADED and ADAPTER_NOT_FOUND in message and FETCH_FAILED not in message
 
 
 def _with_fetch_lines(states: dict[str, tuple[str, str]], log: str | None) -> dict[str, tuple[str, str]]:

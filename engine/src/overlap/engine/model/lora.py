@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from overlap.engine.errors import ModelLoadError
+from overlap.engine.errors import ADAPTER_NOT_FOUND, ModelLoadError
 from overlap.engine.model.native import LoraKernel, lora_kernel
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -87,7 +87,7 @@ def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapte
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
     except OSError as exc:
-        raise LoraError(f"adapter {name!r}: no {CONFIG_FILE} in {str(folder)!r} ({exc.strerror})") from None
+        raise LoraError(f"adapter {name!r}: {ADAPTER_NOT_FOUND} {str(folder)!r} ({exc.strerror})") from None
     except ValueError as exc:
         raise LoraError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
     if config.get("peft_type", "LORA") != "LORA":
