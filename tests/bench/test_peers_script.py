@@ -21,6 +21,7 @@ def test_help_prints_the_usage_and_installs_nothing(tmp_path, args):
     out = _run(tmp_path, *args)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: ") and "vllm_cpu.sh spec [FLAGS]" in out.stdout
+    assert "vllm_cpu.sh http [--model-shape S [--layers N] [--quantization" in out.stdout
     assert "installing" not in out.stdout + out.stderr and not (tmp_path / "venv").exists()
 
 
