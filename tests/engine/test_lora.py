@@ -197,28 +197,43 @@ def test_triton_bgmv_matches_the_gathered_matmuls(dtype) -> None:
     assert torch.equal(kernel[0], base[0]) and torch.equal(kernel[5], base[5])
 
 
+@pytest.mark.parametrize("march", [None, "x86-64-v3"], ids=["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_native_delta_matches_the_torch_formula(dtype) -> None:
+def test_native_delta_matches_the_torch_formula(dtype, march) -> None:
     """The CPU path's one native call per projection against a row-by-row reference and the gathered matmuls: rows of
     three adapters and the base in any order (strided x), ranks not a multiple of the kernel's 4 (3 segments of
-    rank 3), outputs past a column tile, base rows untouched; then the sampled subset of those rows."""
+    rank 3), outputs past a column tile and not a whole number of vectors, base rows untouched; B dense on one slot,
+    block-diagonal with a rank of 2 on another (the kernel skips the zero ranks), zero on a third; then the sampled
+    subset of those rows; then more rows than the kernel takes (the gathered matmuls). Built for this CPU, and for
+    AVX2 alone (x86-64-v3: the other width of its vectors), which this CPU runs too."""
     from overlap.engine.model.lora import LoraBatch, LoraDelta, RowSlots
 
-    kernel = lora_kernel()
-    if kernel is None:
+    if lora_kernel() is None:
         pytest.skip("no C compiler: the CPU path uses the gathered matmuls")
+    kernel = lora_kernel(march)
     gen, cpu = torch.Generator().manual_seed(0), torch.device("cpu")
     native, gathered = LoraBatch(None, kernel), LoraBatch(None)
-    delta = LoraDelta(native, 4, 3, 3, 96, (0, 300), dtype, cpu)
+    delta = LoraDelta(native, 4, 3, 3, 96, (0, 300), dtype, cpu, segment_starts=(0, 100, 232))
     delta.a.copy_(torch.randn(delta.a.shape, generator=gen))
     delta.b.copy_(torch.randn(delta.b.shape, generator=gen) * 0.1)
-    slots = [-1, 3, 0, 2, 2, 0, -1, 3, 0]
-    x = torch.randn(9, 120, generator=gen).to(dtype)[:, 10:106]
-    base = torch.randn(9, 300, generator=gen).to(dtype)
+    for segment, (first, last) in enumerate([(0, 100), (100, 232), (232, 300)]):  # slot 2: its own ranks, 2 of 3
+        delta.b[2, :first, segment * 3 : segment * 3 + 3] = 0
+        delta.b[2, last:, segment * 3 : segment * 3 + 3] = 0
+        delta.b[2, :, segment * 3 + 2] = 0
+    delta.b[0, :, :] = 0
+    for slot in range(4):
+        delta.refresh(slot)
+    assert delta.spans[2].tolist() == [[0, 2], [3, 5], [6, 8]] and delta.spans[0].tolist() == [[0, 0]] * 3
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
-    for rows in (range(9), [1, 4, 6, 8]):  # every row, then the sampled ones (their own x and y, as the last layer)
-        picked = [slots[r] for r in rows]
-        xs, ys = x[list(rows)], base[list(rows)]
+    slots = [-1, 3, 0, 2, 2, 0, -1, 3, 0, 2, 2, 2, 2, 3, 3]
+    x = torch.randn(len(slots), 120, generator=gen).to(dtype)[:, 10:106]
+    base = torch.randn(len(slots), 300, generator=gen).to(dtype)
+    many = [slots[i % len(slots)] for i in range(kernel.ROWS_PER_ADAPTER * 3 + 5)]
+    cases = (range(len(slots)), [1, 4, 6, 8, 9, 10, 11], range(len(many)))  # every row, the sampled ones, a prefill
+    for rows, row_slots in zip(cases, (slots, slots, many), strict=True):
+        picked = [row_slots[r] for r in rows]
+        xs = x[[r % len(slots) for r in rows]]
+        ys = base[[r % len(slots) for r in rows]]
         expected = torch.stack([ys[t].float() + (delta.b[s].float() @ (delta.a[s].float() @ xs[t].float()) if s >= 0
                                                  else 0) for t, s in enumerate(picked)])  # fmt: skip
         results = []

@@ -9,9 +9,10 @@ target module, a rank above `max_lora_rank`, a shape of another base model, PEFT
 On the device every adapted projection holds `max_loras` slots (`LoraDelta`): A stacked over the projection's
 segments ([slots, segments * max_rank, in]) and B block-diagonal ([slots, out, segments * max_rank]; on CPU stored
 transposed per slot), zero where an adapter has a smaller rank or no such module, scaling folded into B. On CPU one
-native call per projection adds every row's delta (`native.LoraKernel`, lora_delta.c: the step's rows ordered by
-slot, `RowSlots`); without the native library each slot's rows are gathered, shrunk by A and expanded by B in two
-matmuls and added back. On CUDA two Triton launches per projection take a slot per row (`triton_lora.py`, BGMV). The
+native call per projection adds every row's delta at decode sizes (`native.LoraKernel`, lora_delta.c: the step's rows
+ordered by slot, `RowSlots`; it skips the ranks where a slot's B is zero, `LoraDelta.spans`); a prefill's rows, or
+every step's without the native library, are gathered per slot, shrunk by A and expanded by B in two matmuls and
+added back. On CUDA two Triton launches per projection take a slot per row (`triton_lora.py`, BGMV). The
 base kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
 
 Under tensor parallelism each rank keeps its share: a column-parallel projection (q|k|v, gate|up) its rows of B, a
@@ -192,10 +193,11 @@ class LoraBatch:
 class LoraDelta:
     """One projection's slots: out += B[slot] (A[slot] x) for each row group of the step (`LoraRows`)."""
 
-    __slots__ = ("a", "b", "batch", "out_rows", "segment_rows")
+    __slots__ = ("a", "b", "batch", "out_rows", "seg_cols", "segment_rows", "spans")
 
     def __init__(self, batch: LoraBatch, slots: int, max_rank: int, segments: int, inputs: int,
-                 out_rows: tuple[int, int], dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+                 out_rows: tuple[int, int], dtype: torch.dtype, device: torch.device,
+                 segment_starts: tuple[int, ...] = (0,)) -> None:  # fmt: skip
         self.batch = batch
         outputs = out_rows[1] - out_rows[0]
         self.a = torch.zeros(slots, segments * max_rank, inputs, dtype=dtype, device=device)
@@ -205,15 +207,20 @@ class LoraDelta:
             self.b = torch.zeros(slots, outputs, segments * max_rank, dtype=dtype, device=device)
         self.out_rows = out_rows  # [first, last) of the projection's output rows this linear computes
         self.segment_rows = max_rank
+        # the column segments of this linear's outputs (q, k, v; gate, up), where each starts, then the end; and per
+        # slot and segment the ranks where B is not zero there (`refresh`), which lora_delta.c alone reads
+        local = [min(max(start - out_rows[0], 0), outputs) for start in segment_starts]
+        self.seg_cols = torch.tensor([*local, outputs], dtype=torch.int32)
+        self.spans = torch.zeros(slots, len(local), 2, dtype=torch.int32)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output of x) plus each row's adapter delta, in place."""
         current, triton, native = self.batch.current, self.batch.triton, self.batch.native
         if triton is not None:
             return triton.lora_bgmv(x, y, self.a, self.b, current.slots)
-        if native is not None:
+        if native is not None and current.order.numel() <= native.ROWS_PER_ADAPTER * len(current.groups):
             native(x if x.stride(1) == 1 else x.contiguous(), y, self.a, self.b.transpose(1, 2), current.order,
-                   current.slots)  # fmt: skip
+                   current.slots, self.spans, self.seg_cols)  # fmt: skip
             return y
         for slot, rows in current.groups:
             xs = x if rows is None else x.index_select(0, rows)
@@ -224,9 +231,21 @@ class LoraDelta:
                 y.index_copy_(0, rows, y.index_select(0, rows).add_(delta))
         return y
 
+    def refresh(self, slot: int) -> None:
+        """Read `spans` for `slot` off its B, after the slot was (re)filled."""
+        if self.b.device.type != "cpu":
+            return
+        nonzero = (self.b[slot] != 0).cpu()  # [outputs, ranks]
+        cols = self.seg_cols.tolist()
+        for segment in range(len(cols) - 1):
+            ranks = nonzero[cols[segment] : cols[segment + 1]].any(dim=0).nonzero()
+            self.spans[slot, segment] = torch.tensor([ranks.min() if len(ranks) else 0,
+                                                      ranks.max() + 1 if len(ranks) else 0])  # fmt: skip
+
     def fill(self, slot: int, segment: int, a: torch.Tensor | None, b: torch.Tensor | None, first: int) -> None:
         """Write one module's A [r, in] and B [out, r] (its outputs from row `first` of the projection) into `slot`'s
-        segment; None clears it. The rows of B outside this linear's `out_rows` are not its."""
+        segment; None clears it. The rows of B outside this linear's `out_rows` are not its. `refresh` the slot
+        after its last fill."""
         cols = slice(segment * self.segment_rows, (segment + 1) * self.segment_rows)
         self.a[slot, cols].zero_()
         self.b[slot, :, cols].zero_()
@@ -292,19 +311,24 @@ class LoraCache:
             native = lora_kernel()
         model.lora = batch = LoraBatch(triton, native)
         for layer in model.layers:
-            projections = {"qkv": [(layer.qkv, (0, qkv_out), hidden)], "o": [(layer.o, (0, hidden), s.num_heads * d)]}
+            q, kv = s.num_heads * d, s.num_kv_heads * d
+            projections = {"qkv": [(layer.qkv, (0, qkv_out), hidden, (0, q, q + kv))],
+                           "o": [(layer.o, (0, hidden), q, (0,))]}  # fmt: skip
             mlp = layer.mlp
             if hasattr(mlp, "inter"):  # a dense GatedMLP (a sparse block takes no adapters)
                 inter = mlp.inter
-                ups = [(mlp.gate_up, (0, 2 * inter), hidden)] if mlp.gate_up is not None else \
-                    [(mlp.gate, (0, inter), hidden), (mlp.up, (inter, 2 * inter), hidden)]  # fmt: skip
-                projections |= {"gate_up": ups, "down": [(mlp.down, (0, hidden), inter)]}
+                ups = (
+                    [(mlp.gate_up, (0, 2 * inter), hidden, (0, inter))]
+                    if mlp.gate_up is not None
+                    else [(mlp.gate, (0, inter), hidden, (0, inter)), (mlp.up, (inter, 2 * inter), hidden, (0, inter))]
+                )
+                projections |= {"gate_up": ups, "down": [(mlp.down, (0, hidden), inter, (0,))]}
             deltas = {}
             for proj, linears in projections.items():
                 deltas[proj] = []
-                for linear, out_rows, inputs in linears:
+                for linear, out_rows, inputs, starts in linears:
                     linear.lora = LoraDelta(batch, max_loras, self.max_rank, SEGMENTS[proj], inputs, out_rows, dtype,
-                                            device)  # fmt: skip
+                                            device, starts)  # fmt: skip
                     deltas[proj].append(linear.lora)
             self.deltas.append(deltas)
         return None
@@ -332,3 +356,5 @@ class LoraCache:
                     if (proj, segment) not in filled:
                         for delta in proj_deltas:
                             delta.fill(slot, segment, None, None, 0)
+                for delta in proj_deltas:
+                    delta.refresh(slot)

@@ -207,27 +207,36 @@ class LoraKernel:
     """`lora_delta.c` loaded: one projection's LoRA delta for every row of a step, whatever their adapters."""
 
     DTYPES = (torch.float32, torch.bfloat16)
+    # rows per adapter in a step above which (a prefill) its pair of oneDNN matmuls is faster: lora.py gathers them
+    ROWS_PER_ADAPTER = 48
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.overlap_lora_delta
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32]
+        self._fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32,
+                             _i32, _i32]  # fmt: skip
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, order: torch.Tensor,
-                 slots: torch.Tensor) -> None:  # fmt: skip
+                 slots: torch.Tensor, spans: torch.Tensor, seg_cols: torch.Tensor) -> None:  # fmt: skip
         """y[r] += bt[s].T (a[s] x[r]) in place for each row r in `order` (int32, rows grouped by slot), s = slots[r]
         (int32, one per row of x). x [rows, in], y [rows, out] (rows may be strided); a [slots, R, in] and bt (B
-        transposed) [slots, R, out] contiguous; one dtype, fp32 or bf16."""
+        transposed) [slots, R, out] contiguous; one dtype, fp32 or bf16. seg_cols (int32 [segments + 1]): where each
+        column segment of y starts, then out; spans (int32 [slots, segments, 2]): the ranks [lo, hi) where B is not
+        zero in each (the rest is skipped)."""
         rows, rank, inputs, outputs = x.shape[0], a.shape[1], a.shape[2], bt.shape[2]
+        segments = seg_cols.numel() - 1
         _check(x.dtype in self.DTYPES and y.dtype == a.dtype == bt.dtype == x.dtype, "lora: fp32 or bf16 throughout")
         _check(x.dim() == y.dim() == 2 and x.stride(1) == y.stride(1) == 1 and x.shape[1] == inputs
                and y.shape == (rows, outputs) and a.is_contiguous() and bt.is_contiguous()
                and a.shape[:2] == bt.shape[:2], "lora: layouts")  # fmt: skip
         _check(order.dtype == slots.dtype == torch.int32 and slots.shape == (rows,) and order.numel() <= rows
                and order.is_contiguous() and slots.is_contiguous(), "lora: order and slots")  # fmt: skip
+        _check(spans.dtype == seg_cols.dtype == torch.int32 and spans.shape == (a.shape[0], segments, 2)
+               and spans.is_contiguous() and seg_cols.is_contiguous(), "lora: spans and column segments")  # fmt: skip
         status = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), order.data_ptr(), slots.data_ptr(),
-                          order.numel(), a.data_ptr(), bt.data_ptr(), rank, inputs, outputs,
-                          x.dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+                          order.numel(), a.data_ptr(), bt.data_ptr(), rank, inputs, outputs, spans.data_ptr(),
+                          seg_cols.data_ptr(), segments, x.dtype == torch.bfloat16,
+                          torch.get_num_threads())  # fmt: skip
         if status != 0:
             raise MemoryError("lora delta: could not allocate its scratch buffer")
 
@@ -411,9 +420,10 @@ def cpu_ops() -> CpuOps | None:
 
 
 @functools.cache
-def lora_kernel() -> LoraKernel | None:
-    """The mixed-adapter LoRA delta, or None without the native library."""
-    library = _library()
+def lora_kernel(march: str | None = None) -> LoraKernel | None:
+    """The mixed-adapter LoRA delta, or None without the native library. `march` builds it for another instruction
+    set than this CPU's (`x86-64-v3`: the AVX2 path), as `quant_linear_kernel` does."""
+    library = _library() if march is None else _library_for("overlap_kernels", march)
     return None if library is None else LoraKernel(library)
 
 
@@ -421,13 +431,7 @@ def lora_kernel() -> LoraKernel | None:
 def packed_linear_kernel(march: str | None = None) -> PackedLinearKernel | None:
     """The decode-size projection kernel, or None without the library or AVX2 on this CPU. `march` builds it for
     another instruction set than this CPU's (`x86-64-v3`: the AVX2 path), as `quant_linear_kernel` does."""
-    name = "overlap_linear"
-    if march is None:
-        library = _library(name)
-    else:
-        sources, flags = _LIBRARIES[name]
-        library = ctypes.CDLL(str(_build(name, sources, [f"-march={march}" if f == "-march=native" else f
-                                                         for f in flags])))  # fmt: skip
+    library = _library("overlap_linear") if march is None else _library_for("overlap_linear", march)
     if library is None or not library.overlap_linear_packed_dtypes():
         return None
     return PackedLinearKernel(library)
@@ -437,13 +441,14 @@ def packed_linear_kernel(march: str | None = None) -> PackedLinearKernel | None:
 def quant_linear_kernel(march: str | None = None) -> QuantLinearKernel | None:
     """The quantized projection kernels, or None without a C compiler. `march` builds them for another instruction
     set than this CPU's (`x86-64-v3`: AVX2, `x86-64`: plain C), so one machine tests every path it can run."""
-    name = "overlap_quant"
-    if march is None:
-        library = _library(name)
-        return None if library is None else QuantLinearKernel(library)
+    library = _library("overlap_quant") if march is None else _library_for("overlap_quant", march)
+    return None if library is None else QuantLinearKernel(library)
+
+
+def _library_for(name: str, march: str) -> ctypes.CDLL:
+    """A library of `_LIBRARIES` built for instruction set `march` instead of this CPU's, for tests of other paths."""
     sources, flags = _LIBRARIES[name]
-    return QuantLinearKernel(ctypes.CDLL(str(_build(name, sources, [f"-march={march}" if f == "-march=native" else f
-                                                                     for f in flags]))))  # fmt: skip
+    return ctypes.CDLL(str(_build(name, sources, [f"-march={march}" if f == "-march=native" else f for f in flags])))
 
 
 def _build(name: str, source_paths: list[Path], flags: list[str]) -> Path:
