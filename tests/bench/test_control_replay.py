@@ -112,7 +112,12 @@ def test_a_draining_replica_finishes_what_it_holds():
     finished = []
     start = time.monotonic()
     replica = control_replay.Replica(
-        "r", setup, EngineConfig(max_num_seqs=4).live, lambda: time.monotonic() - start, 0.0, finished.append
+        "r",
+        setup,
+        EngineConfig(max_num_seqs=4, num_buffers=2).live,
+        lambda: time.monotonic() - start,
+        0.0,
+        finished.append,
     )
     try:
         for i in range(12):

@@ -20,7 +20,7 @@ from overlap.operator.control.policy import (
     TuningPolicy,
 )
 
-ENGINE = EngineConfig().live  # max_num_seqs 64, max_num_batched_tokens 2048, num_buffers 2
+ENGINE = EngineConfig(num_buffers=2).live  # max_num_seqs 64, max_num_batched_tokens 2048, num_buffers 2
 SCALING = ScalingPolicy(
     mode="builtin",
     min_replicas=1,

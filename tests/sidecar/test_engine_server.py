@@ -96,7 +96,7 @@ def test_hello_requests_errors_stats_and_reconfigure(server):
         sock.sendall(p.encode(p.StatsRequest(7)))
         reply = p.read_message(sock)
         assert isinstance(reply, p.StatsReply) and reply.seq == 7 and reply.stats["num_connections"] == 1
-        knobs = EngineConfig().live.replace(max_num_seqs=4, num_buffers=1)
+        knobs = EngineConfig(num_buffers=2).live.replace(max_num_seqs=4, num_buffers=1)
         sock.sendall(p.encode(p.Reconfigure(8, knobs)))
         reply = p.read_message(sock)
         assert reply.seq == 8 and reply.error is None and reply.applied == knobs

@@ -229,7 +229,10 @@ class EngineConfig:
     default_timeout_s: float | None = None  # queued longer than this -> finished with reason "timeout"
 
     # Execution (layer 3).
-    num_buffers: int = 2  # steps in flight: 1 = synchronous, 2 = double buffering (1..4)
+    # Steps in flight: 1 = synchronous, 2 = double buffering (1..4). None: the engine picks 2 where the device is
+    # hardware of its own (CUDA, the simulated device) and 1 on a CPU, whose forward runs on the host's own cores: a
+    # second step there only takes the forward's time (docs/overlap.md, "On a CPU").
+    num_buffers: int | None = None
 
     # A simulated device instead of the model's forward: {"fixed_s": ..., "per_token_s": ...} (a cost profile,
     # overlap.engine.model.sim_runner.CostModel). The model folder still gives the tokenizer, vocabulary, EOS ids
@@ -281,7 +284,8 @@ class EngineConfig:
         check(0 < self.kv_cache_ratio <= 0.95, f"kv_cache_ratio must be in (0, 0.95], got {self.kv_cache_ratio}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         check(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        LiveKnobs.of(self)  # checks the live knobs' start values
+        # checks the live knobs' start values (num_buffers None: the engine's pick, `Engine`)
+        LiveKnobs.of(self if self.num_buffers is not None else dataclasses.replace(self, num_buffers=1))
         check(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_seq_len,
             "without chunked prefill, max_num_batched_tokens must be >= max_seq_len (a prompt must fit one step)",
@@ -333,7 +337,9 @@ class EngineConfig:
 
     @property
     def live(self) -> LiveKnobs:
-        """The knobs that may change while the engine runs."""
+        """The knobs that may change while the engine runs (an engine's config: num_buffers None is its pick)."""
+        if self.num_buffers is None:
+            raise ConfigError("num_buffers is None: the engine picks it at start-up (Engine.config holds the pick)")
         return LiveKnobs.of(self)
 
     def with_live(self, knobs: LiveKnobs) -> EngineConfig:

@@ -28,7 +28,7 @@ from overlap.engine.batching.speculative import compute_bound_rows
 from overlap.engine.batching.window_blocks import WindowBlocks
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, RankLost
-from overlap.engine.execution import Step, make_executor
+from overlap.engine.execution import Step, default_num_buffers, make_executor
 from overlap.engine.requests.request import Request
 from overlap.engine.types import FinishReason, RequestOutput, RequestSpec, RequestTimes, Runner, SamplingParams
 
@@ -73,6 +73,8 @@ class Engine:
                 raise ModelLoadError(f"model folder {str(model_dir)!r} does not exist (config.model)")
             runner = _load_runner(config, model_dir)
         self.runner = runner
+        if config.num_buffers is None:
+            self.config = config = dataclasses.replace(config, num_buffers=default_num_buffers(runner))
         if config.speculative is not None and not getattr(runner, "supports_speculation", False):
             if owns_runner:
                 runner.close()

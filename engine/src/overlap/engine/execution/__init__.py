@@ -14,7 +14,7 @@ from overlap.engine.execution.busy import BusyTracker
 from overlap.engine.execution.launch import AsyncExecutor
 from overlap.engine.types import Runner
 
-__all__ = ["MAX_BUFFERS", "AsyncExecutor", "Executor", "Step", "make_executor"]
+__all__ = ["MAX_BUFFERS", "AsyncExecutor", "Executor", "Step", "default_num_buffers", "make_executor"]
 
 
 def make_executor(runner: Runner, num_buffers: int = 2, busy: BusyTracker | None = None) -> Executor:
@@ -27,3 +27,10 @@ def make_executor(runner: Runner, num_buffers: int = 2, busy: BusyTracker | None
     if runner.step_mode == "launch":
         return AsyncExecutor(runner, num_buffers, busy)
     return Executor(runner, num_buffers, busy)
+
+
+def default_num_buffers(runner: Runner) -> int:
+    """What an engine runs when its config leaves `num_buffers` out: 1 where the forward runs on the host's own
+    cores (a model runner on a CPU), since a second step in flight there only takes the forward's time; 2 where the
+    device is hardware of its own (CUDA, the simulated device), whose idle time the second step fills."""
+    return 1 if getattr(getattr(runner, "device", None), "type", None) == "cpu" else 2
