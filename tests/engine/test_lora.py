@@ -84,21 +84,27 @@ def test_mixed_batch_matches_peft(tiny_model_dir: Path, adapters, prompts, expec
             assert got[name, i] == expected[name][i][:NEW_TOKENS], (name, i)
 
 
-@pytest.mark.parametrize("size", [1, 2])
-def test_qwen2_shape_mixed_on_one_and_two_ranks(built, tmp_path_factory, size: int) -> None:
-    """A Qwen2 shape (GQA, q/k/v biases, tied embeddings) with two adapters and the base in one batch, on one rank
-    and split across two (each rank holds B's rows of q|k|v and gate|up, A's columns of o and down): PEFT's tokens."""
+@pytest.fixture(scope="module")
+def qwen2_case(built, tmp_path_factory) -> tuple[Path, dict[str, Path], list[list[int]], dict]:
+    """A Qwen2 shape, the four adapters of ADAPTERS made on it by PEFT, two prompts, and PEFT's tokens for each."""
     folder = built("qwen2")[0]
     root = tmp_path_factory.mktemp("qwen2-adapters")
-    adapters = {
-        "all": make_adapter(folder, root / "all", 8, 16, False, ALL, seed=11, spread=0.3),
-        "qv-rs": make_adapter(folder, root / "qv", 4, 8, True, ["q_proj", "v_proj"], seed=12, spread=0.3),
-    }
+    adapters = {name: make_adapter(folder, root / name, *params, seed=11 + i, spread=0.3)
+                for i, (name, params) in enumerate(ADAPTERS.items())}  # fmt: skip
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (9, 30)]
     expected = {name: peft_greedy(folder, adapters.get(name), prompts, NEW_TOKENS) for name in (None, *adapters)}
-    assert expected["all"] != expected[None] and expected["qv-rs"] != expected[None]
-    engine = _engine(folder, adapters, max_loras=2, tensor_parallel_size=size, num_threads=1)
+    for name in adapters:  # each adapter changes the tokens, so a row served by the wrong one would show
+        assert expected[name] != expected[None], name
+    return folder, adapters, prompts, expected
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_qwen2_shape_mixed_on_one_and_two_ranks(qwen2_case, size: int) -> None:
+    """A Qwen2 shape (GQA, q/k/v biases, tied embeddings) with four adapters and the base in one batch, on one rank
+    and split across two (each rank holds B's rows of q|k|v and gate|up, A's columns of o and down): PEFT's tokens."""
+    folder, adapters, prompts, expected = qwen2_case
+    engine = _engine(folder, adapters, max_loras=4, tensor_parallel_size=size, num_threads=1)
     try:
         got = _run_mixed(engine, prompts, [None, *adapters])
     finally:
@@ -228,9 +234,11 @@ def test_native_delta_matches_the_torch_formula(dtype, march) -> None:
     slots = [-1, 3, 0, 2, 2, 0, -1, 3, 0, 2, 2, 2, 2, 3, 3]
     x = torch.randn(len(slots), 120, generator=gen).to(dtype)[:, 10:106]
     base = torch.randn(len(slots), 300, generator=gen).to(dtype)
-    many = [slots[i % len(slots)] for i in range(kernel.ROWS_PER_ADAPTER * 3 + 5)]
-    cases = (range(len(slots)), [1, 4, 6, 8, 9, 10, 11], range(len(many)))  # every row, the sampled ones, a prefill
-    for rows, row_slots in zip(cases, (slots, slots, many), strict=True):
+    many = [3] * (kernel.ROWS_ONE_ADAPTER + 5)  # one adapter's rows past the kernel's: the gathered matmuls
+    many_mixed = [slots[i % len(slots)] for i in range(kernel.ROWS_ONE_ADAPTER * 3)]  # several adapters: the kernel
+    # every row, the sampled ones, a prefill of one adapter, one of several
+    cases = (range(len(slots)), [1, 4, 6, 8, 9, 10, 11], range(len(many)), range(len(many_mixed)))
+    for rows, row_slots in zip(cases, (slots, slots, many, many_mixed), strict=True):
         picked = [row_slots[r] for r in rows]
         xs = x[[r % len(slots) for r in rows]]
         ys = base[[r % len(slots) for r in rows]]

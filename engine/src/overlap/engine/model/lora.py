@@ -193,7 +193,7 @@ class LoraBatch:
 class LoraDelta:
     """One projection's slots: out += B[slot] (A[slot] x) for each row group of the step (`LoraRows`)."""
 
-    __slots__ = ("a", "b", "batch", "out_rows", "seg_cols", "segment_rows", "spans")
+    __slots__ = ("_native_weights", "a", "b", "batch", "out_rows", "seg_cols", "segment_rows", "spans")
 
     def __init__(self, batch: LoraBatch, slots: int, max_rank: int, segments: int, inputs: int,
                  out_rows: tuple[int, int], dtype: torch.dtype, device: torch.device,
@@ -212,15 +212,17 @@ class LoraDelta:
         local = [min(max(start - out_rows[0], 0), outputs) for start in segment_starts]
         self.seg_cols = torch.tensor([*local, outputs], dtype=torch.int32)
         self.spans = torch.zeros(slots, len(local), 2, dtype=torch.int32)
+        self._native_weights = None  # LoraKernel.weights(), made on the first call through the kernel
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output of x) plus each row's adapter delta, in place."""
         current, triton, native = self.batch.current, self.batch.triton, self.batch.native
         if triton is not None:
             return triton.lora_bgmv(x, y, self.a, self.b, current.slots)
-        if native is not None and current.order.numel() <= native.ROWS_PER_ADAPTER * len(current.groups):
-            native(x if x.stride(1) == 1 else x.contiguous(), y, self.a, self.b.transpose(1, 2), current.order,
-                   current.slots, self.spans, self.seg_cols)  # fmt: skip
+        if native is not None and (len(current.groups) > 1 or current.order.numel() <= native.ROWS_ONE_ADAPTER):
+            if self._native_weights is None:
+                self._native_weights = native.weights(self.a, self.b.transpose(1, 2), self.spans, self.seg_cols)
+            native(x if x.stride(1) == 1 else x.contiguous(), y, current.order, current.slots, self._native_weights)
             return y
         for slot, rows in current.groups:
             xs = x if rows is None else x.index_select(0, rows)

@@ -1,7 +1,7 @@
 /* A step's LoRA delta for one projection in one call (model/lora.py's CPU path): for every row r with an adapter slot
  * s = slots[r] >= 0, y[r] += B[s] (A[s] x[r]). torch ran it as a gather, two small matmuls, a gather, an add and a
  * scatter per adapter in use, for every projection of every layer, and at decode batch sizes those ops' fixed costs
- * were most of the step. Above `LoraKernel.ROWS_PER_ADAPTER` rows an adapter (a prefill) lora.py goes back to them.
+ * were most of the step. A prefill of one adapter's rows (above `LoraKernel.ROWS_ONE_ADAPTER`) goes back to them.
  *
  * The rows come ordered by slot (`order`), so the rows of one adapter follow each other; up to 4 of them make a block
  * that reads each vector of A and B once for all its rows, the block's sums held in registers. Shrink: each (block, 4

@@ -207,8 +207,9 @@ class LoraKernel:
     """`lora_delta.c` loaded: one projection's LoRA delta for every row of a step, whatever their adapters."""
 
     DTYPES = (torch.float32, torch.bfloat16)
-    # rows per adapter in a step above which (a prefill) its pair of oneDNN matmuls is faster: lora.py gathers them
-    ROWS_PER_ADAPTER = 48
+    # rows above which one adapter's rows (a prefill) go through its pair of oneDNN matmuls instead (lora.py); with
+    # several adapters in a step the kernel stays: the matmuls' cost grows with each adapter's gathered copies
+    ROWS_ONE_ADAPTER = 48
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._fn = library.overlap_lora_delta
@@ -216,26 +217,33 @@ class LoraKernel:
         self._fn.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _i32, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _i32,
                              _i32, _i32]  # fmt: skip
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, order: torch.Tensor,
-                 slots: torch.Tensor, spans: torch.Tensor, seg_cols: torch.Tensor) -> None:  # fmt: skip
-        """y[r] += bt[s].T (a[s] x[r]) in place for each row r in `order` (int32, rows grouped by slot), s = slots[r]
-        (int32, one per row of x). x [rows, in], y [rows, out] (rows may be strided); a [slots, R, in] and bt (B
-        transposed) [slots, R, out] contiguous; one dtype, fp32 or bf16. seg_cols (int32 [segments + 1]): where each
-        column segment of y starts, then out; spans (int32 [slots, segments, 2]): the ranks [lo, hi) where B is not
-        zero in each (the rest is skipped)."""
-        rows, rank, inputs, outputs = x.shape[0], a.shape[1], a.shape[2], bt.shape[2]
+    @staticmethod
+    def weights(a: torch.Tensor, bt: torch.Tensor, spans: torch.Tensor, seg_cols: torch.Tensor) -> tuple:
+        """One projection's slots, checked once, as `__call__` takes them (its tensors are filled in place after):
+        a [slots, R, in] and bt (B transposed) [slots, R, out] contiguous, one dtype, fp32 or bf16; seg_cols (int32
+        [segments + 1]): where each column segment of y starts, then out; spans (int32 [slots, segments, 2]): the
+        ranks [lo, hi) where B is not zero in each (the rest is skipped)."""
         segments = seg_cols.numel() - 1
-        _check(x.dtype in self.DTYPES and y.dtype == a.dtype == bt.dtype == x.dtype, "lora: fp32 or bf16 throughout")
-        _check(x.dim() == y.dim() == 2 and x.stride(1) == y.stride(1) == 1 and x.shape[1] == inputs
-               and y.shape == (rows, outputs) and a.is_contiguous() and bt.is_contiguous()
-               and a.shape[:2] == bt.shape[:2], "lora: layouts")  # fmt: skip
-        _check(order.dtype == slots.dtype == torch.int32 and slots.shape == (rows,) and order.numel() <= rows
-               and order.is_contiguous() and slots.is_contiguous(), "lora: order and slots")  # fmt: skip
+        _check(a.dtype in LoraKernel.DTYPES and bt.dtype == a.dtype and a.is_contiguous() and bt.is_contiguous()
+               and a.dim() == bt.dim() == 3 and a.shape[:2] == bt.shape[:2], "lora: A and B^T")  # fmt: skip
         _check(spans.dtype == seg_cols.dtype == torch.int32 and spans.shape == (a.shape[0], segments, 2)
-               and spans.is_contiguous() and seg_cols.is_contiguous(), "lora: spans and column segments")  # fmt: skip
+               and spans.is_contiguous() and seg_cols.is_contiguous() and int(seg_cols[-1]) == bt.shape[2],
+               "lora: spans and column segments")  # fmt: skip
+        return (a, bt, spans, seg_cols, a.data_ptr(), bt.data_ptr(), a.shape[1], a.shape[2], bt.shape[2],
+                spans.data_ptr(), seg_cols.data_ptr(), segments, a.dtype == torch.bfloat16)  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, slots: torch.Tensor,
+                 weights: tuple) -> None:  # fmt: skip
+        """y[r] += bt[s].T (a[s] x[r]) in place for each row r in `order` (int32, rows grouped by slot), s = slots[r]
+        (int32, one per row of x); x [rows, in] and y [rows, out] (rows may be strided) in the weights' dtype;
+        `weights` from `weights()`."""
+        a, _, _, _, a_ptr, bt_ptr, rank, inputs, outputs, spans_ptr, cols_ptr, segments, bf16 = weights
+        rows = x.shape[0]
+        _check(x.dtype == y.dtype == a.dtype and x.stride(1) == y.stride(1) == 1 and x.shape[1] == inputs
+               and y.shape == (rows, outputs) and slots.shape == (rows,) and order.numel() <= rows,
+               "lora: x, y, order and slots")  # fmt: skip
         status = self._fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), order.data_ptr(), slots.data_ptr(),
-                          order.numel(), a.data_ptr(), bt.data_ptr(), rank, inputs, outputs, spans.data_ptr(),
-                          seg_cols.data_ptr(), segments, x.dtype == torch.bfloat16,
+                          order.numel(), a_ptr, bt_ptr, rank, inputs, outputs, spans_ptr, cols_ptr, segments, bf16,
                           torch.get_num_threads())  # fmt: skip
         if status != 0:
             raise MemoryError("lora delta: could not allocate its scratch buffer")
