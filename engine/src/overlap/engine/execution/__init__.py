@@ -29,8 +29,11 @@ def make_executor(runner: Runner, num_buffers: int = 2, busy: BusyTracker | None
     return Executor(runner, num_buffers, busy)
 
 
-def default_num_buffers(runner: Runner) -> int:
+def default_num_buffers(runner: Runner, speculative: bool = False) -> int:
     """What an engine runs when its config leaves `num_buffers` out: 1 where the forward runs on the host's own
     cores (a model runner on a CPU), since a second step in flight there only takes the forward's time; 2 where the
-    device is hardware of its own (CUDA, the simulated device), whose idle time the second step fills."""
-    return 1 if getattr(getattr(runner, "device", None), "type", None) == "cpu" else 2
+    device is hardware of its own (CUDA, the simulated device), whose idle time the second step fills, and with
+    speculative decoding, whose proposer runs while the previous step is in flight and whose rules were measured
+    so (docs/engine.md, "Speculative decoding")."""
+    on_host_cores = getattr(getattr(runner, "device", None), "type", None) == "cpu"
+    return 1 if on_host_cores and not speculative else 2
