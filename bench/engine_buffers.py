@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 
 def run(folder: str, num_buffers: int, requests: int, batch: int, prompt_len: int, output_len: int,
@@ -49,11 +47,18 @@ def run(folder: str, num_buffers: int, requests: int, batch: int, prompt_len: in
         engine.close()
 
 
+def _progress(message: str) -> None:
+    print(f"[engine_buffers] {message}", file=sys.stderr, flush=True)
+
+
 def main() -> int:
+    from overlap.engine.model.shapes import SHAPES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", help="a model folder")
-    where.add_argument("--model-shape", help="a real family's shape with random weights (overlap model build-shape)")
+    where.add_argument("--model-shape", choices=list(SHAPES),
+                       help="a real family's shape with random weights (overlap model build-shape)")  # fmt: skip
     parser.add_argument("--layers", type=int, help="with --model-shape: keep the first N decoder layers")
     parser.add_argument("--num-buffers", default="1,2", help="comma-separated (default 1,2)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (default 2)")
@@ -65,16 +70,14 @@ def main() -> int:
     args = parser.parse_args()
     folder = args.model
     if folder is None:
-        layers = ["--layers", str(args.layers)] if args.layers else []
-        overlap = str(Path(sys.executable).with_name("overlap"))  # the venv's CLI, beside its python
-        built = subprocess.run([overlap, "model", "build-shape", args.model_shape, *layers], check=True,
-                               capture_output=True, text=True)  # fmt: skip
-        folder = built.stdout.strip().splitlines()[-1]
+        from overlap.engine.model.shapes import ensure_shape_model
+
+        folder = str(ensure_shape_model(args.model_shape, progress=_progress, layers=args.layers))
     buffers = [int(n) for n in args.num_buffers.split(",")]
     results: dict[int, list[tuple[float, float]]] = {n: [] for n in buffers}
     for r in range(args.rounds):
         for n in buffers if r % 2 == 0 else reversed(buffers):
-            print(f"[engine_buffers] round {r + 1}/{args.rounds}, {n} buffer(s) ...", file=sys.stderr, flush=True)
+            _progress(f"round {r + 1}/{args.rounds}, {n} buffer(s) ...")
             results[n].append(run(folder, n, args.requests, args.batch, args.prompt_len, args.output_len, args.threads))
     print(
         f"\n{folder}: {args.requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "

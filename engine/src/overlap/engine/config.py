@@ -284,8 +284,9 @@ class EngineConfig:
         check(0 < self.kv_cache_ratio <= 0.95, f"kv_cache_ratio must be in (0, 0.95], got {self.kv_cache_ratio}")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1")
         check(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        # checks the live knobs' start values (num_buffers None: the engine's pick, `Engine`)
-        LiveKnobs.of(self if self.num_buffers is not None else dataclasses.replace(self, num_buffers=1))
+        # checks the live knobs' start values (num_buffers None: the engine's pick, `Engine`, which is 1 or 2)
+        start = {name: getattr(self, name) for name in LiveKnobs.names()}
+        LiveKnobs.of(start if self.num_buffers is not None else start | {"num_buffers": 1})
         check(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_seq_len,
             "without chunked prefill, max_num_batched_tokens must be >= max_seq_len (a prompt must fit one step)",

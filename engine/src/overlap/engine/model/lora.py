@@ -9,11 +9,11 @@ target module, a rank above `max_lora_rank`, a shape of another base model, PEFT
 On the device every adapted projection holds `max_loras` slots (`LoraDelta`): A stacked over the projection's
 segments ([slots, segments * max_rank, in]) and B block-diagonal ([slots, out, segments * max_rank]; on CPU stored
 transposed per slot), zero where an adapter has a smaller rank or no such module, scaling folded into B. On CPU one
-native call per projection adds every row's delta at decode sizes (`native.LoraKernel`, lora_delta.c: the step's rows
-ordered by slot, `RowSlots`; it skips the ranks where a slot's B is zero, `LoraDelta.spans`); a prefill's rows, or
-every step's without the native library, are gathered per slot, shrunk by A and expanded by B in two matmuls and
-added back. On CUDA two Triton launches per projection take a slot per row (`triton_lora.py`, BGMV). The
-base kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
+native call per projection adds every row's delta (`native.LoraKernel`, lora_delta.c: the step's rows ordered by
+slot, `RowSlots`; it skips the ranks where a slot's B is zero, `LoraDelta.spans`); a step of one adapter's rows past
+`LoraKernel.ROWS_ONE_ADAPTER` (its prefill), or every step without the native library, is gathered per slot, shrunk
+by A and expanded by B in two matmuls and added back. On CUDA two Triton launches per projection take a slot per row
+(`triton_lora.py`, BGMV). The base kernel (oneDNN, native, quantized) never changes: `Linear` adds the delta after it.
 
 Under tensor parallelism each rank keeps its share: a column-parallel projection (q|k|v, gate|up) its rows of B, a
 row-parallel one (o, down) its columns of A (its partial sum is all-reduced with the base's).
@@ -212,7 +212,9 @@ class LoraDelta:
         local = [min(max(start - out_rows[0], 0), outputs) for start in segment_starts]
         self.seg_cols = torch.tensor([*local, outputs], dtype=torch.int32)
         self.spans = torch.zeros(slots, len(local), 2, dtype=torch.int32)
-        self._native_weights = None  # LoraKernel.weights(), made on the first call through the kernel
+        native = batch.native  # the kernel's view of these tensors, checked once (they are filled in place)
+        self._native_weights = None if native is None else native.weights(self.a, self.b.transpose(1, 2), self.spans,
+                                                                           self.seg_cols)  # fmt: skip
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base output of x) plus each row's adapter delta, in place."""
@@ -220,8 +222,6 @@ class LoraDelta:
         if triton is not None:
             return triton.lora_bgmv(x, y, self.a, self.b, current.slots)
         if native is not None and (len(current.groups) > 1 or current.order.numel() <= native.ROWS_ONE_ADAPTER):
-            if self._native_weights is None:
-                self._native_weights = native.weights(self.a, self.b.transpose(1, 2), self.spans, self.seg_cols)
             native(x if x.stride(1) == 1 else x.contiguous(), y, current.order, current.slots, self._native_weights)
             return y
         for slot, rows in current.groups:
@@ -237,7 +237,7 @@ class LoraDelta:
         """Read `spans` for `slot` off its B, after the slot was (re)filled."""
         if self.b.device.type != "cpu":
             return
-        nonzero = (self.b[slot] != 0).cpu()  # [outputs, ranks]
+        nonzero = self.b[slot] != 0  # [outputs, ranks]
         cols = self.seg_cols.tolist()
         for segment in range(len(cols) - 1):
             ranks = nonzero[cols[segment] : cols[segment + 1]].any(dim=0).nonzero()
