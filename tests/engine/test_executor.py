@@ -10,6 +10,8 @@ import time
 import pytest
 
 from overlap.bench.overlap_load import DecodeLoad, measure_overlap, predicted_idle_share
+from overlap.engine.config import EngineConfig
+from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError
 from overlap.engine.execution import AsyncExecutor, Executor, make_executor
 from overlap.engine.execution.base import DISCARDED_TOKEN
@@ -263,3 +265,27 @@ def test_async_device_runs_queued_steps_back_to_back_whatever_the_host_does():
     intervals = list(runner.busy_intervals)
     assert all(b[0] == pytest.approx(a[1]) for a, b in itertools.pairwise(intervals))
     assert executor.busy.snapshot().busy_ratio == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("config", "picked"),
+    [
+        ({}, 1),  # the model on a CPU: the forward runs on the host's own cores
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, 2),  # its proposer overlaps
+        ({"num_buffers": 3}, 3),  # said in the config: kept
+        ({"simulated_device": {"fixed_s": 0.001, "per_token_s": 0.0}}, 2),  # a device of its own
+    ],
+    ids=["cpu", "cpu-speculative", "explicit", "simulated"],
+)
+def test_num_buffers_left_out_is_the_engines_pick(tiny_model_dir, config, picked):
+    """EngineConfig.num_buffers None: 1 where the forward runs on the host's cores, 2 on a device of its own or with
+    speculation; the engine's config, its live knobs and its stats carry the pick."""
+    assert EngineConfig(**config).num_buffers == config.get("num_buffers")
+    with pytest.raises(ConfigError, match="the engine picks it"):
+        EngineConfig().live  # noqa: B018 - the property raises
+    engine = Engine(EngineConfig(max_seq_len=128, num_kv_blocks=16, **config), model_dir=tiny_model_dir)
+    try:
+        assert engine.config.num_buffers == engine.config.live.num_buffers == picked
+        assert engine.stats()["num_buffers"] == picked
+    finally:
+        engine.close()
