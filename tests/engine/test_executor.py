@@ -271,15 +271,15 @@ def test_async_device_runs_queued_steps_back_to_back_whatever_the_host_does():
     ("config", "picked"),
     [
         ({}, 1),  # the model on a CPU: the forward runs on the host's own cores
-        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, 2),  # its proposer overlaps
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, 1),  # its proposer too
         ({"num_buffers": 3}, 3),  # said in the config: kept
         ({"simulated_device": {"fixed_s": 0.001, "per_token_s": 0.0}}, 2),  # a device of its own
     ],
     ids=["cpu", "cpu-speculative", "explicit", "simulated"],
 )
 def test_num_buffers_left_out_is_the_engines_pick(tiny_model_dir, config, picked):
-    """EngineConfig.num_buffers None: 1 where the forward runs on the host's cores, 2 on a device of its own or with
-    speculation; the engine's config, its live knobs and its stats carry the pick."""
+    """EngineConfig.num_buffers None: 1 where the forward runs on the host's cores (speculating or not), 2 on a device
+    of its own; the engine's config, its live knobs and its stats carry the pick."""
     assert EngineConfig(**config).num_buffers == config.get("num_buffers")
     with pytest.raises(ConfigError, match="the engine picks it"):
         EngineConfig().live  # noqa: B018 - the property raises

