@@ -127,3 +127,89 @@ def test_onednn_limited_to_avx2_packs_what_the_avx2_path_reads():
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"kernel": True, "taken": {"1152x896": True, "9728x896": True, "896x4864": True, "160x98": False}}
+
+
+def _sparse_moe(dtype: torch.dtype, backend, experts: int = 8, hidden: int = 256, inter: int = 160):
+    from overlap.engine.model.experts import ExpertWeights, MoeSpec
+    from overlap.engine.model.layers.moe import SparseMoE
+
+    gen = torch.Generator().manual_seed(experts * hidden + inter)
+    weights = ExpertWeights(router=torch.randn(experts, hidden, generator=gen).to(dtype),
+                            gate_up=(torch.randn(experts, 2 * inter, hidden, generator=gen) / 8).to(dtype),
+                            down=(torch.randn(experts, hidden, inter, generator=gen) / 8).to(dtype))  # fmt: skip
+    reference = (weights.gate_up.float(), weights.down.float())
+    spec = MoeSpec(num_experts=experts, top_k=2, intermediate_size=inter, norm_topk_prob=True, weights_fp32=False,
+                   shared_intermediate_size=0, sparse=(True,), prefix="mlp")  # fmt: skip
+    return SparseMoE(weights, spec, backend), reference
+
+
+def _experts_reference(x, ids, gate_up, down):
+    """Each (row, slot)'s expert output in fp32, in the grouped path's order (pairs sorted by expert)."""
+    inter = down.shape[2]
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    out = []
+    for pair in order.tolist():
+        row, expert = pair // ids.shape[1], int(ids.reshape(-1)[pair])
+        h = x[row].float() @ gate_up[expert].t()
+        out.append((F.silu(h[:inter]) * h[inter:]) @ down[expert].t())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_expert_in_one_call_equals_each_expert_alone(dtype, monkeypatch):
+    """A mixture of experts' decode-sized step in one kernel call (`overlap_experts_packed`) gives, bit for bit, what
+    each expert's own gate, up and down calls give, for experts with no rows, one row, and several row tiles, and an
+    intermediate width that ends inside a column block; with an expert over the kernel's rows the step goes expert by
+    expert."""
+    backend = _backend(dtype)
+    moe, (gate_up, down) = _sparse_moe(dtype, backend)
+    assert moe.native is not None
+    kernel = moe.native[0]
+    calls = []
+    monkeypatch.setattr(kernel, "experts", lambda *args, fn=kernel.experts: calls.append(args[1].tolist()) or fn(*args))
+    gen = torch.Generator().manual_seed(5)
+    cases = {
+        "one row": torch.tensor([[3, 5]]),
+        "uneven": torch.tensor([[0, 1]] * 9 + [[1, 2]] * 4 + [[7, 0]]),  # 10, 13, 4 and 1 rows; four experts idle
+        "too many for one call": torch.tensor([[0, 1]] * (kernel.MAX_ROWS + 1)),
+    }
+    with torch.inference_mode():
+        for name, ids in cases.items():
+            x = torch.randn(ids.shape[0], 256, generator=gen).to(dtype)
+            weights = torch.full(ids.shape, 0.5, dtype=dtype)
+            calls.clear()
+            one_call = moe.grouped(x, weights, ids)
+            native, moe.native = moe.native, None
+            try:
+                alone = moe.grouped(x, weights, ids)
+            finally:
+                moe.native = native
+            assert len(calls) == (0 if name == "too many for one call" else 1), name
+            assert torch.equal(one_call, alone), name
+            expected = _experts_reference(x, ids, gate_up, down)
+            order = torch.argsort(ids.reshape(-1), stable=True)
+            pairs = torch.empty_like(expected).index_copy_(0, order, expected * 0.5)
+            summed = pairs.view(*ids.shape, -1).sum(1)  # within rounding of the largest output, as the layout check
+            scale = max(1.0, float(summed.abs().max()))
+            torch.testing.assert_close(one_call.float(), summed, atol=CLOSE[dtype]["atol"] * scale, rtol=0)
+
+
+def test_the_avx2_path_runs_every_expert_in_one_call(monkeypatch):
+    """The same in fp32 through the kernel's AVX2 build."""
+    avx2 = _avx2_kernel()
+    monkeypatch.setattr(native, "packed_linear_kernel", lambda: avx2)
+    backend = pick_linear_backend(CPU, torch.float32)
+    moe, (gate_up, down) = _sparse_moe(torch.float32, backend)
+    assert moe.native is not None and moe.native[0] is avx2
+    ids = torch.tensor([[0, 1]] * 7 + [[6, 2]] * 3 + [[5, 0]])
+    x = torch.randn(ids.shape[0], 256, generator=torch.Generator().manual_seed(6))
+    weights = torch.full(ids.shape, 0.5)
+    with torch.inference_mode():
+        one_call = moe.grouped(x, weights, ids)
+        moe.native = None
+        alone = moe.grouped(x, weights, ids)
+    assert torch.equal(one_call, alone)
+    expected = _experts_reference(x, ids, gate_up, down)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    pairs = torch.empty_like(expected).index_copy_(0, order, expected * 0.5)
+    torch.testing.assert_close(one_call, pairs.view(*ids.shape, -1).sum(1), **CLOSE[torch.float32])

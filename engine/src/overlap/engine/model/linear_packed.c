@@ -15,6 +15,10 @@
  * narrow ones in blocks of 16 columns, which the runner's one-row check sends back to oneDNN); there a 256-bit register
  * holds 8 outputs, so a tile covers half a block, 3 rows x 32 columns, and each chunk is read twice, from L1.
  *
+ * `overlap_experts_packed` runs a mixture of experts' gated MLPs the same way, every active expert over its own rows
+ * in one parallel region (one work item per expert and 64-column block), so a decode step of 128 experts pays one
+ * fork and two barriers a layer instead of three calls per expert.
+ *
  * Built into its own library with -fopenmp: the shared object names libgomp.so.1, which resolves to the copy torch has
  * already loaded, so this kernel's threads are torch's OpenMP threads.
  */
@@ -168,48 +172,59 @@ static inline __attribute__((always_inline)) void store_block(const float *acc, 
     }
 }
 
-int overlap_linear_packed_dtypes(void) { return 1 | (HAVE_BF16 << 1); } /* 1: fp32, 2: bf16 */
-int overlap_linear_packed_isa(void) { return 512; }
-
-/* y[m][0..N) = x[m] W^T (+ bias) (then SiLU if `silu`), m < rows <= 64, over `threads` OpenMP threads, all of one
- * dtype: bf16 (`bf16` = 1; K even, x rows an even number of elements apart) or fp32. W is oneDNN's packed layout,
- * [N/64][K_padded/2][64][2] in bf16 and [N/64][K_padded][64] in fp32; strides count elements. Returns 0, or -1 for
- * arguments it does not take (the caller checks them first). */
-int overlap_linear_packed(const void *x, int64_t x_stride, int64_t rows, const void *w, int64_t N, int64_t K,
-                          int64_t K_padded, const void *bias, int32_t silu, void *y, int64_t y_stride, int32_t threads,
-                          int32_t bf16) {
-    if (rows < 1 || rows > MAX_ROWS || K_padded < K || (bf16 && (!HAVE_BF16 || K % 2 || x_stride % 2)))
-        return -1;
-    const int64_t blocks = (N + BLOCK_COLS - 1) / BLOCK_COLS, steps = bf16 ? K / 2 : K; /* k pairs or k */
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        float acc[MAX_ROWS * BLOCK_COLS] __attribute__((aligned(64)));
-        for (int64_t s0 = 0; s0 < steps; s0 += CHUNK_STEPS) {
-            const int64_t s1 = s0 + CHUNK_STEPS < steps ? s0 + CHUNK_STEPS : steps;
-            for (int64_t m = 0; m < rows; m += TILE_ROWS) {
-                const int R = rows - m < TILE_ROWS ? (int)(rows - m) : TILE_ROWS;
+/* a bf16 rounding of each lane (to nearest even, as torch rounds a bf16 result), back in fp32 */
+static inline __m512 round_bf16(__m512 v) {
 #if HAVE_BF16
-                if (bf16)
-                    run_tile(R, (const uint32_t *)((const uint16_t *)x + m * x_stride), x_stride / 2,
-                             (const uint16_t *)w + b * K_padded * BLOCK_COLS, s0, s1, acc + m * BLOCK_COLS, s0 == 0,
-                             m == 0);
-                else
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+#else
+    return v; /* no bf16 without AVX512-BF16: never called */
 #endif
-                    run_tile_f32(R, (const float *)x + m * x_stride, x_stride,
-                                 (const float *)w + b * K_padded * BLOCK_COLS, s0, s1, acc + m * BLOCK_COLS, s0 == 0,
-                                 m == 0);
-            }
-        }
-        const int64_t n0 = b * BLOCK_COLS, cols = N - n0 < BLOCK_COLS ? N - n0 : BLOCK_COLS;
-#if HAVE_BF16
-        if (bf16)
-            store_block(acc, rows, bias, n0, cols, silu, y, y_stride, 1);
-        else
-#endif
-            store_block(acc, rows, bias, n0, cols, silu, y, y_stride, 0);
-    }
-    return 0;
 }
+
+/* Rows of silu(gate) * up to y, from their blocks' fp32 sums; in bf16 each factor and the product rounded to bf16,
+ * as the two projections' bf16 outputs multiplied by torch would be. */
+static inline __attribute__((always_inline)) void store_gated(const float *gate, const float *up, int64_t rows,
+                                                              int64_t n0, int64_t cols, void *y, int64_t y_stride,
+                                                              const int bf16) {
+    for (int c = 0; c < 4 && 16 * c < cols; c++) {
+        const int64_t left = cols - 16 * c, at = n0 + 16 * c;
+        const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        for (int64_t m = 0; m < rows; m++) {
+            __m512 g = _mm512_load_ps(gate + m * BLOCK_COLS + 16 * c), u = _mm512_load_ps(up + m * BLOCK_COLS + 16 * c);
+            g = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+#if HAVE_BF16
+            if (bf16) {
+                const __m512 v = _mm512_mul_ps(round_bf16(g), round_bf16(u));
+                _mm256_mask_storeu_epi16((uint16_t *)y + m * y_stride + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            } else
+#endif
+                _mm512_mask_storeu_ps((float *)y + m * y_stride + at, mask, _mm512_mul_ps(g, u));
+        }
+    }
+}
+
+/* acc[m][0..63] = x[m] times one 64-column block of the packed weight (wb: the block's start), m < rows. */
+static void block_sums(const void *x, int64_t x_stride, int64_t rows, const void *wb, int64_t K, float *acc,
+                       const int bf16) {
+    const int64_t steps = bf16 ? K / 2 : K; /* k pairs or k */
+    for (int64_t s0 = 0; s0 < steps; s0 += CHUNK_STEPS) {
+        const int64_t s1 = s0 + CHUNK_STEPS < steps ? s0 + CHUNK_STEPS : steps;
+        for (int64_t m = 0; m < rows; m += TILE_ROWS) {
+            const int R = rows - m < TILE_ROWS ? (int)(rows - m) : TILE_ROWS;
+#if HAVE_BF16
+            if (bf16)
+                run_tile(R, (const uint32_t *)((const uint16_t *)x + m * x_stride), x_stride / 2,
+                         (const uint16_t *)wb, s0, s1, acc + m * BLOCK_COLS, s0 == 0, m == 0);
+            else
+#endif
+                run_tile_f32(R, (const float *)x + m * x_stride, x_stride, (const float *)wb, s0, s1,
+                             acc + m * BLOCK_COLS, s0 == 0, m == 0);
+        }
+    }
+}
+
+#define PACKED_DTYPES (1 | (HAVE_BF16 << 1)) /* 1: fp32, 2: bf16 */
+#define PACKED_ISA 512
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -272,50 +287,141 @@ static inline __m256 exp_ps(__m256 v) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-int overlap_linear_packed_dtypes(void) { return 1; } /* fp32 */
-int overlap_linear_packed_isa(void) { return 256; }
+static inline __m256 silu_ps(__m256 v) { /* v * sigmoid(v) */
+    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+}
 
-/* As the AVX-512 build's, fp32 only (`bf16` must be 0). */
+static inline float silu_one(float v) {
+    float e[8] __attribute__((aligned(32)));
+    _mm256_store_ps(e, exp_ps(_mm256_set1_ps(-v)));
+    return v / (1.0f + e[0]);
+}
+
+/* Rows of the block's fp32 sums, plus the bias, through SiLU if asked, to y (fp32 only: `bf16` is 0). */
+static void store_block(const float *acc, int64_t rows, const void *bias, int64_t n0, int64_t cols, int silu, void *y,
+                        int64_t y_stride, const int bf16) {
+    (void)bf16;
+    for (int64_t m = 0; m < rows; m++) {
+        float *out = (float *)y + m * y_stride + n0;
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            __m256 v = _mm256_load_ps(acc + m * BLOCK_COLS + c);
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)bias + n0 + c));
+            _mm256_storeu_ps(out + c, silu ? silu_ps(v) : v);
+        }
+        for (; c < cols; c++) { /* a block cut short by N */
+            const float v = acc[m * BLOCK_COLS + c] + (bias ? ((const float *)bias)[n0 + c] : 0.0f);
+            out[c] = silu ? silu_one(v) : v;
+        }
+    }
+}
+
+/* Rows of silu(gate) * up to y, from their blocks' fp32 sums (fp32 only). */
+static void store_gated(const float *gate, const float *up, int64_t rows, int64_t n0, int64_t cols, void *y,
+                        int64_t y_stride, const int bf16) {
+    (void)bf16;
+    for (int64_t m = 0; m < rows; m++) {
+        float *out = (float *)y + m * y_stride + n0;
+        const float *g = gate + m * BLOCK_COLS, *u = up + m * BLOCK_COLS;
+        int64_t c = 0;
+        for (; c + 8 <= cols; c += 8)
+            _mm256_storeu_ps(out + c, _mm256_mul_ps(silu_ps(_mm256_load_ps(g + c)), _mm256_load_ps(u + c)));
+        for (; c < cols; c++) out[c] = silu_one(g[c]) * u[c];
+    }
+}
+
+/* acc[m][0..63] = x[m] times one 64-column block of the packed fp32 weight (wb: the block's start), m < rows: each
+ * chunk read twice from L1, a half block at a time. */
+static void block_sums(const void *x, int64_t x_stride, int64_t rows, const void *wb, int64_t K, float *acc,
+                       const int bf16) {
+    (void)bf16;
+    for (int64_t k0 = 0; k0 < K; k0 += CHUNK_STEPS) {
+        const int64_t k1 = k0 + CHUNK_STEPS < K ? k0 + CHUNK_STEPS : K;
+        for (int64_t m = 0; m < rows; m += TILE_ROWS) {
+            const int R = rows - m < TILE_ROWS ? (int)(rows - m) : TILE_ROWS;
+            for (int h = 0; h < 2; h++)
+                run_tile_avx2(R, (const float *)x + m * x_stride, x_stride, (const float *)wb + h * HALF_COLS, k0, k1,
+                              acc + m * BLOCK_COLS + h * HALF_COLS, k0 == 0, m == 0 && h == 0);
+        }
+    }
+}
+
+#define PACKED_DTYPES 1 /* fp32 */
+#define PACKED_ISA 256
+
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+
+int overlap_linear_packed_dtypes(void) { return PACKED_DTYPES; }
+int overlap_linear_packed_isa(void) { return PACKED_ISA; }
+
+/* y[m][0..N) = x[m] W^T (+ bias) (then SiLU if `silu`), m < rows <= 64, over `threads` OpenMP threads, all of one
+ * dtype: bf16 (`bf16` = 1; K even, x rows an even number of elements apart; AVX512-BF16 only) or fp32. W is oneDNN's
+ * packed layout, [N/64][K_padded/2][64][2] in bf16 and [N/64][K_padded][64] in fp32; strides count elements. Returns
+ * 0, or -1 for arguments it does not take (the caller checks them first). */
 int overlap_linear_packed(const void *x, int64_t x_stride, int64_t rows, const void *w, int64_t N, int64_t K,
                           int64_t K_padded, const void *bias, int32_t silu, void *y, int64_t y_stride, int32_t threads,
                           int32_t bf16) {
-    if (rows < 1 || rows > MAX_ROWS || K_padded < K || bf16)
+    if (rows < 1 || rows > MAX_ROWS || K_padded < K || (bf16 && (!(PACKED_DTYPES & 2) || K % 2 || x_stride % 2)))
         return -1;
-    const int64_t blocks = (N + BLOCK_COLS - 1) / BLOCK_COLS;
-    const float *xf = (const float *)x;
+    const int64_t blocks = (N + BLOCK_COLS - 1) / BLOCK_COLS, size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
-        float acc[MAX_ROWS * BLOCK_COLS] __attribute__((aligned(32)));
-        const float *wb = (const float *)w + b * K_padded * BLOCK_COLS;
-        for (int64_t k0 = 0; k0 < K; k0 += CHUNK_STEPS) {
-            const int64_t k1 = k0 + CHUNK_STEPS < K ? k0 + CHUNK_STEPS : K;
-            for (int64_t m = 0; m < rows; m += TILE_ROWS) {
-                const int R = rows - m < TILE_ROWS ? (int)(rows - m) : TILE_ROWS;
-                for (int h = 0; h < 2; h++)
-                    run_tile_avx2(R, xf + m * x_stride, x_stride, wb + h * HALF_COLS, k0, k1,
-                                  acc + m * BLOCK_COLS + h * HALF_COLS, k0 == 0, m == 0 && h == 0);
-            }
-        }
+        float acc[MAX_ROWS * BLOCK_COLS] __attribute__((aligned(64)));
+        block_sums(x, x_stride, rows, (const char *)w + b * K_padded * BLOCK_COLS * size, K, acc, bf16);
         const int64_t n0 = b * BLOCK_COLS, cols = N - n0 < BLOCK_COLS ? N - n0 : BLOCK_COLS;
-        for (int64_t m = 0; m < rows; m++) {
-            float *out = (float *)y + m * y_stride + n0;
-            int64_t c = 0;
-            for (; c + 8 <= cols; c += 8) {
-                __m256 v = _mm256_load_ps(acc + m * BLOCK_COLS + c);
-                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps((const float *)bias + n0 + c));
-                if (silu) /* v * sigmoid(v) */
-                    v = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v))));
-                _mm256_storeu_ps(out + c, v);
-            }
-            for (; c < cols; c++) { /* a block cut short by N */
-                float v = acc[m * BLOCK_COLS + c] + (bias ? ((const float *)bias)[n0 + c] : 0.0f);
-                if (silu) {
-                    float e[8] __attribute__((aligned(32)));
-                    _mm256_store_ps(e, exp_ps(_mm256_set1_ps(-v)));
-                    v = v / (1.0f + e[0]);
-                }
-                out[c] = v;
-            }
+        store_block(acc, rows, bias, n0, cols, silu, y, y_stride, bf16);
+    }
+    return 0;
+}
+
+/* A mixture of experts' gated MLPs, y = down(silu(x gate^T) * (x up^T)), expert e over its counts[e] rows of x (the
+ * rows sorted by expert, counts[e] <= 64, 0 for an expert no row chose), all in one parallel region: first every
+ * active expert's gate and up blocks (into `act`, [rows, I]), then, after the region's barrier, its down blocks (into
+ * y, [rows, H]). gate[e], up[e] ([I, H]) and down[e] ([H, I]) are the addresses of expert e's weights in the packed
+ * layout above, with inputs padded to H_padded and I_padded; x, act and y are dense rows. Returns 0, or -1 for
+ * arguments it does not take. */
+int overlap_experts_packed(const void *x, const int64_t *counts, int64_t num_experts, const int64_t *gate,
+                           const int64_t *up, const int64_t *down, int64_t H, int64_t H_padded, int64_t I,
+                           int64_t I_padded, void *act, void *y, int32_t threads, int32_t bf16) {
+    if (H_padded < H || I_padded < I || (bf16 && (!(PACKED_DTYPES & 2) || H % 2 || I % 2)))
+        return -1;
+    int64_t active = 0;
+    for (int64_t e = 0; e < num_experts; e++) {
+        if (counts[e] < 0 || counts[e] > MAX_ROWS)
+            return -1;
+        active += counts[e] > 0;
+    }
+    if (active == 0)
+        return 0;
+    int64_t ids[active], starts[active]; /* the active experts and their first rows */
+    for (int64_t e = 0, a = 0, row = 0; e < num_experts; row += counts[e], e++)
+        if (counts[e]) ids[a] = e, starts[a++] = row;
+    const int64_t size = bf16 ? 2 : 4, inter_blocks = (I + BLOCK_COLS - 1) / BLOCK_COLS;
+    const int64_t hidden_blocks = (H + BLOCK_COLS - 1) / BLOCK_COLS;
+#pragma omp parallel num_threads(threads)
+    {
+        float acc[MAX_ROWS * BLOCK_COLS] __attribute__((aligned(64)));
+        float acc_up[MAX_ROWS * BLOCK_COLS] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < active * inter_blocks; item++) {
+            const int64_t a = item / inter_blocks, b = item % inter_blocks, e = ids[a], rows = counts[e];
+            const char *xa = (const char *)x + starts[a] * H * size;
+            const int64_t block = b * H_padded * BLOCK_COLS * size, n0 = b * BLOCK_COLS;
+            block_sums(xa, H, rows, (const char *)(intptr_t)gate[e] + block, H, acc, bf16);
+            block_sums(xa, H, rows, (const char *)(intptr_t)up[e] + block, H, acc_up, bf16);
+            store_gated(acc, acc_up, rows, n0, I - n0 < BLOCK_COLS ? I - n0 : BLOCK_COLS,
+                        (char *)act + starts[a] * I * size, I, bf16);
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < active * hidden_blocks; item++) {
+            const int64_t a = item / hidden_blocks, b = item % hidden_blocks, e = ids[a], rows = counts[e];
+            const int64_t n0 = b * BLOCK_COLS;
+            block_sums((const char *)act + starts[a] * I * size, I, rows,
+                       (const char *)(intptr_t)down[e] + b * I_padded * BLOCK_COLS * size, I, acc, bf16);
+            store_block(acc, rows, 0, n0, H - n0 < BLOCK_COLS ? H - n0 : BLOCK_COLS, 0,
+                        (char *)y + starts[a] * H * size, H, bf16);
         }
     }
     return 0;
@@ -331,6 +437,14 @@ int overlap_linear_packed(const void *x, int64_t x_stride, int64_t rows, const v
                           int32_t bf16) {
     (void)x, (void)x_stride, (void)rows, (void)w, (void)N, (void)K, (void)K_padded, (void)bias, (void)silu, (void)y;
     (void)y_stride, (void)threads, (void)bf16;
+    return -1;
+}
+
+int overlap_experts_packed(const void *x, const int64_t *counts, int64_t num_experts, const int64_t *gate,
+                           const int64_t *up, const int64_t *down, int64_t H, int64_t H_padded, int64_t I,
+                           int64_t I_padded, void *act, void *y, int32_t threads, int32_t bf16) {
+    (void)x, (void)counts, (void)num_experts, (void)gate, (void)up, (void)down, (void)H, (void)H_padded, (void)I;
+    (void)I_padded, (void)act, (void)y, (void)threads, (void)bf16;
     return -1;
 }
 

@@ -263,6 +263,9 @@ class PackedLinearKernel:
         self._fn = library.overlap_linear_packed
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _ptr, _i32, _ptr, _i64, _i32, _i32]
+        self._experts = library.overlap_experts_packed
+        self._experts.restype = ctypes.c_int
+        self._experts.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32, _i32]
         available = library.overlap_linear_packed_dtypes()
         self.dtypes = tuple(dtype for bit, dtype in ((1, torch.float32), (2, torch.bfloat16)) if available & bit)
         self.isa = "AVX-512" if library.overlap_linear_packed_isa() == 512 else "AVX2"
@@ -293,6 +296,27 @@ class PackedLinearKernel:
                           None if bias is None else bias.data_ptr(), silu, out.data_ptr(), n, torch.get_num_threads(),
                           bf16)  # fmt: skip
         _check(status == 0, "linear: arguments the kernel does not take")
+        return out
+
+    def experts(self, x: torch.Tensor, counts: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor, inter: int) -> torch.Tensor:  # fmt: skip
+        """A mixture of experts' gated MLPs, down(silu(x gate^T) * (x up^T)), expert e over its counts[e] rows of x
+        (x [rows, H] dense, sorted by expert; counts int64 [E], each at most MAX_ROWS), in one call; gate, up and
+        down are int64 [E] addresses of each expert's packed weights ([inter, H], [inter, H], [H, inter]). A new
+        [rows, H]."""
+        rows, hidden, dtype = x.shape[0], x.shape[1], x.dtype
+        _check(dtype in self.dtypes and x.is_contiguous() and x.data_ptr() % 4 == 0, "experts: x layout")
+        _check(counts.dtype == torch.int64 and counts.is_contiguous() and int(counts.sum()) == rows,
+               "experts: counts")  # fmt: skip
+        _check(all(t.dtype == torch.int64 and t.is_contiguous() and t.shape == counts.shape for t in (gate, up, down)),
+               "experts: weight addresses")  # fmt: skip
+        act = torch.empty(rows, inter, dtype=dtype)
+        out = torch.empty(rows, hidden, dtype=dtype)
+        status = self._experts(x.data_ptr(), counts.data_ptr(), counts.shape[0], gate.data_ptr(), up.data_ptr(),
+                               down.data_ptr(), hidden, self.padded_k(hidden, dtype), inter,
+                               self.padded_k(inter, dtype), act.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+                               dtype == torch.bfloat16)  # fmt: skip
+        _check(status == 0, "experts: arguments the kernel does not take")
         return out
 
 

@@ -61,6 +61,7 @@ class SparseMoE:
         self.num_experts = weights.gate_up.shape[0]
         self.router, self.router_bias = weights.router, weights.router_bias
         self.fused = None  # the Triton kernels (device paths with Triton), else one GatedMLP per expert
+        self.native = None  # (kernel, gate, up, down addresses, most rows an expert may have) for one-call steps
         self.experts: list[GatedMLP] = []
         swiglu = moe.swiglu if moe.activation == "clamped_swiglu" else None
         gate_up_bias, down_bias = weights.gate_up_bias, weights.down_bias
@@ -76,6 +77,7 @@ class SparseMoE:
                                      weights.down[e], None if down_bias is None else down_bias[e], backend,
                                      hidden_act=moe.activation, swiglu=swiglu)
                             for e in range(self.num_experts)]  # fmt: skip
+            self.native = self._native_experts(backend)
             if backend.fuses_silu:
                 # oneDNN packed a copy of every expert: the stacked tensors go now, not once the whole model is built,
                 # so that loading holds the experts once (a layer's twice), not twice over
@@ -85,6 +87,19 @@ class SparseMoE:
             self.shared = GatedMLP(weights.shared_gate_up, None, weights.shared_down, None, backend, ops)
         self.shared_gate = weights.shared_gate
         self.expert_runs = 0  # experts run so far, summed over steps (the grouped path; benchmarks read it)
+
+    def _native_experts(self, backend: LinearBackend):
+        """The native kernel's one-call path over every expert, where each expert's gate, up and down go through it
+        (oneDNN's packed layout on this CPU, no biases, SiLU), else None."""
+        kernel = getattr(backend, "rows_kernel", None)
+        mlps = self.experts
+        if kernel is None or any(mlp.gate is None or mlp.gelu or mlp.swiglu is not None for mlp in mlps):
+            return None
+        layers = [(mlp.gate, mlp.up, mlp.down) for mlp in mlps]
+        if any(linear.rows is None or linear.bias is not None for three in layers for linear in three):
+            return None
+        addresses = [torch.tensor([three[i].rows[1] for three in layers], dtype=torch.int64) for i in range(3)]
+        return (kernel, *addresses, kernel.MAX_ROWS)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each row of x."""
@@ -105,15 +120,20 @@ class SparseMoE:
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair indices (token * k + slot), grouped by expert
         tokens = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counted = torch.bincount(flat, minlength=self.num_experts)
+        counts = counted.tolist()
         self.expert_runs += sum(1 for count in counts if count)
         gathered = x.index_select(0, tokens)
-        out = torch.empty_like(gathered)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                out[start : start + count] = self.experts[expert](gathered[start : start + count])
-                start += count
+        if self.native is not None and max(counts) <= self.native[4]:  # decode-sized: every expert in one call
+            kernel, gate, up, down, _ = self.native
+            out = kernel.experts(gathered, counted, gate, up, down, self.experts[0].inter)
+        else:
+            out = torch.empty_like(gathered)
+            start = 0
+            for expert, count in enumerate(counts):
+                if count:
+                    out[start : start + count] = self.experts[expert](gathered[start : start + count])
+                    start += count
         # Weighted in transformers' dtype (fp32 for Mixtral), put back in (token, slot) order, summed over the slots.
         weighted = out * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         pairs = torch.empty_like(weighted).index_copy_(0, order, weighted)
