@@ -1,7 +1,8 @@
 """The projections of a whole decode step, native decode-size kernel (`linear_packed.c`) against oneDNN's linear on
 the very same packed weights, at R rows: every projection of a real shape's layers (each layer its own weights, so
-they stream from memory as in a step) and the LM head, best of 3 passes, the machine's torch threads (2 unless told).
-It is how the kernel's row limits (`PackedLinearKernel.ROWS`) were chosen; docs/engine.md ("Real sizes") has a run.
+they stream from memory as in a step) and the LM head, the best of 5 passes each, the two taking turns, the machine's
+torch threads (2 unless told). It is how the kernel's row limits (`PackedLinearKernel.ROWS_*`) were chosen;
+docs/engine.md ("Real sizes") has a run.
 
     .venv/bin/python -m bench.linear_rows qwen2.5-0.5b bfloat16 1,16,64    # from the repository root
     .venv/bin/python -m bench.linear_rows qwen2.5-0.5b float32 1,16 avx2   # both as on an AVX2-only CPU
@@ -46,10 +47,12 @@ def main(shape: str, dtype_name: str, row_counts: list[int], avx2: bool = False,
         addresses = [torch.ops.mkldnn.data_ptr(w) for w in packed]
         for rows in row_counts:
             x = torch.randn(rows, k).to(dtype)
-            totals[rows, "oneDNN"] += _best(lambda x, ws: [onednn(x, w, None, "none", [], "") for w in ws], x, packed)
-            totals[rows, "native"] += _best(
-                lambda x, addresses, n, k: [kernel(x, a, n, k, None, False) for a in addresses], x, addresses, n, k
+            theirs, ours = _best_alternating(
+                lambda x=x, packed=packed: [onednn(x, w, None, "none", [], "") for w in packed],
+                lambda x=x, addresses=addresses, n=n, k=k: [kernel(x, a, n, k, None, False) for a in addresses],
             )
+            totals[rows, "oneDNN"] += theirs
+            totals[rows, "native"] += ours
         print(f"  {name}: {copies} x [{n}, {k}] done", file=sys.stderr)
     print("rows | oneDNN ms | native ms | native / oneDNN")
     for rows in row_counts:
@@ -57,13 +60,15 @@ def main(shape: str, dtype_name: str, row_counts: list[int], avx2: bool = False,
         print(f"{rows:4d} | {1000 * theirs:9.1f} | {1000 * ours:9.1f} | {ours / theirs:.2f}")
 
 
-def _best(run, *args) -> float:
-    """The fastest of 3 passes of run(*args), in seconds."""
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        run(*args)
-        best = min(best, time.perf_counter() - start)
+def _best_alternating(*runs, passes: int = 5) -> list[float]:
+    """The fastest of `passes` passes of each run, in seconds, the runs taking turns (which goes first alternates too)
+    so that a slow spell of a shared host falls on both."""
+    best = [float("inf")] * len(runs)
+    for p in range(passes):
+        for i in range(len(runs)) if p % 2 == 0 else reversed(range(len(runs))):
+            start = time.perf_counter()
+            runs[i]()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 

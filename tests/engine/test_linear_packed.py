@@ -34,21 +34,24 @@ def _backend(dtype: torch.dtype) -> OneDnnBackend:
 @pytest.mark.parametrize(("n", "k"), [(258, 98), (64, 32), (200, 896), (16, 34)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_rows_kernel_computes_what_onednn_does(dtype, n, k, with_bias):
+    """Every row count the kernel takes, whatever this CPU's limit for handing rows to it (`rows_max`) is."""
     backend = _backend(dtype)
     gen = torch.Generator().manual_seed(n * k)
     weight = torch.randn(n, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
     layer = Linear(weight, bias, backend)
-    assert layer.rows is not None and layer.rows_max >= 48  # every one of these shapes goes to the kernel
+    assert layer.rows is not None and layer.rows_max >= 8  # every one of these shapes goes to the kernel
+    kernel, address, _, _ = layer.rows
     with torch.inference_mode():
-        for rows in (1, 5, 6, 7, 16, layer.rows_max):
+        for rows in (1, 5, 6, 7, 16, 48, kernel.MAX_ROWS):
             x = torch.randn(rows, k, generator=gen).to(dtype)
             expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             onednn = backend.linear(x, layer.weight, bias).float()
-            got = layer(x).float()
+            got = kernel(x, address, n, k, bias, False).float()
             torch.testing.assert_close(got, onednn, **CLOSE[dtype])
             torch.testing.assert_close(got, expected, **CLOSE[dtype])
-            torch.testing.assert_close(layer.silu(x).float(), F.silu(expected), **CLOSE[dtype])
+            torch.testing.assert_close(kernel(x, address, n, k, bias, True).float(), F.silu(expected), **CLOSE[dtype])
+            torch.testing.assert_close(layer(x).float(), expected, **CLOSE[dtype])  # the kernel or oneDNN, by rows
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -158,13 +161,16 @@ def _experts_reference(x, ids, gate_up, down):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_expert_in_one_call_equals_each_expert_alone(dtype, monkeypatch):
     """A mixture of experts' decode-sized step in one kernel call (`overlap_experts_packed`) gives, bit for bit, what
-    each expert's own gate, up and down calls give, for experts with no rows, one row, and several row tiles, and an
-    intermediate width that ends inside a column block; with an expert over the kernel's rows the step goes expert by
-    expert."""
+    each expert's own gate, up and down calls through the kernel give, for experts with no rows, one row, and several
+    row tiles, and an intermediate width that ends inside a column block; with an expert over the kernel's rows the
+    step goes expert by expert."""
     backend = _backend(dtype)
     moe, (gate_up, down) = _sparse_moe(dtype, backend)
     assert moe.native is not None
     kernel = moe.native[0]
+    for mlp in moe.experts:  # each expert alone through the kernel at every row count, as the one call is
+        for linear in (mlp.gate, mlp.up, mlp.down):
+            linear.rows_max = kernel.MAX_ROWS
     calls = []
     monkeypatch.setattr(kernel, "experts", lambda *args, fn=kernel.experts: calls.append(args[1].tolist()) or fn(*args))
     gen = torch.Generator().manual_seed(5)
@@ -201,6 +207,9 @@ def test_the_avx2_path_runs_every_expert_in_one_call(monkeypatch):
     backend = pick_linear_backend(CPU, torch.float32)
     moe, (gate_up, down) = _sparse_moe(torch.float32, backend)
     assert moe.native is not None and moe.native[0] is avx2
+    for mlp in moe.experts:
+        for linear in (mlp.gate, mlp.up, mlp.down):
+            linear.rows_max = avx2.MAX_ROWS
     ids = torch.tensor([[0, 1]] * 7 + [[6, 2]] * 3 + [[5, 0]])
     x = torch.randn(ids.shape[0], 256, generator=torch.Generator().manual_seed(6))
     weights = torch.full(ids.shape, 0.5)
@@ -213,3 +222,24 @@ def test_the_avx2_path_runs_every_expert_in_one_call(monkeypatch):
     order = torch.argsort(ids.reshape(-1), stable=True)
     pairs = torch.empty_like(expected).index_copy_(0, order, expected * 0.5)
     torch.testing.assert_close(one_call, pairs.view(*ids.shape, -1).sum(1), **CLOSE[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("vendor", "family", "splits"),
+    [("AuthenticAMD", 25, True), ("AuthenticAMD", 26, False), ("GenuineIntel", 6, False)],
+    ids=["zen4", "zen5", "intel"],
+)
+def test_the_rows_the_kernel_takes_follow_how_the_cpu_runs_512_bit_ops(tmp_path, monkeypatch, vendor, family, splits):
+    """Zen 4 splits each 512-bit instruction in two, so oneDNN's compute-bound kernels run at half rate there and
+    the kernel takes up to 64 rows in bf16; a CPU that runs them whole hands it only the few rows where streaming
+    binds (docs/engine.md, "Real sizes")."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\n")
+    assert native.splits_512_bit_ops(cpuinfo) is splits
+    library = native._library("overlap_linear")
+    if library is None or library.overlap_linear_packed_isa() != 512:
+        pytest.skip(f"no AVX-512 build of the kernel on this CPU ({native.cpu_isa()})")
+    monkeypatch.setattr(native, "splits_512_bit_ops", lambda: splits)
+    rows = native.PackedLinearKernel(library).rows
+    assert rows == (native.PackedLinearKernel.ROWS_SPLIT_512 if splits else native.PackedLinearKernel.ROWS_WHOLE_512)
+    assert rows[torch.bfloat16] == (64 if splits else 8)

@@ -171,9 +171,11 @@ def test_step_plan_auto_takes_halves_for_small_weights_and_for_large_ones_only_i
         assert whole.prepare(prompts).halves is None
         split, run_whole = halves.prepare(decodes), whole.prepare(decodes)
         assert split.halves is not None and run_whole.halves is None
-        with torch.inference_mode():  # the same step, run both ways, computes the same logits
-            torch.testing.assert_close(whole.forward(run_whole).float(), halves.forward(split).float(), atol=1e-5,
-                                       rtol=1e-5)  # fmt: skip
+        # the same step, run both ways, computes the same logits (within fp32 rounding: each half's 8 rows may take
+        # the native kernel where the whole 16 take oneDNN, which sums in another order)
+        with torch.inference_mode():
+            torch.testing.assert_close(whole.forward(run_whole).float(), halves.forward(split).float(), atol=1e-4,
+                                       rtol=1e-4)  # fmt: skip
     finally:
         for r in (small, large, halves, whole):
             r.close()

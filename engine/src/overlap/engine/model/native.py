@@ -253,8 +253,13 @@ class PackedLinearKernel:
     """`linear_packed.c` loaded: y = x W^T (+ bias) (SiLU) for 1-64 rows of fp32 or bf16 against a weight in oneDNN's
     packed layout for that dtype (`layers/linear.py` checks the layout on this CPU before it hands one over)."""
 
-    MAX_ROWS = 64  # what the kernel takes; `ROWS` is where it is faster than oneDNN (docs/engine.md)
-    ROWS: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 64, torch.float32: 48}
+    MAX_ROWS = 64  # what the kernel takes; `rows` is where it is faster than oneDNN on this CPU (docs/engine.md)
+    # The most rows it takes from oneDNN, by how the CPU runs a 512-bit instruction (bench/linear_rows.py measures it):
+    # split in two halves (AMD Zen 4), oneDNN's compute-bound kernels run at half rate and the stream wins up to 64
+    # rows; whole (AMD Zen 5, Intel's AVX-512 cores), oneDNN is level from 16 rows and ahead above. AVX2: 256 bits.
+    ROWS_SPLIT_512: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 64, torch.float32: 48}
+    ROWS_WHOLE_512: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 8, torch.float32: 8}
+    ROWS_AVX2: ClassVar[dict[torch.dtype, int]] = {torch.float32: 48}
     BLOCK_COLS = 64  # the packed layout's output-column block
     K_ALIGN: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 32, torch.float32: 16}  # what inputs are padded to
     PAIRED: ClassVar[dict[torch.dtype, int]] = {torch.bfloat16: 2, torch.float32: 1}  # inputs side by side per column
@@ -269,6 +274,8 @@ class PackedLinearKernel:
         available = library.overlap_linear_packed_dtypes()
         self.dtypes = tuple(dtype for bit, dtype in ((1, torch.float32), (2, torch.bfloat16)) if available & bit)
         self.isa = "AVX-512" if library.overlap_linear_packed_isa() == 512 else "AVX2"
+        self.rows = (self.ROWS_AVX2 if self.isa == "AVX2"
+                     else self.ROWS_SPLIT_512 if splits_512_bit_ops() else self.ROWS_WHOLE_512)  # fmt: skip
 
     def padded_k(self, k: int, dtype: torch.dtype) -> int:
         return -(-k // self.K_ALIGN[dtype]) * self.K_ALIGN[dtype]
@@ -516,6 +523,17 @@ def cpu_isa() -> str:
         if flag in flags:
             return name
     return "SSE"
+
+
+def splits_512_bit_ops(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU runs each 512-bit vector instruction as two 256-bit halves: AMD's Zen 4 (family 25 with
+    AVX-512) does; Zen 5 and Intel's AVX-512 cores run them whole."""
+    try:
+        fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines()[:30] if ":" in line)
+    except OSError:
+        return False
+    info = {key.strip(): value.strip() for key, value in fields.items()}
+    return info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
 
 
 def _cpu_model() -> str:

@@ -117,7 +117,7 @@ def pick_linear_backend(device: torch.device, dtype: torch.dtype) -> LinearBacke
         onednn = OneDnnBackend()
         onednn.quantized_kernels = True
         onednn.rows_kernel = _rows_kernel(onednn, dtype)  # None: oneDNN serves every size
-        onednn.rows_max = 0 if onednn.rows_kernel is None else onednn.rows_kernel.ROWS[dtype]
+        onednn.rows_max = 0 if onednn.rows_kernel is None else onednn.rows_kernel.rows[dtype]
         gen = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(shape, generator=gen).to(dtype) for shape in ((5, 64), (24, 64), (24,)))
         tolerance = 1e-4 if dtype == torch.float32 else 5e-2

@@ -10,10 +10,11 @@ its experts add biases to gate|up and down and apply the clamped SwiGLU (layers/
 
 The experts (model/experts.py: gate|up [E, 2 I, H], down [E, H, I]):
 
-- On the CPU paths each expert is a `GatedMLP` of its own, so its weights are packed once for oneDNN (and decode-
-  sized steps go through the native kernel): a step sorts its (token, expert) pairs by expert, gathers each active
-  expert's rows and runs that expert once over them, so every active expert's weights stream once per step and an
-  inactive one's not at all (a one-token decode step touches top-k experts a layer).
+- On the CPU paths each expert is a `GatedMLP` of its own, so its weights are packed once for oneDNN: a step sorts
+  its (token, expert) pairs by expert, gathers each active expert's rows and runs that expert once over them, so
+  every active expert's weights stream once per step and an inactive one's not at all (a one-token decode step
+  touches top-k experts a layer). Where no expert has more rows than the native kernel takes, one call of it runs
+  every active expert (`native`): one parallel region a layer instead of three kernel calls an expert.
 - On CUDA with Triton, one fused kernel pair over the sorted pairs (model/triton_moe.py), with no host sync, so
   decode steps can be captured in CUDA graphs. Elsewhere (the device-generic paths on the CPU) the grouped torch path
   above, over F.linear; tests run the kernels on the CPU in Triton's interpreter by setting `FUSED_ON_CPU`.
