@@ -14,7 +14,8 @@ The experts (model/experts.py: gate|up [E, 2 I, H], down [E, H, I]):
   its (token, expert) pairs by expert, gathers each active expert's rows and runs that expert once over them, so
   every active expert's weights stream once per step and an inactive one's not at all (a one-token decode step
   touches top-k experts a layer). Where no expert has more rows than the native kernel takes, one call of it runs
-  every active expert (`native`): one parallel region a layer instead of three kernel calls an expert.
+  every active expert (`native`): one parallel region a layer instead of three kernel calls an expert
+  (`OVERLAP_NATIVE_EXPERTS=0`: expert by expert, to compare against).
 - On CUDA with Triton, one fused kernel pair over the sorted pairs (model/triton_moe.py), with no host sync, so
   decode steps can be captured in CUDA graphs. Elsewhere (the device-generic paths on the CPU) the grouped torch path
   above, over F.linear; tests run the kernels on the CPU in Triton's interpreter by setting `FUSED_ON_CPU`.
@@ -26,6 +27,8 @@ every token, scaled by sigmoid(x . shared_gate) (a whole vector on every rank: t
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +97,8 @@ class SparseMoE:
         (oneDNN's packed layout on this CPU, no biases, SiLU), else None."""
         kernel = getattr(backend, "rows_kernel", None)
         mlps = self.experts
+        if os.environ.get("OVERLAP_NATIVE_EXPERTS", "1") == "0":  # expert by expert, to compare against
+            return None
         if kernel is None or any(mlp.gate is None or mlp.gelu or mlp.swiglu is not None for mlp in mlps):
             return None
         layers = [(mlp.gate, mlp.up, mlp.down) for mlp in mlps]
