@@ -95,10 +95,10 @@ class SparseMoE:
     def _native_experts(self, backend: LinearBackend):
         """The native kernel's one-call path over every expert, where each expert's gate, up and down go through it
         (oneDNN's packed layout on this CPU, no biases, SiLU), else None."""
-        kernel = getattr(backend, "rows_kernel", None)
-        mlps = self.experts
         if os.environ.get("OVERLAP_NATIVE_EXPERTS", "1") == "0":  # expert by expert, to compare against
             return None
+        kernel = getattr(backend, "rows_kernel", None)
+        mlps = self.experts
         if kernel is None or any(mlp.gate is None or mlp.gelu or mlp.swiglu is not None for mlp in mlps):
             return None
         layers = [(mlp.gate, mlp.up, mlp.down) for mlp in mlps]
