@@ -146,6 +146,13 @@ def _sparse_moe(dtype: torch.dtype, backend, experts: int = 8, hidden: int = 256
     return SparseMoE(weights, spec, backend), reference
 
 
+def _each_expert_through(moe, kernel) -> None:
+    """Each expert's own gate, up and down calls through the kernel at every row count it takes, as the one call is."""
+    for mlp in moe.experts:
+        for linear in (mlp.gate, mlp.up, mlp.down):
+            linear.rows_max = kernel.MAX_ROWS
+
+
 def _experts_reference(x, ids, weight, gate_up, down):
     """Each row's experts' outputs in fp32, each times `weight`, summed over its slots."""
     inter = down.shape[2]
@@ -167,9 +174,7 @@ def test_every_expert_in_one_call_equals_each_expert_alone(dtype, monkeypatch):
     moe, (gate_up, down) = _sparse_moe(dtype, backend)
     assert moe.native is not None
     kernel = moe.native[0]
-    for mlp in moe.experts:  # each expert alone through the kernel at every row count, as the one call is
-        for linear in (mlp.gate, mlp.up, mlp.down):
-            linear.rows_max = kernel.MAX_ROWS
+    _each_expert_through(moe, kernel)
     calls = []
     monkeypatch.setattr(kernel, "experts", lambda *args, fn=kernel.experts: calls.append(args[1].tolist()) or fn(*args))
     gen = torch.Generator().manual_seed(5)
@@ -203,9 +208,7 @@ def test_the_avx2_path_runs_every_expert_in_one_call(monkeypatch):
     backend = pick_linear_backend(CPU, torch.float32)
     moe, (gate_up, down) = _sparse_moe(torch.float32, backend)
     assert moe.native is not None and moe.native[0] is avx2
-    for mlp in moe.experts:
-        for linear in (mlp.gate, mlp.up, mlp.down):
-            linear.rows_max = avx2.MAX_ROWS
+    _each_expert_through(moe, avx2)
     ids = torch.tensor([[0, 1]] * 7 + [[6, 2]] * 3 + [[5, 0]])
     x = torch.randn(ids.shape[0], 256, generator=torch.Generator().manual_seed(6))
     weights = torch.full(ids.shape, 0.5)

@@ -231,7 +231,8 @@ class EngineConfig:
     # Execution (layer 3).
     # Steps in flight: 1 = synchronous, 2 = double buffering (1..4). None: the engine picks 2 where the device is
     # hardware of its own (CUDA, the simulated device) and 1 on a CPU, whose forward runs on the host's own cores: a
-    # second step there only takes the forward's time (docs/overlap.md, "On a CPU"); 2 with speculative decoding.
+    # second step there only takes the forward's time, speculative decoding's proposer included (docs/overlap.md,
+    # "On a CPU").
     num_buffers: int | None = None
 
     # A simulated device instead of the model's forward: {"fixed_s": ..., "per_token_s": ...} (a cost profile,

@@ -74,8 +74,7 @@ class Engine:
             runner = _load_runner(config, model_dir)
         self.runner = runner
         if config.num_buffers is None:
-            picked = default_num_buffers(runner)
-            self.config = config = dataclasses.replace(config, num_buffers=picked)
+            self.config = config = dataclasses.replace(config, num_buffers=default_num_buffers(runner))
         if config.speculative is not None and not getattr(runner, "supports_speculation", False):
             if owns_runner:
                 runner.close()

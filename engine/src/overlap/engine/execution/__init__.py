@@ -34,5 +34,4 @@ def default_num_buffers(runner: Runner) -> int:
     cores (a model runner on a CPU), since a second step in flight there only takes the forward's time, speculative
     decoding's proposer included (docs/overlap.md, "On a CPU: one buffer by default"); 2 where the device is
     hardware of its own (CUDA, the simulated device), whose idle time the second step fills."""
-    on_host_cores = getattr(getattr(runner, "device", None), "type", None) == "cpu"
-    return 1 if on_host_cores else 2
+    return 1 if getattr(getattr(runner, "device", None), "type", None) == "cpu" else 2

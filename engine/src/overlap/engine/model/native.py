@@ -525,6 +525,7 @@ def cpu_isa() -> str:
     return "SSE"
 
 
+@functools.cache  # read once: every W8A8 projection asks at load
 def splits_512_bit_ops(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU runs each 512-bit vector instruction as two 256-bit halves: AMD's Zen 4 (family 25 with
     AVX-512) does; Zen 5 and Intel's AVX-512 cores run them whole."""

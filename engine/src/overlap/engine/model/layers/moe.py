@@ -65,7 +65,7 @@ class SparseMoE:
         self.num_experts = weights.gate_up.shape[0]
         self.router, self.router_bias = weights.router, weights.router_bias
         self.fused = None  # the Triton kernels (device paths with Triton), else one GatedMLP per expert
-        self.native = None  # (kernel, gate, up, down addresses, most rows an expert may have) for one-call steps
+        self.native = None  # (kernel, gate, up, down addresses) for steps the kernel takes in one call
         self.experts: list[GatedMLP] = []
         swiglu = moe.swiglu if moe.activation == "clamped_swiglu" else None
         gate_up_bias, down_bias = weights.gate_up_bias, weights.down_bias
@@ -105,7 +105,7 @@ class SparseMoE:
         if any(linear.rows is None or linear.bias is not None for three in layers for linear in three):
             return None
         addresses = [torch.tensor([three[i].rows[1] for three in layers], dtype=torch.int64) for i in range(3)]
-        return (kernel, *addresses, kernel.MAX_ROWS)
+        return (kernel, *addresses)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of each row of x."""
@@ -130,8 +130,8 @@ class SparseMoE:
         counts = counted.tolist()
         self.expert_runs += sum(1 for count in counts if count)
         gathered = x.index_select(0, tokens)
-        if self.native is not None and max(counts) <= self.native[4]:  # decode-sized: every expert in one call
-            kernel, gate, up, down, _ = self.native
+        if self.native is not None and max(counts) <= self.native[0].MAX_ROWS:  # decode-sized: every expert at once
+            kernel, gate, up, down = self.native
             out = kernel.experts(gathered, counted, gate, up, down, self.experts[0].inter)
         else:
             out = torch.empty_like(gathered)
