@@ -3,7 +3,7 @@
 This package imports nothing else from Overlap; the sidecar, operator and benchmarks import its public types.
 """
 
-from overlap.engine import _openmp  # noqa: F401  (before anything loads torch)
+from overlap.engine import _malloc, _openmp  # noqa: F401  (before anything loads torch or starts a thread)
 from overlap.engine.config import EngineConfig, LiveKnobs
 from overlap.engine.core import Engine
 from overlap.engine.errors import ConfigError, InvalidRequestError, ModelLoadError, OverlapError
