@@ -467,6 +467,14 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
         want = (x_q.int() @ w8.int().t()).float() * x_scale * w8_scale
         got = kernel.w8a8(x8, w8, w8.sum(1, dtype=torch.int32), w8_scale)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # The larger steps' halves: x quantized as it comes (bf16 read without an fp32 copy), the sums scaled per row
+        for x_in in (x8, x8.bfloat16()):
+            codes8, scales8 = kernel.w8a8_quantize(x_in)
+            want_q, want_scale = quantize_per_token(x_in.float())
+            assert torch.equal(codes8.int() - 128, want_q.int()) and torch.equal(scales8, want_scale)
+        sums = (x_q.int() @ w8.int().t()).float() * w8_scale
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(kernel.w8a8_scale_rows(sums, x_scale, dtype), (sums * x_scale).to(dtype))
     dense = kernel.w4a16_dequantize(nibbles(codes), scale, offset, 0.0, group, torch.bfloat16)
     torch.testing.assert_close(dense.float(), w4.bfloat16().float(), atol=1e-6, rtol=1e-2)
     dense = kernel.w4a16_dequantize(nibbles(codes), scale, scale * (zero + 128), 128.0, group, torch.float32)

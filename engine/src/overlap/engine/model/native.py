@@ -37,7 +37,9 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.c", "cp
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _LINEAR_SOURCES = [Path(__file__).with_name("linear_packed.c")]
 _LINEAR_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
-_QUANT_SOURCES = [Path(__file__).with_name(name) for name in ("quant_w4a16.c", "quant_w8a8.c", "quant_linear.h")]
+_QUANT_SOURCES = [
+    Path(__file__).with_name(name) for name in ("quant_w4a16.c", "quant_w8a8.c", "quant_linear.h", "bf16.h")
+]
 _LIBRARIES = {"overlap_kernels": (_SOURCES, _FLAGS), "overlap_linear": (_LINEAR_SOURCES, _LINEAR_FLAGS),
               "overlap_quant": (_QUANT_SOURCES, [*_LINEAR_FLAGS, "-lm"])}  # fmt: skip
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -348,7 +350,10 @@ class QuantLinearKernel:
         self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _i64, _ptr, _i32, _i32]
         self._w8a8_quantize = library.overlap_w8a8_quantize
         self._w8a8_quantize.restype = ctypes.c_int
-        self._w8a8_quantize.argtypes = [_ptr, _i64, _i32, _i64, _ptr, _ptr, _i32]
+        self._w8a8_quantize.argtypes = [_ptr, _i64, _i32, _i32, _i64, _ptr, _ptr, _i32]
+        self._w8a8_scale_rows = library.overlap_w8a8_scale_rows
+        self._w8a8_scale_rows.restype = ctypes.c_int
+        self._w8a8_scale_rows.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32]
         self._w8a8 = library.overlap_w8a8_rows
         self._w8a8.restype = ctypes.c_int
         self._w8a8.argtypes = [_ptr, _i64, _i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32]
@@ -398,15 +403,28 @@ class QuantLinearKernel:
         return out
 
     def w8a8_quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [rows, K] quantized per row as compressed-tensors does: (uint8 code + 128 [rows, K], fp32 scale
-        [rows, 1])."""
+        """x [rows, K] (fp32 or bf16, read as it is) quantized per row as compressed-tensors does: (uint8 code + 128
+        [rows, K], fp32 scale [rows, 1])."""
         _check(x.dim() == 2 and x.shape[0] >= 1, "quantized linear: x rows")
-        x = x.float().contiguous()
+        x = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
         codes, scales = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape[0], 1)
-        status = self._w8a8_quantize(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], codes.data_ptr(),
-                                     scales.data_ptr(), torch.get_num_threads())  # fmt: skip
+        status = self._w8a8_quantize(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, x.shape[0], x.shape[1],
+                                     codes.data_ptr(), scales.data_ptr(), torch.get_num_threads())  # fmt: skip
         _check(status == 0, "quantized linear: W8A8 quantize arguments")
         return codes, scales
+
+    def w8a8_scale_rows(self, sums: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """fp32 `sums` [rows, N] times x's per-row `x_scale` [rows, 1], rounded once to `dtype` (fp32 or bf16): a new
+        [rows, N], as torch.mul(sums, x_scale, out=...) gives it in one pass instead of three."""
+        rows, n = sums.shape
+        _check(sums.dtype == x_scale.dtype == torch.float32 and sums.is_contiguous() and x_scale.is_contiguous()
+               and x_scale.numel() == rows and dtype in (torch.float32, torch.bfloat16),
+               "quantized linear: W8A8 scales")  # fmt: skip
+        out = torch.empty(rows, n, dtype=dtype)
+        status = self._w8a8_scale_rows(sums.data_ptr(), rows, n, x_scale.data_ptr(), out.data_ptr(),
+                                       dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W8A8 scale arguments")
+        return out
 
     def w8a8(self, x: torch.Tensor, weight: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """x [rows, K], quantized to int8 per row inside, times int8 `weight` [N, K] with its int32 `rowsum` [N]

@@ -1,4 +1,5 @@
 /* W8A8 projections (quant_linear.h: the layout), and which instruction set the library was built for. */
+#include "bf16.h"
 #include "quant_linear.h"
 
 int overlap_quant_linear_isa(void) {
@@ -108,43 +109,81 @@ static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
 
 #endif
 
-/* One row of x as int8 codes, as compressed-tensors quantizes per token: scale = absmax / 127.5, x / scale rounded
- * half to even (the default rounding mode), clamped to [-128, 127]. */
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *scale_out) {
+/* 16 inputs of x from index i as fp32: bf16 widens exactly (its bits are an fp32's top half). */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 load16(const void *x, int64_t i, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* One row of x (fp32 or bf16) as int8 codes, as compressed-tensors quantizes per token: scale = absmax / 127.5,
+ * x / scale rounded half to even (the default rounding mode), clamped to [-128, 127]. */
+static inline __attribute__((always_inline)) void quantize_row(const void *x, int64_t k, int8_t *q, float *scale_out,
+                                                               const int bf16) {
     float amax = 0.0f;
     int64_t i = 0;
 #if defined(__AVX512F__)
     __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= k; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    for (; i + 16 <= k; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x, i, bf16)));
     amax = _mm512_reduce_max_ps(m);
 #endif
-    for (; i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(load(x, i, bf16)));
     const float scale = amax / 127.5f > 1.17549435e-38f ? amax / 127.5f : 1.17549435e-38f;
     i = 0;
 #if defined(__AVX512F__)
     const __m512 s = _mm512_set1_ps(scale);
     for (; i + 16 <= k; i += 16) { /* cvtps rounds half to even; cvtsepi32 saturates to [-128, 127] */
-        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + i), s));
+        const __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(load16(x, i, bf16), s));
         _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtsepi32_epi8(v));
     }
 #endif
     for (; i < k; i++) {
-        const float v = nearbyintf(x[i] / scale);
+        const float v = nearbyintf(load(x, i, bf16) / scale);
         q[i] = (int8_t)(v > 127.0f ? 127.0f : v < -128.0f ? -128.0f : v);
     }
     *scale_out = scale;
 }
 
-/* x [rows][k] fp32 quantized per row as quantize_row does, stored as code + 128 (unsigned, for oneDNN's u8 x s8
- * matmul), with each row's scale. 0, or -1 for bad arguments. */
-int overlap_w8a8_quantize(const float *x, int64_t x_stride, int rows, int64_t k, uint8_t *codes, float *scales,
-                          int threads) {
+/* x [rows][k] (fp32, or bf16 where x_bf16: read as it is, no fp32 copy) quantized per row as quantize_row does,
+ * stored as code + 128 (unsigned, for oneDNN's u8 x s8 matmul), with each row's scale. 0, or -1 for bad arguments. */
+int overlap_w8a8_quantize(const void *x, int64_t x_stride, int x_bf16, int rows, int64_t k, uint8_t *codes,
+                          float *scales, int threads) {
     if (rows < 1 || k < 1 || threads < 1) return -1;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int r = 0; r < rows; r++) {
-        int8_t *q = (int8_t *)codes + r * k;
-        quantize_row(x + r * x_stride, k, q, scales + r);
-        for (int64_t i = 0; i < k; i++) codes[r * k + i] = (uint8_t)((int)q[i] + 128);
+        int8_t *q = (int8_t *)codes + (int64_t)r * k;
+        const void *row = (const char *)x + (int64_t)r * x_stride * elem;
+        if (x_bf16)
+            quantize_row(row, k, q, scales + r, 1);
+        else
+            quantize_row(row, k, q, scales + r, 0);
+        for (int64_t i = 0; i < k; i++) codes[(int64_t)r * k + i] = (uint8_t)((int)q[i] + 128);
+    }
+    return 0;
+}
+
+/* out [rows][n] = sums [rows][n] * x_scale[r], rounded once to out's dtype (bf16 where out_bf16, round to nearest
+ * even as torch's cast; else fp32): oneDNN's u8 x s8 sums, already times the weight's scales, given x's per-token
+ * scale in one pass (oneDNN's call takes one scale for all of x). 0, or -1 for bad arguments. */
+int overlap_w8a8_scale_rows(const float *sums, int64_t rows, int64_t n, const float *x_scale, void *out, int out_bf16,
+                            int threads) {
+    if (rows < 1 || n < 1 || threads < 1) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *in = sums + r * n;
+        const float s = x_scale[r];
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + r * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) o[j] = f32_to_bf16(in[j] * s);
+        } else {
+            float *o = (float *)out + r * n;
+#pragma omp simd
+            for (int64_t j = 0; j < n; j++) o[j] = in[j] * s;
+        }
     }
     return 0;
 }
@@ -162,7 +201,7 @@ int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *
     }
     /* On this thread: at most 64 rows, vectorized, cheaper than waking the team twice more for it (one parallel
      * region a call keeps a step's barriers few when the engine's host thread shares the cores). */
-    for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xs + r);
+    for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xs + r, 0);
 #if VNNI
     /* x + 128 as unsigned bytes, once for every output (dot_s8 and the tiles take 128 * sum(w) off after) */
     for (int64_t i = 0; i < (int64_t)rows * k; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);

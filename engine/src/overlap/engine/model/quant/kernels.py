@@ -119,7 +119,7 @@ class NativeW8A8(QuantMethod):
         if self.onednn is not None:
             sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.onednn, self.scale, self.zero_points,
                                                       None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
-            return torch.mul(sums, x_scale, out=torch.empty(sums.shape, dtype=x.dtype))  # scaled and cast in one pass
+            return self.kernel.w8a8_scale_rows(sums, x_scale, x.dtype)
         x_q = (codes.to(torch.int16) - 128).to(torch.int8)
         return (torch._int_mm(x_q, self.weight.t()) * x_scale * self.scale).to(x.dtype)
 
