@@ -1,6 +1,6 @@
 """The native CPU ops (`cpu_ops.c`) give what torch's ops give: RMSNorm, and RoPE with the K/V write into the paged
-pool, in fp32 and bf16, on strided rows; greedy argmax with torch's ties and NaNs; layouts the C code would misread
-are refused."""
+pool, in fp32 and bf16, on strided rows; greedy argmax with torch's ties and NaNs; a gated MLP's silu(gate) * up;
+layouts the C code would misread are refused."""
 
 from __future__ import annotations
 
@@ -92,6 +92,22 @@ def test_argmax_is_torchs_with_ties_nans_and_infinities():
         torch.set_num_threads(threads)
 
 
+@DTYPES
+def test_silu_mul_is_silu_of_the_gate_times_up_rounded_once(dtype):
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(6, 2 * 1000 + 24, generator=gen) * 6
+    wide[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 200.0, -200.0, float("inf"), float("nan")])
+    gate_up = wide[:, : 2 * 1000].to(dtype)  # strided rows; a width that is no multiple of a vector
+    got = ops.silu_mul(gate_up)
+    gate, up = gate_up[:, :1000].double(), gate_up[:, 1000:].double()
+    expected = (F.silu(gate) * up).to(dtype)  # exact, rounded once
+    assert got.dtype == dtype and got.shape == (6, 1000) and got.is_contiguous()
+    # atol: a gate below -88.7 overflows e^-g as torch's fp32 silu does, giving 0 for what is under 1e-36 exactly
+    close = {torch.float32: {"atol": 1e-6, "rtol": 1e-6}, torch.bfloat16: {"atol": 1e-36, "rtol": 2**-8}}[dtype]
+    torch.testing.assert_close(got, expected, equal_nan=True, **close)
+    assert torch.isinf(got[0, 6]) and torch.isnan(got[0, 7])
+
+
 def test_layouts_the_kernels_would_misread_are_refused():
     x, weight = torch.zeros(4, 64), torch.ones(64)
     with pytest.raises(ValueError, match="fp32 or bf16"):
@@ -102,6 +118,8 @@ def test_layouts_the_kernels_would_misread_are_refused():
         ops.argmax(torch.zeros(4, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="argmax"):
         ops.argmax(torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="silu_mul"):
+        ops.silu_mul(torch.zeros(4, 7))
     qkv, table = torch.zeros(2, 3 * 64), torch.zeros(8, 64)
     pool = torch.zeros(4, 1, 64)
     index = torch.zeros(2, dtype=torch.long)

@@ -1,5 +1,6 @@
 /* Small ops on CPU, fp32 or bf16, each one call over all of a step's rows: a decoder layer's RMSNorm, and RoPE
- * together with the K/V write into the paged pool; the sampler's greedy argmax. torch runs the first two as several
+ * together with the K/V write into the paged pool; the sampler's greedy argmax; silu(gate) * up where a gated MLP's
+ * gate and up are one matmul (quantized weights: oneDNN fuses SiLU into a float matmul, not into these). torch runs the first two as several
  * kernels each (RMSNorm ~8: pow, mean, add, rsqrt, mul, mul and, in bf16, the conversions to fp32 and back; RoPE a
  * cat, a mul and an addcmul, then one index_copy_ per pool), and at decode batch sizes their fixed costs exceed the
  * work; its CPU argmax does not vectorise (a [64, 8192] argmax takes ten times an amax). Sums and products are fp32;
@@ -122,5 +123,49 @@ void overlap_argmax_rows(const void *x, int64_t row_stride, int32_t rows, int32_
     for (int32_t r = 0; r < rows; r++) {
         const void *row = (const char *)x + (int64_t)r * row_stride * elem;
         out[r] = bf16 ? argmax_row(row, cols, 1) : argmax_row(row, cols, 0);
+    }
+}
+
+/* exp(x) for fp32 x in plain arithmetic that the compiler vectorises (libm's expf is a call per element): x = n ln2
+ * + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial, 2^(n - 1) built in the exponent bits and doubled
+ * (2^128 has none). Within 2 ulp of expf up to its overflow to inf at 88.7; below -86 it gives e^-86 (no
+ * subnormals). */
+static inline __attribute__((always_inline)) float exp_vec(float x) {
+    x = x < -86.0f ? -86.0f : x > 89.0f ? 89.0f : x; /* a NaN stays NaN */
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 126) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale * 2.0f;
+}
+
+static inline __attribute__((always_inline)) void silu_mul_row(const void *gate_up, int64_t row, void *out,
+                                                               int64_t out_row, int32_t inter, const int bf16) {
+#pragma omp simd
+    for (int32_t i = 0; i < inter; i++) {
+        const float g = load(gate_up, row + i, bf16);
+        store(out, out_row + i, g / (1.0f + exp_vec(-g)) * load(gate_up, row + inter + i, bf16), bf16);
+    }
+}
+
+/* out[r][i] = silu(x[r][i]) * x[r][inter + i] for rows of x = [gate | up] (a gated MLP's one matmul), row_stride
+ * apart; out [rows][inter] contiguous, rounded once (torch's silu then mul round twice in bf16). */
+void overlap_silu_mul(const void *gate_up, int64_t row_stride, int32_t rows, int32_t inter, void *out, int32_t bf16,
+                      int32_t threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && (int64_t)rows * inter > 32768)
+    for (int32_t r = 0; r < rows; r++) {
+        if (bf16)
+            silu_mul_row(gate_up, (int64_t)r * row_stride, out, (int64_t)r * inter, inter, 1);
+        else
+            silu_mul_row(gate_up, (int64_t)r * row_stride, out, (int64_t)r * inter, inter, 0);
     }
 }

@@ -141,7 +141,8 @@ class DecodePlan:
 
 
 class CpuOps:
-    """`cpu_ops.c` loaded: RMSNorm, RoPE with the K/V write, and greedy argmax, over a step's rows in one call each."""
+    """`cpu_ops.c` loaded: RMSNorm, RoPE with the K/V write, greedy argmax and a gated MLP's silu(gate) * up, over a
+    step's rows in one call each."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._rms_norm = library.overlap_rms_norm
@@ -153,6 +154,9 @@ class CpuOps:
         self._argmax = library.overlap_argmax_rows
         self._argmax.restype = None
         self._argmax.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i32, _i32]
+        self._silu_mul = library.overlap_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [_ptr, _i64, _i32, _i32, _ptr, _i32, _i32]
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """torch.argmax(x, dim=-1) of fp32 or bf16 x [rows, cols] (rows may be strided): int64 [rows], the rows shared
@@ -162,6 +166,17 @@ class CpuOps:
         out = torch.empty(x.shape[0], dtype=torch.int64)
         self._argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), x.dtype == torch.bfloat16,
                      torch.get_num_threads())  # fmt: skip
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate_up[:, :I]) * gate_up[:, I:] for fp32 or bf16 gate_up [rows, 2 I] (rows may be strided), one
+        rounding, one pass: a new [rows, I]."""
+        rows, width = gate_up.shape
+        _check(gate_up.dtype in DecodeAttentionKernel.DTYPES and gate_up.stride(1) == 1 and width % 2 == 0,
+               "silu_mul: rows of [gate | up], fp32 or bf16")  # fmt: skip
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, out.data_ptr(),
+                       gate_up.dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
