@@ -31,6 +31,7 @@ static inline __attribute__((always_inline)) void w4_tile_bf16(const int R, cons
         __m512bh c[2][4];
         __m512 s[2];
         for (int jj = 0; jj < J; jj++) {
+            PREFETCH_WEIGHT(codes + jj * half_k + k0 / 2);
             const __m512i w = _mm512_loadu_si512(codes + jj * half_k + k0 / 2);
             c[jj][0] = (__m512bh)_mm512_ternarylogic_epi32(w, mask, bias, 0xEA); /* (w & mask) | bias */
             c[jj][1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), mask, bias, 0xEA);
@@ -111,6 +112,7 @@ static void w4_row(const float *xe, const float *xo, int64_t half_k, int R, cons
     for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi32(0xF);
     for (int64_t g = 0; g < groups; g++) {
+        PREFETCH_WEIGHT(codes + g * group / 2);
         __m512 acc[ROW_TILE];
         for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
@@ -133,6 +135,7 @@ static void w4_row(const float *xe, const float *xo, int64_t half_k, int R, cons
         for (int r = 0; r < RR; r++) tot[r] = _mm256_setzero_ps();
         const __m256i low = _mm256_set1_epi32(0xF);
         for (int64_t g = 0; g < groups; g++) {
+            PREFETCH_WEIGHT(codes + g * group / 2);
             __m256 acc[4];
             for (int r = 0; r < RR; r++) acc[r] = _mm256_setzero_ps();
             for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 16) {
@@ -156,13 +159,15 @@ static void w4_row(const float *xe, const float *xo, int64_t half_k, int R, cons
         }
     }
 #else
-    for (int64_t g = 0; g < groups; g++)
+    for (int64_t g = 0; g < groups; g++) {
+        PREFETCH_WEIGHT(codes + g * group / 2);
         for (int r = 0; r < R; r++) {
             float acc = 0.0f;
             for (int64_t i = g * group / 2; i < (g + 1) * group / 2; i++)
                 acc += (float)(codes[i] & 0xF) * xe[r * half_k + i] + (float)(codes[i] >> 4) * xo[r * half_k + i];
             total[r] += scale[g] * acc;
         }
+    }
 #endif
     for (int r = 0; r < R; r++) out[r] = total[r] - correction[r];
 }

@@ -30,7 +30,10 @@ static inline __mmask64 tail_mask(int64_t left) { return left >= 64 ? ~0ULL : (_
 static int32_t dot_u8(const int8_t *xu, const int8_t *w, int64_t k) {
     __m512i acc = _mm512_setzero_si512();
     int64_t i = 0;
-    for (; i + 64 <= k; i += 64) acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(w + i));
+    for (; i + 64 <= k; i += 64) {
+        PREFETCH_WEIGHT(w + i);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(w + i));
+    }
     if (i < k) {
         const __mmask64 m = tail_mask(k - i); /* bytes past k are zero on both sides */
         acc = _mm512_dpbusd_epi32(acc, _mm512_maskz_loadu_epi8(m, xu + i), _mm512_maskz_loadu_epi8(m, w + i));
@@ -71,6 +74,10 @@ static void w8_tile(const int8_t *xu, int64_t k, const int8_t *w, const int32_t 
     __m512i a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) { /* plain loads: Zen 4 runs masked byte loads far slower */
+        PREFETCH_WEIGHT(w + i);
+        PREFETCH_WEIGHT(w + k + i);
+        PREFETCH_WEIGHT(w + 2 * k + i);
+        PREFETCH_WEIGHT(w + 3 * k + i);
         const __m512i w0 = _mm512_loadu_si512(w + i), w1 = _mm512_loadu_si512(w + k + i);
         const __m512i w2 = _mm512_loadu_si512(w + 2 * k + i), w3 = _mm512_loadu_si512(w + 3 * k + i);
         W8_ROW(0, _mm512_loadu_si512) W8_ROW(1, _mm512_loadu_si512) W8_ROW(2, _mm512_loadu_si512)
@@ -90,6 +97,7 @@ static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
     __m256i acc = _mm256_setzero_si256();
     int64_t i = 0;
     for (; i + 16 <= k; i += 16) { /* widened to int16: exact for every int8 pair, -128 included */
+        PREFETCH_WEIGHT(w + i);
         const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i)));
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i)));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(xv, wv));
