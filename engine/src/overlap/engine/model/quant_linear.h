@@ -33,9 +33,9 @@
 
 enum { ROW_TILE = 8, MAX_ROWS = 64, MAX_K = 65536 };
 
-/* The weight is read once a step, front to back; each kernel asks for the bytes this far ahead of what it reads.
- * The hardware prefetchers alone left a decode-sized step at 0.6-0.7x of the read bandwidth (docs/engine.md,
- * "Prefetching the weight"). A prefetch never faults, past the end included. */
+/* The weight is read once a step, front to back; each kernel asks for the bytes this far ahead of what it reads, as
+ * linear_packed.c does: the hardware prefetchers alone left these kernels well short of the read bandwidth
+ * (docs/engine.md, "Prefetching the weight"). A prefetch never faults, past the end included. */
 enum { PREFETCH_AHEAD = 8192 };
 #define PREFETCH_WEIGHT(p) __builtin_prefetch((const char *)(p) + PREFETCH_AHEAD, 0, 0)
 
