@@ -312,10 +312,12 @@ def test_under_tensor_parallelism_2_equals_one_rank(packed, block_fp8, name):
     runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
     try:
         one, two = (greedy_tokens(r, prompts, 16, chunk=256) for r in runners)
+        per_rank = runners[1].weight_bytes / runners[0].weight_bytes  # rank 0's codes, scales and zero points
     finally:
         for r in runners:
             r.close()
     assert one == two
+    assert 0.45 <= per_rank <= 0.55, f"rank 0 of 2 holds {per_rank:.3f} of the weight bytes"
 
 
 def test_a_shard_that_splits_quantization_groups_is_refused_with_the_sizes(packed):

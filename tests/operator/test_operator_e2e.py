@@ -233,11 +233,11 @@ TRANSIENT = {  # what the API server does to the Deployment write, what the oper
 
 @pytest.mark.parametrize("fault", list(TRANSIENT))
 def test_transient_api_errors_are_retried(cluster, operator_process, applied, reliability, fault) -> None:
+    name = f"retried-{fault}"  # the fault hits its Deployment's write, not a write another reconcile makes first
     if fault == "timeout":
-        cluster.api.hang_next("PATCH", "deployments", seconds=API_TIMEOUT_S + 3)
+        cluster.api.hang_next("PATCH", "deployments", seconds=API_TIMEOUT_S + 3, name=name)
     else:
-        cluster.api.fail_next("PATCH", "deployments", status=int(fault), times=2 if fault == "503" else 1)
-    name = f"retried-{fault}"
+        cluster.api.fail_next("PATCH", "deployments", status=int(fault), times=2 if fault == "503" else 1, name=name)
     cluster.apply("-f", "-", stdin=EXAMPLE.read_text().replace(f"name: {NAME}", f"name: {name}", 1))
     wait_for(lambda: cluster.get("deployment", name), timeout=30, what=f"the Deployment after {TRANSIENT[fault][0]}")
     retried = [line for line in operator_process.log().splitlines() if name in line and "retrying" in line]
@@ -284,7 +284,7 @@ def test_a_refused_apply_sets_degraded_with_the_servers_words_and_backs_off_unti
     cluster, operator_process, applied
 ) -> None:
     """403 (RBAC not there yet) is retried, not given up on; meanwhile Degraded says what the API server said."""
-    cluster.api.fail_next("PATCH", "deployments", status=403, times=2)
+    cluster.api.fail_next("PATCH", "deployments", status=403, times=2, name="forbidden")
     manifest = EXAMPLE.read_text().replace(f"name: {NAME}", "name: forbidden", 1)
     cluster.apply("-f", "-", stdin=manifest)
     degraded = wait_for(

@@ -55,7 +55,7 @@ def test_an_operator_killed_mid_reconcile_converges_when_restarted(cluster, tmp_
     """SIGKILL while the first reconcile is half done (its ConfigMap and Services written, the Deployment refused
     for now): the next operator finishes it with one of each child and a status that names the generation."""
     manifest = EXAMPLE.replace(f"name: {NAME}", "name: killed")
-    cluster.api.fail_next("PATCH", "deployments", status=503, times=3)  # holds the reconcile at the Deployment
+    cluster.api.fail_next("PATCH", "deployments", status=503, times=3, name="killed")  # holds it at the Deployment
     with running_operator(cluster, tmp_path_factory.mktemp("killed"), "--namespace", NAMESPACE) as proc:
         cluster.apply("-f", "-", stdin=manifest)
         wait_for(lambda: "503" in proc.log() and cluster.get("configmap", "killed-engine"), what="a half reconcile")

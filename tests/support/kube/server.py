@@ -84,6 +84,11 @@ def _age(timestamp: str) -> str:
     return f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200 else f"{seconds // 3600}h"
 
 
+def _targets(path: str, plural: str, name: str | None) -> bool:
+    """Whether a request path is on `plural` (and on the object `name`, where given), for the injected faults."""
+    return f"/{plural}" in path if name is None else path.endswith(f"/{plural}/{name}")
+
+
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch; keys starting with `$` (strategic-merge directives) are dropped."""
     if not isinstance(patch, dict):
@@ -151,11 +156,12 @@ class ApiServer(kmock.KubernetesEmulator):
         self.compacted_rv = self.last_rv + 1
         self.events.clear()
 
-    def hang_next(self, method: str, plural: str, seconds: float) -> None:
-        """Hold the next request of `method` on `plural` for `seconds`, then serve it (a client that timed out
-        meanwhile retries a write that happened: the retry must be idempotent)."""
+    def hang_next(self, method: str, plural: str, seconds: float, name: str | None = None) -> None:
+        """Hold the next request of `method` on `plural` (on the object `name` only, where given: another object's
+        reconcile may write first) for `seconds`, then serve it (a client that timed out meanwhile retries a write
+        that happened: the retry must be idempotent)."""
         with self.failures_lock:
-            self.hangs.append([method.upper(), plural, seconds])
+            self.hangs.append([method.upper(), plural, seconds, name])
 
     def lose_next_event(self, event_type: str, plural: str) -> None:
         """The next `event_type` (ADDED, MODIFIED, DELETED) watch event on `plural` reaches no watcher, now or on a
@@ -164,10 +170,11 @@ class ApiServer(kmock.KubernetesEmulator):
         with self.failures_lock:
             self.lost.append([event_type, plural])
 
-    def fail_next(self, method: str, plural: str, status: int, times: int = 1) -> None:
-        """Answer the next `times` requests of `method` on `plural` with `status` (to test retries)."""
+    def fail_next(self, method: str, plural: str, status: int, times: int = 1, name: str | None = None) -> None:
+        """Answer the next `times` requests of `method` on `plural` (on the object `name` only, where given) with
+        `status` (to test retries)."""
         with self.failures_lock:
-            self.failures.append([method.upper(), plural, status, times])
+            self.failures.append([method.upper(), plural, status, times, name])
 
     # --- HTTP-level fixes -------------------------------------------------------------------------------------
 
@@ -192,8 +199,8 @@ class ApiServer(kmock.KubernetesEmulator):
     def _hang_for(self, raw_request: aiohttp.web.BaseRequest) -> float:
         with self.failures_lock:
             for hang in self.hangs:
-                method, plural, seconds = hang
-                if raw_request.method == method and f"/{plural}" in raw_request.path:
+                method, plural, seconds, name = hang
+                if raw_request.method == method and _targets(raw_request.path, plural, name):
                     self.hangs.remove(hang)
                     return seconds
         return 0.0
@@ -201,8 +208,8 @@ class ApiServer(kmock.KubernetesEmulator):
     def _injected(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.Response | None:
         with self.failures_lock:
             for failure in self.failures:
-                method, plural, status, times = failure
-                if raw_request.method == method and f"/{plural}" in raw_request.path and times > 0:
+                method, plural, status, times, name = failure
+                if raw_request.method == method and _targets(raw_request.path, plural, name) and times > 0:
                     failure[3] -= 1
                     body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": status,
                             "reason": "ServiceUnavailable", "message": "injected by the test"}  # fmt: skip

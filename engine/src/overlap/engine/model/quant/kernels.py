@@ -57,7 +57,7 @@ class QuantMethod:
 NATIVE_W4A16_ROWS = 32
 NATIVE_W8A8_ROWS = 16
 # W8A8 on an AVX-512 CPU that runs 512-bit instructions whole (Zen 5: `native.splits_512_bit_ops`), where oneDNN's
-# u8 x s8 matmul runs at twice Zen 4's rate and is level with the kernel at 4 rows and ahead at 8 and 16
+# u8 x s8 matmul runs at twice Zen 4's rate: level with the kernel at 4-12 rows and ahead at 16 (docs/engine.md)
 NATIVE_W8A8_ROWS_WHOLE_512 = 4
 
 
