@@ -1,10 +1,10 @@
 /* Small ops on CPU, fp32 or bf16, each one call over all of a step's rows: a decoder layer's RMSNorm, and RoPE
  * together with the K/V write into the paged pool; the sampler's greedy argmax; silu(gate) * up where a gated MLP's
- * gate and up are one matmul (quantized weights: oneDNN fuses SiLU into a float matmul, not into these). torch runs the first two as several
- * kernels each (RMSNorm ~8: pow, mean, add, rsqrt, mul, mul and, in bf16, the conversions to fp32 and back; RoPE a
- * cat, a mul and an addcmul, then one index_copy_ per pool), and at decode batch sizes their fixed costs exceed the
- * work; its CPU argmax does not vectorise (a [64, 8192] argmax takes ten times an amax). Sums and products are fp32;
- * each output is rounded once.
+ * gate and up are one matmul (quantized weights: oneDNN fuses SiLU into a float matmul, not into these). torch runs
+ * the first two as several kernels each (RMSNorm ~8: pow, mean, add, rsqrt, mul, mul and, in bf16, the conversions
+ * to fp32 and back; RoPE a cat, a mul and an addcmul, then one index_copy_ per pool), and at decode batch sizes their
+ * fixed costs exceed the work; its CPU argmax does not vectorise (a [64, 8192] argmax takes ten times an amax). Sums
+ * and products are fp32; each output is rounded once.
  *
  * Built with paged_attention.c into one library by native.py (cc -O3 -march=native; the loops are written for the
  * compiler to vectorise) and called through ctypes, which releases the GIL.

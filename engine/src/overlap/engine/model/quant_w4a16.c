@@ -172,13 +172,6 @@ static void w4_row(const float *xe, const float *xo, int64_t half_k, int R, cons
     for (int r = 0; r < R; r++) out[r] = total[r] - correction[r];
 }
 
-static inline float bf16_value(uint16_t b) {
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Whether overlap_w4a16_rows takes bf16 x through vdpbf16ps for this k and group (the caller then passes
  * offset = scale * (128 + zero); else offset = scale * zero). */
 int overlap_w4a16_bf16_path(int64_t k, int64_t group) {
@@ -206,9 +199,9 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
     float *xo = xe + rows * half_k;
     for (int r = 0; r < rows; r++) { /* on this thread, like W8A8's quantization: one parallel region a call */
         for (int64_t i = 0; i < half_k; i++) {
-            const float a = x_bf16 ? bf16_value(((const uint16_t *)x)[r * x_stride + 2 * i])
+            const float a = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * x_stride + 2 * i])
                                    : ((const float *)x)[r * x_stride + 2 * i];
-            const float b = x_bf16 ? bf16_value(((const uint16_t *)x)[r * x_stride + 2 * i + 1])
+            const float b = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[r * x_stride + 2 * i + 1])
                                    : ((const float *)x)[r * x_stride + 2 * i + 1];
             xe[r * half_k + i] = a;
             xo[r * half_k + i] = b;
@@ -261,11 +254,6 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
     return 0;
 }
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
 
 /* The W4A16 weight as floats [n][k]: fp32 (bf16 == 0) or bf16 (bf16 == 1), for a matmul that takes many rows;
  * W = (code + bias) * scale - offset, with overlap_w4a16_rows' offset and bias 128 where it is the bf16 path's. */
@@ -281,7 +269,7 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
             const uint8_t *b = codes + j * (k / 2) + k0 / 2;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
             /* 16 bytes: the low nibbles are inputs 0, 2, ..., the high ones 1, 3, ...: each to (code + bias) * s - o,
-             * then interleaved back into input order (and to bf16, rounded to nearest even, as to_bf16 does) */
+             * then interleaved back into input order (and to bf16, rounded to nearest even, as f32_to_bf16 does) */
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
             const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o), vb = _mm512_set1_ps(bias);
             const __m512 lo = _mm512_fmsub_ps(_mm512_add_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), vb), vs, vo);
@@ -308,7 +296,7 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
                 row[2 * i + 1] = ((float)(b[i] >> 4) + bias) * s - o;
             }
             if (bf16)
-                for (int i = 0; i < 32; i++) ((uint16_t *)out)[j * k + k0 + i] = to_bf16(row[i]);
+                for (int i = 0; i < 32; i++) ((uint16_t *)out)[j * k + k0 + i] = f32_to_bf16(row[i]);
             else
                 memcpy((float *)out + j * k + k0, row, sizeof(float) * 32);
         }

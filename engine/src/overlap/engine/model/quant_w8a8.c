@@ -1,5 +1,4 @@
 /* W8A8 projections (quant_linear.h: the layout), and which instruction set the library was built for. */
-#include "bf16.h"
 #include "quant_linear.h"
 
 int overlap_quant_linear_isa(void) {
