@@ -33,11 +33,7 @@ def main(shape: str, dtype_name: str, row_counts: list[int], avx2: bool = False,
     if kernel is None or dtype not in kernel.dtypes:
         sys.exit(f"no native {dtype_name} kernel {'built for AVX2 ' if avx2 else ''}on this CPU ({native.cpu_isa()})")
     config = shape_config(shape)
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    per_layer = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
-    mats = [(name, n, k, layers) for name, (n, k) in per_layer.items()] + [("lm_head", config["vocab_size"], h, 1)]
+    mats = [*decoder_projections(config), ("lm_head", config["vocab_size"], config["hidden_size"], 1)]
     onednn = torch.ops.mkldnn._linear_pointwise
     totals = {(rows, who): 0.0 for rows in row_counts for who in ("oneDNN", "native")}
     isa = f"{kernel.isa} kernel" + (", oneDNN limited to AVX2" if avx2 else "")
@@ -58,6 +54,15 @@ def main(shape: str, dtype_name: str, row_counts: list[int], avx2: bool = False,
     for rows in row_counts:
         ours, theirs = totals[rows, "native"], totals[rows, "oneDNN"]
         print(f"{rows:4d} | {1000 * theirs:9.1f} | {1000 * ours:9.1f} | {ours / theirs:.2f}")
+
+
+def decoder_projections(config: dict) -> list[tuple[str, int, int, int]]:
+    """(name, outputs, inputs, how many: one a layer) of each projection of a shape's decoder layers."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    per_layer = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate": (inter, h), "up": (inter, h), "down": (h, inter)}
+    return [(name, n, k, layers) for name, (n, k) in per_layer.items()]
 
 
 def _best_alternating(*runs, passes: int = 5) -> list[float]:

@@ -1,0 +1,78 @@
+"""The quantized projections of a whole decode step at R rows, each native kernel against what serves the rows above
+its limit, on the very same weights: W4A16's kernel (`quant_w4a16.c`) against the weight dequantized into oneDNN's
+matmul, and W8A8's kernel (`quant_w8a8.c`) against oneDNN's u8 x s8 matmul (x quantized per token, its scales applied
+after, as `NativeW8A8` does). Every decoder projection of a real shape's layers (each layer its own random codes, so
+they stream from memory as in a step; the LM head stays bf16 in these checkpoints and is left out), bf16 x, the best
+of 5 passes each, the two taking turns, 2 torch threads. It is how `NATIVE_W4A16_ROWS` and the W8A8 row limits were
+chosen; docs/engine.md ("Prefetching the weight") has a run.
+
+    .venv/bin/python -m bench.quant_rows qwen2.5-3b w4a16 16,24,32,48,64    # from the repository root
+    .venv/bin/python -m bench.quant_rows qwen2.5-3b w8a8 4,8,12,16
+"""
+
+from __future__ import annotations
+
+import sys
+
+from bench.linear_rows import _best_alternating, decoder_projections
+
+SCHEMES = ("w4a16", "w8a8")
+
+
+def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from overlap.engine.model import native
+    from overlap.engine.model.quant.kernels import NativeW4A16, NativeW8A8
+    from overlap.engine.model.quant.weight import QuantizedWeight
+    from overlap.engine.model.shapes import shape_config
+
+    torch.set_num_threads(threads)
+    if native.quant_linear_kernel() is None:
+        sys.exit("no native quantized kernels (no C compiler)")
+    bits, group, act_bits, method = (4, 128, None, NativeW4A16) if scheme == "w4a16" else (8, None, 8, NativeW8A8)
+    methods = []
+    for name, n, k, copies in decoder_projections(shape_config(shape)):
+        g = group or k
+        for _ in range(copies):
+            codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8)
+            weight = QuantizedWeight(codes, torch.rand(n, k // g) * 0.01, torch.full((n, k // g), 2.0 ** (bits - 1)),
+                                     bits, g, name, act_bits=act_bits)  # fmt: skip
+            quantized = method(weight, torch.bfloat16)
+            if scheme == "w8a8":
+                quantized.rows_max = 0  # called as a method, it takes every row count to oneDNN's path
+            methods.append((quantized, k))
+        print(f"  {name}: {copies} x [{n}, {k}] made", file=sys.stderr)
+    kernel = methods[0][0].kernel
+    mb = sum(m.nbytes for m, _ in methods) / 1e6
+    above = "dequantized into oneDNN's matmul" if scheme == "w4a16" else "oneDNN's u8 x s8 matmul"
+    print(f"{shape} {scheme}, {mb:.0f} MB of codes and scales, {threads} threads, CPU {native.cpu_isa()}, "
+          f"{kernel.isa} kernel against {above}")  # fmt: skip
+
+    def native_run(x: dict) -> None:
+        for m, k in methods:
+            if scheme == "w4a16":
+                kernel.w4a16(x[k], m.codes, m.scale, m.offset, m.group)
+            else:
+                kernel.w8a8(x[k], m.weight, m.rowsum, m.scale)
+
+    def above_run(x: dict) -> None:
+        for m, k in methods:
+            if scheme == "w4a16":
+                F.linear(x[k], kernel.w4a16_dequantize(m.codes, m.scale, m.offset, m.bias, m.group, torch.bfloat16))
+            else:
+                m(x[k])
+
+    print("rows | above ms | native ms | native / above")
+    for rows in row_counts:
+        x = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in methods}}
+        above, ours = _best_alternating(lambda x=x: above_run(x), lambda x=x: native_run(x))
+        print(f"{rows:4d} | {1000 * above:8.1f} | {1000 * ours:9.1f} | {ours / above:.2f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[2] not in SCHEMES:
+        print(__doc__)
+        sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+    main(sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3].split(",")])
