@@ -52,9 +52,9 @@ class QuantMethod:
 
 
 # Rows up to which the native kernels beat the alternative for larger steps (dequantize into oneDNN's matmul for
-# W4A16, oneDNN's u8 x s8 matmul for W8A8), measured on real shapes' projections streamed from memory (docs/engine.md:
-# W4A16's kernel, since it prefetches the weight, up to 32 rows on a Zen 5 and the dequantized matmul ahead from 48).
-NATIVE_W4A16_ROWS = 32
+# W4A16, oneDNN's u8 x s8 matmul for W8A8), measured over real shapes' whole steps (`bench/quant_rows.py`,
+# docs/engine.md "Prefetching the weight").
+NATIVE_W4A16_ROWS = 16
 NATIVE_W8A8_ROWS = 16
 # W8A8 on an AVX-512 CPU that runs 512-bit instructions whole (Zen 5: `native.splits_512_bit_ops`), where oneDNN's
 # u8 x s8 matmul runs at twice Zen 4's rate: level with the kernel at 4-12 rows and ahead at 16 (docs/engine.md)
