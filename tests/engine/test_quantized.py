@@ -434,8 +434,8 @@ def test_unknown_or_unsupported_schemes_are_refused_by_name(qc, message):
 @pytest.mark.parametrize("march", [None, "x86-64-v3", "x86-64"], ids=["this-cpu", "avx2", "plain-c"])
 def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
     """quant_w4a16.c and quant_w8a8.c built for this CPU, for AVX2 and for plain C (every path this machine can
-    run): W4A16 (with zero points, 1 to 20 rows: row tiles of 8 and 4 and their remainders) and W8A8 (K with a
-    tail past 64)."""
+    run): W4A16 (with zero points, 1 to 20 rows: row tiles of 8 and 4 and their remainders) and W8A8 (N and K padded
+    in its packed layout, 1 to 84 rows, fp32 and bf16)."""
     from overlap.engine.model import native
     from overlap.engine.model.quant.kernels import nibbles, quantize_per_token
 
@@ -451,8 +451,9 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale, zero = torch.rand(n, k // group, generator=gen) * 0.01, torch.randint(0, 16, (n, k // group)).float()
     w4 = QuantizedWeight(codes, scale, zero, 4, group, "test").dequantize(torch.float32)
-    w8 = torch.randint(-128, 128, (n, k + 40), generator=gen, dtype=torch.int8)
+    w8 = torch.randint(-128, 128, (n, k + 40), generator=gen, dtype=torch.int8)  # N and K past a whole block
     w8_scale = torch.rand(n, generator=gen) * 0.01
+    packed8 = kernel.w8a8_pack(w8)
     offset = scale * zero
     for rows in (1, 3, 8, 13, 20):
         x = torch.randn(rows, k, generator=gen)
@@ -464,11 +465,16 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
             xb = x.bfloat16()
             got = kernel.w4a16(xb, nibbles(codes), s, s * (z + bias), bf16_group)
             torch.testing.assert_close(got, xb.float() @ w4.t(), atol=1e-3, rtol=1e-3)
-        x8 = torch.randn(rows, k + 40, generator=gen)
-        x_q, x_scale = quantize_per_token(x8)
-        want = (x_q.int() @ w8.int().t()).float() * x_scale * w8_scale
-        got = kernel.w8a8(x8, w8, w8.sum(1, dtype=torch.int32), w8_scale)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for x8 in (torch.randn(rows, k + 40, generator=gen), torch.randn(rows + 64, k + 40, generator=gen)):
+            x_q, x_scale = quantize_per_token(x8)  # past 8 rows: the inputs in chunks, the sums kept between them
+            sums = (x_q.int() @ w8.int().t()).float() * w8_scale
+            got = kernel.w8a8(x8, packed8, w8.sum(1, dtype=torch.int32), w8_scale)
+            torch.testing.assert_close(got, sums * x_scale, atol=1e-5, rtol=1e-5)
+            x_q, x_scale = quantize_per_token(x8.bfloat16().float())  # bf16 x read as it is, bf16 out rounded once
+            sums = (x_q.int() @ w8.int().t()).float() * w8_scale
+            got = kernel.w8a8(x8.bfloat16(), packed8, w8.sum(1, dtype=torch.int32), w8_scale, torch.bfloat16)
+            assert torch.equal(got, (sums * x_scale).bfloat16())
+        x8 = x8[:rows]
         # The larger steps' halves: x quantized as it comes (bf16 read without an fp32 copy), the sums scaled per row
         for x_in in (x8, x8.bfloat16()):
             codes8, scales8 = kernel.w8a8_quantize(x_in)

@@ -345,7 +345,7 @@ class PackedLinearKernel:
 
 
 class QuantLinearKernel:
-    """`quant_w4a16.c` and `quant_w8a8.c` loaded: W4A16 and W8A8 projections for 1-64 rows of fp32 x, and a
+    """`quant_w4a16.c` and `quant_w8a8.c` loaded: W4A16 projections for 1-64 rows of x, W8A8 ones for any number, and a
     W4A16 weight dequantized into a float buffer. `isa` says which path this CPU got: "AVX-512 VNNI", "AVX-512",
     "AVX2" or "C"."""
 
@@ -369,9 +369,15 @@ class QuantLinearKernel:
         self._w8a8_scale_rows = library.overlap_w8a8_scale_rows
         self._w8a8_scale_rows.restype = ctypes.c_int
         self._w8a8_scale_rows.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32]
-        self._w8a8 = library.overlap_w8a8_rows
+        self._w8a8_packed_size = library.overlap_w8a8_packed_size
+        self._w8a8_packed_size.restype = _i64
+        self._w8a8_packed_size.argtypes = [_i64, _i64]
+        self._w8a8_pack = library.overlap_w8a8_pack
+        self._w8a8_pack.restype = ctypes.c_int
+        self._w8a8_pack.argtypes = [_ptr, _i64, _i64, _ptr]
+        self._w8a8 = library.overlap_w8a8
         self._w8a8.restype = ctypes.c_int
-        self._w8a8.argtypes = [_ptr, _i64, _i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32]
+        self._w8a8.argtypes = [_ptr, _i64, _i32, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i32, _i32]
 
     def bf16_path(self, k: int, group: int) -> bool:
         """Whether bf16 x of this width and group runs through vdpbf16ps (AVX512-BF16), which wants
@@ -441,17 +447,32 @@ class QuantLinearKernel:
         _check(status == 0, "quantized linear: W8A8 scale arguments")
         return out
 
-    def w8a8(self, x: torch.Tensor, weight: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """x [rows, K], quantized to int8 per row inside, times int8 `weight` [N, K] with its int32 `rowsum` [N]
-        and fp32 `scale` [N]: a new fp32 [rows, N]."""
-        x = self._rows(x)
+    def w8a8_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """int8 `weight` [N, K] in the kernel's layout (quant_w8a8.c): a new flat int8 tensor, N padded to 16 and K
+        to 4 with zeros, the columns in blocks of 48 whose 4 inputs of 16 columns are one vpdpbusd operand."""
+        _check(weight.dim() == 2 and weight.dtype == torch.int8 and weight.is_contiguous(), "quantized linear: W8A8 "
+               "weight to pack")  # fmt: skip
         n, k = weight.shape
-        _check(x.shape[1] == k and weight.dtype == torch.int8 and weight.is_contiguous()
-               and rowsum.dtype == torch.int32 and scale.dtype == torch.float32 and rowsum.shape == scale.shape == (n,),
+        packed = torch.empty(self._w8a8_packed_size(n, k), dtype=torch.int8)
+        _check(self._w8a8_pack(weight.data_ptr(), n, k, packed.data_ptr()) == 0, "quantized linear: W8A8 pack")
+        return packed
+
+    def w8a8(self, x: torch.Tensor, packed: torch.Tensor, rowsum: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+        """x [rows, K] (fp32 or bf16, read as it is; any number of rows), quantized to int8 per row inside, times
+        the int8 weight packed by `w8a8_pack` [N, K], with its int32 `rowsum` [N] and fp32 `scale` [N]: a new
+        [rows, N] in `out_dtype` (fp32 or bf16)."""
+        _check(x.dim() == 2 and x.shape[0] >= 1, "quantized linear: x rows")
+        x = x.contiguous() if x.dtype == torch.bfloat16 else x.float().contiguous()
+        n, k = rowsum.shape[0], x.shape[1]
+        _check(packed.dtype == torch.int8 and packed.numel() == self._w8a8_packed_size(n, k)
+               and rowsum.dtype == torch.int32 and scale.dtype == torch.float32 and rowsum.shape == scale.shape == (n,)
+               and rowsum.is_contiguous() and scale.is_contiguous() and out_dtype in (torch.float32, torch.bfloat16),
                "quantized linear: W8A8 weight")  # fmt: skip
-        out = torch.empty(x.shape[0], n)
-        status = self._w8a8(x.data_ptr(), x.stride(0), x.shape[0], weight.data_ptr(), rowsum.data_ptr(),
-                            scale.data_ptr(), n, k, out.data_ptr(), n, torch.get_num_threads())  # fmt: skip
+        out = torch.empty(x.shape[0], n, dtype=out_dtype)
+        status = self._w8a8(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, x.shape[0], packed.data_ptr(),
+                            rowsum.data_ptr(), scale.data_ptr(), n, k, out.data_ptr(), out_dtype == torch.bfloat16,
+                            torch.get_num_threads())  # fmt: skip
         _check(status == 0, "quantized linear: W8A8 arguments the kernel does not take")
         return out
 

@@ -2,7 +2,7 @@
 #include "quant_linear.h"
 
 int overlap_quant_linear_isa(void) {
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return 3; /* AVX-512 with VNNI */
 #elif defined(__AVX512F__)
     return 2;
@@ -14,106 +14,224 @@ int overlap_quant_linear_isa(void) {
 }
 
 /* ---- W8A8 ------------------------------------------------------------------------------------------------------- */
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VNNI 1
 #else
 #define VNNI 0
 #endif
 
+/* The packed weight (overlap_w8a8_pack, once at load): N padded to 16 columns and K to 4 inputs with zeros, the
+ * columns in blocks of W8_BLOCK (the last one 16 or 32 wide), each block one contiguous run [K/4][width][4]: 4 inputs
+ * of 16 columns make the 64 bytes that one vpdpbusd multiplies by 4 bytes of x broadcast, so a tile of rows x columns
+ * keeps its sums in registers with no reduction at the end, and reads the weight front to back. */
+enum { W8_BLOCK = 48, W8_COLS = 16, W8_TILE_ROWS = 8 };
+
+static inline int64_t pad_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+static inline int32_t four_bytes(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+int64_t overlap_w8a8_packed_size(int64_t n, int64_t k) { return pad_to(n, W8_COLS) * pad_to(k, 4); }
+
+int overlap_w8a8_pack(const int8_t *w, int64_t n, int64_t k, int8_t *packed) {
+    if (n < 1 || k < 1) return -1;
+    const int64_t np = pad_to(n, W8_COLS), kp = pad_to(k, 4);
+    for (int64_t b = 0; b < np; b += W8_BLOCK) {
+        const int64_t width = np - b < W8_BLOCK ? np - b : W8_BLOCK;
+        int8_t *dst = packed + b * kp;
+        for (int64_t i = 0; i < kp; i += 4)
+            for (int64_t c = b; c < b + width; c++)
+                for (int64_t j = i; j < i + 4; j++) *dst++ = c < n && j < k ? w[c * k + j] : 0;
+    }
+    return 0;
+}
+
 #if VNNI
-enum { W8_TILE_N = 4, W8_TILE_R = 4 };
-
-static inline __mmask64 tail_mask(int64_t left) { return left >= 64 ? ~0ULL : (__mmask64)(~0ULL >> (64 - left)); }
-
-/* sum(xu * w) over k, xu = x + 128 as unsigned bytes (the caller takes 128 * sum(w) off). */
-static int32_t dot_u8(const int8_t *xu, const int8_t *w, int64_t k) {
-    __m512i acc = _mm512_setzero_si512();
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        PREFETCH_WEIGHT(w + i);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(xu + i), _mm512_loadu_si512(w + i));
-    }
-    if (i < k) {
-        const __mmask64 m = tail_mask(k - i); /* bytes past k are zero on both sides */
-        acc = _mm512_dpbusd_epi32(acc, _mm512_maskz_loadu_epi8(m, xu + i), _mm512_maskz_loadu_epi8(m, w + i));
-    }
-    return _mm512_reduce_add_epi32(acc);
-}
-
-/* 4 rows of x against 4 outputs: 16 accumulators in registers (named one by one: GCC keeps an array of them in
- * memory), each 64 bytes of x and of w loaded once for 4 vpdpbusd. */
-#define MASKED(p) _mm512_maskz_loadu_epi8(m, p)
-/* acc += x (unsigned bytes) . w (signed bytes), 4 at a time into each int32 lane. As inline assembly: GCC 12 keeps the
- * intrinsic's 16 accumulators in registers but copies each of them twice per step around the vpdpbusd, which halved
- * the kernel's rate. */
+/* acc += x (unsigned bytes) . w (signed bytes), 4 at a time into each int32 lane. As inline assembly: GCC 12 copies
+ * the intrinsic's accumulators around each vpdpbusd, which halved the rate. */
 #define DPBUSD(acc, x, w) __asm__("vpdpbusd %[wv], %[xv], %[a]" : [a] "+v"(acc) : [xv] "v"(x), [wv] "v"(w));
-#define W8_ROW(r, load)                                                                                               \
-    {                                                                                                                 \
-        const __m512i xv = load(xu + (r) * k + i);                                                                    \
-        DPBUSD(a##r##0, xv, w0) DPBUSD(a##r##1, xv, w1) DPBUSD(a##r##2, xv, w2) DPBUSD(a##r##3, xv, w3)               \
+
+/* fp32 to bf16, round to nearest even as torch's cast, NaN kept a NaN (vcvtneps2bf16 where AVX512-BF16 exists
+ * rounds alike; this runs on every VNNI CPU). */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* 16 columns of row r's sums, minus 128 * sum(w) (x + 128 was multiplied), times both scales, stored as fp32 or bf16;
+ * columns past N are not written. */
+static inline __attribute__((always_inline)) void w8_store(__m512i acc, int r, int c, const int32_t *rowsum,
+                                                           const float *w_scale, const float *x_scale,
+                                                           int64_t cols_left, void *out, int64_t n, int out_bf16) {
+    const int64_t left = cols_left - 16 * c;
+    if (left <= 0) return;
+    const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+    const __m512i off = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(m, rowsum + 16 * c), 7);
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)),
+                                                 _mm512_maskz_loadu_ps(m, w_scale + 16 * c)),
+                                   _mm512_set1_ps(x_scale[r]));
+    if (out_bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)out + r * n + 16 * c, m, bf16x16(y));
+    else
+        _mm512_mask_storeu_ps((float *)out + r * n + 16 * c, m, y);
+}
+
+/* Rows [R] x columns [NB * 16] of one block: R * NB sums in registers, each 64 bytes of weight loaded once for R
+ * vpdpbusd and each 4 bytes of x broadcast once for NB. R and NB are constants at every call, so the accumulators
+ * that are not used compile away (named one by one: GCC keeps an array of them in memory). With more rows than one
+ * tile, K goes in chunks (W8_CHUNK): every row tile takes a chunk while it is in L1, its sums kept in `partial`
+ * between chunks, so the weight streams from memory while all of them run. */
+#define W8_ACC(r) __m512i a##r##0 = _mm512_setzero_si512(), a##r##1 = a##r##0, a##r##2 = a##r##0;
+#define W8_DOT(r)                                                                                                     \
+    if (R > r) {                                                                                                      \
+        const __m512i xb = _mm512_set1_epi32(four_bytes(xq + r * kp + i));                                            \
+        DPBUSD(a##r##0, xb, w0)                                                                                       \
+        if (NB > 1) DPBUSD(a##r##1, xb, w1)                                                                           \
+        if (NB > 2) DPBUSD(a##r##2, xb, w2)                                                                           \
     }
-/* row r's 4 sums: lanes paired and added so that each 128-bit lane holds partial sums of outputs 0..3, then the
- * four 128-bit lanes added (14 operations for 4 sums, against 4 full reductions) */
 #define W8_OUT(r)                                                                                                     \
+    if (R > r) {                                                                                                      \
+        w8_store(a##r##0, r, 0, rowsum, w_scale, x_scale, cols_left, out, n, out_bf16);                               \
+        if (NB > 1) w8_store(a##r##1, r, 1, rowsum, w_scale, x_scale, cols_left, out, n, out_bf16);                   \
+        if (NB > 2) w8_store(a##r##2, r, 2, rowsum, w_scale, x_scale, cols_left, out, n, out_bf16);                   \
+    }
+#define W8_LOAD(r)                                                                                                    \
+    if (R > r) {                                                                                                      \
+        a##r##0 = _mm512_loadu_si512(partial + (r) * W8_BLOCK);                                                       \
+        if (NB > 1) a##r##1 = _mm512_loadu_si512(partial + (r) * W8_BLOCK + 16);                                      \
+        if (NB > 2) a##r##2 = _mm512_loadu_si512(partial + (r) * W8_BLOCK + 32);                                      \
+    }
+#define W8_SAVE(r)                                                                                                    \
+    if (R > r) {                                                                                                      \
+        _mm512_storeu_si512(partial + (r) * W8_BLOCK, a##r##0);                                                       \
+        if (NB > 1) _mm512_storeu_si512(partial + (r) * W8_BLOCK + 16, a##r##1);                                      \
+        if (NB > 2) _mm512_storeu_si512(partial + (r) * W8_BLOCK + 32, a##r##2);                                      \
+    }
+static inline __attribute__((always_inline)) void w8_tile(const uint8_t *xq, int64_t kp, const int8_t *block,
+                                                          int64_t width, int64_t i0, int64_t i1, int32_t *partial,
+                                                          const int32_t *rowsum, const float *w_scale,
+                                                          const float *x_scale, int64_t cols_left, void *out,
+                                                          int64_t n, int out_bf16, const int R, const int NB) {
+    W8_ACC(0) W8_ACC(1) W8_ACC(2) W8_ACC(3) W8_ACC(4) W8_ACC(5) W8_ACC(6) W8_ACC(7)
+    if (i0 > 0) {
+        W8_LOAD(0) W8_LOAD(1) W8_LOAD(2) W8_LOAD(3) W8_LOAD(4) W8_LOAD(5) W8_LOAD(6) W8_LOAD(7)
+    }
+    const int64_t step = width * 4;
+    for (int64_t i = i0; i < i1; i += 4) {
+        const int8_t *wk = block + (i / 4) * step;
+        PREFETCH_WEIGHT(wk);
+        if (NB > 1) PREFETCH_WEIGHT(wk + 64);
+        if (NB > 2) PREFETCH_WEIGHT(wk + 128);
+        const __m512i w0 = _mm512_loadu_si512(wk);
+        const __m512i w1 = NB > 1 ? _mm512_loadu_si512(wk + 64) : w0, w2 = NB > 2 ? _mm512_loadu_si512(wk + 128) : w0;
+        W8_DOT(0) W8_DOT(1) W8_DOT(2) W8_DOT(3) W8_DOT(4) W8_DOT(5) W8_DOT(6) W8_DOT(7)
+    }
+    if (i1 < kp) {
+        W8_SAVE(0) W8_SAVE(1) W8_SAVE(2) W8_SAVE(3) W8_SAVE(4) W8_SAVE(5) W8_SAVE(6) W8_SAVE(7)
+    } else {
+        W8_OUT(0) W8_OUT(1) W8_OUT(2) W8_OUT(3) W8_OUT(4) W8_OUT(5) W8_OUT(6) W8_OUT(7)
+    }
+}
+
+/* every row tile of one block against inputs [i0, i1): 8 rows at a time, then the 1-7 left */
+#define W8_ROWS(NB)                                                                                                   \
     {                                                                                                                 \
-        const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a##r##0, a##r##1),                                 \
-                                             _mm512_unpackhi_epi32(a##r##0, a##r##1));                                \
-        const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a##r##2, a##r##3),                                 \
-                                             _mm512_unpackhi_epi32(a##r##2, a##r##3));                                \
-        const __m512i s = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));       \
-        const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));               \
-        const __m128i q = _mm_sub_epi32(_mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)),    \
-                                        _mm_slli_epi32(_mm_loadu_si128((const __m128i *)rowsum), 7));                 \
-        const __m128 y = _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(q), _mm_set1_ps(x_scale[r])), _mm_loadu_ps(w_scale)); \
-        _mm_storeu_ps(out + (r) * out_stride, y);                                                                     \
+        int64_t r = 0;                                                                                                \
+        for (; r + W8_TILE_ROWS <= rows; r += W8_TILE_ROWS) W8_REST(W8_TILE_ROWS, NB)                                 \
+        switch (rows - r) {                                                                                           \
+        case 7: W8_REST(7, NB) break;                                                                                 \
+        case 6: W8_REST(6, NB) break;                                                                                 \
+        case 5: W8_REST(5, NB) break;                                                                                 \
+        case 4: W8_REST(4, NB) break;                                                                                 \
+        case 3: W8_REST(3, NB) break;                                                                                 \
+        case 2: W8_REST(2, NB) break;                                                                                 \
+        case 1: W8_REST(1, NB) break;                                                                                 \
+        default: break;                                                                                               \
+        }                                                                                                             \
     }
-static void w8_tile(const int8_t *xu, int64_t k, const int8_t *w, const int32_t *rowsum, const float *w_scale,
-                    const float *x_scale, float *out, int64_t out_stride) {
-    __m512i a00 = _mm512_setzero_si512(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    __m512i a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64) { /* plain loads: Zen 4 runs masked byte loads far slower */
-        PREFETCH_WEIGHT(w + i);
-        PREFETCH_WEIGHT(w + k + i);
-        PREFETCH_WEIGHT(w + 2 * k + i);
-        PREFETCH_WEIGHT(w + 3 * k + i);
-        const __m512i w0 = _mm512_loadu_si512(w + i), w1 = _mm512_loadu_si512(w + k + i);
-        const __m512i w2 = _mm512_loadu_si512(w + 2 * k + i), w3 = _mm512_loadu_si512(w + 3 * k + i);
-        W8_ROW(0, _mm512_loadu_si512) W8_ROW(1, _mm512_loadu_si512) W8_ROW(2, _mm512_loadu_si512)
-        W8_ROW(3, _mm512_loadu_si512)
+#define W8_REST(R, NB)                                                                                                \
+    w8_tile(xq + r * kp, kp, block, width, i0, i1, partial + r * W8_BLOCK, rowsum + b, w_scale + b, x_scale + r,      \
+            n - b, (char *)out + (r * n + b) * elem, n, out_bf16, R, NB);
+
+enum { W8_CHUNK = 512 }; /* inputs: 24 KB of a 48-column block */
+
+/* `partial`: [rows][W8_BLOCK] int32, the sums between chunks */
+static void w8_block(const uint8_t *xq, int64_t rows, int64_t kp, const int8_t *packed, const int32_t *rowsum,
+                     const float *w_scale, const float *x_scale, int64_t n, int64_t b, void *out, int out_bf16,
+                     int32_t *partial) {
+    const int64_t np = pad_to(n, W8_COLS), width = np - b < W8_BLOCK ? np - b : W8_BLOCK;
+    const int8_t *block = packed + b * kp;
+    const size_t elem = out_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t chunk = rows <= W8_TILE_ROWS ? kp : W8_CHUNK;
+    for (int64_t i0 = 0; i0 < kp; i0 += chunk) {
+        const int64_t i1 = i0 + chunk < kp ? i0 + chunk : kp;
+        if (width == 48)
+            W8_ROWS(3)
+        else if (width == 32)
+            W8_ROWS(2)
+        else
+            W8_ROWS(1)
     }
-    if (i < k) { /* the last bytes, past k zero on both sides */
-        const __mmask64 m = tail_mask(k - i);
-        const __m512i w0 = _mm512_maskz_loadu_epi8(m, w + i), w1 = _mm512_maskz_loadu_epi8(m, w + k + i);
-        const __m512i w2 = _mm512_maskz_loadu_epi8(m, w + 2 * k + i), w3 = _mm512_maskz_loadu_epi8(m, w + 3 * k + i);
-        W8_ROW(0, MASKED) W8_ROW(1, MASKED) W8_ROW(2, MASKED) W8_ROW(3, MASKED)
-    }
-    W8_OUT(0) W8_OUT(1) W8_OUT(2) W8_OUT(3)
 }
 #else
-static int32_t dot_s8(const int8_t *x, const int8_t *w, int64_t k) {
+/* Without VNNI (AVX2, or plain C): x's codes as signed bytes (no correction), one row at a time against the block's
+ * G groups of 4 columns (G a constant at each call: the sums stay in registers), the block read front to back. */
+static inline __attribute__((always_inline)) void w8_row(const int8_t *x, int64_t kp, const int8_t *block,
+                                                         int32_t *sums, const int G) {
+    const int64_t width = 4 * G;
 #if defined(__AVX2__)
-    __m256i acc = _mm256_setzero_si256();
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) { /* widened to int16: exact for every int8 pair, -128 included */
-        PREFETCH_WEIGHT(w + i);
-        const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i)));
-        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + i)));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(xv, wv));
+    /* 4 columns x 4 inputs widened to int16 times x's 4 inputs: 8 int32 lanes, two of each column */
+    __m256i acc[12];
+    for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_si256();
+    for (int64_t i = 0; i < kp; i += 4) {
+        const __m256i xv = _mm256_cvtepi8_epi16(_mm_set1_epi32(four_bytes(x + i)));
+        const int8_t *wk = block + i * width;
+        PREFETCH_WEIGHT(wk);
+        if (G > 4) PREFETCH_WEIGHT(wk + 64);
+        if (G > 8) PREFETCH_WEIGHT(wk + 128);
+        for (int g = 0; g < G; g++)
+            acc[g] = _mm256_add_epi32(
+                acc[g], _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * g))), xv));
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    int32_t total = _mm_cvtsi128_si32(s);
-    for (; i < k; i++) total += (int32_t)x[i] * w[i];
-    return total;
+    for (int g = 0; g < G; g++) {
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, acc[g]);
+        for (int q = 0; q < 4; q++) sums[4 * g + q] = lanes[2 * q] + lanes[2 * q + 1];
+    }
 #else
-    int32_t total = 0;
-    for (int64_t i = 0; i < k; i++) total += (int32_t)x[i] * w[i];
-    return total;
+    for (int64_t c = 0; c < width; c++) sums[c] = 0;
+    for (int64_t i = 0; i < kp; i += 4)
+        for (int64_t c = 0; c < width; c++)
+            for (int j = 0; j < 4; j++) sums[c] += (int32_t)x[i + j] * block[i * width + 4 * c + j];
 #endif
 }
 
+static void w8_block(const uint8_t *xq, int64_t rows, int64_t kp, const int8_t *packed, const int32_t *rowsum,
+                     const float *w_scale, const float *x_scale, int64_t n, int64_t b, void *out, int out_bf16,
+                     int32_t *partial) {
+    (void)rowsum;
+    (void)partial;
+    const int64_t np = pad_to(n, W8_COLS), width = np - b < W8_BLOCK ? np - b : W8_BLOCK;
+    const int8_t *block = packed + b * kp;
+    for (int64_t r = 0; r < rows; r++) {
+        const int8_t *x = (const int8_t *)xq + r * kp;
+        int32_t sums[W8_BLOCK];
+        if (width == 48)
+            w8_row(x, kp, block, sums, 12);
+        else if (width == 32)
+            w8_row(x, kp, block, sums, 8);
+        else
+            w8_row(x, kp, block, sums, 4);
+        for (int64_t c = 0; c < width && b + c < n; c++)
+            store(out, r * n + b + c, (float)sums[c] * w_scale[b + c] * x_scale[r], out_bf16);
+    }
+}
 #endif
 
 /* 16 inputs of x from index i as fp32: bf16 widens exactly (its bits are an fp32's top half). */
@@ -195,46 +313,54 @@ int overlap_w8a8_scale_rows(const float *sums, int64_t rows, int64_t n, const fl
     return 0;
 }
 
-/* out [rows][n] = x [rows][k] (fp32, quantized here per row) times the W8A8 weight. 0, or -1 for bad arguments. */
-int overlap_w8a8_rows(const float *x, int64_t x_stride, int rows, const int8_t *w, const int32_t *w_rowsum,
-                      const float *w_scale, int64_t n, int64_t k, float *out, int64_t out_stride, int threads) {
-    if (rows < 1 || rows > MAX_ROWS || k < 1 || k > MAX_K || n < 1 || threads < 1) return -1;
-    int8_t *xq = malloc((size_t)rows * k);
+/* out [rows][n] (fp32, or bf16 where out_bf16) = x [rows][k] (fp32, or bf16 where x_bf16), quantized here per row,
+ * times the packed weight (overlap_w8a8_pack) with its row sums and scales. Any number of rows: 1 for a decode step,
+ * thousands for a prefill; each thread a contiguous run of column blocks, every row tile against a block while it is
+ * in cache. 0, or -1 for bad arguments or no memory. */
+int overlap_w8a8(const void *x, int64_t x_stride, int x_bf16, int64_t rows, const int8_t *packed,
+                 const int32_t *rowsum, const float *w_scale, int64_t n, int64_t k, void *out, int out_bf16,
+                 int threads) {
+    if (rows < 1 || k < 1 || k > MAX_K || n < 1 || threads < 1) return -1;
+    const int64_t kp = pad_to(k, 4), blocks = (pad_to(n, W8_COLS) + W8_BLOCK - 1) / W8_BLOCK;
+    uint8_t *xq = malloc((size_t)(rows * kp));
     float *xs = malloc(sizeof(float) * rows);
     if (!xq || !xs) {
         free(xq);
         free(xs);
         return -1;
     }
-    /* On this thread: at most 64 rows, vectorized, cheaper than waking the team twice more for it (one parallel
-     * region a call keeps a step's barriers few when the engine's host thread shares the cores). */
-    for (int r = 0; r < rows; r++) quantize_row(x + r * x_stride, k, xq + r * k, xs + r, 0);
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    int failed = 0;
+    /* one parallel region a call: a step's barriers stay few when the engine's host thread shares the cores */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            int8_t *q = (int8_t *)xq + r * kp;
+            const void *row = (const char *)x + r * x_stride * elem;
+            if (x_bf16)
+                quantize_row(row, k, q, xs + r, 1);
+            else
+                quantize_row(row, k, q, xs + r, 0);
+            for (int64_t i = k; i < kp; i++) q[i] = 0; /* padding meets zero weights */
 #if VNNI
-    /* x + 128 as unsigned bytes, once for every output (dot_s8 and the tiles take 128 * sum(w) off after) */
-    for (int64_t i = 0; i < (int64_t)rows * k; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
-    const int64_t full = n / W8_TILE_N * W8_TILE_N;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < full; j += W8_TILE_N) {
-        int r = 0;
-        for (; r + W8_TILE_R <= rows; r += W8_TILE_R) w8_tile(xq + r * k, k, w + j * k, w_rowsum + j, w_scale + j, xs + r,
-                                                             out + r * out_stride + j, out_stride);
-        for (; r < rows; r++)
-            for (int jj = j; jj < j + W8_TILE_N; jj++)
-                out[r * out_stride + jj] =
-                    (float)(dot_u8(xq + r * k, w + jj * k, k) - 128 * w_rowsum[jj]) * xs[r] * w_scale[jj];
-    }
-    for (int64_t j = full; j < n; j++)
-        for (int r = 0; r < rows; r++)
-            out[r * out_stride + j] = (float)(dot_u8(xq + r * k, w + j * k, k) - 128 * w_rowsum[j]) * xs[r] * w_scale[j];
-#else
-    (void)w_rowsum;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *wj = w + j * k;
-        for (int r = 0; r < rows; r++) out[r * out_stride + j] = (float)dot_s8(xq + r * k, wj, k) * xs[r] * w_scale[j];
-    }
+            for (int64_t i = 0; i < kp; i++) xq[r * kp + i] ^= 0x80; /* x + 128 as unsigned bytes for vpdpbusd */
 #endif
+        }
+        int32_t *partial = rows > W8_TILE_ROWS ? malloc(sizeof(int32_t) * W8_BLOCK * rows) : NULL;
+        if (rows > W8_TILE_ROWS && !partial) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < blocks; blk++)
+                w8_block(xq, rows, kp, packed, rowsum, w_scale, xs, n, blk * W8_BLOCK, out, out_bf16, partial);
+        }
+        free(partial);
+    }
     free(xq);
     free(xs);
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -51,14 +51,12 @@ class QuantMethod:
         raise NotImplementedError
 
 
-# Rows up to which the native kernels beat the alternative for larger steps (dequantize into oneDNN's matmul for
-# W4A16, oneDNN's u8 x s8 matmul for W8A8), measured over real shapes' whole steps (`bench/quant_rows.py`,
-# docs/engine.md "Prefetching the weight").
+# Rows up to which the native kernel beats the alternative for larger steps (the weight dequantized into oneDNN's
+# matmul), measured over real shapes' whole steps (`bench/quant_rows.py`, docs/engine.md "Prefetching the weight").
 NATIVE_W4A16_ROWS = 16
-NATIVE_W8A8_ROWS = 16
-# W8A8 on an AVX-512 CPU that runs 512-bit instructions whole (Zen 5: `native.splits_512_bit_ops`), where oneDNN's
-# u8 x s8 matmul runs at twice Zen 4's rate: level with the kernel at 4-12 rows and ahead at 16 (docs/engine.md)
-NATIVE_W8A8_ROWS_WHOLE_512 = 4
+# W8A8 where the CPU has AMX: oneDNN's AMX-INT8 tiles serve larger steps (not measured here: no AMX machine had this
+# kernel; the limit is the one the dot-product kernel before it had there).
+AMX_ROWS = 16
 
 
 def nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -95,34 +93,33 @@ class NativeW4A16(QuantMethod):
 
 
 class NativeW8A8(QuantMethod):
-    """W8A8: x quantized per token by quant_w8a8.c (VNNI-free, vectorized), then, for decode-sized steps, its int8
-    kernel; for larger ones oneDNN's u8 x s8 matmul on the weight prepacked once (`torch.ops.onednn.qlinear_*`, VNNI
-    or AMX-INT8 as the CPU has), its int32 sums times both scales. The x scale goes in per row after oneDNN's call
-    (which takes one scale for all of x), so the numbers are compressed-tensors' per-token ones."""
+    """W8A8 through quant_w8a8.c: x quantized per token as compressed-tensors does, int8 x int8 sums in int32 (VNNI's
+    vpdpbusd, else widened multiply-adds), both scales applied in the same pass, for any number of rows, on the one
+    copy of the weight packed at load. Where the CPU has AMX, oneDNN's AMX-INT8 matmul serves the steps above
+    `AMX_ROWS` rows (prefill) from a second copy it prepacks, counted in `nbytes`; its x scale goes in per row after
+    the call (which takes one scale for all of x), so the numbers are the per-token ones there too."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.kernel = native.quant_linear_kernel()
-        self.weight = (weight.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
-        self.rowsum = self.weight.sum(dim=1, dtype=torch.int32)
+        signed = (weight.codes.contiguous() ^ 128).view(torch.int8)  # code - 128, stored as uint8 + 128
+        self.rowsum = signed.sum(dim=1, dtype=torch.int32)
         self.scale = weight.scale[:, 0].float().contiguous()
-        self.onednn = _onednn_int8(self.weight)
-        above = "oneDNN u8s8 matmul" if self.onednn is not None else "torch _int_mm"
-        whole_512 = self.kernel.isa.startswith("AVX-512") and not native.splits_512_bit_ops()
-        self.rows_max = NATIVE_W8A8_ROWS_WHOLE_512 if whole_512 and self.onednn is not None else NATIVE_W8A8_ROWS
-        self.name = f"W8A8 native {self.kernel.isa} kernel (<= {self.rows_max} rows; {above} above)"
-        self.nbytes = self.weight.numel() + 8 * self.scale.numel()
+        self.packed = self.kernel.w8a8_pack(signed)
+        self.onednn = _onednn_int8(signed) if native.cpu_isa().startswith("AMX") else None
+        self.rows_max = AMX_ROWS if self.onednn is not None else None
+        above = f" (<= {AMX_ROWS} rows; oneDNN AMX-INT8 matmul above)" if self.onednn is not None else ""
+        self.name = f"W8A8 native {self.kernel.isa} kernel{above}"
+        self.nbytes = self.packed.numel() * (2 if self.onednn is not None else 1) + 8 * self.scale.numel()
         self.zero_points = torch.zeros(self.scale.shape[0], dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.rows_max:
-            return self.kernel.w8a8(x, self.weight, self.rowsum, self.scale).to(x.dtype)
+        out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        if self.rows_max is None or x.shape[0] <= self.rows_max:
+            return self.kernel.w8a8(x, self.packed, self.rowsum, self.scale, out_dtype).to(x.dtype)
         codes, x_scale = self.kernel.w8a8_quantize(x)
-        if self.onednn is not None:
-            sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.onednn, self.scale, self.zero_points,
-                                                      None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
-            return self.kernel.w8a8_scale_rows(sums, x_scale, x.dtype)
-        x_q = (codes.to(torch.int16) - 128).to(torch.int8)
-        return (torch._int_mm(x_q, self.weight.t()) * x_scale * self.scale).to(x.dtype)
+        sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.onednn, self.scale, self.zero_points,
+                                                  None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
+        return self.kernel.w8a8_scale_rows(sums, x_scale, out_dtype).to(x.dtype)
 
 
 class ScaledMmFp8(QuantMethod):
