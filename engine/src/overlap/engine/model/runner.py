@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from overlap.engine import _malloc
 from overlap.engine.config import EngineConfig
 from overlap.engine.errors import ConfigError, ModelLoadError, RankLost
 from overlap.engine.model import graphs, native, sampler
@@ -118,6 +119,7 @@ class ModelRunner(Runner):
         except BaseException:  # the other ranks go too
             self.close()
             raise
+        _malloc.keep_freed_memory()  # the load's temporaries given back, then a step's buffers kept for the next
 
     def _build(self, config: EngineConfig, spec, device: torch.device, rank: int, native_ops: bool,
                random_weights: bool) -> None:  # fmt: skip
