@@ -7,8 +7,9 @@ On CPU (the runner's CPU paths), by what the weight is:
 - 8-bit codes, symmetric, one scale per row, 16-bit activations: torch's int8 weight-only kernel
   (`_weight_int8pack_mm`);
 - W8A8: activations quantized to int8 per token (scale = absmax / 127.5, as compressed-tensors computes it), an
-  int8 x int8 -> int32 matmul, then both scales: the native kernel (AVX-512 VNNI / AVX2 / C) for decode-sized steps,
-  oneDNN's u8 x s8 matmul on the prepacked weight (VNNI, AMX-INT8 where the CPU has it) for larger ones;
+  int8 x int8 -> int32 matmul, then both scales: the native kernel (AVX-512 VNNI / AVX2 / C) on the one copy of the
+  weight it packs at load, for every step size; where the CPU has AMX, oneDNN's AMX-INT8 matmul for steps above 16
+  rows, on a second copy it prepacks;
 - anything else: dequantized at load into a float weight that the float backend runs.
 
 FP8 weights on CPU are dequantized at load (no CPU has FP8 arithmetic; torch's CPU `_scaled_mm` is a slow reference),
