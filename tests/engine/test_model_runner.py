@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -350,3 +352,22 @@ def test_block_table_outside_the_pool_is_refused(runner):
     short = ScheduledSeq("b", list(range(3, 40)), 0, [1], True, GREEDY)  # 37 tokens need 3 blocks
     with pytest.raises(ValueError, match="block table covers"):
         runner.execute(ModelInput([short]))
+
+
+LOADED_MAPS = """
+import sys
+from pathlib import Path
+from overlap.engine.config import EngineConfig
+from overlap.engine.model.runner import ModelRunner
+runner = ModelRunner(EngineConfig(num_kv_blocks=16, max_seq_len=64), sys.argv[1])
+print(sum(sys.argv[1] in line for line in Path("/proc/self/maps").read_text().splitlines()))
+"""
+
+
+def test_the_loaded_runner_keeps_no_view_of_the_checkpoint_file(tiny_model_dir: Path):
+    """The weights are read through the file's mapping; a tensor kept as it was read would keep the whole file
+    mapped, and its pages resident beside the layers' own copies. In a process of its own: another test's runner on
+    the device-generic paths (F.linear on the checkpoint's tensors) may keep it mapped on purpose."""
+    folder = str(tiny_model_dir.resolve())
+    out = subprocess.run([sys.executable, "-c", LOADED_MAPS, folder], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == "0"

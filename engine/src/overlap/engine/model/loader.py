@@ -122,9 +122,11 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
 
     def take(name: str, shape: tuple[int, ...], rows: Ranges = None, cols: Ranges = None,
              out: torch.Tensor | None = None, index: tuple[slice, ...] | None = None,
-             raw: bool = False) -> torch.Tensor:  # fmt: skip
+             raw: bool = False, kept: bool = True) -> torch.Tensor:  # fmt: skip
         """The tensor `name` (its `rows` or `cols`, or the part `index` slices out) on the device in the model dtype
-        (`raw`: in the checkpoint's own); read into `out` if given."""
+        (`raw`: in the checkpoint's own); read into `out` if given. On CPU a tensor read as it is stored is a view of
+        the file's mapping, which stays mapped (and its pages resident) while one such view lives: so one that is
+        `kept` as it is (an embedding, a norm) is copied, and one the layers copy anyway (a projection) is not."""
         sl = slices.get(name)
         if sl is None:
             raise ModelLoadError(f"{model_dir}: weight {name!r} is missing")
@@ -134,7 +136,8 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         tensor = sl[index] if index is not None else _select(sl, rows, cols)
         if out is not None:
             return out.copy_(tensor)
-        return tensor.to(device=device) if raw else tensor.to(device=device, dtype=dtype)
+        converted = tensor.to(device=device) if raw else tensor.to(device=device, dtype=dtype)
+        return converted.clone() if kept and converted.data_ptr() == tensor.data_ptr() else converted
 
     fmt = spec.quantization
 
@@ -148,7 +151,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         """A projection's weight: read by the checkpoint's format where it quantizes `module`, else as a float."""
         weight = None if fmt is None or not fmt.quantizes(module) else fmt.read(fetch, module, *shape, model_dir)
         if weight is None:
-            return take(module + ".weight", shape, rows, cols)
+            return take(module + ".weight", shape, rows, cols, kept=False)
         if isinstance(weight, torch.Tensor):  # dequantized at load
             return _select(weight, rows, cols).to(device=device, dtype=dtype)
         if rows is not None:

@@ -91,7 +91,10 @@ class LlamaModel:
         self.spec = parts.spec
         self.attention = parts.attention
         w = parts.weights
-        self.layers = [self.layer_class(i, lw, parts) for i, lw in enumerate(w.layers)]
+        self.layers = []
+        for i, lw in enumerate(w.layers):
+            self.layers.append(self.layer_class(i, lw, parts))
+            w.layers[i] = None  # the layer holds what it uses (oneDNN's packed copies on CPU): the rest goes now
         self.rotaries = list(dict.fromkeys(layer.rotary for layer in self.layers))  # each one's rows once a step
         self.embed = w.embed
         self.norm = RMSNorm(w.norm, parts.spec.rms_norm_eps, parts.ops, parts.spec.norm_weight_offset,
