@@ -1,13 +1,15 @@
-"""The quantized projections of a whole decode step at R rows, each native kernel against what serves the rows above
-its limit, on the very same weights: W4A16's kernel (`quant_w4a16.c`) against the weight dequantized into oneDNN's
-matmul, and W8A8's kernel (`quant_w8a8.c`) against oneDNN's u8 x s8 matmul (x quantized per token, its scales applied
-after, as `NativeW8A8` does). Every decoder projection of a real shape's layers (each layer its own random codes, so
-they stream from memory as in a step; the LM head stays bf16 in these checkpoints and is left out), bf16 x, the best
-of 5 passes each, the two taking turns, 2 torch threads. It is how `NATIVE_W4A16_ROWS` and the W8A8 row limits were
-chosen; docs/engine.md ("Prefetching the weight") has a run.
+"""The quantized projections of a whole decode step at R rows, each native path against the alternative, on the very
+same weights: W4A16's row kernel and its tiles (`quant_w4a16.c`; the tiles with bf16 x on AVX512-BF16) against the
+weight dequantized into oneDNN's matmul, and W8A8's kernel (`quant_w8a8.c`) against oneDNN's u8 x s8 matmul on a copy
+of the weight prepacked here (x quantized per token, its scales applied after, as `NativeW8A8` does where the CPU has
+AMX). Every decoder projection of a real shape's layers (each layer its own random codes, so they stream from memory
+as in a step; the LM head stays bf16 in these checkpoints and is left out), bf16 x, the best of 5 passes each, all of
+them taking turns, 2 torch threads, glibc's malloc set as the engine sets it once a model is loaded. It is how the
+W4A16 row limits (`NATIVE_W4A16_ROWS`, `W4A16_ROW_KERNEL_ROWS`, `W4A16_TILES_ROWS`) were chosen; docs/engine.md
+("Prefetching the weight", "W4A16's tiles", "One packed copy of the W8A8 weight") has runs.
 
-    .venv/bin/python -m bench.quant_rows qwen2.5-3b w4a16 16,24,32,48,64    # from the repository root
-    .venv/bin/python -m bench.quant_rows qwen2.5-3b w8a8 4,8,12,16
+    .venv/bin/python -m bench.quant_rows qwen2.5-3b w4a16 4,6,8,16,64,256    # from the repository root
+    .venv/bin/python -m bench.quant_rows qwen2.5-3b w8a8 1,4,16,64
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
     import torch
     import torch.nn.functional as F
 
+    from overlap.engine import _malloc
     from overlap.engine.model import native
     from overlap.engine.model.quant.kernels import NativeW4A16, NativeW8A8
     from overlap.engine.model.quant.weight import QuantizedWeight
     from overlap.engine.model.shapes import shape_config
 
     torch.set_num_threads(threads)
+    _malloc.keep_freed_memory()  # as after a load: a step's freed buffers are reused, not faulted in again
     if native.quant_linear_kernel() is None:
         sys.exit("no native quantized kernels (no C compiler)")
     bits, group, act_bits, method = (4, 128, None, NativeW4A16) if scheme == "w4a16" else (8, None, 8, NativeW8A8)
@@ -46,32 +50,49 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
         print(f"  {name}: {copies} x [{n}, {k}] made", file=sys.stderr)
     kernel = methods[0][0].kernel
     mb = sum(m.nbytes for m, _ in methods) / 1e6
-    above = "dequantized into oneDNN's matmul" if scheme == "w4a16" else "oneDNN's u8 x s8 matmul"
     print(f"{shape} {scheme}, {mb:.0f} MB of codes and scales, {threads} threads, CPU {native.cpu_isa()}, "
-          f"{kernel.isa} kernel against {above}")  # fmt: skip
+          f"{kernel.isa} kernels")  # fmt: skip
 
-    def native_run(x: dict) -> None:
+    def dequantized(x: dict) -> None:
         for m, k in methods:
-            if scheme == "w4a16":
-                kernel.w4a16(x[k], m.codes, m.scale, m.offset, m.group)
-            else:
-                kernel.w8a8(x[k], m.packed, m.rowsum, m.scale, torch.bfloat16)
+            F.linear(x[k], kernel.w4a16_dequantize(m.codes, m.scale, m.offset, m.bias, m.group, torch.bfloat16))
 
-    def above_run(x: dict) -> None:
+    def row_kernel(x: dict) -> None:
         for m, k in methods:
-            if scheme == "w4a16":
-                F.linear(x[k], kernel.w4a16_dequantize(m.codes, m.scale, m.offset, m.bias, m.group, torch.bfloat16))
-            else:
-                codes, x_scale = kernel.w8a8_quantize(x[k])
-                sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, m.onednn, m.scale, m.zero_points, None, 1.0,
-                                                          0, torch.float32, "none", [], "")  # fmt: skip
-                kernel.w8a8_scale_rows(sums, x_scale, torch.bfloat16)
+            kernel.w4a16(x[k], m.codes, m.scale, m.offset, m.group)
 
-    print("rows | above ms | native ms | native / above")
+    def tiles(x: dict) -> None:
+        for m, k in methods:
+            kernel.w4a16_tiles(x[k], m.codes, m.scale, m.offset, m.group)
+
+    def onednn(x: dict) -> None:
+        for m, k in methods:
+            codes, x_scale = kernel.w8a8_quantize(x[k])
+            sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, m.onednn, m.scale, m.zero_points, None, 1.0,
+                                                      0, torch.float32, "none", [], "")  # fmt: skip
+            kernel.w8a8_scale_rows(sums, x_scale, torch.bfloat16)
+
+    def w8a8(x: dict) -> None:
+        for m, k in methods:
+            kernel.w8a8(x[k], m.packed, m.rowsum, m.scale, torch.bfloat16)
+
+    if scheme == "w8a8":
+        runs = {"oneDNN u8 x s8": onednn, "native": w8a8}
+    else:
+        runs = {"dequantized": dequantized, "row kernel": row_kernel}
+        if methods[0][0].tiles:
+            runs["tiles"] = tiles
+    names = list(runs)
+    print("rows | " + " | ".join(f"{name} ms" for name in names) + " | " + " | ".join(
+        f"{name} / {names[0]}" for name in names[1:]))  # fmt: skip
     for rows in row_counts:
         x = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in methods}}
-        above, ours = _best_alternating(lambda x=x: above_run(x), lambda x=x: native_run(x))
-        print(f"{rows:4d} | {1000 * above:8.1f} | {1000 * ours:9.1f} | {ours / above:.2f}")
+        # the row kernel takes at most 64 rows
+        chosen = [name for name in names if name != "row kernel" or rows <= kernel.MAX_ROWS]
+        best = dict(zip(chosen, _best_alternating(*[lambda f=runs[name], x=x: f(x) for name in chosen]), strict=True))
+        cells = [f"{1000 * best[name]:.1f}" if name in best else "-" for name in names]
+        ratios = [f"{best[name] / best[names[0]]:.2f}" if name in best else "-" for name in names[1:]]
+        print(f"{rows:4d} | " + " | ".join(cells) + " | " + " | ".join(ratios))
 
 
 if __name__ == "__main__":

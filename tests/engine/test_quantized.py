@@ -465,6 +465,13 @@ def test_the_native_kernels_of_every_instruction_set_equal_the_reference(march):
             xb = x.bfloat16()
             got = kernel.w4a16(xb, nibbles(codes), s, s * (z + bias), bf16_group)
             torch.testing.assert_close(got, xb.float() @ w4.t(), atol=1e-3, rtol=1e-3)
+            # the larger steps' tiles (AVX512-BF16 only): every row count, past 8 and 64 rows too, bf16 out
+            for xt in (xb, torch.randn(rows + 64, k, generator=gen).bfloat16()):
+                tiles = kernel.w4a16_tiles(xt, nibbles(codes), s, s * (z + 128.0), bf16_group)
+                assert (tiles is None) == (not bias)
+                if tiles is not None:
+                    want = xt.float() @ w4.t()
+                    torch.testing.assert_close(tiles.float(), want, atol=1e-3 * float(want.abs().max()), rtol=1e-2)
         for x8 in (torch.randn(rows, k + 40, generator=gen), torch.randn(rows + 64, k + 40, generator=gen)):
             x_q, x_scale = quantize_per_token(x8)  # past 8 rows: the inputs in chunks, the sums kept between them
             sums = (x_q.int() @ w8.int().t()).float() * w8_scale

@@ -363,6 +363,9 @@ class QuantLinearKernel:
         self._w4_dequantize = library.overlap_w4a16_dequantize
         self._w4_dequantize.restype = ctypes.c_int
         self._w4_dequantize.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _i64, _ptr, _i32, _i32]
+        self._w4_tiles = library.overlap_w4a16_tiles
+        self._w4_tiles.restype = ctypes.c_int
+        self._w4_tiles.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i32]
         self._w8a8_quantize = library.overlap_w8a8_quantize
         self._w8a8_quantize.restype = ctypes.c_int
         self._w8a8_quantize.argtypes = [_ptr, _i64, _i32, _i32, _i64, _ptr, _ptr, _i32]
@@ -420,6 +423,24 @@ class QuantLinearKernel:
         out = torch.empty(n, k, dtype=dtype)
         status = self._w4_dequantize(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), bias, n, k, group,
                                      out.data_ptr(), dtype == torch.bfloat16, torch.get_num_threads())  # fmt: skip
+        _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
+        return out
+
+    def w4a16_tiles(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                    group: int) -> torch.Tensor | None:  # fmt: skip
+        """bf16 x [rows, K] (any number of rows) times the weight of `codes`, `scale` and `offset` as `w4a16` takes
+        them on its bf16 path (offset = scale * (128 + zero)), the codes made bf16 a block at a time in cache: a new
+        bf16 [rows, N]; None where this CPU has no such path (no AVX512-BF16)."""
+        _check(x.dim() == 2 and x.shape[0] >= 1 and x.dtype == torch.bfloat16, "quantized linear: W4A16 x")
+        x = x.contiguous()
+        n, k = codes.shape[0], 2 * codes.shape[1]
+        self._check_w4(codes, scale, offset, group)
+        _check(x.shape[1] == k, "quantized linear: x width")
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        status = self._w4_tiles(x.data_ptr(), x.stride(0), x.shape[0], codes.data_ptr(), scale.data_ptr(),
+                                offset.data_ptr(), n, k, group, out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if status == -2:
+            return None
         _check(status == 0, "quantized linear: W4A16 arguments the kernel does not take")
         return out
 

@@ -303,3 +303,201 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
     }
     return 0;
 }
+
+/* ---- Larger steps: the codes of a block made bf16 in cache, then tiles of rows -----------------------------------
+ * For more rows than the kernel above serves, with bf16 x on AVX512-BF16. Per block of 48 outputs and chunk of its
+ * group (32, 64 or 128 inputs), the codes become the bf16 numbers 128 + code (exact, as the kernel above makes them:
+ * 0x4300 | code) in vdpbf16ps' operand layout, [inputs/2][48] pairs, gathered 4 bytes a column at a time; every tile
+ * of 8 rows then reads that from L1: each pair of x broadcast once for 48 outputs, each 64 bytes loaded once for 8
+ * rows, fp32 sums in registers. At the chunk's end scale * sums - offset * sum(x) goes into `total` (the chunk's
+ * group's scale and offset, as the kernel above applies them). The weight is read once a step and never written
+ * out as floats. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+enum { W4_BLOCK = 48, W4_TILE_ROWS = 8 };
+
+/* 16 bytes (a pair of inputs of 16 outputs each) as 16 dwords of two bf16 128 + code: 0x4300 | low nibble, then
+ * 0x4300 | high nibble */
+static inline __m512i w4_expand(__m128i bytes) {
+    const __m512i v = _mm512_cvtepu8_epi32(bytes);
+    return _mm512_ternarylogic_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
+                                     _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0xF0000)),
+                                     _mm512_set1_epi32(0x43004300), 0xFE); /* a | b | c */
+}
+
+/* The block's pairs [p0, p0 + pairs), pairs <= 64, as bf16 (128 + code) pairs into `tile` [pairs][3][16 dwords]:
+ * 64 bytes of each of 16 outputs loaded, transposed in registers (4 rounds of unpacks: after them register j's
+ * 128-bit lane l holds pair 16 l + j of the 16 outputs), then widened. Outputs past n read as zero. */
+static void w4_fill_tile(const uint8_t *codes, int64_t half_k, int64_t n, int64_t b, int64_t p0, int64_t pairs,
+                         __m512i *tile) {
+    const __mmask64 m = pairs >= 64 ? ~0ULL : (__mmask64)((1ULL << pairs) - 1);
+
+    for (int g = 0; g < W4_BLOCK / 16; g++) {
+        __m512i r[16], t[16];
+        for (int c = 0; c < 16; c++) {
+            const int64_t col = b + 16 * g + c;
+            if (col >= n) {
+                r[c] = _mm512_setzero_si512();
+                continue;
+            }
+            r[c] = _mm512_maskz_loadu_epi8(m, codes + col * half_k + p0);
+        }
+        for (int i = 0; i < 8; i++) {
+            t[2 * i] = _mm512_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 4; i++) {
+            r[4 * i] = _mm512_unpacklo_epi16(t[4 * i], t[4 * i + 2]);
+            r[4 * i + 1] = _mm512_unpackhi_epi16(t[4 * i], t[4 * i + 2]);
+            r[4 * i + 2] = _mm512_unpacklo_epi16(t[4 * i + 1], t[4 * i + 3]);
+            r[4 * i + 3] = _mm512_unpackhi_epi16(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for (int h = 0; h < 2; h++)
+            for (int q = 0; q < 4; q++) {
+                t[8 * h + 2 * q] = _mm512_unpacklo_epi32(r[8 * h + q], r[8 * h + 4 + q]);
+                t[8 * h + 2 * q + 1] = _mm512_unpackhi_epi32(r[8 * h + q], r[8 * h + 4 + q]);
+            }
+        for (int x = 0; x < 8; x++) {
+            r[2 * x] = _mm512_unpacklo_epi64(t[x], t[8 + x]);
+            r[2 * x + 1] = _mm512_unpackhi_epi64(t[x], t[8 + x]);
+        }
+        for (int j = 0; j < 16; j++) {
+            if (j < pairs) tile[j * 3 + g] = w4_expand(_mm512_castsi512_si128(r[j]));
+            if (16 + j < pairs) tile[(16 + j) * 3 + g] = w4_expand(_mm512_extracti32x4_epi32(r[j], 1));
+            if (32 + j < pairs) tile[(32 + j) * 3 + g] = w4_expand(_mm512_extracti32x4_epi32(r[j], 2));
+            if (48 + j < pairs) tile[(48 + j) * 3 + g] = w4_expand(_mm512_extracti32x4_epi32(r[j], 3));
+        }
+    }
+}
+
+#define W4_ACC(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0, a##r##2 = a##r##0;
+#define W4_DOT(r)                                                                                                     \
+    if (R > r) {                                                                                                      \
+        uint32_t pair;                                                                                                \
+        memcpy(&pair, x + (r) * x_stride + 2 * (p0 + p), sizeof pair);                                               \
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);                                                   \
+        a##r##0 = _mm512_dpbf16_ps(a##r##0, xb, (__m512bh)w0);                                                        \
+        a##r##1 = _mm512_dpbf16_ps(a##r##1, xb, (__m512bh)w1);                                                        \
+        a##r##2 = _mm512_dpbf16_ps(a##r##2, xb, (__m512bh)w2);                                                        \
+    }
+/* total = scale * sums - offset * sum(x) (+ total after the first chunk); out as bf16 after the last */
+#define W4_MERGE(r)                                                                                                   \
+    if (R > r) {                                                                                                      \
+        const __m512 xs = _mm512_set1_ps(xsum[(r) * chunks]);                                                         \
+        w4_merge(a##r##0, sc[0], of[0], xs, total + (r) * W4_BLOCK, first, last, out + (r) * n, cols_left);           \
+        w4_merge(a##r##1, sc[1], of[1], xs, total + (r) * W4_BLOCK + 16, first, last, out + (r) * n + 16,             \
+                 cols_left - 16);                                                                                     \
+        w4_merge(a##r##2, sc[2], of[2], xs, total + (r) * W4_BLOCK + 32, first, last, out + (r) * n + 32,             \
+                 cols_left - 32);                                                                                     \
+    }
+
+static inline void w4_merge(__m512 sums, __m512 scale, __m512 offset, __m512 xsum, float *total, int first, int last,
+                            uint16_t *out, int64_t left) {
+    __m512 t = _mm512_fnmadd_ps(offset, xsum, _mm512_mul_ps(scale, sums));
+    if (!first) t = _mm512_add_ps(t, _mm512_loadu_ps(total));
+    if (!last) {
+        _mm512_storeu_ps(total, t);
+    } else if (left > 0) { /* rounded to bf16 as torch's cast rounds; the columns past n left alone */
+        const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        _mm256_mask_storeu_epi16(out, m, (__m256i)_mm512_cvtneps_pbh(t));
+    }
+}
+
+static inline __attribute__((always_inline)) void w4_tile_rows(const uint16_t *x, int64_t x_stride, int64_t p0,
+                                                               int64_t pairs, const __m512i *tile, const float *xsum,
+                                                               int64_t chunks, const __m512 *sc, const __m512 *of,
+                                                               float *total, int first, int last, uint16_t *out,
+                                                               int64_t n, int64_t cols_left, const uint8_t *ahead,
+                                                               int64_t ahead_lines, const int R) {
+    W4_ACC(0) W4_ACC(1) W4_ACC(2) W4_ACC(3) W4_ACC(4) W4_ACC(5) W4_ACC(6) W4_ACC(7)
+    for (int64_t p = 0; p < pairs; p++) {
+        if (p < ahead_lines) __builtin_prefetch(ahead + 64 * p, 0, 0);
+        const __m512i w0 = tile[3 * p], w1 = tile[3 * p + 1], w2 = tile[3 * p + 2];
+        W4_DOT(0) W4_DOT(1) W4_DOT(2) W4_DOT(3) W4_DOT(4) W4_DOT(5) W4_DOT(6) W4_DOT(7)
+    }
+    W4_MERGE(0) W4_MERGE(1) W4_MERGE(2) W4_MERGE(3) W4_MERGE(4) W4_MERGE(5) W4_MERGE(6) W4_MERGE(7)
+}
+#endif
+
+/* out [rows][n] bf16 = x [rows][k] bf16 times the W4A16 weight of overlap_w4a16_rows' bf16-path arguments (offset =
+ * scale * (zero + 128)), for steps of many rows. 0; -1 for bad arguments or no memory; -2 where this CPU (no
+ * AVX512-BF16) has no such path: the caller dequantizes instead. */
+int overlap_w4a16_tiles(const uint16_t *x, int64_t x_stride, int64_t rows, const uint8_t *codes, const float *scale,
+                        const float *offset, int64_t n, int64_t k, int64_t group, uint16_t *out, int threads) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+    if (k % 32 || group % 32 || k % group || n < 1 || rows < 1 || threads < 1) return -1;
+    /* the scales' granularity: a divisor of both the group and the 128 inputs a tile holds */
+    const int64_t chunk = group % 128 == 0 ? 128 : group % 64 == 0 ? 64 : 32, chunks = k / chunk;
+    const int64_t blocks = (n + W4_BLOCK - 1) / W4_BLOCK, groups = k / group;
+    float *xsum = malloc(sizeof(float) * rows * chunks); /* sum(x) over each chunk of each row */
+    if (!xsum) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < chunks; c++) {
+                float t = 0.0f;
+                for (int64_t i = c * chunk; i < (c + 1) * chunk; i++) t += bf16_to_f32(x[r * x_stride + i]);
+                xsum[r * chunks + c] = t;
+            }
+        __m512i *tile = aligned_alloc(64, sizeof(__m512i) * 64 * 3);
+        float *total = malloc(sizeof(float) * W4_BLOCK * rows);
+        if (!tile || !total) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t b = blk * W4_BLOCK;
+                for (int64_t c = 0; c < chunks; c++) {
+                    const int64_t fill = 128 / chunk; /* chunks a tile holds: one fill of 128 inputs */
+                    if (c % fill == 0) {
+                        const int64_t left = k / 2 - c * chunk / 2;
+                        w4_fill_tile(codes, k / 2, n, b, c * chunk / 2, left < 64 ? left : 64, tile);
+                    }
+                    const __m512i *sub = tile + (c % fill) * (chunk / 2) * 3;
+                    float s[W4_BLOCK], o[W4_BLOCK];
+                    for (int j = 0; j < W4_BLOCK; j++) {
+                        const int64_t col = b + j < n ? b + j : n - 1, at = col * groups + c * chunk / group;
+                        s[j] = scale[at];
+                        o[j] = offset[at];
+                    }
+                    const __m512 sc[3] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), _mm512_loadu_ps(s + 32)};
+                    const __m512 of[3] = {_mm512_loadu_ps(o), _mm512_loadu_ps(o + 16), _mm512_loadu_ps(o + 32)};
+                    const int first = c == 0, last = c == chunks - 1;
+                    /* The block's codes are one run of 48 rows, read 64 bytes of each at a time: too many streams
+                     * for the hardware prefetchers. So the first row tile of each chunk asks for the chunk's share
+                     * of the next block's run, front to back, spread over its loop (none past n). */
+                    const int64_t share = (W4_BLOCK * 64) / (128 / chunk), from = (b + W4_BLOCK) * (k / 2) + c * share;
+                    const int64_t lines = from >= n * (k / 2) ? 0 : (n * (k / 2) - from < share ? n * (k / 2) - from : share) / 64;
+                    int64_t r = 0;
+#define W4_ROWS(R)                                                                                                    \
+    w4_tile_rows(x + r * x_stride, x_stride, c * chunk / 2, chunk / 2, sub, xsum + r * chunks + c, chunks, sc, of,     \
+                 total + r * W4_BLOCK, first, last, out + r * n + b, n, n - b, codes + from, r == 0 ? lines : 0, R);
+                    for (; r + W4_TILE_ROWS <= rows; r += W4_TILE_ROWS) W4_ROWS(W4_TILE_ROWS)
+                    switch (rows - r) {
+                    case 7: W4_ROWS(7) break;
+                    case 6: W4_ROWS(6) break;
+                    case 5: W4_ROWS(5) break;
+                    case 4: W4_ROWS(4) break;
+                    case 3: W4_ROWS(3) break;
+                    case 2: W4_ROWS(2) break;
+                    case 1: W4_ROWS(1) break;
+                    default: break;
+                    }
+                }
+            }
+        }
+        free(tile);
+        free(total);
+    }
+    free(xsum);
+    return failed ? -1 : 0;
+#else
+    (void)x, (void)x_stride, (void)rows, (void)codes, (void)scale, (void)offset, (void)n, (void)k, (void)group;
+    (void)out, (void)threads;
+    return -2;
+#endif
+}

@@ -1,8 +1,9 @@
 """The linear method a `QuantizedWeight` runs with, picked on this machine at load.
 
 On CPU (the runner's CPU paths), by what the weight is:
-- 4-bit codes in groups of a multiple of 32: the native kernel (`quant_w4a16.c`, AVX-512 / AVX2 / C as the CPU has)
-  for decode-sized steps, the weight dequantized into oneDNN's matmul for larger ones; without a C compiler, torch's
+- 4-bit codes in groups of a multiple of 32: the native row kernel (`quant_w4a16.c`, AVX-512 / AVX2 / C as the CPU
+  has) for decode-sized steps; with bf16 x on AVX512-BF16 its tiles for steps of 9-128 rows; the weight dequantized
+  into oneDNN's matmul for larger ones; without a C compiler, torch's
   int4 weight-only kernel (`_weight_int4pack_mm_for_cpu`), which dequantizes inside the matmul;
 - 8-bit codes, symmetric, one scale per row, 16-bit activations: torch's int8 weight-only kernel
   (`_weight_int8pack_mm`);
@@ -52,9 +53,12 @@ class QuantMethod:
         raise NotImplementedError
 
 
-# Rows up to which the native kernel beats the alternative for larger steps (the weight dequantized into oneDNN's
-# matmul), measured over real shapes' whole steps (`bench/quant_rows.py`, docs/engine.md "Prefetching the weight").
+# Rows up to which W4A16's row kernel beats the weight dequantized into oneDNN's matmul, and, with bf16 x on
+# AVX512-BF16, the rows its tiles serve, measured over real shapes' whole steps (`bench/quant_rows.py`,
+# docs/engine.md "Prefetching the weight" and "W4A16's tiles").
 NATIVE_W4A16_ROWS = 16
+W4A16_ROW_KERNEL_ROWS = 8
+W4A16_TILES_ROWS = 128
 # W8A8 where the CPU has AMX: oneDNN's AMX-INT8 tiles serve larger steps (not measured here: no AMX machine had this
 # kernel; the limit is the one the dot-product kernel before it had there).
 AMX_ROWS = 16
@@ -67,7 +71,9 @@ def nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 class NativeW4A16(QuantMethod):
-    """4-bit weights: decode-sized steps through quant_w4a16.c's kernel, half a byte read a weight; larger steps
+    """4-bit weights through quant_w4a16.c, half a byte read a weight. Decode-sized steps: its row kernel. With bf16
+    x on AVX512-BF16, steps above `W4A16_ROW_KERNEL_ROWS` up to `W4A16_TILES_ROWS`: its tiles, which make a block of
+    codes bf16 in cache for many rows at a time. Larger steps (and the other paths above `NATIVE_W4A16_ROWS`)
     dequantize the weight into a scratch matrix for oneDNN's matmul (compute-bound there)."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
@@ -76,7 +82,10 @@ class NativeW4A16(QuantMethod):
         # bf16 x through vdpbf16ps (AVX512-BF16): codes read as 128 + code, so the offset takes 128 more zero points
         self.bias = 128.0 if dtype == torch.bfloat16 and self.kernel.bf16_path(k, weight.group_size) else 0.0
         isa = "AVX512-BF16" if self.bias else self.kernel.isa.split()[0]
-        self.name = f"W4A16 native {isa} kernel (<= {NATIVE_W4A16_ROWS} rows; dequantized above)"
+        self.tiles = bool(self.bias)
+        rows = (f"<= {W4A16_ROW_KERNEL_ROWS} rows; tiles <= {W4A16_TILES_ROWS}" if self.tiles
+                else f"<= {NATIVE_W4A16_ROWS} rows")  # fmt: skip
+        self.name = f"W4A16 native {isa} kernel ({rows}; dequantized above)"
         self.codes = nibbles(weight.codes)
         self.scale = weight.scale.float().contiguous()
         self.offset = (self.scale * (weight.zero.float() + self.bias)).contiguous()
@@ -86,7 +95,12 @@ class NativeW4A16(QuantMethod):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        if x.shape[0] <= NATIVE_W4A16_ROWS:
+        rows = x.shape[0]
+        if self.tiles and x.dtype == torch.bfloat16 and W4A16_ROW_KERNEL_ROWS < rows <= W4A16_TILES_ROWS:
+            out = self.kernel.w4a16_tiles(x, self.codes, self.scale, self.offset, self.group)
+            if out is not None:
+                return out
+        if rows <= (W4A16_ROW_KERNEL_ROWS if self.tiles else NATIVE_W4A16_ROWS):
             return self.kernel.w4a16(x, self.codes, self.scale, self.offset, self.group).to(x.dtype)
         scratch = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         weight = self.kernel.w4a16_dequantize(self.codes, self.scale, self.offset, self.bias, self.group, scratch)
