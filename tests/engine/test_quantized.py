@@ -352,9 +352,14 @@ def test_each_cpu_kernel_computes_what_the_dequantized_weight_does(dtype, bits, 
     torch.testing.assert_close(got, want, atol=tolerance * float(want.abs().max()), rtol=tolerance)
 
 
-@pytest.mark.parametrize("rows", [3, 40, 300])  # the native kernel, torch._int_mm, the dequantized prefill
-def test_w8a8_takes_every_step_size_with_per_token_int8_activations(rows):
+@pytest.mark.parametrize("onednn", [False, True], ids=["native", "onednn-above-16"])
+@pytest.mark.parametrize("rows", [3, 40, 300])
+def test_w8a8_takes_every_step_size_with_per_token_int8_activations(rows, onednn, monkeypatch):
+    """The native kernel at every size; and where oneDNN keeps a copy for larger steps (AMX, or no VNNI), both."""
+    from overlap.engine.model.quant import kernels
     from overlap.engine.model.quant.kernels import NativeW8A8
+
+    monkeypatch.setattr(kernels, "_keeps_onednn", lambda kernel: onednn)
 
     gen = torch.Generator().manual_seed(8)
     n, k = 96, 320
@@ -363,7 +368,9 @@ def test_w8a8_takes_every_step_size_with_per_token_int8_activations(rows):
                              act_bits=8)  # fmt: skip
     x = torch.randn(rows, k, generator=gen)
     want = Int8DynamicReference(weight, torch.float32)(x)
-    torch.testing.assert_close(NativeW8A8(weight, torch.float32)(x), want, atol=1e-4, rtol=1e-4)
+    method = NativeW8A8(weight, torch.float32)
+    assert (method.onednn is not None) == onednn and method.nbytes >= (2 if onednn else 1) * n * k
+    torch.testing.assert_close(method(x), want, atol=1e-4, rtol=1e-4)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------

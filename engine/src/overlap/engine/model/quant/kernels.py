@@ -9,8 +9,8 @@ On CPU (the runner's CPU paths), by what the weight is:
   (`_weight_int8pack_mm`);
 - W8A8: activations quantized to int8 per token (scale = absmax / 127.5, as compressed-tensors computes it), an
   int8 x int8 -> int32 matmul, then both scales: the native kernel (AVX-512 VNNI / AVX2 / C) on the one copy of the
-  weight it packs at load, for every step size; where the CPU has AMX, oneDNN's AMX-INT8 matmul for steps above 16
-  rows, on a second copy it prepacks;
+  weight it packs at load, for every step size; where the CPU has AMX or no VNNI, oneDNN's u8 x s8 matmul for steps
+  above 16 rows, on a second copy it prepacks;
 - anything else: dequantized at load into a float weight that the float backend runs.
 
 FP8 weights on CPU are dequantized at load (no CPU has FP8 arithmetic; torch's CPU `_scaled_mm` is a slow reference),
@@ -59,9 +59,8 @@ class QuantMethod:
 NATIVE_W4A16_ROWS = 16
 W4A16_ROW_KERNEL_ROWS = 8
 W4A16_TILES_ROWS = 128
-# W8A8 where the CPU has AMX: oneDNN's AMX-INT8 tiles serve larger steps (not measured here: no AMX machine had this
-# kernel; the limit is the one the dot-product kernel before it had there).
-AMX_ROWS = 16
+# W8A8 where oneDNN keeps its own copy (`_keeps_onednn`): the rows above which it serves, as before the packed kernel
+ONEDNN_W8A8_ABOVE = 16
 
 
 def nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -110,9 +109,10 @@ class NativeW4A16(QuantMethod):
 class NativeW8A8(QuantMethod):
     """W8A8 through quant_w8a8.c: x quantized per token as compressed-tensors does, int8 x int8 sums in int32 (VNNI's
     vpdpbusd, else widened multiply-adds), both scales applied in the same pass, for any number of rows, on the one
-    copy of the weight packed at load. Where the CPU has AMX, oneDNN's AMX-INT8 matmul serves the steps above
-    `AMX_ROWS` rows (prefill) from a second copy it prepacks, counted in `nbytes`; its x scale goes in per row after
-    the call (which takes one scale for all of x), so the numbers are the per-token ones there too."""
+    copy of the weight packed at load. Where oneDNN's u8 x s8 matmul is faster for larger steps (`_keeps_onednn`: a
+    CPU with AMX-INT8, or one without VNNI, whose kernel widens to int16), it serves the steps above
+    `ONEDNN_W8A8_ABOVE` rows from a second copy it prepacks, counted in `nbytes`; x's scale goes in per row after the
+    call (which takes one scale for all of x), so the numbers are the per-token ones there too."""
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.kernel = native.quant_linear_kernel()
@@ -120,9 +120,9 @@ class NativeW8A8(QuantMethod):
         self.rowsum = signed.sum(dim=1, dtype=torch.int32)
         self.scale = weight.scale[:, 0].float().contiguous()
         self.packed = self.kernel.w8a8_pack(signed)
-        self.onednn = _onednn_int8(signed) if native.cpu_isa().startswith("AMX") else None
-        self.rows_max = AMX_ROWS if self.onednn is not None else None
-        above = f" (<= {AMX_ROWS} rows; oneDNN AMX-INT8 matmul above)" if self.onednn is not None else ""
+        self.onednn = _onednn_int8(signed) if _keeps_onednn(self.kernel) else None
+        self.rows_max = ONEDNN_W8A8_ABOVE if self.onednn is not None else None
+        above = f" (<= {ONEDNN_W8A8_ABOVE} rows; oneDNN u8s8 matmul above)" if self.onednn is not None else ""
         self.name = f"W8A8 native {self.kernel.isa} kernel{above}"
         self.nbytes = self.packed.numel() * (2 if self.onednn is not None else 1) + 8 * self.scale.numel()
         self.zero_points = torch.zeros(self.scale.shape[0], dtype=torch.int64)
@@ -167,6 +167,12 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """x [M, K] as float8_e4m3fn and an fp32 scale per row [M, 1]."""
     scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _keeps_onednn(kernel) -> bool:
+    """Whether oneDNN's u8 x s8 matmul serves W8A8's larger steps here: with AMX-INT8 (its tiles), or where the kernel
+    has no VNNI (AVX2 or C: at 64-256 rows it took 1.6-2.2x oneDNN's time, limited to AVX2, on the 0.5B shape)."""
+    return native.cpu_isa().startswith("AMX") or kernel.isa != "AVX-512 VNNI"
 
 
 def _onednn_int8(weight: torch.Tensor):
