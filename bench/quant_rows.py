@@ -1,10 +1,11 @@
 """The quantized projections of a whole decode step at R rows, each native path against the alternative, on the very
 same weights: W4A16's row kernel and its tiles (`quant_w4a16.c`; the tiles with bf16 x on AVX512-BF16) against the
 weight dequantized into oneDNN's matmul, and W8A8's kernel (`quant_w8a8.c`) against oneDNN's u8 x s8 matmul on a copy
-of the weight prepacked here (x quantized per token, its scales applied after, as `NativeW8A8` does where the CPU has
-AMX). Every decoder projection of a real shape's layers (each layer its own random codes, so they stream from memory
-as in a step; the LM head stays bf16 in these checkpoints and is left out), bf16 x, the best of 5 passes each, all of
-them taking turns, 2 torch threads, glibc's malloc set as the engine sets it once a model is loaded. It is how the
+of the weight prepacked here (x quantized per token, its scales applied after, as `NativeW8A8` does where oneDNN keeps
+a copy: AMX, or no VNNI). Every decoder projection of a real shape's layers (each layer its own random codes, so
+they stream from memory as in a step; the LM head stays bf16 in these checkpoints and is left out), bf16 x, the best
+of 5 passes each, all of them taking turns, 2 torch threads, glibc's malloc set as the engine sets it once a model
+is loaded. It is how the
 W4A16 row limits (`NATIVE_W4A16_ROWS`, `W4A16_ROW_KERNEL_ROWS`, `W4A16_TILES_ROWS`) were chosen; docs/engine.md
 ("Prefetching the weight", "W4A16's tiles", "One packed copy of the W8A8 weight") has runs.
 
