@@ -5,9 +5,8 @@ of the weight prepacked here (x quantized per token, its scales applied after, a
 a copy: AMX, or no VNNI). Every decoder projection of a real shape's layers (each layer its own random codes, so
 they stream from memory as in a step; the LM head stays bf16 in these checkpoints and is left out), bf16 x, the best
 of 5 passes each, all of them taking turns, 2 torch threads, glibc's malloc set as the engine sets it once a model
-is loaded. It is how the
-W4A16 row limits (`NATIVE_W4A16_ROWS`, `W4A16_ROW_KERNEL_ROWS`, `W4A16_TILES_ROWS`) were chosen; docs/engine.md
-("Prefetching the weight", "W4A16's tiles", "One packed copy of the W8A8 weight") has runs.
+is loaded. It is how the W4A16 row limits (`NATIVE_W4A16_ROWS`, `W4A16_ROW_KERNEL_ROWS`, `W4A16_TILES_ROWS`) were
+chosen; docs/engine.md ("Prefetching the weight", "W4A16's tiles", "One packed copy of the W8A8 weight") has runs.
 
     .venv/bin/python -m bench.quant_rows qwen2.5-3b w4a16 4,6,8,16,64,256    # from the repository root
     .venv/bin/python -m bench.quant_rows qwen2.5-3b w8a8 1,4,16,64
