@@ -27,7 +27,7 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
 
     from overlap.engine import _malloc
     from overlap.engine.model import native
-    from overlap.engine.model.quant.kernels import NativeW4A16, NativeW8A8
+    from overlap.engine.model.quant.kernels import NativeW4A16, NativeW8A8, onednn_int8, signed_int8
     from overlap.engine.model.quant.weight import QuantizedWeight
     from overlap.engine.model.shapes import shape_config
 
@@ -45,7 +45,7 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
                                      bits, g, name, act_bits=act_bits)  # fmt: skip
             quantized = method(weight, torch.bfloat16)
             if scheme == "w8a8":  # what it is measured against: the same weight prepacked for oneDNN
-                quantized.onednn = torch.ops.onednn.qlinear_prepack((codes.to(torch.int16) - 128).to(torch.int8), None)
+                quantized.onednn = onednn_int8(signed_int8(codes))
             methods.append((quantized, k))
         print(f"  {name}: {copies} x [{n}, {k}] made", file=sys.stderr)
     kernel = methods[0][0].kernel
@@ -67,10 +67,7 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
 
     def onednn(x: dict) -> None:
         for m, k in methods:
-            codes, x_scale = kernel.w8a8_quantize(x[k])
-            sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, m.onednn, m.scale, m.zero_points, None, 1.0,
-                                                      0, torch.float32, "none", [], "")  # fmt: skip
-            kernel.w8a8_scale_rows(sums, x_scale, torch.bfloat16)
+            m.onednn_matmul(x[k], torch.bfloat16)
 
     def w8a8(x: dict) -> None:
         for m, k in methods:

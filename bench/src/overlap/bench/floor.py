@@ -68,7 +68,7 @@ def cpu_int8_matmul_peak(rounds: int = 5) -> float:
     no int8 matmul runs here."""
     import torch
 
-    from overlap.engine.model.quant.kernels import NativeW8A8, quantized_method
+    from overlap.engine.model.quant.kernels import NativeW8A8, onednn_int8, quantized_method, signed_int8
     from overlap.engine.model.quant.weight import WeightScheme, random_quantized
 
     rows, width = 256, 2048
@@ -78,20 +78,11 @@ def cpu_int8_matmul_peak(rounds: int = 5) -> float:
     if not isinstance(method, NativeW8A8):
         return 0.0
     x = torch.randn(rows, width).bfloat16()
-    runs = [method]
-    try:
-        onednn = torch.ops.onednn.qlinear_prepack((weight.codes.to(torch.int16) - 128).to(torch.int8), None)
-        zero_points = torch.zeros(width, dtype=torch.int64)
-
-        def onednn_matmul(x: torch.Tensor) -> torch.Tensor:
-            codes, x_scale = method.kernel.w8a8_quantize(x)
-            sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, onednn, method.scale, zero_points, None, 1.0,
-                                                      0, torch.float32, "none", [], "")  # fmt: skip
-            return method.kernel.w8a8_scale_rows(sums, x_scale, x.dtype)
-
-        runs.append(onednn_matmul)
-    except (AttributeError, RuntimeError):  # a torch build without oneDNN's int8 ops
-        pass
+    runs = [lambda x: method.kernel.w8a8(x, method.packed, method.rowsum, method.scale, x.dtype)]
+    if method.onednn is None:  # where the kernel serves every size, oneDNN on a copy of its own
+        method.onednn = onednn_int8(signed_int8(weight.codes))
+    if method.onednn is not None:  # None: a torch build without oneDNN's int8 ops
+        runs.append(lambda x: method.onednn_matmul(x, x.dtype))
     best = float("inf")
     with torch.inference_mode():
         for run in runs:

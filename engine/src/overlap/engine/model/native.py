@@ -585,6 +585,7 @@ def _build(name: str, source_paths: list[Path], flags: list[str]) -> Path:
     return target
 
 
+@functools.cache  # read once: every W8A8 projection asks at load (quant/kernels.py)
 def cpu_isa() -> str:
     """The widest matrix/vector instructions this CPU offers the kernels, in one word (from /proc/cpuinfo's flags)."""
     try:
@@ -600,7 +601,7 @@ def cpu_isa() -> str:
     return "SSE"
 
 
-@functools.cache  # read once: every W8A8 projection asks at load
+@functools.cache  # /proc/cpuinfo read once
 def splits_512_bit_ops(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     """Whether this CPU runs each 512-bit vector instruction as two 256-bit halves: AMD's Zen 4 (family 25 with
     AVX-512) does; Zen 5 and Intel's AVX-512 cores run them whole."""

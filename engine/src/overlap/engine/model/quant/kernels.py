@@ -116,11 +116,11 @@ class NativeW8A8(QuantMethod):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.kernel = native.quant_linear_kernel()
-        signed = (weight.codes.contiguous() ^ 128).view(torch.int8)  # code - 128, stored as uint8 + 128
+        signed = signed_int8(weight.codes)
         self.rowsum = signed.sum(dim=1, dtype=torch.int32)
         self.scale = weight.scale[:, 0].float().contiguous()
         self.packed = self.kernel.w8a8_pack(signed)
-        self.onednn = _onednn_int8(signed) if _keeps_onednn(self.kernel) else None
+        self.onednn = onednn_int8(signed) if _keeps_onednn(self.kernel) else None
         self.rows_max = ONEDNN_W8A8_ABOVE if self.onednn is not None else None
         above = f" (<= {ONEDNN_W8A8_ABOVE} rows; oneDNN u8s8 matmul above)" if self.onednn is not None else ""
         self.name = f"W8A8 native {self.kernel.isa} kernel{above}"
@@ -131,10 +131,15 @@ class NativeW8A8(QuantMethod):
         out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         if self.rows_max is None or x.shape[0] <= self.rows_max:
             return self.kernel.w8a8(x, self.packed, self.rowsum, self.scale, out_dtype).to(x.dtype)
+        return self.onednn_matmul(x, out_dtype).to(x.dtype)
+
+    def onednn_matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x through oneDNN's u8 x s8 matmul on `self.onednn` (`onednn_int8` of this weight): x quantized per token
+        by quant_w8a8.c, then its scales applied per row to the fp32 sums, rounded once to `out_dtype`."""
         codes, x_scale = self.kernel.w8a8_quantize(x)
         sums = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 128, self.onednn, self.scale, self.zero_points,
                                                   None, 1.0, 0, torch.float32, "none", [], "")  # fmt: skip
-        return self.kernel.w8a8_scale_rows(sums, x_scale, out_dtype).to(x.dtype)
+        return self.kernel.w8a8_scale_rows(sums, x_scale, out_dtype)
 
 
 class ScaledMmFp8(QuantMethod):
@@ -175,7 +180,13 @@ def _keeps_onednn(kernel) -> bool:
     return native.cpu_isa().startswith("AMX") or kernel.isa != "AVX-512 VNNI"
 
 
-def _onednn_int8(weight: torch.Tensor):
+def signed_int8(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes stored as uint8 (code + 128, as `QuantizedWeight` holds a symmetric int8 weight) as the int8
+    code itself: the sign bit flipped, the same bytes read as int8."""
+    return (codes.contiguous() ^ 128).view(torch.int8)
+
+
+def onednn_int8(weight: torch.Tensor):
     """The int8 weight prepacked for oneDNN's u8 x s8 matmul, or None where this torch build lacks it."""
     try:
         return torch.ops.onednn.qlinear_prepack(weight, None)
@@ -205,7 +216,7 @@ class Int8WeightOnly(QuantMethod):
     name = "int8 weight-only (torch int8pack)"
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
-        self.weight = (weight.codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        self.weight = signed_int8(weight.codes)
         self.scale = weight.scale[:, 0].to(dtype).contiguous()
         self.perm = weight.perm
         self.nbytes = self.weight.numel() + self.scale.numel() * self.scale.element_size()
@@ -222,7 +233,7 @@ class Int8Dynamic(QuantMethod):
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         self.min_rows = 17 if weight.device.type == "cuda" else 1
-        self.weight_t = (weight.codes.to(torch.int16) - 128).to(torch.int8).t().contiguous()  # [K, N]
+        self.weight_t = signed_int8(weight.codes).t().contiguous()  # [K, N]
         self.scale = weight.scale[:, 0].float().contiguous()
         self.nbytes = self.weight_t.numel() + 4 * self.scale.numel()
 
