@@ -254,7 +254,6 @@ int overlap_w4a16_rows(const void *x, int64_t x_stride, int x_bf16, int rows, co
     return 0;
 }
 
-
 /* The W4A16 weight as floats [n][k]: fp32 (bf16 == 0) or bf16 (bf16 == 1), for a matmul that takes many rows;
  * W = (code + bias) * scale - offset, with overlap_w4a16_rows' offset and bias 128 where it is the bf16 path's. */
 int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const float *offset, float bias, int64_t n,
@@ -307,21 +306,21 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
 /* ---- Larger steps: the codes of a block made bf16 in cache, then tiles of rows -----------------------------------
  * For more rows than the kernel above serves, with bf16 x on AVX512-BF16. Per block of 48 outputs and chunk of its
  * group (32, 64 or 128 inputs), the codes become the bf16 numbers 128 + code (exact, as the kernel above makes them:
- * 0x4300 | code) in vdpbf16ps' operand layout, [inputs/2][48] pairs, gathered 4 bytes a column at a time; every tile
- * of 8 rows then reads that from L1: each pair of x broadcast once for 48 outputs, each 64 bytes loaded once for 8
- * rows, fp32 sums in registers. At the chunk's end scale * sums - offset * sum(x) goes into `total` (the chunk's
+ * 0x4300 | code) in vdpbf16ps' operand layout, [inputs/2][48] pairs, 64 bytes of 16 outputs transposed at a time;
+ * every tile of 8 rows then reads that from L1: each pair of x broadcast once for 48 outputs, each 64 bytes loaded
+ * once for 8 rows, fp32 sums in registers. At the chunk's end scale * sums - offset * sum(x) goes into `total` (the chunk's
  * group's scale and offset, as the kernel above applies them). The weight is read once a step and never written
  * out as floats. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 enum { W4_BLOCK = 48, W4_TILE_ROWS = 8 };
 
 /* 16 bytes (a pair of inputs of 16 outputs each) as 16 dwords of two bf16 128 + code: 0x4300 | low nibble, then
- * 0x4300 | high nibble */
+ * 0x4300 | high nibble. The byte copied 12 bits up puts its high nibble at bits 16-19, and the row kernel's
+ * (w & 0x000F000F) | 0x43004300 does the rest. */
 static inline __m512i w4_expand(__m128i bytes) {
     const __m512i v = _mm512_cvtepu8_epi32(bytes);
-    return _mm512_ternarylogic_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF)),
-                                     _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0xF0000)),
-                                     _mm512_set1_epi32(0x43004300), 0xFE); /* a | b | c */
+    return _mm512_ternarylogic_epi32(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), _mm512_set1_epi32(0x000F000F),
+                                     _mm512_set1_epi32(0x43004300), 0xEA); /* (a & b) | c */
 }
 
 /* The block's pairs [p0, p0 + pairs), pairs <= 64, as bf16 (128 + code) pairs into `tile` [pairs][3][16 dwords]:
@@ -330,7 +329,6 @@ static inline __m512i w4_expand(__m128i bytes) {
 static void w4_fill_tile(const uint8_t *codes, int64_t half_k, int64_t n, int64_t b, int64_t p0, int64_t pairs,
                          __m512i *tile) {
     const __mmask64 m = pairs >= 64 ? ~0ULL : (__mmask64)((1ULL << pairs) - 1);
-
     for (int g = 0; g < W4_BLOCK / 16; g++) {
         __m512i r[16], t[16];
         for (int c = 0; c < 16; c++) {
@@ -427,7 +425,8 @@ int overlap_w4a16_tiles(const uint16_t *x, int64_t x_stride, int64_t rows, const
     if (k % 32 || group % 32 || k % group || n < 1 || rows < 1 || threads < 1) return -1;
     /* the scales' granularity: a divisor of both the group and the 128 inputs a tile holds */
     const int64_t chunk = group % 128 == 0 ? 128 : group % 64 == 0 ? 64 : 32, chunks = k / chunk;
-    const int64_t blocks = (n + W4_BLOCK - 1) / W4_BLOCK, groups = k / group;
+    const int64_t blocks = (n + W4_BLOCK - 1) / W4_BLOCK, groups = k / group, half_k = k / 2;
+    const int64_t fill = 128 / chunk; /* chunks a tile holds: one fill of 128 inputs */
     float *xsum = malloc(sizeof(float) * rows * chunks); /* sum(x) over each chunk of each row */
     if (!xsum) return -1;
     int failed = 0;
@@ -452,10 +451,9 @@ int overlap_w4a16_tiles(const uint16_t *x, int64_t x_stride, int64_t rows, const
             for (int64_t blk = 0; blk < blocks; blk++) {
                 const int64_t b = blk * W4_BLOCK;
                 for (int64_t c = 0; c < chunks; c++) {
-                    const int64_t fill = 128 / chunk; /* chunks a tile holds: one fill of 128 inputs */
                     if (c % fill == 0) {
-                        const int64_t left = k / 2 - c * chunk / 2;
-                        w4_fill_tile(codes, k / 2, n, b, c * chunk / 2, left < 64 ? left : 64, tile);
+                        const int64_t left = half_k - c * chunk / 2;
+                        w4_fill_tile(codes, half_k, n, b, c * chunk / 2, left < 64 ? left : 64, tile);
                     }
                     const __m512i *sub = tile + (c % fill) * (chunk / 2) * 3;
                     float s[W4_BLOCK], o[W4_BLOCK];
@@ -470,8 +468,8 @@ int overlap_w4a16_tiles(const uint16_t *x, int64_t x_stride, int64_t rows, const
                     /* The block's codes are one run of 48 rows, read 64 bytes of each at a time: too many streams
                      * for the hardware prefetchers. So the first row tile of each chunk asks for the chunk's share
                      * of the next block's run, front to back, spread over its loop (none past n). */
-                    const int64_t share = (W4_BLOCK * 64) / (128 / chunk), from = (b + W4_BLOCK) * (k / 2) + c * share;
-                    const int64_t lines = from >= n * (k / 2) ? 0 : (n * (k / 2) - from < share ? n * (k / 2) - from : share) / 64;
+                    const int64_t share = W4_BLOCK * 64 / fill, from = (b + W4_BLOCK) * half_k + c * share;
+                    const int64_t left = n * half_k - from, lines = left <= 0 ? 0 : (left < share ? left : share) / 64;
                     int64_t r = 0;
 #define W4_ROWS(R)                                                                                                    \
     w4_tile_rows(x + r * x_stride, x_stride, c * chunk / 2, chunk / 2, sub, xsum + r * chunks + c, chunks, sc, of,     \

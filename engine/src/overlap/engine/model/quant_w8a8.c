@@ -60,7 +60,8 @@ static inline __m256i bf16x16(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
@@ -122,9 +123,8 @@ static inline __attribute__((always_inline)) void w8_tile(const uint8_t *xq, int
     if (i0 > 0) {
         W8_LOAD(0) W8_LOAD(1) W8_LOAD(2) W8_LOAD(3) W8_LOAD(4) W8_LOAD(5) W8_LOAD(6) W8_LOAD(7)
     }
-    const int64_t step = width * 4;
     for (int64_t i = i0; i < i1; i += 4) {
-        const int8_t *wk = block + (i / 4) * step;
+        const int8_t *wk = block + i * width; /* inputs i .. i + 3 of the block's columns */
         PREFETCH_WEIGHT(wk);
         if (NB > 1) PREFETCH_WEIGHT(wk + 64);
         if (NB > 2) PREFETCH_WEIGHT(wk + 128);
