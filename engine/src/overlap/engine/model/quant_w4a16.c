@@ -308,9 +308,9 @@ int overlap_w4a16_dequantize(const uint8_t *codes, const float *scale, const flo
  * group (32, 64 or 128 inputs), the codes become the bf16 numbers 128 + code (exact, as the kernel above makes them:
  * 0x4300 | code) in vdpbf16ps' operand layout, [inputs/2][48] pairs, 64 bytes of 16 outputs transposed at a time;
  * every tile of 8 rows then reads that from L1: each pair of x broadcast once for 48 outputs, each 64 bytes loaded
- * once for 8 rows, fp32 sums in registers. At the chunk's end scale * sums - offset * sum(x) goes into `total` (the chunk's
- * group's scale and offset, as the kernel above applies them). The weight is read once a step and never written
- * out as floats. */
+ * once for 8 rows, fp32 sums in registers. At the chunk's end scale * sums - offset * sum(x) goes into `total`
+ * (the chunk's group's scale and offset, as the kernel above applies them). The weight is read once a step and never
+ * written out as floats. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 enum { W4_BLOCK = 48, W4_TILE_ROWS = 8 };
 
