@@ -28,7 +28,13 @@ import subprocess
 import sys
 import time
 
-from overlap.bench.floor import cpu_matmul_peak, cpu_read_bandwidth, decode_floor_bytes, decode_flops
+from overlap.bench.floor import (
+    cpu_int8_matmul_peak,
+    cpu_matmul_peak,
+    cpu_read_bandwidth,
+    decode_compute_floor,
+    decode_floor_bytes,
+)
 from overlap.bench.model_args import add_model_arguments, model_folder
 from overlap.engine.config import CPU_STEP_PLANS
 
@@ -90,11 +96,15 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     bench.bandwidth = cpu_read_bandwidth()
     bench.peak = cpu_matmul_peak(getattr(torch, args.dtype))
+    # W8A8's projections run at the int8 instruction's rate: their floor is taken at its measured peak
+    bench.int8_peak = cpu_int8_matmul_peak() if args.quantization == "w8a8" else 0.0
+    int8 = f", int8 matmul peak {bench.int8_peak / 1e9:.0f} GOP/s" if bench.int8_peak else ""
     _progress(f"memory read bandwidth {bench.bandwidth / 1e9:.1f} GB/s, {args.dtype} matmul peak "
-              f"{bench.peak / 1e9:.0f} GFLOP/s ({args.threads} threads)")  # fmt: skip
+              f"{bench.peak / 1e9:.0f} GFLOP/s{int8} ({args.threads} threads)")  # fmt: skip
     results = {"setup": {**plan, "model": model_dir, "model_shape": args.model_shape, "dtype": args.dtype,
                          "threads": args.threads, "read_bandwidth_gb_s": bench.bandwidth / 1e9,
-                         "matmul_peak_gflop_s": bench.peak / 1e9}}  # fmt: skip
+                         "matmul_peak_gflop_s": bench.peak / 1e9,
+                         "int8_peak_gop_s": bench.int8_peak / 1e9}}  # fmt: skip
     results["startup"] = bench.startup()
     results["setup"]["kernels"] = results["startup"].pop("kernels")
     results["rows"] = []
@@ -134,6 +144,7 @@ class EngineBench:
         self.step_plan = step_plan  # EngineConfig.cpu_step_plan
         self.bandwidth = 0.0  # bytes/s and FLOP/s the decode floors are computed with (measured by run())
         self.peak = 0.0
+        self.int8_peak = 0.0  # OP/s of the int8 matmul, for a W8A8 model's projections; 0: everything at `peak`
         rng = random.Random(0)
         # Distinct random prompts: no prefix-cache hits flatter the engine.
         self.prompts = [[rng.randrange(3, 8000) for _ in range(prompt_len)] for _ in range(num_requests)]
@@ -230,7 +241,7 @@ class EngineBench:
         step_s = elapsed / steps
         context = sum(positions) / steps
         memory_s = decode_floor_bytes(runner, batch, context) / self.bandwidth
-        compute_s = decode_flops(runner, batch, context) / self.peak
+        compute_s = decode_compute_floor(runner, batch, context, self.peak, self.int8_peak)
         floor_s = max(memory_s, compute_s)
         bound = "memory" if memory_s >= compute_s else "compute"
         _progress(f"batch {batch}: decode ceiling {batch / step_s:.0f} tok/s, step {1000 * step_s:.1f} ms, "
@@ -421,12 +432,14 @@ def _contiguous_runner(paged, max_seq_len: int):
 
 def _table(results: dict) -> str:
     setup = results["setup"]
+    int8 = setup.get("int8_peak_gop_s")
+    int8 = f", int8 matmul peak {int8:.0f} GOP/s (W8A8's projections)" if int8 else ""
     lines = [
         f"overlap bench engine: {setup['num_requests']} requests (reqs column) x {setup['prompt_len']} prompt x "
         f"{setup['output_len']} output tokens (EOS ignored), {setup['dtype']}, {setup['threads']} threads",
         f"kernels: {setup['kernels']}",
         f"memory read bandwidth {setup['read_bandwidth_gb_s']:.1f} GB/s, {setup['dtype']} matmul peak "
-        f"{setup['matmul_peak_gflop_s']:.0f} GFLOP/s (the decode floor's denominators)",
+        f"{setup['matmul_peak_gflop_s']:.0f} GFLOP/s{int8} (the decode floor's denominators)",
         "",
         f"{'batch':>5} | {'reqs':>4} | {'decode ceiling':>14} | {'workload ceiling':>16} | {'engine':>9} | "
         f"{'engine/ceiling':>14} "

@@ -25,6 +25,25 @@ def decode_flops(runner, batch: int, context: float) -> float:
     return batch * (2 * params + attention)
 
 
+def projection_params(spec) -> int:
+    """Weights of the decoder's projections (q, k, v, o, gate, up, down of every layer): what a W8A8 format makes
+    int8."""
+    h, d = spec.hidden_size, spec.head_dim
+    attention = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
+    return spec.num_layers * (attention + 3 * h * spec.intermediate_size)
+
+
+def decode_compute_floor(runner, batch: int, context: float, peak: float, int8_peak: float = 0.0) -> float:
+    """Seconds of a decode step's arithmetic (`decode_flops`) at the measured peak of the instruction each part runs:
+    with `int8_peak` (a W8A8 runner: `cpu_int8_matmul_peak`), the decoder's projections at it and the LM head and
+    attention at `peak`; else all of it at `peak`."""
+    flops = decode_flops(runner, batch, context)
+    if not int8_peak:
+        return flops / peak
+    int8_ops = 2 * batch * projection_params(runner.spec)
+    return int8_ops / int8_peak + (flops - int8_ops) / peak
+
+
 def cpu_read_bandwidth(nbytes: int = 1 << 30, rounds: int = 5) -> float:
     """Bytes per second a reduction over `nbytes` reads with torch's current threads (best of `rounds`): a sum of
     int64s does one add per 8 bytes, so memory, not arithmetic, bounds it. Larger than the last-level cache."""

@@ -23,8 +23,8 @@ from overlap.bench.floor import (
     cpu_int8_matmul_peak,
     cpu_matmul_peak,
     cpu_read_bandwidth,
+    decode_compute_floor,
     decode_floor_bytes,
-    decode_flops,
 )
 
 SCHEMES = ("none", "w8a8", "w4a16")
@@ -85,12 +85,7 @@ def run(args: argparse.Namespace) -> int:
             runner, step_s = runners[scheme], statistics.median(steps[scheme, batch])
             context = args.context + args.steps / 2
             memory_s = decode_floor_bytes(runner, batch, context) / bandwidth
-            flops = decode_flops(runner, batch, context)
-            if scheme == "w8a8" and int8_peak:  # the decoder's projections at the int8 rate, the rest at bf16's
-                int8_ops = 2 * batch * _projection_params(runner.spec)
-                compute_s = int8_ops / int8_peak + (flops - int8_ops) / peak
-            else:
-                compute_s = flops / peak
+            compute_s = decode_compute_floor(runner, batch, context, peak, int8_peak if scheme == "w8a8" else 0.0)
             rows.append({"scheme": scheme, "batch": batch, "step_ms": 1000 * step_s,
                          "rounds_ms": [1000 * s for s in steps[scheme, batch]],
                          "over_bf16": None if base is None else step_s / base,
@@ -105,14 +100,6 @@ def run(args: argparse.Namespace) -> int:
         runner.close()
     print(json.dumps(result, indent=2) if args.json else _table(result))
     return 0
-
-
-def _projection_params(spec) -> int:
-    """Weights of the decoder's projections (q, k, v, o, gate, up, down of every layer): what a W8A8 format makes
-    int8."""
-    h, d = spec.hidden_size, spec.head_dim
-    attention = h * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * h
-    return spec.num_layers * (attention + 3 * h * spec.intermediate_size)
 
 
 def _table(result: dict) -> str:
