@@ -10,10 +10,15 @@ chosen; docs/engine.md ("Prefetching the weight", "W4A16's tiles", "One packed c
 
     .venv/bin/python -m bench.quant_rows qwen2.5-3b w4a16 4,6,8,16,64,256    # from the repository root
     .venv/bin/python -m bench.quant_rows qwen2.5-3b w8a8 1,4,16,64
+    .venv/bin/python -m bench.quant_rows qwen2.5-0.5b w8a8 1,16,64,256 avx2   # as on a CPU with AVX2 alone
+
+`avx2` (W8A8): the kernel's AVX2 build against oneDNN limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), what a CPU without
+AVX-512 runs, timed on this one: how `_keeps_onednn` was chosen.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from bench.linear_rows import _best_alternating, decoder_projections
@@ -21,7 +26,9 @@ from bench.linear_rows import _best_alternating, decoder_projections
 SCHEMES = ("w4a16", "w8a8")
 
 
-def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> None:
+def main(shape: str, scheme: str, row_counts: list[int], avx2: bool = False, threads: int = 2) -> None:
+    if avx2:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"  # read by oneDNN at its first use, below
     import torch
     import torch.nn.functional as F
 
@@ -48,10 +55,12 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
                 quantized.onednn = onednn_int8(signed_int8(codes))
             methods.append((quantized, k))
         print(f"  {name}: {copies} x [{n}, {k}] made", file=sys.stderr)
-    kernel = methods[0][0].kernel
+    kernel = native.quant_linear_kernel("x86-64-v3") if avx2 else methods[0][0].kernel
+    for m, _ in methods:  # x quantized and scaled by the same build as the matmul
+        m.kernel = kernel
     mb = sum(m.nbytes for m, _ in methods) / 1e6
     print(f"{shape} {scheme}, {mb:.0f} MB of codes and scales, {threads} threads, CPU {native.cpu_isa()}, "
-          f"{kernel.isa} kernels")  # fmt: skip
+          f"{kernel.isa} kernels{', oneDNN limited to AVX2' if avx2 else ''}")  # fmt: skip
 
     def dequantized(x: dict) -> None:
         for m, k in methods:
@@ -93,7 +102,9 @@ def main(shape: str, scheme: str, row_counts: list[int], threads: int = 2) -> No
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4 or sys.argv[2] not in SCHEMES:
+    if len(sys.argv) not in (4, 5) or sys.argv[2] not in SCHEMES or sys.argv[4:] not in ([], ["avx2"]):
         print(__doc__)
         sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
-    main(sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3].split(",")])
+    if sys.argv[4:] and sys.argv[2] != "w8a8":
+        sys.exit("avx2: W8A8 only (W4A16's AVX2 path is its row kernel and the dequantized matmul, as before)")
+    main(sys.argv[1], sys.argv[2], [int(r) for r in sys.argv[3].split(",")], avx2=sys.argv[4:] == ["avx2"])
