@@ -82,10 +82,13 @@ def test_cuda_executor_refuses_a_cpu_runner():
 def test_gpu_check_dry_run_on_cpu_runs_every_case(tmp_path):
     """check.sh as a GPU machine runs it (sources on PYTHONPATH, nothing installed), on this CPU with small shapes:
     one JSON line per case, the engine's fp32 tokens transformers' greedy ones, a decode row per batch."""
-    out = tmp_path / "gpu.jsonl"
+    out, scratch = tmp_path / "gpu.jsonl", tmp_path / "tmp"
+    scratch.mkdir()
     proc = subprocess.run(["bash", str(REPO / "bench/gpu/check.sh"), "--dry-run-cpu", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(scratch)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list(scratch.glob("overlap-gpu-check-*"))  # its model folders are gone
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["case"] for r in rows if r["case"] in ("env", "bandwidth")] == ["env", "bandwidth"]
     assert not [r for r in rows if r["case"] == "error"]

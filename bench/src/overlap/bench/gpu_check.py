@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -385,6 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         require_cuda()
     check = Check(args)
     started = time.perf_counter()
+    try:
+        run_cases(check, cases)
+    finally:
+        shutil.rmtree(check.tmp, ignore_errors=True)
+    print(format_table(check.rows))
+    print(f"({time.perf_counter() - started:.0f} s; rows appended to {check.out})")
+    return 1 if any(r["case"] == "error" for r in check.rows) else 0
+
+
+def run_cases(check: Check, cases: list[str]) -> None:
     for case in CASES:
         if case not in cases:
             continue
@@ -396,9 +407,6 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             check.emit("error", failed=case, error=f"{type(exc).__name__}: {exc}")
-    print(format_table(check.rows))
-    print(f"({time.perf_counter() - started:.0f} s; rows appended to {check.out})")
-    return 1 if any(r["case"] == "error" for r in check.rows) else 0
 
 
 if __name__ == "__main__":
