@@ -18,6 +18,11 @@ def test_one_trace_is_judged_against_every_static_fleet(tmp_path):
         slo, cost = result["statics"][label]
         assert slo >= result["slo"] and cost <= result["replica_seconds"]
     assert result["closest_static"] in result["timelines"] and "overlap" in result["timelines"]
+    # the cheapest static fleet within a point of static-max's SLO
+    near_max = {
+        label: cost for label, (slo, cost) in result["statics"].items() if slo >= result["static_max_slo"] - 0.01
+    }
+    assert near_max[result["hindsight_static"]] == min(near_max.values())
     assert result["verdict"][-1].startswith("verdict: static fleets of 1..8 replicas dominating it")
     plot_family([result], tmp_path / "flash.png")
     assert (tmp_path / "flash.png").stat().st_size > 0
@@ -29,9 +34,12 @@ def result(slo, cost_share, flaps=0.0, dominated=(), family="pareto"):
         "family": family,
         "slo": slo,
         "static_max_slo": 0.99,
+        "static_max_replica_seconds": 480.0,
         "cost_share": cost_share,
         "flaps_per_hour": flaps,
         "dominated_by": list(dominated),
+        "statics": {"static-4": [0.985, 240.0], "static-8": [0.99, 480.0]},
+        "hindsight_static": "static-4",
     }
 
 
@@ -40,6 +48,7 @@ def test_the_bars_are_computed_over_the_split():
     s = summarize(good)
     assert s["traces"] == 10 and s["families"] == 5 and all(s["pass"].values())
     assert s["slo_gap_points"] == pytest.approx(1.0)
+    assert s["hindsight_cost_share"] == pytest.approx(0.5) and s["hindsight_slo_gap_points"] == pytest.approx(0.5)
     worse = [*good[:9], result(0.5, 1.0, flaps=1.5, dominated=["static-4"])]
     s = summarize(worse)
     assert s["undominated_share"] == pytest.approx(0.9) and s["pass"]["undominated"]  # 90% is the bar
