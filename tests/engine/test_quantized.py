@@ -304,9 +304,11 @@ def test_block_fp8_checkpoint_equals_transformers_on_the_same_folder(block_fp8):
         runner.close()
 
 
-@pytest.mark.parametrize("name", ["gptq-g128-sym", "fp8-block"])
+@pytest.mark.parametrize("name", ["gptq-g128-sym", "fp8-block", "gptq-g32-asym-act-order"])
 def test_under_tensor_parallelism_2_equals_one_rank(packed, block_fp8, name):
-    """Codes, scales and zero points (act-order's column order, FP8's block scales) sharded with rows and groups."""
+    """Codes, scales and zero points (act-order's column order, FP8's block scales) sharded with rows and groups.
+    Act-order groups span the whole input, so the o and down projections' shards split them: those two are
+    dequantized at load, the rest stay 4-bit."""
     folder = block_fp8 if name == "fp8-block" else packed[name][0]
     prompts = _prompts(13, count=4)
     runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
@@ -317,13 +319,24 @@ def test_under_tensor_parallelism_2_equals_one_rank(packed, block_fp8, name):
         for r in runners:
             r.close()
     assert one == two
-    assert 0.45 <= per_rank <= 0.55, f"rank 0 of 2 holds {per_rank:.3f} of the weight bytes"
+    if name != "gptq-g32-asym-act-order":  # there two shards are float
+        assert 0.45 <= per_rank <= 0.55, f"rank 0 of 2 holds {per_rank:.3f} of the weight bytes"
 
 
-def test_a_shard_that_splits_quantization_groups_is_refused_with_the_sizes(packed):
-    folder, _ = packed["gptq-g32-asym-act-order"]  # act-order groups span the whole input: o and down cannot split
-    with pytest.raises(ModelLoadError, match=r"o_proj: a tensor-parallel shard takes input columns \[0, 128\)"):
-        _runner(folder, tensor_parallel_size=2, num_threads=1)
+def test_a_shard_that_splits_quantization_groups_is_refused_with_the_sizes():
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (8, 128), generator=gen, dtype=torch.uint8)
+    weight = QuantizedWeight(codes, torch.rand(8, 4, generator=gen), torch.full((8, 4), 8.0), 4, 32, "test")
+    assert weight.columns(32, 96, "o_proj").shape == (8, 64)
+    with pytest.raises(ModelLoadError, match=r"o_proj: a tensor-parallel shard takes input columns \[0, 48\), which "
+                                             r"splits its quantization groups of 32"):  # fmt: skip
+        weight.columns(0, 48, "o_proj")
+    # act-order: a group's columns anywhere in the input, so a shard splits groups and comes back dequantized
+    perm = torch.randperm(128, generator=gen)
+    ordered = QuantizedWeight(codes, weight.scale, weight.zero, 4, 32, "test", perm=perm)
+    shard = ordered.columns(0, 64, "o_proj")
+    assert isinstance(shard, torch.Tensor)
+    torch.testing.assert_close(shard, ordered.dequantize(torch.float32)[:, :64])
 
 
 # ---- kernels against the dequantized reference ------------------------------------------------------------------
@@ -371,6 +384,53 @@ def test_w8a8_takes_every_step_size_with_per_token_int8_activations(rows, onednn
     method = NativeW8A8(weight, torch.float32)
     assert (method.onednn is not None) == onednn and method.nbytes >= (2 if onednn else 1) * n * k
     torch.testing.assert_close(method(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_weights_past_the_native_kernels_limits_still_get_a_kernel():
+    """W8A8 wider than the native kernel's int32 sums take (MAX_K inputs) runs through oneDNN; W4A16 groups above
+    the probe's 256 inputs, or that do not divide them, still get the native kernel."""
+    from overlap.engine.model import native
+    from overlap.engine.model.quant.kernels import NativeW4A16, NativeW8A8
+
+    gen = torch.Generator().manual_seed(6)
+    n, k = 16, native.QuantLinearKernel.MAX_K + 64
+    codes = torch.randint(1, 256, (n, k), generator=gen, dtype=torch.uint8)
+    wide = QuantizedWeight(codes, torch.rand(n, 1, generator=gen) * 1e-3, torch.full((n, 1), 128.0), 8, k, "test",
+                           act_bits=8)  # fmt: skip
+    method = quantized_method(wide, torch.float32, cpu_paths=True)
+    assert not isinstance(method, NativeW8A8)
+    x = torch.randn(2, k, generator=gen)
+    torch.testing.assert_close(method(x), Int8DynamicReference(wide, torch.float32)(x), atol=1e-3, rtol=1e-3)
+    if native.quant_linear_kernel() is None:
+        return
+    for k, group in ((1024, 512), (768, 96)):
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scale = torch.rand(n, k // group, generator=gen) * 0.01
+        weight = QuantizedWeight(codes, scale, torch.full_like(scale, 8.0), 4, group, "test")
+        method = quantized_method(weight, torch.float32, cpu_paths=True)
+        assert isinstance(method, NativeW4A16), (k, group)
+        x = torch.randn(3, k, generator=gen)
+        want = x @ weight.dequantize(torch.float32).t()
+        torch.testing.assert_close(method(x), want, atol=1e-4 * float(want.abs().max()), rtol=1e-4)
+
+
+def test_a_bf16_w4a16_kernel_takes_fp32_x_too():
+    """On AVX512-BF16 the kernel built for a bf16 model holds offsets for bf16 x: fp32 x goes in as bf16."""
+    from overlap.engine.model import native
+    from overlap.engine.model.quant.kernels import NativeW4A16
+
+    if native.quant_linear_kernel() is None:
+        pytest.skip("no native kernel built here")
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 16, (32, 256), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(32, 2, generator=gen) * 0.01
+    weight = QuantizedWeight(codes, scale, torch.full_like(scale, 8.0), 4, 128, "test")
+    method = NativeW4A16(weight, torch.bfloat16)
+    x = torch.randn(4, 256, generator=gen)
+    got = method(x)
+    want = x.to(torch.bfloat16).float() @ weight.dequantize(torch.float32).t()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-2 * float(want.abs().max()), rtol=2e-2)
 
 
 # ---- refusals ---------------------------------------------------------------------------------------------------
@@ -432,10 +492,81 @@ def test_quantization_flag_refuses_a_checkpoint_of_another_format(compressed, pa
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 2, "type": "int", "strategy": "group", "group_size": 128}}}},
      "2-bit integer weights are not supported"),
+    # malformed fields, named
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
+     r"config_groups.group_0.weights.group_size must be an integer, got None"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": None, "type": "int", "strategy": "channel"}}}},
+     r"config_groups.group_0.weights.num_bits must be an integer, got None"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": ["Linear"]}},
+     r"config_groups.group_0 must be an object, got list"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": "128 by 128"}}}},
+     r"config_groups.group_0.weights.block_structure must be \[rows, columns\] of positive integers"),
+    ({"quant_method": "fp8", "weight_block_size": ["128", "128"]},
+     r"weight_block_size must be \[rows, columns\] of positive integers, got \['128', '128'\]"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*down_proj": {}}},
+     r"GPTQModel's per-module overrides \(dynamic\) are not supported"),
 ])  # fmt: skip
 def test_unknown_or_unsupported_schemes_are_refused_by_name(qc, message):
     with pytest.raises(ModelLoadError, match=message):
         formats.parse({"quantization_config": qc}, Path("config.json"))
+
+
+def _int_quantized(symmetric: bool = True, strategy: str = "group") -> formats.QuantFormat:
+    weights = {"num_bits": 8, "type": "int", "strategy": strategy, "symmetric": symmetric}
+    weights |= {"group_size": 32} if strategy == "group" else {}
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}  # fmt: skip
+    return formats.parse({"quantization_config": qc}, Path("config.json"))
+
+
+@pytest.mark.parametrize("zero_shape", [(8, 2), (8, 1), (1,)])
+def test_int_quantized_zero_points_per_group_row_or_tensor(zero_shape):
+    """compressed-tensors' asymmetric int8 (W8A16 in groups or per row): the zero point per group, row or tensor."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randint(-128, 128, (8, 64), generator=gen, dtype=torch.int8)
+    zero_point = torch.randint(-10, 10, zero_shape, generator=gen, dtype=torch.int8)
+    groups = 2 if zero_shape == (8, 2) else 1
+    fmt = _int_quantized(symmetric=False, strategy="group" if groups == 2 else "channel")
+    scale = torch.rand(8, groups, generator=gen)
+    tensors = {"m.weight": weight, "m.weight_scale": scale, "m.weight_zero_point": zero_point}
+    read = fmt.read(tensors.get, "m", 8, 64, Path("model.safetensors"))
+    zero = zero_point.float().reshape(-1, groups if zero_point.numel() > 1 else 1).expand(8, groups)
+    want = (weight.float() - zero.repeat_interleave(64 // groups, 1)) * scale.repeat_interleave(64 // groups, 1)
+    torch.testing.assert_close(read.dequantize(torch.float32), want)
+
+
+def test_tensors_of_the_wrong_size_are_refused_by_name():
+    where = Path("model.safetensors")
+    weight = torch.zeros(8, 64, dtype=torch.int8)
+    bad_zero = {"m.weight": weight, "m.weight_scale": torch.ones(8, 2), "m.weight_zero_point": torch.zeros(3)}
+    with pytest.raises(ModelLoadError, match=r"'m.weight_zero_point' is float32, expected int8 or int32"):
+        _int_quantized(symmetric=False).read(bad_zero.get, "m", 8, 64, where)
+    bad_zero["m.weight_zero_point"] = torch.zeros(3, dtype=torch.int8)
+    with pytest.raises(ModelLoadError, match=r"'m.weight_zero_point' has shape \(3,\), expected \(8, 2\)"):
+        _int_quantized(symmetric=False).read(bad_zero.get, "m", 8, 64, where)
+    channel_fp8 = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": channel_fp8}}}  # fmt: skip
+    fp8 = formats.parse({"quantization_config": qc}, Path("config.json"))
+    channel = {"m.weight": torch.zeros(8, 64, dtype=torch.float8_e4m3fn), "m.weight_scale": torch.ones(5, 1)}
+    with pytest.raises(ModelLoadError, match=r"'m.weight_scale' has shape \(5,\), expected \(8,\)"):
+        fp8.read(channel.get, "m", 8, 64, where)
+    gptq = formats.parse({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}},
+                         Path("config.json"))  # fmt: skip
+    with pytest.raises(ModelLoadError, match=r"m: its sizes \[100, 8\] must be multiples of 8"):
+        gptq.read({}.get, "m", 8, 100, where)
+
+
+def test_an_older_block_structure_string_reads_as_its_block():
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                           "block_structure": "64x32"}}}}  # fmt: skip
+    fmt = formats.parse({"quantization_config": qc}, Path("config.json"))
+    assert fmt.weight_scheme("m", 128, 128).group_size == 32
 
 
 @pytest.mark.parametrize("march", [None, "x86-64-v3", "x86-64"], ids=["this-cpu", "avx2", "plain-c"])

@@ -90,7 +90,9 @@ def weight_files(model_dir: Path) -> list[Path]:
 def load_weights(spec: ModelSpec, model_dir: Path, dtype: torch.dtype, device: torch.device,
                  shard=None) -> ModelWeights:  # fmt: skip
     """The checkpoint's weights, fused for the runner. With a tensor-parallel `shard` (parallel.Shard) only that
-    rank's rows and columns of each tensor are read: the whole model is never in one rank's memory."""
+    rank's rows and columns of each float tensor are read: the whole model is never in one rank's memory. A
+    quantized projection is read whole (its codes are packed across rows or columns) and sharded once unpacked, one
+    projection at a time."""
     from contextlib import ExitStack
 
     from safetensors import safe_open

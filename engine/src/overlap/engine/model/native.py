@@ -350,6 +350,7 @@ class QuantLinearKernel:
     "AVX2" or "C"."""
 
     MAX_ROWS = 64
+    MAX_K = 65536  # the W8A8 kernel's widest input (quant_linear.h: its int32 sums)
     ISAS = ("C", "AVX2", "AVX-512", "AVX-512 VNNI")
 
     def __init__(self, library: ctypes.CDLL) -> None:

@@ -99,7 +99,11 @@ def parse(cfg: dict, config_path: Path, requested: str | None = None) -> QuantFo
                              "checkpoint")  # fmt: skip
     readers = {"compressed-tensors": _compressed_tensors, "fp8": _fp8, "gptq": _gptq, "awq": _awq, "mxfp4": _mxfp4}
     if method in readers:
-        return readers[method](qc, config_path)
+        try:
+            return readers[method](qc, config_path)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field the checks below did not foresee
+            raise ModelLoadError(f"{config_path}: malformed {method} quantization_config ({type(exc).__name__}: "
+                                 f"{exc})") from None  # fmt: skip
     refused = REFUSED_METHODS.get(method.replace("-", "_")) or REFUSED_METHODS.get(method)
     what = refused or f"quant_method {method or '(none)'!r}"
     raise ModelLoadError(f"{config_path}: {what} are not supported; quantized formats that load: "
@@ -118,6 +122,25 @@ def _need(fetch: Fetch, name: str, where: Path) -> torch.Tensor:
     if tensor is None:
         raise ModelLoadError(f"{where}: quantized weight {name!r} is missing")
     return tensor
+
+
+def _integer(fields: dict, key: str, where: str, default: int | None = None) -> int:
+    """fields[key] (or `default` where absent), refused by name unless it is an integer."""
+    value = fields.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{where}.{key} must be an integer, got {value!r}")
+    return value
+
+
+def _block(value, where: str) -> tuple[int, int]:
+    """A block of [rows, columns] (compressed-tensors' block_structure, fp8's weight_block_size; older
+    compressed-tensors wrote "RxC")."""
+    if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value):
+        value = [int(v) for v in value.split("x")]
+    if not isinstance(value, list | tuple) or len(value) != 2 or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value):  # fmt: skip
+        raise ModelLoadError(f"{where} must be [rows, columns] of positive integers, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def _check_shape(tensor: torch.Tensor, shape: tuple[int, ...], name: str, where: Path) -> None:
@@ -182,7 +205,7 @@ def _float8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | 
 
 # ---- compressed-tensors (llm-compressor) ----------------------------------------------------------------------
 def _ct_int_args(weights: dict, acts: dict | None, where: str) -> IntArgs:
-    bits = int(weights.get("num_bits", 0))
+    bits = _integer(weights, "num_bits", f"{where}.weights")
     strategy = weights.get("strategy", "tensor")
     if bits not in (4, 8):
         raise ModelLoadError(f"{where}: {bits}-bit integer weights are not supported (4 and 8 are)")
@@ -190,14 +213,16 @@ def _ct_int_args(weights: dict, acts: dict | None, where: str) -> IntArgs:
         raise ModelLoadError(f"{where}: integer weight strategy {strategy!r} is not supported (group, channel)")
     act_bits = None
     if acts:
-        if acts.get("type", "int") != "int" or int(acts.get("num_bits", 0)) != 8 or not acts.get("dynamic") or \
+        if acts.get("type", "int") != "int" or acts.get("num_bits") != 8 or not acts.get("dynamic") or \
                 acts.get("strategy") != "token" or not acts.get("symmetric", True):  # fmt: skip
             raise ModelLoadError(f"{where}: input_activations {acts} are not supported with integer weights "
                                  "(dynamic symmetric int8 per token is)")  # fmt: skip
         act_bits = 8
         if bits != 8 or strategy == "group":
             raise ModelLoadError(f"{where}: int8 activations need 8-bit weights with one scale per row or tensor")
-    group = int(weights["group_size"]) if strategy == "group" else None
+    group = _integer(weights, "group_size", f"{where}.weights") if strategy == "group" else None
+    if group is not None and group < 1:
+        raise ModelLoadError(f"{where}.weights.group_size must be positive, got {group}")
     return IntArgs(bits, group, bool(weights.get("symmetric", True)), act_bits, strategy == "tensor")
 
 
@@ -212,11 +237,16 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
         raise ModelLoadError(f"{config_path}: sparse compressed-tensors checkpoints are not supported")
     schemes = []  # (targets, format, weights args dict, acts dict)
     for name, group in groups.items():
+        where = f"{config_path}: config_groups.{name}"
+        if not isinstance(group, dict):
+            raise ModelLoadError(f"{where} must be an object, got {type(group).__name__}")
         weights, acts = group.get("weights"), group.get("input_activations")
         group_fmt = group.get("format") or fmt
-        where = f"{config_path}: config_groups.{name}"
         if not weights:
             raise ModelLoadError(f"{where}: activation-only quantization is not supported")
+        for part, value in (("weights", weights), ("input_activations", acts)):
+            if value is not None and not isinstance(value, dict):
+                raise ModelLoadError(f"{where}.{part} must be an object, got {type(value).__name__}")
         if weights.get("type") == "int":
             if group_fmt not in ("pack-quantized", "int-quantized"):
                 raise ModelLoadError(f"{where}: format {group_fmt!r} is not supported for integer weights "
@@ -225,12 +255,17 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
             if weights.get("actorder") not in (None, "group", "weight", "static", "dynamic"):
                 raise ModelLoadError(f"{where}: actorder {weights.get('actorder')!r} is not supported")
         elif weights.get("type") == "float":
-            if int(weights.get("num_bits", 0)) != 8 or group_fmt not in ("float-quantized", "naive-quantized"):
+            if weights.get("num_bits") != 8 or group_fmt not in ("float-quantized", "naive-quantized"):
                 raise ModelLoadError(f"{where}: float weights other than FP8 (float-quantized) are not supported: "
                                      f"{weights.get('num_bits')} bits, format {group_fmt!r}")  # fmt: skip
             if weights.get("strategy") not in ("tensor", "channel", "block", "group"):
                 raise ModelLoadError(f"{where}: FP8 weight strategy {weights.get('strategy')!r} is not supported")
-            args = weights
+            args = dict(weights)
+            if weights["strategy"] == "block":
+                args["block_structure"] = _block(weights.get("block_structure") or [128, 128],
+                                                 f"{where}.weights.block_structure")  # fmt: skip
+            if weights["strategy"] == "group" and _integer(weights, "group_size", f"{where}.weights") < 1:
+                raise ModelLoadError(f"{where}.weights.group_size must be positive, got {weights['group_size']}")
         else:
             raise ModelLoadError(f"{where}: weight type {weights.get('type')!r} is not supported (int, float)")
         targets = group.get("targets") or ["Linear"]
@@ -258,7 +293,7 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
         args = found[1]
         if isinstance(args, IntArgs):
             return WeightScheme(args.bits, args.group_size or in_f, args.act_bits)
-        columns = {"group": args.get("group_size"), "block": (args.get("block_structure") or (128, 128))[1]}
+        columns = {"group": args.get("group_size"), "block": args.get("block_structure", (128, 128))[1]}
         return WeightScheme(8, int(columns.get(args.get("strategy")) or in_f), float8=True)
 
     described = []
@@ -305,11 +340,16 @@ def _ct_int(fetch: Fetch, module: str, out_f: int, in_f: int, args: IntArgs, gro
         _check_dtype(weight, (torch.int8,), f"{module}.weight", where)
         _check_shape(weight, (out_f, in_f), f"{module}.weight", where)
         codes = (weight.to(torch.int16) + mid).to(torch.uint8)
-        zero_point = fetch(f"{module}.weight_zero_point")
+        zero_name = f"{module}.weight_zero_point"
+        zero_point = fetch(zero_name)
         if args.symmetric or zero_point is None:
             zero = torch.full((out_f, n_groups), float(mid))
-        else:
-            zero = zero_point.reshape(-1, 1).expand(out_f, n_groups).float() + mid
+        else:  # signed like the codes: one per group, per row or for the whole tensor
+            _check_dtype(zero_point, (torch.int8, torch.int32), zero_name, where)
+            if zero_point.numel() not in (1, out_f, out_f * n_groups):
+                _check_shape(zero_point, (out_f, n_groups), zero_name, where)
+            per = n_groups if zero_point.numel() == out_f * n_groups else 1
+            zero = zero_point.reshape(-1, per).expand(out_f, n_groups).float() + mid
     perm = None
     g_idx = fetch(f"{module}.weight_g_idx")
     if g_idx is not None and group != in_f:
@@ -328,12 +368,12 @@ def _ct_float(fetch: Fetch, module: str, out_f: int, in_f: int, weights: dict, w
     block = None
     strategy = weights.get("strategy")
     if strategy == "block":
-        block = tuple(int(b) for b in weights.get("block_structure") or (128, 128))
+        block = weights["block_structure"]  # checked at parse: (rows, columns)
         _check_shape(scale, (-(-out_f // block[0]), -(-in_f // block[1])), f"{module}.weight_scale", where)
     elif strategy == "channel":
-        _check_shape(scale.reshape(out_f, -1), (out_f, 1), f"{module}.weight_scale", where)
+        _check_shape(scale.reshape(-1), (out_f,), f"{module}.weight_scale", where)
     elif strategy == "group":
-        group = _groups(in_f, int(weights.get("group_size") or 0), module, where)
+        group = _groups(in_f, weights["group_size"], module, where)
         _check_shape(scale, (out_f, in_f // group), f"{module}.weight_scale", where)
     else:
         _check_shape(scale.reshape(-1), (1,), f"{module}.weight_scale", where)
@@ -344,8 +384,8 @@ def _ct_float(fetch: Fetch, module: str, out_f: int, in_f: int, weights: dict, w
 # ---- fp8 with block scales (DeepSeek-V3, Qwen3 FP8) -------------------------------------------------------------
 def _fp8(qc: dict, config_path: Path) -> QuantFormat:
     block = qc.get("weight_block_size")
-    if block is not None and (not isinstance(block, list) or len(block) != 2 or min(block) < 1):
-        raise ModelLoadError(f"{config_path}: weight_block_size must be [rows, columns], got {block!r}")
+    if block is not None:
+        block = _block(block, f"{config_path}: weight_block_size")
     fmt = (qc.get("fmt") or "e4m3").lower()
     if fmt not in ("e4m3", "float8_e4m3fn"):
         raise ModelLoadError(f"{config_path}: fp8 format {fmt!r} is not supported (e4m3)")
@@ -363,7 +403,7 @@ def _fp8(qc: dict, config_path: Path) -> QuantFormat:
                 scale = _need(fetch, f"{module}.weight_scale", where)
             _check_shape(scale.reshape(-1), (1,), f"{module}.weight_scale", where)
         fetch(f"{module}.input_scale")
-        return _float8(weight, scale, None if block is None else tuple(block), "fp8")
+        return _float8(weight, scale, block, "fp8")
 
     def weight_scheme(module: str, out_f: int, in_f: int) -> WeightScheme:
         return WeightScheme(8, block[1] if block else in_f, float8=True)
@@ -385,6 +425,14 @@ def _int4_config(qc: dict, config_path: Path, method: str) -> tuple[int, int | N
     return bits, None if group == -1 else group
 
 
+def _packs_whole_words(module: str, sizes: tuple[int, ...], per_word: int, where: Path) -> None:
+    """GPTQ and AWQ pack `per_word` codes an int32 along these sizes: a size that leaves a word part-filled has no
+    layout in either format."""
+    if any(size % per_word for size in sizes):
+        raise ModelLoadError(f"{where}: {module}: its sizes {list(sizes)} must be multiples of {per_word}, the codes "
+                             "an int32 packs")  # fmt: skip
+
+
 def _unconverted(qc: dict) -> list[str]:
     """The modules GPTQ and AWQ leave in float: the LM head (unless GPTQModel's `lm_head` says otherwise) and
     `modules_to_not_convert`."""
@@ -399,10 +447,14 @@ def _gptq(qc: dict, config_path: Path) -> QuantFormat:
                              "(gptq, gptq_v2)")  # fmt: skip
     zero_offset = 1 if checkpoint_format == "gptq" else 0  # v1 stores each zero point minus one
     per_word = 32 // bits
+    if qc.get("dynamic"):
+        raise ModelLoadError(f"{config_path}: GPTQModel's per-module overrides (dynamic) are not supported: every "
+                             "module must share bits and group_size")  # fmt: skip
 
     def read(fetch: Fetch, module: str, out_f: int, in_f: int, where: Path) -> QuantizedWeight:
         group = _groups(in_f, group_size, module, where)
         n_groups = in_f // group
+        _packs_whole_words(module, (in_f, out_f), per_word, where)
         qweight, qzeros = _need(fetch, f"{module}.qweight", where), _need(fetch, f"{module}.qzeros", where)
         scales = _need(fetch, f"{module}.scales", where)
         for name, tensor, shape in ((f"{module}.qweight", qweight, (in_f // per_word, out_f)),
@@ -446,6 +498,7 @@ def _awq(qc: dict, config_path: Path) -> QuantFormat:
     def read(fetch: Fetch, module: str, out_f: int, in_f: int, where: Path) -> QuantizedWeight:
         group = _groups(in_f, group_size, module, where)
         n_groups = in_f // group
+        _packs_whole_words(module, (out_f,), 8, where)
         qweight, qzeros = _need(fetch, f"{module}.qweight", where), _need(fetch, f"{module}.qzeros", where)
         scales = _need(fetch, f"{module}.scales", where)
         for name, tensor, shape in ((f"{module}.qweight", qweight, (in_f, out_f // 8)),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 
 import torch
@@ -92,6 +93,8 @@ class NativeW4A16(QuantMethod):
         self.nbytes = self.codes.numel() + 4 * (self.scale.numel() + self.offset.numel())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias and x.dtype != torch.bfloat16:  # the offsets hold 128 more zero points, for bf16 x only
+            return self(x.to(torch.bfloat16)).to(x.dtype)
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         rows = x.shape[0]
@@ -283,7 +286,8 @@ def _candidates(weight: QuantizedWeight) -> list[type[QuantMethod]]:
         return []
     if weight.act_bits == 8:
         if weight.bits == 8 and weight.per_row and weight.symmetric:
-            return [*([NativeW8A8] if native_kernel else []), Int8Dynamic, Int8DynamicReference]
+            native_w8a8 = native_kernel and k <= native.QuantLinearKernel.MAX_K
+            return [*([NativeW8A8] if native_w8a8 else []), Int8Dynamic, Int8DynamicReference]
         return [Int8DynamicReference]
     if weight.bits == 4 and weight.group_size % 32 == 0 and k % weight.group_size == 0 and native_kernel:
         return [NativeW4A16]
@@ -299,7 +303,7 @@ def _works(method: type[QuantMethod], bits: int, group: int | None, act_bits: in
            dtype: torch.dtype) -> bool:  # fmt: skip
     """Whether `method` runs here and computes what the dequantized weight does, on a small weight of this kind."""
     gen = torch.Generator().manual_seed(0)
-    n, k = 48, 256
+    n, k = 48, math.lcm(256, group or 256)  # whole groups, however large
     group = group or k
     codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
     scale = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001

@@ -10,18 +10,20 @@ which input column each stored column is (the kernels read x[:, perm]). With one
 matter, and such weights keep the inputs' own order (no `perm`).
 
 The loader handles it like a float tensor: rows of q, k and v (gate and up) are concatenated (`cat_rows`), tensor
-parallelism takes rows or columns, Phi-3's partial rotary reorders rows (`index_select`), the MLP splits gate from
-up (slicing).
+parallelism takes rows or columns, the MLP splits gate from up (slicing).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from overlap.engine.errors import ModelLoadError
+
+log = logging.getLogger("overlap.engine")
 
 
 @dataclass(slots=True)
@@ -75,12 +77,9 @@ class QuantizedWeight:
     def __getitem__(self, rows: slice) -> QuantizedWeight:
         return self._rows(lambda t: t[rows])
 
-    def index_select(self, dim: int, index: torch.Tensor) -> QuantizedWeight:
-        assert dim == 0, "a quantized weight is reordered by output rows only"
-        return self._rows(lambda t: t.index_select(0, index.to(t.device)))
-
-    def columns(self, start: int, stop: int, name: str) -> QuantizedWeight:
-        """Input columns [start, stop) (a row-parallel shard): whole groups only, else ModelLoadError with the sizes."""
+    def columns(self, start: int, stop: int, name: str) -> QuantizedWeight | torch.Tensor:
+        """Input columns [start, stop) (a row-parallel shard): whole groups only, else ModelLoadError with the sizes;
+        act-order weights whose groups the shard splits come back dequantized (a float tensor)."""
         group = self.group_size
         if self.per_row:  # one scale per row: any columns (act-order is undone at load for these)
             return dataclasses.replace(self, codes=self.codes[:, start:stop], group_size=stop - start)
@@ -94,13 +93,16 @@ class QuantizedWeight:
         return dataclasses.replace(self, codes=self.codes[:, start:stop], scale=self.scale[:, g0:g1],
                                    zero=self.zero[:, g0:g1])  # fmt: skip
 
-    def _columns_by_perm(self, start: int, stop: int, name: str) -> QuantizedWeight:
+    def _columns_by_perm(self, start: int, stop: int, name: str) -> QuantizedWeight | torch.Tensor:
+        """The shard's columns; where they split act-order groups (a group's columns lie anywhere in the inputs, so a
+        real act-order checkpoint's shards nearly always do), the shard dequantized to the model's dtype."""
         keep = (self.perm >= start) & (self.perm < stop)
         group = self.group_size
         groups = keep.view(-1, group)
         if not bool((groups.all(1) | ~groups.any(1)).all()):
-            raise ModelLoadError(f"{name}: a tensor-parallel shard takes input columns [{start}, {stop}), which "
-                                 f"splits act-order groups of {group}")  # fmt: skip
+            log.warning("%s: a tensor-parallel shard of input columns [%d, %d) splits act-order groups of %d: this "
+                        "shard is dequantized at load", name, start, stop, group)  # fmt: skip
+            return self.dequantize(torch.float32)[:, start:stop].contiguous()  # the loader casts it to the model's
         whole = groups.all(1)
         return dataclasses.replace(self, codes=self.codes[:, keep], scale=self.scale[:, whole],
                                    zero=self.zero[:, whole], perm=self.perm[keep] - start)  # fmt: skip
