@@ -140,19 +140,25 @@ def test_unload_lets_running_requests_finish(tiny_model_dir: Path, adapters, pro
 
 def test_prefix_cache_is_kept_apart_per_adapter(tiny_model_dir: Path, adapters, expected) -> None:
     """The same prompt through the base, then an adapter, then the adapter again: only the second adapter request
-    reuses KV (the adapter's own), and its tokens stay PEFT's."""
+    reuses KV (the adapter's own), and its tokens stay PEFT's. The same name loaded again from another folder is
+    another adapter: none of the first one's KV."""
     prompt = [5 + i for i in range(40)]
     engine = _engine(tiny_model_dir, {"all-r8": adapters["all-r8"]})
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     cached = {}
-    for rid, name in (("base", None), ("lora", "all-r8"), ("again", "all-r8")):
+    for rid, name in (("base", None), ("lora", "all-r8"), ("again", "all-r8"), ("reloaded", "all-r8")):
+        if rid == "reloaded":
+            assert engine.loras.remove("all-r8")
+            engine.loras.add("all-r8", str(adapters["qv-rs4"]))
         engine.add_request(RequestSpec(rid, prompt, greedy, lora_name=name))
         outputs = run_to_completion(engine)[rid]
         cached[rid] = outputs[-1].num_cached_tokens
         if name is not None:
-            assert tokens_of(outputs) == peft_greedy(tiny_model_dir, adapters[name], [prompt], 4)[0]
-    assert cached == {"base": 0, "lora": 0, "again": 32}
-    assert block_hashes(prompt, 16) != block_hashes(prompt, 16, "all-r8") != block_hashes(prompt, 16, "other")
+            folder = adapters["qv-rs4" if rid == "reloaded" else name]
+            assert tokens_of(outputs) == peft_greedy(tiny_model_dir, folder, [prompt], 4)[0]
+    assert cached == {"base": 0, "lora": 0, "again": 32, "reloaded": 0}
+    one, other = ("all-r8", str(adapters["all-r8"])), ("all-r8", str(adapters["qv-rs4"]))
+    assert block_hashes(prompt, 16) != block_hashes(prompt, 16, one) != block_hashes(prompt, 16, other)
 
 
 def test_bad_adapters_are_refused(tiny_model_dir: Path, adapters, built, tmp_path: Path) -> None:
@@ -167,12 +173,74 @@ def test_bad_adapters_are_refused(tiny_model_dir: Path, adapters, built, tmp_pat
         read_adapter("head", head, spec, max_rank=16)
     with pytest.raises(LoraError, match=r"no adapter_config\.json"):
         read_adapter("none", tmp_path, spec, max_rank=16)
+    _malformed_folders_are_refused(adapters["qv-rs4"], spec, tmp_path)
     engine = _engine(tiny_model_dir, {}, max_lora_rank=8)
     with pytest.raises(LoraError, match="above max_lora_rank"):
         engine.loras.add("big", str(adapters["mlp-r16"]))
     assert engine.loras.snapshot() == {}
     with pytest.raises(ConfigError, match="need enable_lora"):
         Engine(EngineConfig(model=str(tiny_model_dir), max_seq_len=64, num_kv_blocks=16)).loras.add("a", "b")
+
+
+def _malformed_folders_are_refused(good: Path, spec, tmp_path: Path) -> None:
+    """Folders no PEFT writes, or half-delivered ones: a LoraError with the reason, never another exception."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    def folder_with(name, config=None, weights=None):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        if config is not None:
+            (folder / "adapter_config.json").write_text(json.dumps(config))
+        if weights is not None:
+            (folder / "adapter_model.safetensors").unlink()
+            if isinstance(weights, str):
+                (folder / "adapter_model.safetensors").write_text(weights)
+            else:
+                save_file(weights, str(folder / "adapter_model.safetensors"))
+        return folder
+
+    config = json.loads((good / "adapter_config.json").read_text())
+    tensors = load_file(str(good / "adapter_model.safetensors"))
+    cases = [
+        (folder_with("list", config=["q_proj"]), "adapter_config.json must hold an object, got list"),
+        (folder_with("targets", config={**config, "target_modules": 5}), "target_modules must be a list"),
+        (folder_with("lfs", weights="version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n"),
+         "cannot read adapter_model.safetensors"),
+        (folder_with("vision", weights={k.replace("model.model.layers", "model.vision_model.encoder.layers"): t
+                                        for k, t in tensors.items()}), "is not a LoRA weight of a known module"),
+        (folder_with("twice", weights={**tensors, **{k.replace("base_model.model.", ""): t.clone()
+                                                     for k, t in tensors.items()}}), "two tensors are lora_"),
+    ]  # fmt: skip
+    for folder, message in cases:
+        with pytest.raises(LoraError, match=message):
+            read_adapter(folder.name, folder, spec, max_rank=16)
+    # PEFT's other form of target_modules, a regular expression over module names: the tensors say which
+    regex = folder_with("regex", config={**config, "target_modules": r".*\.(q_proj|v_proj)"})
+    assert read_adapter("regex", regex, spec, max_rank=16).modules.keys() == \
+        read_adapter("list", good, spec, max_rank=16).modules.keys()  # fmt: skip
+
+
+def test_a_slot_fill_that_failed_is_filled_again() -> None:
+    """A step that was to fill a slot failed (the adapter's folder unreadable): the next request through that adapter
+    fills the slot again instead of running on whatever the slot held."""
+    from types import SimpleNamespace
+
+    from overlap.engine.batching.lora_slots import LoraSlots
+
+    slots = LoraSlots(1)
+    first = SimpleNamespace(lora_name="a", lora_path="/a", lora_slot=-1)
+    slots.acquire(first)
+    loads = slots.take_loads()
+    assert loads == [(0, "a", "/a")]
+    slots.release(first)  # its step failed: the request finished with ERROR
+    slots.forget(loads)
+    again = SimpleNamespace(lora_name="a", lora_path="/a", lora_slot=-1)
+    assert slots.can_acquire(again)
+    slots.acquire(again)
+    assert slots.take_loads() == [(0, "a", "/a")] and slots.holds == [("a", "/a")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

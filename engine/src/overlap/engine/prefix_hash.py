@@ -2,8 +2,9 @@
 router that scores replicas by what they hold (`overlap router`).
 
 A full block of `block_size` tokens is keyed by (its parent block's hash, its token ids); the first block's parent
-is ROOT_HASH, or for a request through a LoRA adapter `root_hash(adapter)`: no KV is shared across adapters (nor
-with the base model), since every layer's K and V differ. A block's hash is CPython's hash of that key: for tuples
+is ROOT_HASH, or for a request through a LoRA adapter `root_hash(adapter)`, the adapter being its (name, folder):
+no KV is shared across adapters (nor with the base model), since every layer's K and V differ, and a name loaded
+again from another folder is another adapter. A block's hash is CPython's hash of that key: for tuples
 of ints it is deterministic, the same in every 64-bit CPython process on any host (no per-process seed: that applies
 to str and bytes only), so a router computes the hashes an engine publishes from the token ids alone. The block size
 comes from the engine (its KV events say which), never from a second setting. HASH_SCHEME names this definition; a
@@ -27,14 +28,16 @@ STORED, REMOVED = 1, -1
 KV_EVENT_WINDOW = 1 << 16  # events kept for readers that poll; one further behind gets a snapshot
 
 BlockKey = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+Adapter = tuple[str, str]  # a LoRA adapter as its KV knows it: (name, folder); /v1/models gives the folder as `root`
 
 
-def root_hash(adapter: str | None = None) -> int:
-    """The first block's parent: ROOT_HASH for the base model; for a LoRA adapter one derived from its name with a
-    hash that is the same in every process (str's built-in hash is seeded per process)."""
+def root_hash(adapter: Adapter | None = None) -> int:
+    """The first block's parent: ROOT_HASH for the base model; for a LoRA adapter one derived from its name and
+    folder with a hash that is the same in every process (str's built-in hash is seeded per process)."""
     if adapter is None:
         return ROOT_HASH
-    return hash((ROOT_HASH, int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest())))
+    digest = hashlib.blake2b("\0".join(adapter).encode(), digest_size=8).digest()
+    return hash((ROOT_HASH, int.from_bytes(digest)))
 
 
 def extend_keys(keys: list[BlockKey], tokens: Sequence[int], block_size: int, num_full_blocks: int,
@@ -48,7 +51,7 @@ def extend_keys(keys: list[BlockKey], tokens: Sequence[int], block_size: int, nu
     return keys
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, adapter: Adapter | None = None) -> list[int]:
     """The hashes of every full block of `tokens` (through LoRA `adapter`), as an engine publishes them."""
     keys = extend_keys([], tokens, block_size, len(tokens) // block_size, root_hash(adapter))
     return [hash(key) for key in keys]

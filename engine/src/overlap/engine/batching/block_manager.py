@@ -299,8 +299,9 @@ class BlockManager:
     # ---- prefix cache ------------------------------------------------------------------------------------------
     def _keys_for(self, request: Request, num_full_blocks: int) -> list[BlockKey]:
         """Extend the request's hash chain to cover `num_full_blocks` blocks of its tokens."""
+        adapter = None if request.lora_name is None else (request.lora_name, request.lora_path)
         return extend_keys(request.block_hashes, request.all_token_ids, self.block_size, num_full_blocks,
-                           root_hash(request.lora_name))  # fmt: skip
+                           root_hash(adapter))  # fmt: skip
 
     def register_computed_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Publish the request's full blocks whose K/V is now written (call after the step that computed them); the

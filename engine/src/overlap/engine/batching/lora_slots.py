@@ -102,6 +102,14 @@ class LoraSlots:
         if self.users[slot] == 0:
             self._idle[slot] = None  # the most recently used of the idle ones: evicted last
 
+    def forget(self, loads: list[tuple[int, str, str]]) -> None:
+        """These fills did not happen (their step failed: an adapter's folder could not be read): the slots hold
+        nothing, so the adapter's next request fills its slot again rather than running on what the slot held."""
+        for slot, name, path in loads:
+            if self.holds[slot] == (name, path):
+                self.holds[slot] = None
+                del self._slot_of[name, path]
+
     def take_loads(self) -> list[tuple[int, str, str]]:
         """The (slot, name, folder) fills since the last call, for the next step."""
         loads, self._loads = self._loads, []

@@ -469,7 +469,9 @@ class Scheduler:
         return None
 
     def fail(self, batch: ScheduledBatch, message: str, now: float) -> list[Request]:
-        """A step failed: finish its requests with ERROR and release their blocks."""
+        """A step failed: finish its requests with ERROR and release their blocks (and the adapter slots it was to
+        fill)."""
+        self.lora_slots.forget(batch.model_input.lora_loads)
         failed = []
         epochs = batch.epochs or [request.epoch for request in batch.requests]
         for request, epoch in zip(batch.requests, epochs, strict=True):

@@ -45,7 +45,8 @@ MODULES = {
     "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1), "gate_up_proj": ("gate_up", 0), "down_proj": ("down", 0),
 }  # fmt: skip
 SEGMENTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# the language model's layers only (a vision tower's `encoder.layers` are not these)
+_KEY = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # PEFT options that change what the delta is; refused by name rather than computed wrongly
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
@@ -91,6 +92,8 @@ def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapte
         raise LoraError(f"adapter {name!r}: {ADAPTER_NOT_FOUND} {str(folder)!r} ({exc.strerror})") from None
     except ValueError as exc:
         raise LoraError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"adapter {name!r}: {CONFIG_FILE} must hold an object, got {type(config).__name__}")
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
     for key, what in _REFUSED.items():
@@ -105,14 +108,17 @@ def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapte
         raise LoraError(f"adapter {name!r} has rank {rank}, above max_lora_rank {max_rank}")
     geometry = module_geometry(spec)
     targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in geometry]
+    # a string is PEFT's regular expression over module names: the tensors below say which modules it took
+    if not isinstance(targets, str) and (not isinstance(targets, list) or not all(isinstance(t, str) for t in targets)):
+        raise LoraError(f"adapter {name!r}: target_modules must be a list of module names or a regular expression, "
+                        f"got {targets!r}")  # fmt: skip
+    unknown = [] if isinstance(targets, str) else [t for t in targets if t.rsplit(".", 1)[-1] not in geometry]
     if unknown:
         raise LoraError(f"adapter {name!r}: unknown target modules {', '.join(sorted(unknown))} for "
                         f"{spec.architecture} (known: {', '.join(geometry)})")  # fmt: skip
     try:
         tensors = load_file(folder / WEIGHTS_FILE)
-    except (OSError, ValueError, RuntimeError) as exc:
+    except Exception as exc:  # safetensors' own error too (a git-lfs pointer in place of the file)
         raise LoraError(f"adapter {name!r}: cannot read {WEIGHTS_FILE} in {str(folder)!r}: {exc}") from None
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -124,7 +130,11 @@ def read_adapter(name: str, path: str | Path, spec, max_rank: int) -> LoraAdapte
         if layer >= spec.num_layers:
             raise LoraError(f"adapter {name!r} adapts layer {layer}; this base model has {spec.num_layers} layers "
                             "(an adapter for another base model)")  # fmt: skip
-        halves.setdefault((layer, match[2]), {})[match[3]] = tensor.float()
+        pair = halves.setdefault((layer, match[2]), {})
+        if match[3] in pair:
+            raise LoraError(f"adapter {name!r}: two tensors are lora_{match[3]} of layers.{layer}.{match[2]} ({key!r} "
+                            "and another)")  # fmt: skip
+        pair[match[3]] = tensor.float()
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     modules = {}
     for (layer, module), pair in sorted(halves.items()):
@@ -295,6 +305,11 @@ class LoraCache:
             adapter = self.host.get(name)
         if adapter is None or adapter.path != str(path):
             adapter = read_adapter(name, path, self.spec, self.max_rank)
+            if self.shard is not None:  # every module shards, or the load says which does not
+                fused = sorted({module for _, module in adapter.modules} & {"qkv_proj", "gate_up_proj"})
+                if fused:
+                    raise LoraError(f"adapter {name!r}: {', '.join(fused)} (fused checkpoint modules) are not "
+                                    "supported under tensor parallelism")  # fmt: skip
         with self._lock:
             self.host[name] = adapter
             self.host.move_to_end(name)
@@ -336,10 +351,15 @@ class LoraCache:
         return None
 
     def activate(self, slot: int, name: str, path: str) -> None:
-        """Fill `slot` with the adapter (every module it lacks cleared)."""
-        adapter = self.read(name, path)
-        with torch.inference_mode():  # the slots were made in inference mode
-            self._fill(slot, adapter)
+        """Fill `slot` with the adapter (every module it lacks cleared); where that fails, the slot is left empty."""
+        try:
+            adapter = self.read(name, path)
+            with torch.inference_mode():  # the slots were made in inference mode
+                self._fill(slot, adapter)
+        except Exception:
+            with torch.inference_mode():
+                self._fill(slot, LoraAdapter(name, str(path), 0, 0.0, {}))
+            raise
 
     def _fill(self, slot: int, adapter: LoraAdapter) -> None:
         geometry = module_geometry(self.layer_spec)

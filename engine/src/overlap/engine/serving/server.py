@@ -202,6 +202,9 @@ class EngineServer:
                                          not_found=True)  # fmt: skip
         except OverlapError as exc:  # ConfigError, LoraError: the reason, nothing changed
             return p.LoraUpdateReply(message.seq, loras.snapshot(), str(exc))
+        except Exception as exc:  # a folder no check foresaw: refused, and the engine keeps serving
+            log.exception("loading LoRA adapter %r failed", message.name)
+            return p.LoraUpdateReply(message.seq, loras.snapshot(), f"adapter {message.name!r}: {exc!r}")
         self._hello_frame = self._hello()  # later connections see the adapters
         return p.LoraUpdateReply(message.seq, loras.snapshot())
 

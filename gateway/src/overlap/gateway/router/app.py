@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
-from overlap.engine.prefix_hash import HASH_SCHEME, block_hashes
+from overlap.engine.prefix_hash import HASH_SCHEME, Adapter, block_hashes
 from overlap.gateway.proxy import UPSTREAM_ERRORS, HoldingProxy, add_listen_flags, end_to_end, relay, run
 from overlap.gateway.router.picker import POLICIES, Picker, ReplicaState
 from overlap.openai import schemas, tools  # a chat request scored on the tokens the sidecar renders from it
@@ -301,7 +301,7 @@ class Router(HoldingProxy):
         body = self._json_body(request, raw)
         model = body.get("model") if body is not None else None
         model = model if isinstance(model, str) else None
-        hashes: dict[tuple[int, str | None], list[int]] = {}  # (block size, adapter) -> the prompt's block hashes
+        hashes: dict[tuple[int, Adapter | None], list[int]] = {}  # (block size, adapter) -> the prompt's hashes
         session = request.headers.get(self.config.session_header)
         tokens: list[int] | None = None  # tokenized at the first pick: a held request may wait for the tokenizer
         tried: set[str] = set()
@@ -317,9 +317,11 @@ class Router(HoldingProxy):
             started = time.perf_counter()
             size = candidates[0].block_size or 16
             adapter = model if any(model in r.adapters for r in self.replicas.values()) else None
-            key = (size, adapter)
+            # hashed through the adapter as the replicas that serve it load it (its KV is the folder's)
+            folder = next((r.adapter_folders[adapter] for r in candidates if adapter in r.adapters), None)
+            key = (size, None if adapter is None else (adapter, folder or ""))
             if key not in hashes:
-                hashes[key] = block_hashes(tokens, size, adapter)
+                hashes[key] = block_hashes(tokens, size, key[1])
             pick = self.picker.pick(candidates, hashes[key], size, len(tokens), session, adapter)
             self.pick_time.observe(time.perf_counter() - started)
             if attempt:

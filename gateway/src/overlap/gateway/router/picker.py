@@ -125,6 +125,7 @@ class ReplicaState:
     failed_polls: int = 0  # KV-event polls failed in a row (the router's DOWN_AFTER_FAILED_POLLS marks it down)
     models: list[dict] = field(default_factory=list)  # its /v1/models entries: the base model, then its adapters
     adapters: frozenset[str] = frozenset()  # the LoRA adapters it serves (the entries with a parent)
+    adapter_folders: dict[str, str] = field(default_factory=dict)  # adapter -> its folder there (`root`)
     adapter_requests: dict[str, int] = field(default_factory=dict)  # adapter -> this router's requests in flight
 
     def set_models(self, models: object) -> None:
@@ -132,6 +133,7 @@ class ReplicaState:
         models = models if isinstance(models, list) else []
         self.models = [m for m in models if isinstance(m, dict) and isinstance(m.get("id"), str)]
         self.adapters = frozenset(m["id"] for m in self.models if m.get("parent"))
+        self.adapter_folders = {m["id"]: str(m.get("root", "")) for m in self.models if m.get("parent")}
 
     @property
     def queue(self) -> int:
