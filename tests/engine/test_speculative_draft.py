@@ -153,3 +153,11 @@ def test_two_tensor_parallel_ranks_with_a_draft_equal_one_rank_without(copy_mode
     spec, _, stats = _run(copy_model_dir, requests, num_threads=1, tensor_parallel_size=2,
                           speculative_config=_draft(copy_model_dir))  # fmt: skip
     assert spec == plain and _acceptance(stats) == 1.0
+
+
+def test_a_draft_that_mixes_sliding_and_full_layers_is_refused(built):
+    """Its sliding layers' pool would need window block tables that a draft's sequences do not carry: refused at
+    start-up, not failed under load."""
+    gemma3, _ = built("gemma3")
+    with pytest.raises(ConfigError, match="mixes sliding-window and full layers"):
+        Engine(EngineConfig(model=str(gemma3), max_seq_len=128, num_kv_blocks=64, speculative_config=_draft(gemma3)))

@@ -134,6 +134,9 @@ def test_a_size_the_heads_do_not_divide_is_refused_with_the_reason(tiny_model_di
                       sparse=(True,), prefix="mlp")  # fmt: skip
     with pytest.raises(ModelLoadError, match="does not divide each expert's intermediate size 30"):
         plan_shard(dataclasses.replace(spec, moe=experts), 0, 4)
+    # every layer sparse: the dense width is never run, so it need not divide (Qwen-MoE configs carry one)
+    sparse = dataclasses.replace(experts, intermediate_size=32)
+    assert plan_shard(dataclasses.replace(spec, intermediate_size=1370, moe=sparse), 0, 4).rank == 0
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1, 2, 4 or 8"):
         EngineConfig(tensor_parallel_size=3)
 

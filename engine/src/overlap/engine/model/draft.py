@@ -56,6 +56,11 @@ class DraftModelProposer(Proposer):
                                       quantization=None, num_kv_blocks=target.num_kv_blocks, cpu_step_plan="whole",
                                       cuda_graphs=False)  # fmt: skip
         self.runner = runner_class(draft_config, draft_dir)
+        if self.runner.kv_split is not None:  # its sliding layers' pool wants window block tables, which drafts lack
+            self.runner.close()
+            raise ConfigError(f"speculative_config: the draft model {spec.model!r} mixes sliding-window and full "
+                              "layers (Gemma 2/3, gpt-oss), which a draft model does not support yet; use a draft "
+                              "of full layers or prompt_lookup")  # fmt: skip
         self.block_size = self.runner.block_size
         self._free = list(range(self.runner.num_kv_blocks - 1, -1, -1))  # pop() takes the lowest id
         self._seqs: dict[str, _DraftSeq] = {}

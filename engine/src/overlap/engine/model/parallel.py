@@ -62,7 +62,8 @@ def plan_shard(spec, rank: int, size: int) -> Shard:
         raise ModelLoadError(f"tensor_parallel_size {size} does not divide the {heads} attention heads")
     if kv % size and size % kv:
         raise ModelLoadError(f"tensor_parallel_size {size} neither divides the {kv} KV heads nor is a multiple of them")
-    if inter % size:
+    dense_layers = spec.moe is None or not all(spec.moe.sparse)  # an all-sparse MoE never runs that width
+    if dense_layers and inter % size:
         raise ModelLoadError(f"tensor_parallel_size {size} does not divide the MLP's intermediate size {inter}")
     if spec.moe is not None:  # every rank holds every expert, a share of each one's width
         check_divides(spec.moe, size)
