@@ -159,7 +159,7 @@ def fetched(lora_pod: dict, path: str) -> None:
     Path(path).symlink_to(lora_pod["adapter"], target_is_directory=True)
 
 
-def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_whose_uri_changed(
+def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_moves_an_adapter_whose_uri_changed(
     lora_pod, tmp_path, monkeypatch
 ) -> None:
     monkeypatch.setattr(adapters, "LINK_DIR", str(tmp_path / "links"))  # the pod's links folder, here
@@ -186,11 +186,15 @@ def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_reloads_an_adapter_
     assert calls == [("models",)]  # nothing to do: nothing called but /v1/models
 
     moved = adapters.paths({"adapters": [{**SQL, "uri": "hf://acme/sql-lora@v2"}]})
+    calls.clear()  # the new uri not fetched yet: the old folder keeps serving
+    states = adapter_sync.sync_pod(url, moved)
+    assert states["sql"][0] == adapter_sync.NOT_LOADED and "no adapter_config.json" in states["sql"][1]
+    assert sorted(calls[1:]) == [("load_lora_adapter", "sql", moved["sql"], True), ("unload_lora_adapter", "chat")]
+    assert adapter_sync.served_adapters(url) == {"sql": wanted["sql"]}
     fetched(lora_pod, moved["sql"])
     calls.clear()
     assert adapter_sync.sync_pod(url, moved) == {"sql": (adapter_sync.LOADED, "")}
-    assert sorted(calls[1:]) == [("load_lora_adapter", "sql", moved["sql"]), ("unload_lora_adapter", "chat"),
-                                 ("unload_lora_adapter", "sql")]  # fmt: skip
+    assert calls[1:] == [("load_lora_adapter", "sql", moved["sql"], True)]  # moved in place, never unloaded
     assert adapter_sync.served_adapters(url) == moved
     with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not a vLLM API there: said, not crashed
         adapter_sync.sync_pod(f"{url}/elsewhere", moved)

@@ -155,10 +155,12 @@ def _grammar(body: _Common, name: str, value) -> str:
 
 
 class LoadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """vLLM's /v1/load_lora_adapter: a PEFT folder the engine can read, served as model `lora_name`."""
+    """vLLM's /v1/load_lora_adapter: a PEFT folder the engine can read, served as model `lora_name`; with
+    `load_inplace`, a name already loaded moves to the new folder (else it is refused)."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

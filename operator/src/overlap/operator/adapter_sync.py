@@ -3,12 +3,13 @@ GET /v1/models, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter), and w
 into status.adapters.
 
 The pod's adapters container fetches each listed adapter behind a link whose name holds a hash of its uri
-(adapters.py); an adapter the pod serves from another path (its uri changed) is unloaded and loaded again, and one
-whose link is not there yet (still fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at
-the next pass. Passes run on a pod's events, after a reconcile and at every resync; while an adapter is still being
-fetched, the service's pass also runs again soon, with backoff (`_plan_retry`), so a new adapter loads once it is
-fetched, not at the next resync. A refused adapter (a rank above the engine's maximum, another base model's) and a
-failed fetch wait for the resync: a retry would be refused again, and the adapters container retries its fetch.
+(adapters.py); an adapter the pod serves from another path (its uri changed) is moved to the new one in place
+(`load_inplace`: the old one serves until the new folder reads), and one whose link is not there yet (still
+fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at the next pass. Passes run on a pod's
+events, after a reconcile and at every resync; while an adapter is still being fetched, the service's pass also runs
+again soon, with backoff (`_plan_retry`), so a new adapter loads once it is fetched, not at the next resync. A
+refused adapter (a rank above the engine's maximum, another base model's) and a failed fetch wait for the resync: a
+retry would be refused again, and the adapters container retries its fetch.
 """
 
 from __future__ import annotations
@@ -97,19 +98,20 @@ def sync_pod(base_url: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, s
     """Make the pod serve `wanted` ({name: path}) and no other adapter; {name: (state, message)} for each of them.
     PodAPIError (or another OSError) when its /v1/models cannot be read."""
     served = served_adapters(base_url)
-    for name, path in served.items():
-        # no longer listed, or listed from another uri; a refusal is tried again at the next pass (a listed
-        # adapter then fails to load, and its status says so)
-        if wanted.get(name) != path:
-            with contextlib.suppress(PodAPIError):
-                _call(f"{base_url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_S)
+    for name in served.keys() - wanted.keys():
+        # no longer listed; a refusal is tried again at the next pass
+        with contextlib.suppress(PodAPIError):
+            _call(f"{base_url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_S)
     states = {}
     for name, path in wanted.items():
         if served.get(name) == path:
             states[name] = (LOADED, "")
             continue
+        # listed from another uri: moved in place once its new folder reads, the old one serving until then (the
+        # new folder arrives with the pod's next ConfigMap refresh, up to a minute later)
+        body = {"lora_name": name, "lora_path": path, "load_inplace": name in served}
         try:
-            _call(f"{base_url}/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, LOAD_TIMEOUT_S)
+            _call(f"{base_url}/v1/load_lora_adapter", body, LOAD_TIMEOUT_S)
             states[name] = (LOADED, "")
         except PodAPIError as exc:
             states[name] = (NOT_LOADED, str(exc))

@@ -21,7 +21,8 @@ AdapterKey = tuple[str, str]  # (name, folder)
 
 class LoraRegistry:
     """Adapter name -> PEFT folder, for every thread: `add` checks the folder first (`check`, the runner's
-    `read_lora`, raises with the reason), `remove` stops new requests (accepted ones keep their folder and finish)."""
+    `read_lora`, raises with the reason), `remove` stops new requests (accepted ones keep their folder and finish).
+    `add(..., replace=True)` moves a loaded name to a new folder the same way: accepted requests keep the old one."""
 
     def __init__(self, enabled: bool, check: Callable[[str, str], object]) -> None:
         self.enabled = enabled
@@ -29,14 +30,14 @@ class LoraRegistry:
         self._paths: dict[str, str] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, path: str) -> None:
+    def add(self, name: str, path: str, replace: bool = False) -> None:
         if not self.enabled:
             raise ConfigError("LoRA adapters need enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ConfigError(f"a LoRA adapter needs a name and a path, got {name!r}, {path!r}")
         with self._lock:
-            if name in self._paths:
-                raise ConfigError(f"LoRA adapter {name!r} is already loaded")
+            if name in self._paths and not replace:
+                raise ConfigError(f"LoRA adapter {name!r} is already loaded (load_inplace moves it to a new folder)")
         self._check(name, path)
         with self._lock:
             self._paths[name] = path

@@ -205,7 +205,8 @@ class EngineClient:
             raise ConfigError(reply.error)
         return reply.applied
 
-    async def update_lora(self, name: str, path: str | None, timeout: float = 60.0) -> p.LoraUpdateReply:
-        """Load LoRA adapter `name` from `path` (None: unload it); the reply has the adapters after it, or the
-        error that left them as they were."""
-        return await self._ask(lambda seq: p.LoraUpdate(seq, name, path), timeout)
+    async def update_lora(self, name: str, path: str | None, replace: bool = False,
+                          timeout: float = 60.0) -> p.LoraUpdateReply:  # fmt: skip
+        """Load LoRA adapter `name` from `path` (None: unload it; `replace`: a loaded name moves to `path`); the
+        reply has the adapters after it, or the error that left them as they were."""
+        return await self._ask(lambda seq: p.LoraUpdate(seq, name, path, replace), timeout)

@@ -85,11 +85,13 @@ class Reconfigure(_Message, tag="reconf"):
 
 
 class LoraUpdate(_Message, tag="lora"):
-    """Load LoRA adapter `name` from folder `path`, or (path None) unload it: its running requests finish first."""
+    """Load LoRA adapter `name` from folder `path`, or (path None) unload it: its running requests finish first.
+    `replace`: a name already loaded moves to `path` once that folder reads (else it is refused)."""
 
     seq: int
     name: str
     path: str | None = None
+    replace: bool = False
 
 
 class StatsRequest(_Message, tag="stats?"):

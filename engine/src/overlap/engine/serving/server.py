@@ -196,7 +196,7 @@ class EngineServer:
         loras = self.engine.loras
         try:
             if message.path is not None:
-                loras.add(message.name, message.path)  # read and checked here, between steps
+                loras.add(message.name, message.path, replace=message.replace)  # read and checked between steps
             elif not loras.remove(message.name):
                 return p.LoraUpdateReply(message.seq, loras.snapshot(), f"no LoRA adapter {message.name!r} is loaded",
                                          not_found=True)  # fmt: skip

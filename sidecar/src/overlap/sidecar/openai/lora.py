@@ -3,7 +3,9 @@ engine, refused unless the sidecar runs with --allow-runtime-lora-updating true 
 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).
 
 The engine reads and checks an adapter before it is listed; an unloaded adapter's running and queued requests finish
-with it, new ones naming it get 404. Both answer with vLLM's plain-text line on success.
+with it, new ones naming it get 404. `load_inplace` moves a loaded name to a new folder once that folder reads
+(requests accepted before finish with the old one); if it does not, the old one keeps serving. Both answer with
+vLLM's plain-text line on success.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from overlap.sidecar.state import STATE, ApiError, engine_unavailable
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
     body = await read_body(request, schemas.LoadLoraAdapterRequest)
-    await _update(request, body.lora_name, body.lora_path)
+    await _update(request, body.lora_name, body.lora_path, body.load_inplace)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -28,7 +30,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-async def _update(request: web.Request, name: str, path: str | None) -> None:
+async def _update(request: web.Request, name: str, path: str | None, replace: bool = False) -> None:
     state = request.app[STATE]
     if not state.config.allow_runtime_lora_updating:
         raise ApiError(403, "runtime LoRA updating is off: start the sidecar with --allow-runtime-lora-updating true "
@@ -38,7 +40,7 @@ async def _update(request: web.Request, name: str, path: str | None) -> None:
     if name == state.model_name:
         raise ApiError(400, f"{name!r} is the base model's name", param="lora_name")
     try:
-        reply = await state.client.update_lora(name, path)
+        reply = await state.client.update_lora(name, path, replace)
     except EngineUnavailable as exc:
         raise engine_unavailable(str(exc)) from exc
     state.lora_adapters = dict(reply.adapters)
