@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -120,6 +121,51 @@ def test_one_failed_poll_keeps_a_replicas_index_and_the_second_in_a_row_drops_it
     assert (state.epoch, state.next_seq) == ("", 0)
     router._polled(state, {**good, "events": [(STORED, 1)], "reset": True, "next_seq": 4})
     assert state.ready and state.failed_polls == 0 and router.picker.index.matches([1, 2], [url]) == {url: 1}
+
+
+async def test_an_adapter_unloaded_since_the_last_poll_is_retried_where_it_is_still_served():
+    """Replica a unloaded adapter `tone` after its last poll (its API answers 404 model_not_found, as the sidecar
+    does) while b still serves it: each request for `tone` ends on b, none gets a's 404; a request for an adapter
+    no replica serves still gets the replica's 404."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    answered = {"a": 0, "b": 0}
+
+    def replica(name: str, serves_tone: bool) -> web.Application:
+        async def kv_events(request):
+            return web.json_response({"hash_scheme": HASH_SCHEME, "epoch": name, "block_size": 16, "load": {},
+                                      "ready": True, "events": [], "reset": True, "next_seq": 0})  # fmt: skip
+
+        async def models(request):  # both still list it: a's poll came before its unload
+            return web.json_response({"data": [{"id": "base"}, {"id": "tone", "parent": "base", "root": "/t"}]})
+
+        async def completions(request):
+            answered[name] += 1
+            model = (await request.json())["model"]
+            if model == "tone" and serves_tone:
+                return web.json_response({"model": "tone", "served_by": name})
+            error = {"message": f"no LoRA adapter {model!r} is loaded", "code": "model_not_found"}
+            return web.json_response({"error": error}, status=404)
+
+        app = web.Application()
+        app.router.add_get("/v1/kv-events", kv_events)
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        return app
+
+    async with TestServer(replica("a", False)) as a, TestServer(replica("b", True)) as b:
+        urls = [str(a.make_url("")).rstrip("/"), str(b.make_url("")).rstrip("/")]
+        router = Router(RouterConfig(replicas=urls, policy="round-robin", poll_interval_s=30))
+        async with TestServer(router.build_app()) as server, aiohttp.ClientSession() as client:
+            await asyncio.wait_for(router.ready.wait(), 10)
+            for _ in range(2):  # round-robin: one of the two picks a first
+                router.replicas[urls[0]].adapters = frozenset({"tone"})  # as its last poll listed it
+                async with client.post(server.make_url("/v1/completions"), json={"model": "tone", "prompt": "x"}) as r:
+                    assert r.status == 200 and (await r.json())["served_by"] == "b"
+            assert answered["a"] >= 1 and answered["b"] == 2
+            async with client.post(server.make_url("/v1/completions"), json={"model": "nowhere", "prompt": "x"}) as r:
+                assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
 
 
 # ---- the processes ---------------------------------------------------------------------------------------------

@@ -368,9 +368,10 @@ class Router(HoldingProxy):
 
     async def _forward(self, request: web.Request, raw: bytes, replica: ReplicaState, uncached: int,
                        adapter: str | None) -> web.StreamResponse | None:  # fmt: skip
-        """Relay to `replica`; None when it refused before the client got anything (connection, 5xx, 429).
-        `uncached` prompt tokens count in its backlog until its answer starts; LoRA `adapter` is loaded there while
-        the request runs."""
+        """Relay to `replica`; None when it refused before the client got anything (connection, 5xx, 429, or a 404
+        for LoRA `adapter`: unloaded there since its last poll, which it is then taken off until the next).
+        `uncached` prompt tokens count in its backlog until its answer starts; `adapter` is loaded there while the
+        request runs."""
         replica.in_flight += 1
         if adapter is not None:
             replica.adapter_requests[adapter] = replica.adapter_requests.get(adapter, 0) + 1
@@ -399,6 +400,13 @@ class Router(HoldingProxy):
                     if upstream.status != 429:
                         self._down(replica)
                     return None
+                if upstream.status == 404 and adapter is not None:
+                    body = await upstream.read()
+                    if b'"model_not_found"' in body:  # the sidecar's code for an adapter it does not serve
+                        log.info("replica %s no longer serves adapter %r", replica.url, adapter)
+                        replica.adapters -= {adapter}
+                        return None
+                    return web.Response(body=body, status=404, content_type=upstream.content_type)
                 # a replica lost mid-stream: the client sees the end of what it sent
                 return await relay(request, upstream, on_chunk=streaming, keep_partial=True)
             finally:
