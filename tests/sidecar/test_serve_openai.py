@@ -169,6 +169,15 @@ def _bad_cases(model: str) -> list[tuple[str, str, bytes | dict, int, dict]]:
         ("unknown role", ch, {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, {}),
         ("image content part", ch, {**chat, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, {}),
         ("tools", ch, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, {}),
+        ("tool_choice naming a list", ch, {**chat, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                           "tool_choice": {"type": "function", "function": {"name": ["f"]}}}, 400, {}),
+        ("tool_calls with a null function", ch, {**chat, "messages": [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": None}]},
+            {"role": "user", "content": "hi"}]}, 400, {}),
+        ("logit_bias key not a token id", c, {**ok, "logit_bias": {"\u00b2": 1}}, 400, {}),
+        ("seed past 64 bits", c, {**ok, "seed": 2**64}, 400, {}),
+        ("top_k past 64 bits", c, {**ok, "top_k": 2**70}, 400, {}),
+        ("guided_json nested too deep", c, {**ok, "guided_json": "[" * 5000 + "]" * 5000}, 400, {}),
         ("chat over the context length", ch, {**chat, "max_tokens": 10**6}, 400, {}),
     ]  # fmt: skip
 
@@ -182,6 +191,9 @@ def test_bad_inputs_get_the_right_4xx(server):
         message = data.get("error", {}).get("message") if isinstance(data, dict) else None
         if status != expected or not message or elapsed > 10:
             failures.append(f"{name}: {status} in {elapsed:.1f}s, {data!r:.200}")
+    status, _, data = http("GET", f"{server['url']}/v1/kv-events?since={2**70}")
+    if status != 400:
+        failures.append(f"kv-events since past 64 bits: {status}, {data!r:.200}")
     assert not failures, "\n".join(failures)
     assert is_ready(server["url"])  # and the server is still fine
     invalid = metric_value(http("GET", f"{server['url']}/metrics")[2], "overlap_requests_rejected_total",

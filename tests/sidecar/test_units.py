@@ -227,3 +227,29 @@ def test_tokenizer_shipped_in_hello_when_the_model_folder_is_not_mounted(tiny_mo
     # Where the folder is visible, it is used directly.
     local = p.Hello(p.PROTOCOL_VERSION, "m", str(tiny_model_dir), 2048, 8192, 2, 3, {}, tokenizer_files=files)
     assert _tokenizer_source(local) == str(tiny_model_dir)
+
+
+async def test_a_sequence_that_fails_past_the_engine_ends_with_an_error_event_and_its_siblings_go_on():
+    """n > 1 streamed: one sequence's generation raising something other than an ApiError (a detokenizer error, say)
+    gives that sequence an error event, and the merged stream still ends for the others instead of waiting."""
+    import asyncio
+
+    from overlap.sidecar.openai.sequences import Sequence
+    from overlap.sidecar.openai.stream import _Merged
+
+    class Generation:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        async def deltas(self):
+            if self.fails:
+                raise RuntimeError("Invalid prefix encountered")
+            return
+            yield
+
+    sequences = [Sequence(i, 0, Generation(fails=i == 0), None, i == 0) for i in range(2)]
+    merged = _Merged(None, sequences)
+    events = [await asyncio.wait_for(merged.next(), 5) for _ in sequences]
+    await merged.close()
+    ends = {seq.index: error for seq, delta, error in events if delta is None}
+    assert ends[1] is None and ends[0].status == 500 and "Invalid prefix encountered" in str(ends[0])

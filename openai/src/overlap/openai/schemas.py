@@ -15,6 +15,7 @@ from overlap.openai import tools
 
 # Bounds in the types are in /openapi.json too; the rules a schema cannot say are checked where they apply.
 _Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+_Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]  # what the engine's wire format carries
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -27,8 +28,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: _Int64 | None = None
+    seed: _Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -140,7 +141,10 @@ def _grammar(body: _Common, name: str, value) -> str:
     import json
 
     if name in ("guided_json", "response_format"):
-        schema = json.loads(value) if isinstance(value, str) else value
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except RecursionError:
+            raise ValueError("the JSON schema is nested too deep") from None
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
         schema = {**schema, "x-guidance": {"whitespace_flexible": not body.disable_any_whitespace}}

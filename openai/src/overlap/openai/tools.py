@@ -48,7 +48,8 @@ def setup(tools: list[dict] | None, tool_choice, parser: str | None, parallel: b
     functions = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(function, dict) or not function.get("name"):
+        if not isinstance(function, dict) or tool.get("type", "function") != "function" or \
+                not isinstance(function.get("name"), str) or not function["name"]:  # fmt: skip
             raise ValueError(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
             )
@@ -74,7 +75,7 @@ def setup(tools: list[dict] | None, tool_choice, parser: str | None, parallel: b
         return ToolSetup(tools, schema, None, None)
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in functions:
+        if not isinstance(name, str) or name not in functions:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools ({', '.join(functions)})")
         return ToolSetup(tools, functions[name], name, None)
     raise ValueError(
@@ -123,11 +124,13 @@ def message_for_template(message: dict) -> dict:
         return message
     fixed = []
     for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("function", {}), dict):
+            raise ValueError("each tool_calls entry must be {'type': 'function', 'function': {'name', 'arguments'}}")
         function = dict(call.get("function", {}))
         if isinstance(function.get("arguments"), str):
             try:
                 function["arguments"] = json.loads(function["arguments"])
-            except ValueError as exc:
-                raise ValueError(f"tool_calls arguments must be JSON: {exc}") from exc
+            except (ValueError, RecursionError) as exc:
+                raise ValueError(f"tool_calls arguments must be JSON nested at most ~1000 deep: {exc}") from exc
         fixed.append({**call, "function": function})
     return {**message, "tool_calls": fixed}

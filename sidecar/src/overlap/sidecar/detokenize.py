@@ -34,7 +34,7 @@ class IncrementalDetokenizer:
             return ""
         self.tokens_kept = len(token_ids)
         for n, token_id in enumerate(token_ids, 1):
-            piece = self._stream.step(self._backend, token_id)
+            piece = self._step(token_id)
             if not piece:
                 continue
             search_from = max(0, len(self.text) - self._holdback)  # a stop string this piece completes starts here
@@ -47,6 +47,13 @@ class IncrementalDetokenizer:
                     self.tokens_kept = n
                     return self._take(len(self.text))
         return self._take(len(self.text) - self._holdback)
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception:  # tokenizers' "Invalid prefix encountered" on some ids: start a fresh stream, as vLLM does
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return self._stream.step(self._backend, token_id)
 
     def flush(self) -> str:
         """At the end of generation: whatever was held back."""

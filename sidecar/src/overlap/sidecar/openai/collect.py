@@ -42,7 +42,14 @@ async def _collect_one(state: ServerState, sequence: Sequence) -> _Collected:
 
 
 async def collect(state: ServerState, sequences: list[Sequence], reply: Reply) -> web.Response:
-    results = await asyncio.gather(*(_collect_one(state, s) for s in sequences))
+    tasks = [asyncio.ensure_future(_collect_one(state, s)) for s in sequences]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # one sequence failed (or the client left): its siblings stop now, not at their timeout
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     kept = list(results)
     if reply.best_of > reply.n:  # per prompt, the n best by cumulative logprob of what they generated
         kept = []

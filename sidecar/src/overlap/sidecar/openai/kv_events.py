@@ -22,8 +22,8 @@ async def kv_events(request: web.Request) -> web.Response:
         since = int(request.query.get("since", "0"))
     except ValueError:
         raise ApiError(400, "since must be an integer (the next_seq of the previous answer)", param="since") from None
-    if since < 0:
-        raise ApiError(400, "since must be >= 0", param="since")
+    if not 0 <= since < 2**63:
+        raise ApiError(400, "since must be in 0..2**63-1", param="since")
     try:
         reply = await state.client.kv_events(since, request.query.get("epoch", ""))
     except EngineUnavailable as exc:

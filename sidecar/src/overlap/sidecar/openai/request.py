@@ -185,7 +185,7 @@ def _logits_controls(state: ServerState, body: schemas._Common) -> dict:
     if body.logit_bias:
         bias = []
         for key, value in body.logit_bias.items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < state.vocab_size:
+            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < state.vocab_size:
                 raise ApiError(400, f"logit_bias keys must be token ids in 0..{state.vocab_size - 1}, got {key!r}",
                                param="logit_bias")  # fmt: skip
             bias.append((int(key), value))

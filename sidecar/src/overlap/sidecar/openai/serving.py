@@ -46,8 +46,9 @@ async def respond(request: web.Request, state: ServerState, body: schemas._Commo
             first_id = None
             for j in range(best_of):
                 seq_sampling = sampling
-                if sampling.seed is not None and j:
-                    seq_sampling = dataclasses.replace(seq_sampling, seed=sampling.seed + j)  # distinct, reproducible
+                if sampling.seed is not None and j:  # distinct, reproducible, and still a signed 64-bit seed
+                    seed = (sampling.seed + j + 2**63) % 2**64 - 2**63
+                    seq_sampling = dataclasses.replace(seq_sampling, seed=seed)
                 if best_of > n and sampling.logprobs is None:
                     seq_sampling = dataclasses.replace(seq_sampling, logprobs=0)  # ranking needs each token's
                 seq_id = reply.request_id if len(prompts) == 1 and best_of == 1 else f"{reply.request_id}-{p}-{j}"

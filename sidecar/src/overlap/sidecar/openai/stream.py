@@ -4,6 +4,7 @@ sequence's text is held until it ends and then sent as content and calls; usage 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -17,6 +18,8 @@ from overlap.sidecar.state import ApiError, ServerState
 
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
+
+log = logging.getLogger(__name__)
 
 
 def sse(data) -> bytes:
@@ -36,6 +39,12 @@ async def _events(state: ServerState, seq: Sequence) -> AsyncIterator[Event]:
             yield seq, delta, None
     except ApiError as exc:
         yield seq, None, exc
+        return
+    except Exception as exc:  # a bug past the engine (the detokenizer's, say): this sequence ends with an error
+        # event, and its siblings of the same request (n > 1) go on, instead of the stream waiting for it forever
+        log.exception("sequence %s of a stream failed", seq.index)
+        yield seq, None, ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", "server_error",
+                                 code="internal_error")  # fmt: skip
         return
     yield seq, None, None
 
