@@ -322,6 +322,14 @@ def test_images_come_from_the_running_operator_not_the_stored_object() -> None:
     assert (images["engine"], images["sidecar"]) == ("mine/engine:1", image)
 
 
+def test_every_signal_the_loop_reads_can_be_overridden_through_the_crd() -> None:
+    """A spec.prometheus.queries key the schema lacks is pruned by the API server: its override would never arrive."""
+    from overlap.operator.control.signals import SIGNAL_FIELDS
+
+    prometheus = SCHEMA["properties"]["spec"]["properties"]["prometheus"]["properties"]
+    assert set(prometheus["queries"]["properties"]) == set(SIGNAL_FIELDS)
+
+
 def test_the_control_policys_defaults_are_the_crds() -> None:
     """A policy built with no arguments behaves as the policy of a service that sets nothing the API server would
     default: one table (the CRD's defaults) behind both."""

@@ -449,6 +449,14 @@ def test_one_arrival_inside_the_idle_timeout_keeps_the_last_replica():
     assert all(d.replicas == 1 for d in decisions)
 
 
+def test_no_arrival_rate_reading_never_counts_as_an_idle_service():
+    """An arrival-rate query that answers nothing (a Prometheus without the service label, an override that selects
+    nothing) is no reading, not zero traffic: the last replica stays."""
+    policy = Policy(scaling=scaling(min_replicas=0, idle_timeout_s=120))
+    decisions = run([{"queue_depth": 0, "arrival_rate": None}] * 12, policy, replicas=1)
+    assert all(d.replicas == 1 for d in decisions)
+
+
 # ---------------------------------------------------------------------------------------------- robust signals
 
 

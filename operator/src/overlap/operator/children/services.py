@@ -71,8 +71,9 @@ def build_replicas_service(name: str, namespace: str, spec: Mapping[str, Any]) -
     the public Service)."""
     service = http_service(metadata(replicas_service_name(name), namespace, name), selector_labels(name),
                            spec["sidecar"]["port"])  # fmt: skip
+    # Ready pods only: publishNotReadyAddresses keeps its default, false, which the API server leaves out of what it
+    # returns, so writing it here would make the Service differ from what is stored at every resync.
     service["spec"]["clusterIP"] = "None"
-    service["spec"]["publishNotReadyAddresses"] = False
     return service
 
 

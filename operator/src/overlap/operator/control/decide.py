@@ -288,7 +288,8 @@ def _scale_in(
         return None  # the others would not carry the load
     if n == 1:  # to zero: only when nothing has arrived for the idle timeout
         idle = [*history.window(now, policy.idle_timeout_s), signals]
-        if not history.covers(now, policy.idle_timeout_s) or any((s.arrival_rate or 0) > 0 for s in idle):
+        # every reading of the timeout says no arrivals: one the query did not answer is not a quiet one
+        if not history.covers(now, policy.idle_timeout_s) or any(s.arrival_rate != 0 for s in idle):
             return None
         return SCALE_DOWN, f"no requests for {policy.idle_timeout_s:g} s: scaling to zero", 0
     why = f"{per_replica:.1f} waiting per ready replica < {policy.down_watermark:g} for {policy.down_window_s:g} s"
