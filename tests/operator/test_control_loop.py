@@ -121,6 +121,25 @@ def test_prometheus_problems_get_clear_errors(prometheus: Prometheus):
     nobody = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(signals.PrometheusError, match=f"cannot query Prometheus at {nobody}: .*refused"):
         signals.query(nobody, "up")
+    # one that accepts connections and never answers: the tick gives up at the first query's timeout, not after
+    # waiting it out once per signal
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(32)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(signals.PrometheusUnreachable, match="timed out"):
+            signals.read_signals(url, signals.queries_for("ns", "llm"), ready_replicas=1, now=0.0, timeout_s=0.5)
+        silent.setblocking(False)
+        asked = 0
+        while True:
+            try:
+                silent.accept()[0].close()
+            except BlockingIOError:
+                break
+            asked += 1
+        assert asked == 1  # one query waited; the other 13 were not sent (each waited out its timeout before)
 
 
 def _service(spec_extra: dict, admin_port: int) -> str:

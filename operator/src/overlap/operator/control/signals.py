@@ -78,6 +78,10 @@ class PrometheusError(RuntimeError):
     """Prometheus could not be asked, or refused a query; the message says which and why."""
 
 
+class PrometheusUnreachable(PrometheusError):
+    """No answer at all (refused, timed out, not HTTP): every other query of the tick would wait as long."""
+
+
 def selector(namespace: str, name: str) -> str:
     return f'namespace="{namespace}",service="{name}"'
 
@@ -103,9 +107,11 @@ def query(base_url: str, promql: str, timeout_s: float = TIMEOUT_S) -> float | N
         except ValueError:
             detail = exc.reason
         raise PrometheusError(f"Prometheus refused {promql!r}: {exc.code} {detail}") from exc
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise PrometheusError(f"cannot query Prometheus at {base_url}: {reason}") from exc
+        raise PrometheusUnreachable(f"cannot query Prometheus at {base_url}: {reason}") from exc
+    except ValueError as exc:  # an answer that is not JSON: this query's, not the server's
+        raise PrometheusError(f"Prometheus answered {promql!r} with no JSON: {exc}") from exc
     result = (body.get("data") or {}).get("result") or []
     if body.get("status") != "success" or not result:
         return None
@@ -117,12 +123,15 @@ def read_signals(
     base_url: str, queries: Mapping[str, str], *, ready_replicas: int, now: float, timeout_s: float = TIMEOUT_S
 ) -> Signals:
     """One reading of every signal (expanded queries from `queries_for`). A query that fails leaves its signal out
-    and names it in `stale`; PrometheusError only when every query failed (Prometheus is down or unreachable)."""
+    and names it in `stale`; PrometheusError when every query failed, or at the first that got no answer at all
+    (Prometheus down or unreachable: the rest would each wait out their timeout, holding the service's tick)."""
     values: dict[str, float | None] = {}
     failed: dict[str, PrometheusError] = {}
     for key, promql in queries.items():
         try:
             values[SIGNAL_FIELDS[key]] = query(base_url, promql, timeout_s)
+        except PrometheusUnreachable:
+            raise
         except PrometheusError as exc:
             failed[key] = exc
     if failed and len(failed) == len(queries):
