@@ -142,6 +142,33 @@ def test_prometheus_problems_get_clear_errors(prometheus: Prometheus):
         assert asked == 1  # one query waited; the other 13 were not sent (each waited out its timeout before)
 
 
+def test_a_signal_with_no_reading_this_tick_leaves_the_status_instead_of_keeping_its_last_value(monkeypatch):
+    """status.signals is written whole each tick: a signal gone (no replica, so no waiting per replica) is deleted
+    (null in the merge patch), not shown with its last value by `kubectl get -o wide`."""
+    import logging
+
+    from overlap.operator import kube
+    from overlap.operator import spec as specs
+    from overlap.operator.control import loop
+    from overlap.operator.control.policy import History, Policy
+    from tests.support.kube.server import merge_patch
+
+    spec = specs.with_defaults({"model": {"servedName": "llm", "path": "/models/llm"},
+                                "autoscaling": {"mode": "builtin"}})  # fmt: skip
+    stored = {"metadata": {"name": "llm", "namespace": "ns"},
+              "status": {"readyReplicas": 0, "signals": {"readyReplicas": 1, "queueDepth": 12.0,
+                                                          "waitingPerReplica": 12.0}}}  # fmt: skip
+    written = []
+    monkeypatch.setattr(signals, "read_signals", lambda *a, **k: Signals(time=0.0, ready_replicas=0))
+    monkeypatch.setattr(kube, "patch_status", lambda name, namespace, compute: written.append(compute(stored)))
+    policy = Policy.from_spec(spec)
+    loop.run_tick(stored, spec, specs.check_spec(spec), policy, loop.LoopState(History(scaling=policy.scaling)), 0.0,
+                  logging.getLogger("test"), "http://prometheus")  # fmt: skip
+    patch = written[-1]["signals"]
+    assert patch["queueDepth"] is None and patch["waitingPerReplica"] is None and patch["readyReplicas"] == 0
+    assert merge_patch(stored["status"], {"signals": patch})["signals"] == {"readyReplicas": 0}
+
+
 def _service(spec_extra: dict, admin_port: int) -> str:
     spec = {
         "model": {"servedName": "tiny", "path": "/models/tiny"},

@@ -152,12 +152,14 @@ def run_tick(
 
     def compute(cur: dict[str, Any]) -> dict[str, Any]:
         new = _loop_conditions(cur, policy, decision, None, when, reading.stale)
-        new["signals"] = signals.to_status(reading)
-        new["forecast"] = forecast
+        stored = cur.get("status") or {}
+        new["signals"] = _whole(stored.get("signals"), signals.to_status(reading))
+        new["forecast"] = _whole(stored.get("forecast"), forecast)
         if decision.action != HOLD:
-            new["lastAdvice" if advise else "lastDecision"] = decision.to_status(when)
+            key = "lastAdvice" if advise else "lastDecision"
+            new[key] = _whole(stored.get(key), decision.to_status(when))
         if decision.action == RETUNE and not advise:
-            new["liveKnobs"] = engine.live.to_camel()
+            new["liveKnobs"] = _whole(stored.get("liveKnobs"), engine.live.to_camel())
         return new
 
     kube.patch_status(name, namespace, compute)
@@ -181,6 +183,12 @@ def run_tick(
     else:
         logger.debug(f"control loop: hold: {decision.reason}")
     return decision
+
+
+def _whole(stored: Mapping[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    """`new` as a merge patch that replaces the stored object whole: a key it no longer has (a signal with no reading
+    this tick, a knob no longer set) is written null, which deletes it, instead of keeping its last value."""
+    return {**{key: None for key in stored or {} if key not in new}, **new}
 
 
 def _forecast_status(history: History, decision: Decision, reading: signals.Signals) -> dict[str, Any]:
