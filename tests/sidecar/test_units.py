@@ -253,3 +253,21 @@ async def test_a_sequence_that_fails_past_the_engine_ends_with_an_error_event_an
     await merged.close()
     ends = {seq.index: error for seq, delta, error in events if delta is None}
     assert ends[1] is None and ends[0].status == 500 and "Invalid prefix encountered" in str(ends[0])
+
+
+def test_echo_with_logprobs_past_the_prompt_logprobs_cap_is_refused_before_the_engine():
+    """Prompt logprobs travel in one frame of the engine's wire protocol: a request whose would overflow it (and
+    fail every request of the pod with it) is refused with the sizes; one under the cap passes."""
+    from types import SimpleNamespace
+
+    from overlap.openai import schemas
+    from overlap.sidecar.openai import request as req
+    from overlap.sidecar.state import ApiError
+
+    state = SimpleNamespace(max_model_len=1 << 20, vocab_size=1000, sampling_defaults={})
+    body = schemas.CompletionRequest(model="m", prompt="x", logprobs=20, echo=True)
+    prompt = req.MAX_PROMPT_LOGPROBS // 21
+    assert req.sampling_params(state, body, prompt, 1, echo=True).prompt_logprobs == 20
+    with pytest.raises(ApiError, match=r"asks for \d+ prompt logprobs, over this server's 1048576") as refused:
+        req.sampling_params(state, body, prompt + 1, 1, echo=True)
+    assert refused.value.status == 400

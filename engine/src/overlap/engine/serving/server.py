@@ -252,8 +252,13 @@ class EngineServer:
             if out.finished:
                 del self._owners[out.request_id]
                 conn.request_ids.discard(out.request_id)
-            if conn.alive:
-                batches.setdefault(conn, []).append(p.WireOutput.from_output(out, request_id))
+            if not conn.alive:
+                continue
+            wire = p.WireOutput.from_output(out, request_id)
+            if wire.prompt_logprobs:  # up to ~16 MB (the sidecar's MAX_PROMPT_LOGPROBS): a frame of its own
+                conn.send(p.Outputs([wire]))
+            else:
+                batches.setdefault(conn, []).append(wire)
         for conn, batch in batches.items():
             conn.send(p.Outputs(batch))
 

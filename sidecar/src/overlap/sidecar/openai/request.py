@@ -16,6 +16,9 @@ from overlap.sidecar.state import STATE, ApiError, ServerState
 
 _INLINE_TOKENIZE_CHARS = 16 * 1024
 MAX_PROMPTS = 64  # prompts in one completions request
+# Prompt logprobs (echo) a request may ask for, counted as prompt tokens x (logprobs + 1): each is ~15 bytes on the
+# engine's wire, so one request's stay well inside a frame (protocol.MAX_FRAME_BYTES), which they get to themselves.
+MAX_PROMPT_LOGPROBS = 1 << 20
 # Request fields that reach SamplingParams under the same name when set (their values are checked there).
 _PASSED_AS_IS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "seed")
 
@@ -133,6 +136,10 @@ def sampling_params(state: ServerState, body: schemas._Common, num_prompt: int, 
     except ValueError as exc:
         raise ApiError(400, str(exc), param="top_logprobs") from exc
     fields["prompt_logprobs"] = fields["logprobs"] if echo else None
+    if echo and fields["logprobs"] is not None and num_prompt * (fields["logprobs"] + 1) > MAX_PROMPT_LOGPROBS:
+        raise ApiError(400, f"echo with logprobs={fields['logprobs']} over {num_prompt} prompt tokens asks for "
+                       f"{num_prompt * (fields['logprobs'] + 1)} prompt logprobs, over this server's "
+                       f"{MAX_PROMPT_LOGPROBS}: fewer logprobs or a shorter prompt", param="logprobs")  # fmt: skip
     fields.update(_logits_controls(state, body))
     try:
         fields["grammar"] = schemas.structured_output_grammar(body)
