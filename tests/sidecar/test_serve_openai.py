@@ -201,6 +201,18 @@ def test_bad_inputs_get_the_right_4xx(server):
     assert invalid >= len(_bad_cases(server["model"]))
 
 
+def test_fields_openai_marks_nullable_take_null_as_their_default(server):
+    """Clients that send every field send null for the ones they leave unset: `n`, `stream`, `echo`, `logprobs`."""
+    model = server["model"]
+    chat = {"messages": [{"role": "user", "content": "Hello"}], "logprobs": None}
+    for path, body in (("/v1/completions", {"prompt": "Hello", "echo": None, "logprobs": None}),
+                       ("/v1/chat/completions", chat)):  # fmt: skip
+        status, _, data = http("POST", server["url"] + path,
+                               {"model": model, "max_tokens": 3, "n": None, "stream": None, **body})  # fmt: skip
+        assert status == 200 and len(data["choices"]) == 1, data
+        assert data["choices"][0].get("logprobs") is None
+
+
 def test_wrong_methods_and_routes_get_openai_errors(server):
     status, _, data = http("GET", f"{server['url']}/v1/completions")
     assert status == 405 and data["error"]["message"]

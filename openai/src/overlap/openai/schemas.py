@@ -33,9 +33,9 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    stream: bool = False
+    stream: bool | None = False  # OpenAI marks these nullable: null is the default (`__post_init__`)
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1)] = 1
+    n: Annotated[int, msgspec.Meta(ge=1)] | None = 1
     user: str | None = None
     # Overlap extensions: priority level (0 highest) and a timeout in seconds (may only lower the server's).
     priority: int | None = None
@@ -54,6 +54,10 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_grammar: str | None = None  # Lark (or GBNF) grammar text
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
+    def __post_init__(self) -> None:
+        self.stream = bool(self.stream)
+        self.n = 1 if self.n is None else self.n
+
     def unsupported_fields(self) -> list[str]:
         """OpenAI fields accepted by the schema but not implemented: refused with a clear message when set."""
         return []
@@ -61,7 +65,12 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a one-element list of either
-    echo: bool = False
+    echo: bool | None = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.echo = bool(self.echo)
+
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
@@ -92,7 +101,7 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
