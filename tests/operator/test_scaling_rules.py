@@ -523,3 +523,14 @@ def test_the_floor_holds_within_its_tolerance():
     assert run([{"queue_depth": 0, "arrival_rate": 203.6}], policy, replicas=5, history=history)[0].action == HOLD
     history = learned_history(policy)
     assert run([{"queue_depth": 0, "arrival_rate": 215}], policy, replicas=5, history=history)[0].action == SCALE_UP
+
+
+def test_an_edit_of_the_autoscaling_spec_reaches_a_running_loops_history():
+    """The loop keeps its History across ticks: a capacity hint, cold start, tick or period the user sets later is
+    taken up at the next tick, not at the operator's next restart."""
+    history = History(scaling=scaling())
+    assert history.capacity.get(64) is None
+    edited = scaling(capacity_hints={64: 12.5}, cold_start_s=90.0, interval_s=30.0, period_s=3600.0)
+    history.follow(edited)
+    assert history.capacity.get(64) == 12.5 and history.horizon_s() == 90.0 + 30.0
+    assert history.forecast.period_s == 3600.0

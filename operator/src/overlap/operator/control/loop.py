@@ -97,6 +97,7 @@ def control_tick(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: 
     state: LoopState = memo.setdefault(
         "control", LoopState(History(scaling=policy.scaling, signal_window_s=policy.tuning.signal_window_s))
     )
+    state.history.follow(policy.scaling)  # the spec may have been edited since the last tick
     if now - state.last_tick < policy.interval_s() - TICK_S / 2:
         return  # not due (or both loops off: the interval is infinite)
     state.last_tick = now

@@ -239,6 +239,15 @@ class History:
         self.cold_start = ColdStart(default=scaling.cold_start_s)
         self.interval_s = scaling.interval_s
 
+    def follow(self, scaling: ScalingPolicy) -> None:
+        """Take up what an edit of spec.autoscaling changed since the history was made: the capacity hints, the
+        assumed cold start, the tick, and the daily period (a new period starts its profile afresh)."""
+        self.capacity.hints = scaling.capacity_hints
+        self.cold_start.default = scaling.cold_start_s
+        self.interval_s = scaling.interval_s
+        if self.forecast.period_s != scaling.period_s:
+            self.forecast = RateForecast(period_s=scaling.period_s)
+
     def record(self, signals: Signals, decision: Decision) -> None:
         """Remember this tick's reading and the decision taken on it (call after carrying it out)."""
         now = signals.time
