@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -416,6 +417,20 @@ def test_strict_field_validation_names_the_unknown_field(cluster) -> None:
 def test_the_operator_refuses_bad_extra_volumes_with_the_crds_words(pod: dict, message: str) -> None:
     with pytest.raises(specs.SpecError, match=message):
         specs.check_spec(specs.with_defaults(with_spec(pod=pod)["spec"]))
+
+
+def test_the_crd_reserves_the_names_and_paths_the_operator_does():
+    """Both refuse the same pod.volumes names and mount paths: what the API server admits, the operator takes."""
+    pod = SCHEMA["properties"]["spec"]["properties"]["pod"]["properties"]
+
+    def listed(field: str) -> tuple[str, ...]:
+        return tuple(re.findall(r"'([^']+)'", pod[field]["x-kubernetes-validations"][0]["rule"]))
+
+    assert listed("volumes") == specs.RESERVED_VOLUMES and listed("volumeMounts") == specs.RESERVED_PATHS
+    # the model's own mountPath (a spec field, so the operator's check): a second mount there fails the Deployment
+    pod_at_model = {"volumes": [{"name": "a", "emptyDir": {}}], "volumeMounts": [{"name": "a", "mountPath": "/models"}]}
+    with pytest.raises(specs.SpecError, match=r"cannot use the model's mountPath /models"):
+        specs.check_spec(specs.with_defaults(with_spec(pod=pod_at_model)["spec"]))
 
 
 @pytest.mark.parametrize(("model", "message"), BAD_MODELS)

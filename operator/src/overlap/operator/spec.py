@@ -373,7 +373,7 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     sidecar = spec.get("sidecar") or {}
     if sidecar.get("port", 8000) == sidecar.get("adminPort", 8001):
         raise SpecError("sidecar.port and sidecar.adminPort must differ")
-    _check_volumes(spec.get("pod") or {})
+    _check_volumes(spec.get("pod") or {}, str(spec["model"].get("mountPath", DEFAULTS["model"]["mountPath"])))
     return config
 
 
@@ -390,17 +390,21 @@ RESERVED_VOLUMES = (
     "adapter-links",
     "adapter-list",
 )
+# every path the operator mounts into a container of the pod (the CRD's rule lists the same: test_crd holds them equal)
 RESERVED_PATHS = ("/run/overlap", "/etc/overlap", "/var/run/secrets/overlap", "/tmp", "/dev/shm",
-                  "/etc/overlap-adapters", "/var/run/overlap-adapters")  # fmt: skip
+                  "/etc/overlap-adapters", "/var/run/overlap-adapters", MODEL_CACHE_DIR, MODEL_LINK_DIR,
+                  MODEL_IMAGE_DIR, REGISTRY_CONFIG_DIR)  # fmt: skip
 
 
-def _check_volumes(pod: Mapping[str, Any]) -> None:
+def _check_volumes(pod: Mapping[str, Any], model_mount: str) -> None:
     names = [volume.get("name") for volume in pod.get("volumes") or []]
     if any(name in RESERVED_VOLUMES for name in names):
         raise SpecError(f"pod.volumes cannot use the operator's names {', '.join(RESERVED_VOLUMES)}")
     mounts = pod.get("volumeMounts") or []
     if any(mount.get("mountPath") in RESERVED_PATHS for mount in mounts):
         raise SpecError(f"pod.volumeMounts cannot use the operator's paths {', '.join(RESERVED_PATHS)}")
+    if any(str(mount.get("mountPath", "")).rstrip("/") == model_mount.rstrip("/") for mount in mounts):
+        raise SpecError(f"pod.volumeMounts cannot use the model's mountPath {model_mount} (model.mountPath)")
     if any(mount.get("name") not in names for mount in mounts):
         raise SpecError("every pod.volumeMounts name must be one of pod.volumes")
 
