@@ -297,3 +297,48 @@ def test_only_consolidated_weights_are_refused_with_a_hint(built, tmp_path):
     folder = shutil.copytree(built("llama")[0], tmp_path / "m")
     (folder / "model.safetensors").rename(folder / "consolidated.safetensors")
     _refused(folder, r"consolidated\.safetensors is Mistral's own format")
+
+
+@pytest.mark.parametrize(("variant", "dropped"), [
+    ("gemma2", ["attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "head_dim",
+                "query_pre_attn_scalar", "rope_parameters"]),
+    ("gpt-oss", ["sliding_window", "head_dim", "rms_norm_eps", "rope_parameters"]),
+    ("mixtral", ["rms_norm_eps", "rope_parameters"]),
+])  # fmt: skip
+def test_a_config_that_leaves_out_family_defaults_reads_as_transformers_reads_it(tmp_path, variant, dropped):
+    """A trimmed config.json: where it leaves out a key its family's config class defaults (Gemma 2's soft-capping,
+    window and head size, gpt-oss's window, head size and YaRN RoPE, Mixtral's norm epsilon and RoPE base), the
+    engine reads transformers' value, not a default of its own."""
+    from transformers import AutoConfig
+
+    from overlap.engine.model.model_spec import read_spec, rope_tables
+    from tests.support.hf_models import _variants
+
+    config = _variants()[variant]().to_dict()
+    config["architectures"] = [AutoConfig.for_model(config["model_type"]).__class__.__name__.replace(
+        "Config", "ForCausalLM")]  # fmt: skip
+    for key in [*dropped, "rope_theta", "rope_scaling", "layer_types"]:
+        config.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    spec = read_spec(tmp_path)
+    assert spec.rms_norm_eps == hf.rms_norm_eps
+    assert spec.head_dim == (hf.head_dim or hf.hidden_size // hf.num_attention_heads)
+    if getattr(hf, "layer_types", None):
+        assert spec.layer_windows == [hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types]
+    assert spec.final_logit_softcapping == getattr(hf, "final_logit_softcapping", None)
+    if variant == "gemma2":
+        assert spec.attn_logit_softcapping == hf.attn_logit_softcapping == 50.0
+        assert spec.query_pre_attn_scalar == hf.query_pre_attn_scalar
+    cos, _ = rope_tables(spec, 8, tmp_path)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = hf.rope_parameters
+    if rope["rope_type"] == "default":
+        dim = spec.head_dim
+        inv = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        scaling = 1.0
+    else:
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf, "cpu")
+    angles = torch.arange(8, dtype=torch.float32)[:, None] * inv.float()[None, :]
+    torch.testing.assert_close(cos, torch.cat([angles, angles], dim=-1).cos() * scaling)

@@ -252,6 +252,32 @@ def _gemma_fields(cfg: dict, arch: str, config_path: Path) -> dict:
     }
 
 
+# Keys a family's transformers config class fills in, with a default of that family, when config.json leaves them out
+# (every release sets them; a trimmed or hand-written config may not): read from that class where absent, so the
+# engine computes what transformers does with the same folder.
+_CLASS_DEFAULTS = {
+    "Gemma2ForCausalLM": ("attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "head_dim",
+                          "query_pre_attn_scalar", "rope_parameters"),
+    "GptOssForCausalLM": ("sliding_window", "head_dim", "rms_norm_eps", "rope_parameters"),
+    "MixtralForCausalLM": ("rms_norm_eps", "rope_parameters"),
+}  # fmt: skip
+
+
+def _with_class_defaults(cfg: dict, arch: str, model_dir: Path) -> dict:
+    missing = [key for key in _CLASS_DEFAULTS.get(arch, ()) if key not in cfg]
+    if "rope_parameters" in missing and ({"rope_theta", "rope_scaling"} & cfg.keys()):
+        missing.remove("rope_parameters")  # a 4.x config's RoPE keys: read as they are
+    if not missing:
+        return cfg
+    from transformers import AutoConfig
+
+    try:
+        full = AutoConfig.from_pretrained(model_dir).to_dict()
+    except Exception as exc:  # transformers refuses the config: say so, as for any unreadable config.json
+        raise ModelLoadError(f"{model_dir / 'config.json'}: transformers cannot read it: {exc}") from exc
+    return {**cfg, **{key: full[key] for key in missing if full.get(key) is not None}}
+
+
 def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
     """config.json's spec; `quantization` (--quantization) refuses a checkpoint of another format."""
     model_dir = Path(model_dir)
@@ -262,6 +288,7 @@ def read_spec(model_dir: Path, quantization: str | None = None) -> ModelSpec:
         raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face model folder")
     cfg = read_json(config_path)
     arch = _architecture(cfg, config_path)
+    cfg = _with_class_defaults(cfg, arch, model_dir)
     quant = quant_formats.parse(cfg, config_path, quantization)
     if quant is not None and quant.method == "mxfp4" and arch != "GptOssForCausalLM":
         raise ModelLoadError(f"{config_path}: MXFP4 weights are supported for gpt-oss's experts only, not {arch}")
