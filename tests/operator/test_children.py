@@ -543,3 +543,27 @@ def test_the_router_and_the_activator_go_when_the_spec_no_longer_wants_them() ->
     assert router <= unwanted(to_zero) and not activator & unwanted(to_zero)
     assert activator <= unwanted({**to_zero, "routing": {"mode": "prefix"}})
     assert not router & unwanted({**to_zero, "routing": {"mode": "prefix"}})
+
+
+def test_a_reconcile_plans_from_the_service_as_read_under_its_lock(monkeypatch):
+    """kopf hands a handler the object as its event saw it; a control tick may have retuned since (status.liveKnobs,
+    which the ConfigMap is built from). The plan comes from the service read under the lock, so the older knobs are
+    not written back; a service deleted meanwhile is left alone."""
+    import logging
+
+    from overlap.operator import handlers, kube
+    from overlap.operator import reconcile as plans
+
+    meta = {"name": "llm", "namespace": "ns", "uid": "u1"}
+    seen = {"metadata": meta, "spec": {}, "status": {"liveKnobs": {"maxNumSeqs": 16}}}
+    retuned = {"metadata": meta, "spec": {}, "status": {"liveKnobs": {"maxNumSeqs": 4}}}
+    planned = []
+    monkeypatch.setattr(kube, "api_groups", lambda: set())
+    monkeypatch.setattr(plans, "desired", lambda body, **_: planned.append(body) or "plan")
+    monkeypatch.setattr(plans, "apply", lambda *args: None)
+    monkeypatch.setattr(kube, "read_service", lambda name, namespace: retuned)
+    handlers._reconcile_children(seen, logging.getLogger("test"), None)
+    assert planned == [retuned]
+    monkeypatch.setattr(kube, "read_service", lambda name, namespace: None)
+    handlers._reconcile_children(seen, logging.getLogger("test"), None)
+    assert planned == [retuned]

@@ -70,9 +70,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 def _reconcile_children(
     body: Mapping[str, Any], logger: logging.Logger, model_image: str | None, patched_means: str = "updated"
 ) -> None:
-    """Plan what the spec asks for, then apply it; an invalid spec sets Degraded and changes nothing."""
-    with service_lock(body["metadata"]["uid"]):
-        _plan_and_apply(body, logger, model_image, patched_means)
+    """Plan what the spec asks for, then apply it; an invalid spec sets Degraded and changes nothing. The plan is made
+    from the service as read under its lock: `body` may predate a control tick's retune (status.liveKnobs), which a
+    plan from it would write back."""
+    meta = body["metadata"]
+    with service_lock(meta["uid"]):
+        fresh = kube.read_service(meta["name"], meta["namespace"])
+        if fresh is None or fresh["metadata"].get("uid") != meta["uid"]:
+            return  # deleted meanwhile: nothing to reconcile
+        _plan_and_apply(fresh, logger, model_image, patched_means)
 
 
 def _plan_and_apply(
