@@ -162,6 +162,8 @@ def _bad_cases(model: str) -> list[tuple[str, str, bytes | dict, int, dict]]:
         ("top_p of 0", c, {**ok, "top_p": 0}, 400, {}),
         ("negative top_k", c, {**ok, "top_k": -5}, 400, {}),
         ("too many stop strings", c, {**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, {}),
+        ("a stop string over 1024 characters", c, {**ok, "stop": "x" * 1025}, 400, {}),
+        ("too many bad_words", c, {**ok, "bad_words": ["w"] * 257}, 400, {}),
         ("priority out of range", c, {**ok, "priority": 7}, 400, {}),
         ("x-priority not a number", c, ok, 400, {"x-priority": "high"}),
         ("negative timeout", c, {**ok, "timeout": -1}, 400, {}),

@@ -199,7 +199,7 @@ def test_penalties_change_what_a_bias_would_repeat(client, server, reference):
         ({"logit_bias": {"99999999": 1}}, "logit_bias keys must be token ids"),
         ({"logit_bias": {"5": 200}}, "logit_bias values must be in [-100, 100]"),
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens must be in 0..max_tokens (10)"),
-        ({"bad_words": [""]}, "bad_words must be non-empty strings"),
+        ({"bad_words": [""]}, "bad_words must be up to 256 strings of 1-1024 characters"),
     ],
 )
 def test_bad_logits_controls_get_a_400(server, body, message):

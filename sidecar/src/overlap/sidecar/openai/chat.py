@@ -24,8 +24,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         messages = schemas.chat_messages_as_dicts(body.messages)
         shown = tool_setup.tools_for_template if tool_setup is not None else None
-        prompt_ids = await req.off_loop(sum(len(m["content"]) for m in messages), state.text.encode_chat, messages,
-                                        True, False, shown)  # fmt: skip
+        # the tools render into the prompt too: a large array is as slow to template and tokenize as a long message
+        size = sum(len(m["content"]) for m in messages) + (len(json.dumps(shown)) if shown else 0)
+        prompt_ids = await req.off_loop(size, state.text.encode_chat, messages, True, False, shown)
     except (ValueError, TemplateError) as exc:  # e.g. a template that insists on alternating roles
         raise ApiError(400, f"cannot apply the chat template: {exc}" if isinstance(exc, TemplateError) else str(exc),
                        param="messages") from exc  # fmt: skip

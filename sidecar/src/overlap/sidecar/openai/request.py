@@ -16,6 +16,9 @@ from overlap.sidecar.state import STATE, ApiError, ServerState
 
 _INLINE_TOKENIZE_CHARS = 16 * 1024
 MAX_PROMPTS = 64  # prompts in one completions request
+# A stop string is held back and searched for after every token, a bad word tokenized twice: both are bounded
+MAX_STOP_CHARS = 1024
+MAX_BAD_WORDS = 256
 # Prompt logprobs (echo) a request may ask for, counted as prompt tokens x (logprobs + 1): each is ~15 bytes on the
 # engine's wire, so one request's stay well inside a frame (protocol.MAX_FRAME_BYTES), which they get to themselves.
 MAX_PROMPT_LOGPROBS = 1 << 20
@@ -82,8 +85,9 @@ def stop_strings(body: schemas._Common) -> list[str]:
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or any(not s for s in stop):
-        raise ApiError(400, "stop must be a non-empty string or a list of up to 4 non-empty strings", param="stop")
+    if len(stop) > 4 or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"stop must be a string or a list of up to 4 strings of 1-{MAX_STOP_CHARS} characters",
+                       param="stop")  # fmt: skip
     return stop
 
 
@@ -198,8 +202,9 @@ def _logits_controls(state: ServerState, body: schemas._Common) -> dict:
             bias.append((int(key), value))
         controls["logit_bias"] = tuple(bias)
     if body.bad_words:
-        if any(not word for word in body.bad_words):
-            raise ApiError(400, "bad_words must be non-empty strings", param="bad_words")
+        if len(body.bad_words) > MAX_BAD_WORDS or any(not w or len(w) > MAX_STOP_CHARS for w in body.bad_words):
+            raise ApiError(400, f"bad_words must be up to {MAX_BAD_WORDS} strings of 1-{MAX_STOP_CHARS} characters",
+                           param="bad_words")  # fmt: skip
         # As vLLM does: each word banned both at the start of a word (after a space) and glued to what precedes it.
         words = {tuple(state.text.encode(form, add_special_tokens=False))
                  for word in body.bad_words for form in (word, " " + word)}  # fmt: skip
