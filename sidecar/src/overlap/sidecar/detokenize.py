@@ -22,8 +22,7 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:], skip_special_tokens=True)
         self._stop = [s for s in stop if s]
         self._holdback = max((len(s) for s in self._stop), default=1) - 1
-        self.text = ""  # everything decoded so far (cut at a stop string once matched)
-        self._emitted = 0
+        self._pending = ""  # decoded and not shown yet: the held-back tail and this push's pieces
         self.stopped = False
         self.tokens_kept = 0
 
@@ -37,16 +36,17 @@ class IncrementalDetokenizer:
             piece = self._step(token_id)
             if not piece:
                 continue
-            search_from = max(0, len(self.text) - self._holdback)  # a stop string this piece completes starts here
-            self.text += piece
+            # a stop string this piece completes starts at or after here: what came before it was shown already
+            search_from = max(0, len(self._pending) - self._holdback)
+            self._pending += piece
             if self._stop:
-                cut = min((i for s in self._stop if (i := self.text.find(s, search_from)) != -1), default=-1)
+                cut = min((i for s in self._stop if (i := self._pending.find(s, search_from)) != -1), default=-1)
                 if cut != -1:
-                    self.text = self.text[:cut]
+                    self._pending = self._pending[:cut]
                     self.stopped = True
                     self.tokens_kept = n
-                    return self._take(len(self.text))
-        return self._take(len(self.text) - self._holdback)
+                    return self._take(len(self._pending))
+        return self._take(len(self._pending) - self._holdback)
 
     def _step(self, token_id: int) -> str | None:
         try:
@@ -57,11 +57,12 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever was held back."""
-        return self._take(len(self.text))
+        return self._take(len(self._pending))
 
     def _take(self, end: int) -> str:
-        if end <= self._emitted:
+        """The first `end` pending characters, now shown (the text is kept only until shown: appending to all of it
+        would copy it whole at every token)."""
+        if end <= 0:
             return ""
-        delta = self.text[self._emitted : end]
-        self._emitted = end
+        delta, self._pending = self._pending[:end], self._pending[end:]
         return delta
