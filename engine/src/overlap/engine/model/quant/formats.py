@@ -124,11 +124,13 @@ def _need(fetch: Fetch, name: str, where: Path) -> torch.Tensor:
     return tensor
 
 
-def _integer(fields: dict, key: str, where: str, default: int | None = None) -> int:
-    """fields[key] (or `default` where absent), refused by name unless it is an integer."""
+def _integer(fields: dict, key: str, where: str, default: int | None = None, minimum: int | None = None) -> int:
+    """fields[key] (or `default` where absent), refused by name unless it is an integer (of at least `minimum`)."""
     value = fields.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ModelLoadError(f"{where}.{key} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ModelLoadError(f"{where}.{key} must be positive, got {value}")
     return value
 
 
@@ -220,9 +222,7 @@ def _ct_int_args(weights: dict, acts: dict | None, where: str) -> IntArgs:
         act_bits = 8
         if bits != 8 or strategy == "group":
             raise ModelLoadError(f"{where}: int8 activations need 8-bit weights with one scale per row or tensor")
-    group = _integer(weights, "group_size", f"{where}.weights") if strategy == "group" else None
-    if group is not None and group < 1:
-        raise ModelLoadError(f"{where}.weights.group_size must be positive, got {group}")
+    group = _integer(weights, "group_size", f"{where}.weights", minimum=1) if strategy == "group" else None
     return IntArgs(bits, group, bool(weights.get("symmetric", True)), act_bits, strategy == "tensor")
 
 
@@ -264,8 +264,8 @@ def _compressed_tensors(qc: dict, config_path: Path) -> QuantFormat:
             if weights["strategy"] == "block":
                 args["block_structure"] = _block(weights.get("block_structure") or [128, 128],
                                                  f"{where}.weights.block_structure")  # fmt: skip
-            if weights["strategy"] == "group" and _integer(weights, "group_size", f"{where}.weights") < 1:
-                raise ModelLoadError(f"{where}.weights.group_size must be positive, got {weights['group_size']}")
+            if weights["strategy"] == "group":
+                _integer(weights, "group_size", f"{where}.weights", minimum=1)
         else:
             raise ModelLoadError(f"{where}: weight type {weights.get('type')!r} is not supported (int, float)")
         targets = group.get("targets") or ["Linear"]
