@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import kopf
 import kubernetes_validate
 import pytest
 import yaml
@@ -245,6 +246,40 @@ def pass_kube(monkeypatch, tmp_path):
 
     yield install
     adapter_sync.stop_retries()
+
+
+def test_a_handlers_pass_runs_on_the_services_thread_and_calls_during_it_fold_into_one_more(monkeypatch) -> None:
+    """A pass waits on pods (up to a minute per adapter on a slow one): the handler's call returns at once, calls
+    while a pass runs ask for one more pass on the newest body, and a pass that fails does not stop the next."""
+    monkeypatch.setattr(adapter_sync, "_STOPPED", threading.Event())
+    release, passes = threading.Event(), []
+
+    def slow_pass(owner) -> None:
+        passes.append((owner["metadata"]["uid"], owner["spec"]["n"], threading.current_thread().name))
+        if len(passes) == 1:
+            assert release.wait(10)
+            raise kopf.TemporaryError("the API answered 503")
+
+    monkeypatch.setattr(adapter_sync, "sync_service", slow_pass)
+
+    def body(uid: str, n: int) -> dict:
+        return {"metadata": {"uid": uid, "name": f"svc-{uid}", "namespace": "ns"}, "spec": {"n": n}}
+
+    started = time.monotonic()
+    adapter_sync.sync_service_soon(body("a", 1))
+    wait_for(lambda: passes, timeout=5, what="the first pass")
+    for n in (2, 3, 4):  # while it waits on its pods
+        adapter_sync.sync_service_soon(body("a", n))
+    adapter_sync.sync_service_soon(body("b", 1))  # another service does not wait for this one's
+    assert time.monotonic() - started < 2
+    wait_for(lambda: ("b", 1, "adapters ns/svc-b") in passes, timeout=5, what="service b's pass")
+    release.set()
+    wait_for(lambda: len(passes) == 3 and not adapter_sync._WORKERS, timeout=5, what="the folded pass")
+    assert [p for p in passes if p[0] == "a"] == [("a", 1, "adapters ns/svc-a"), ("a", 4, "adapters ns/svc-a")]
+    adapter_sync.stop_retries()  # the operator stopping: no new pass
+    adapter_sync.sync_service_soon(body("a", 5))
+    time.sleep(0.2)
+    assert len(passes) == 3 and not adapter_sync._WORKERS
 
 
 def test_an_adapter_fetched_after_the_pass_is_loaded_by_a_retried_pass_without_a_resync(lora_pod, pass_kube) -> None:

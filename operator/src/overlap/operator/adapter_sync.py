@@ -6,8 +6,10 @@ The pod's adapters container fetches each listed adapter behind a link whose nam
 (adapters.py); an adapter the pod serves from another path (its uri changed) is moved to the new one in place
 (`load_inplace`: the old one serves until the new folder reads), and one whose link is not there yet (still
 fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at the next pass. Passes run on a pod's
-events, after a reconcile and at every resync; while an adapter is still being fetched, the service's pass also runs
-again soon, with backoff (`_plan_retry`), so a new adapter loads once it is fetched, not at the next resync. A
+events, after a reconcile and at every resync, each on a thread of the service's own (`sync_service_soon`: a pass
+waits on pods, up to a minute per adapter on a slow one, and a handler must not); while an adapter is still being
+fetched, the service's pass also runs again soon, with backoff (`_plan_retry`), so a new adapter loads once it is
+fetched, not at the next resync. A
 refused adapter (a rank above the engine's maximum, another base model's) and a failed fetch wait for the resync: a
 retry would be refused again, and the adapters container retries its fetch.
 """
@@ -15,6 +17,7 @@ retry would be refused again, and the adapters container retries its fetch.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import threading
@@ -52,7 +55,11 @@ RETRY_FIRST_S, RETRY_MAX_S, RETRY_FOR_S = 1.0, 15.0, 600.0
 FETCH_FAILED = "; fetch: error: "  # the adapters container's last line about it is an error (_with_fetch_lines)
 _RETRIES: dict[str, threading.Timer] = {}  # uid -> its pending retry
 _WAITS: dict[str, tuple[frozenset[str], float, float]] = {}  # uid -> (adapters waiting, last delay, since when)
-_STOPPED = threading.Event()  # the operator is stopping: no new retry
+_STOPPED = threading.Event()  # the operator is stopping: no new retry, no new pass
+# The handlers' passes: one worker thread per service while it has passes to run, and the newest body asked for
+# since its pass began (calls while a pass runs fold into one more pass, on the newest body).
+_WORKERS: set[str] = set()
+_NEXT: dict[str, Mapping[str, Any]] = {}
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,36 @@ def sync_service(owner: Mapping[str, Any]) -> None:
         _plan_retry(owner, _sync_service(owner))
 
 
+def sync_service_soon(owner: Mapping[str, Any]) -> None:
+    """sync_service on the service's worker thread; returns at once. A call while a pass runs asks for one more
+    after it, on the newest body. A pass the API fails is logged; the resync's pass tries again."""
+    uid = owner["metadata"]["uid"]
+    with _GUARD:
+        if _STOPPED.is_set():
+            return
+        _NEXT[uid] = copy.deepcopy(dict(owner))  # a handler's body is kopf's view of its event
+        if uid in _WORKERS:
+            return
+        _WORKERS.add(uid)
+    name = f"adapters {owner['metadata']['namespace']}/{owner['metadata']['name']}"
+    threading.Thread(target=_work, args=(uid,), name=name, daemon=True).start()
+
+
+def _work(uid: str) -> None:
+    while True:
+        with _GUARD:
+            owner = _NEXT.pop(uid, None)
+            if owner is None or _STOPPED.is_set():
+                _WORKERS.discard(uid)
+                return
+        try:
+            sync_service(owner)
+        except (kopf.TemporaryError, kopf.PermanentError) as exc:
+            log.warning(f"{threading.current_thread().name}: {exc}")
+        except Exception:  # the next pass (the resync's at the latest) tries again; the worker goes on
+            log.exception(f"{threading.current_thread().name}: the pass failed")
+
+
 def _plan_retry(owner: Mapping[str, Any], waiting: set[str]) -> None:
     """A retry of the service's pass while adapters wait for their fetch (`waiting`) and none is pending; none, and
     the backoff reset, when nothing waits (loaded, refused, or no longer listed)."""
@@ -166,9 +203,10 @@ def _retry(name: str, namespace: str, uid: str) -> None:
 
 
 def forget(uid: str) -> None:
-    """Drop the service's pending retry (it was deleted)."""
+    """Drop the service's pending retry and pass (it was deleted)."""
     with _GUARD:
         _forget(uid)
+        _NEXT.pop(uid, None)
 
 
 def _forget(uid: str) -> None:

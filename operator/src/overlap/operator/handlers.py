@@ -116,7 +116,7 @@ def _reporter(owner: Mapping[str, Any], logger: logging.Logger) -> plans.Report:
 def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, retry: int, **_: Any) -> None:
     kube.HANDLER_RETRY.set(retry)
     _reconcile_children(body, logger, settings_of(memo).model_image)
-    adapter_sync.sync_service(body)  # an adapter removed from the list goes at once; a new one loads once fetched
+    adapter_sync.sync_service_soon(body)  # an adapter removed from the list goes at once; a new one loads once fetched
 
 
 def _owner_of(child: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -204,7 +204,7 @@ def resync_all(settings: OperatorSettings, logger: logging.Logger) -> int:
                 # a long fetch moves no pod event: its progress is read here
                 if specs.fetch_subject(body["spec"]):
                     _mirror(body, kube.read("Deployment", meta["name"], meta["namespace"]))
-            adapter_sync.sync_service(body)  # the adapters fetched since the last pass are loaded
+            adapter_sync.sync_service_soon(body)  # the adapters fetched since the last pass are loaded
             done += 1
         except specs.SpecError:
             pass  # reconcile set Degraded when the spec was written
@@ -287,7 +287,7 @@ def mirror_pods(body: kopf.Body, **_: Any) -> None:
         _ensure_admin_token(owner)
     _mirror(owner, kube.read("Deployment", name, namespace))
     if status.pod_is_ready(body):  # a pod that became ready gets the adapters at once
-        adapter_sync.sync_service(owner)
+        adapter_sync.sync_service_soon(owner)
 
 
 @kopf.on.delete(*CR, optional=True)
