@@ -121,16 +121,19 @@ def test_prometheus_problems_get_clear_errors(prometheus: Prometheus):
     nobody = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(signals.PrometheusError, match=f"cannot query Prometheus at {nobody}: .*refused"):
         signals.query(nobody, "up")
-    # one that accepts connections and never answers: the tick gives up at the first query's timeout, not after
-    # waiting it out once per signal
+    # one that accepts connections and never answers: the tick's queries wait out one timeout together, not one
+    # after another (14 x 0.5 s)
     import socket
 
+    queries = signals.queries_for("ns", "llm")
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(32)
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
         with pytest.raises(signals.PrometheusUnreachable, match="timed out"):
-            signals.read_signals(url, signals.queries_for("ns", "llm"), ready_replicas=1, now=0.0, timeout_s=0.5)
+            signals.read_signals(url, queries, ready_replicas=1, now=0.0, timeout_s=0.5)
+        assert time.monotonic() - started < len(queries) * 0.5 / 2
         silent.setblocking(False)
         asked = 0
         while True:
@@ -139,7 +142,42 @@ def test_prometheus_problems_get_clear_errors(prometheus: Prometheus):
             except BlockingIOError:
                 break
             asked += 1
-        assert asked == 1  # one query waited; the other 13 were not sent (each waited out its timeout before)
+        assert asked == len(queries)
+
+
+def test_a_ticks_queries_go_to_prometheus_at_once():
+    """Each query of a tick is answered only once all of them have arrived: sent one after another, the first would
+    wait for the others until the barrier gave up, and every signal would fail."""
+    import http.server
+
+    queries = signals.queries_for("ns", "llm")
+    barrier = threading.Barrier(len(queries), timeout=3)
+
+    class AllAtOnce(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            try:
+                barrier.wait()
+                status, body = 200, {"status": "success", "data": {"result": [{"value": [0, "2"]}]}}
+            except threading.BrokenBarrierError:
+                status, body = 503, {"status": "error", "error": "not all queries arrived together"}
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), AllAtOnce)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        reading = signals.read_signals(url, queries, ready_replicas=1, now=0.0, timeout_s=15)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not reading.stale and reading.queue_depth == 2.0 and reading.device_busy == 2.0
 
 
 def test_a_signal_with_no_reading_this_tick_leaves_the_status_instead_of_keeping_its_last_value(monkeypatch):
