@@ -136,3 +136,38 @@ def test_model_ready_follows_the_fetch_init_containers():
         "pod p4: init container fetch running again after Error (exited with code 1, restarts 1): "
         "hf://a/b: 401 Client Error"
     ]
+
+
+def test_model_ready_during_a_rollout_to_another_uri_reads_only_the_pods_fetching_it(monkeypatch):
+    """The old ReplicaSet's pods have the last uri: a new uri whose fetch fails is not ready because they are."""
+    from overlap.operator import handlers, kube
+    from overlap.operator.model_volumes import fetch_args
+
+    spec = {"model": {"servedName": "m", "uri": "hf://acme/new"}}
+    old_args = fetch_args(specs.with_defaults({"model": {"servedName": "m", "uri": "hf://acme/old"}}))
+    new_args = fetch_args(specs.with_defaults(spec))
+    assert old_args != new_args
+
+    def pod(name: str, args: list[str], fetch: dict) -> dict:
+        return {**_pod(name, fetch), "spec": {"initContainers": [{"name": "fetch", "args": args}]}}
+
+    done = {"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    last = {"terminated": {"exitCode": 1, "reason": "Error", "message": "hf://acme/new: 404 Client Error"}}
+    failing = {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": last}
+    pods = [pod("old-1", old_args, done), pod("old-2", old_args, done), pod("new-1", new_args, failing)]
+    owner = {"metadata": {"name": "m", "namespace": "ns"}, "spec": spec, "status": {"observedGeneration": 2}}
+    written = []
+    monkeypatch.setattr(kube, "list_pods", lambda namespace, selector: pods)
+    monkeypatch.setattr(kube, "log_tail", lambda *args, **kwargs: "")
+    monkeypatch.setattr(kube, "patch_status", lambda name, namespace, compute: written.append(compute(owner)))
+
+    def model_ready() -> dict:
+        handlers._mirror(owner, None)
+        return next(c for c in written[-1]["conditions"] if c["type"] == "ModelReady")
+
+    ready = model_ready()
+    assert (ready["status"], ready["reason"]) == ("False", "FetchFailed"), ready
+    assert ready["message"] == "pod new-1: hf://acme/new: 404 Client Error"
+    pods[2] = pod("new-1", new_args, done)  # fixed: the new pod has it
+    ready = model_ready()
+    assert (ready["status"], ready["message"]) == ("True", "hf://acme/new is in the cache of 1 pod(s)")

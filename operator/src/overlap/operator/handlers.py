@@ -26,7 +26,7 @@ from overlap.operator import spec as specs
 from overlap.operator.drift import is_subset
 from overlap.operator.identity import CR, INSTANCE_LABEL, KIND, OWNED, selector_string
 from overlap.operator.locks import service_lock
-from overlap.operator.model_volumes import FETCH_CONTAINER
+from overlap.operator.model_volumes import FETCH_CONTAINER, fetch_args
 from overlap.operator.settings import OperatorSettings, settings_of
 
 CHILD_RESOURCES = [("", "v1", "configmaps"), ("", "v1", "services"), ("apps", "v1", "deployments")]
@@ -227,7 +227,9 @@ def _mirror(owner: Mapping[str, Any], deployment: Mapping[str, Any] | None) -> N
     fetched = specs.fetch_subject(owner.get("spec") or {})  # the model, its draft, or both: one fetch container
     if fetched:
         generation = (owner.get("status") or {}).get("observedGeneration")
-        model = status.model_condition(pods, FETCH_CONTAINER, fetched, when, generation, _fetch_progress(pods))
+        # only the pods fetching what the spec names now: during a rollout to another uri the old pods have the last
+        fetching = status.pods_running(pods, FETCH_CONTAINER, fetch_args(specs.with_defaults(owner["spec"])) or [])
+        model = status.model_condition(fetching, FETCH_CONTAINER, fetched, when, generation, _fetch_progress(fetching))
     kube.patch_status(
         name, namespace, lambda current: status.rollout_status(current, deployment, when, problems, model)
     )

@@ -69,6 +69,12 @@ def unfetched_parts(model: Mapping[str, Any]) -> ModelParts:
     return ModelParts([volume], [mount], pull_secrets=[secret] if secret else [])
 
 
+def fetch_args(spec: Mapping[str, Any]) -> list[str] | None:
+    """The fetch init container's args for the defaulted spec (what it fetches, and how); None without one."""
+    containers = model_parts(spec, {}).init_containers
+    return next((c["args"] for c in containers if c["name"] == FETCH_CONTAINER), None)
+
+
 def fetch_parts(spec: Mapping[str, Any], security: Mapping[str, Any], uri: str | None, draft: str | None,
                 scheme: str) -> ModelParts:  # fmt: skip
     """The fetch init container (`overlap model fetch` of the model's `uri`, its `draft`, or both), the cache and

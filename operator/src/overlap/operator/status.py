@@ -53,6 +53,17 @@ def init_container(pod: Mapping[str, Any], name: str) -> dict[str, Any]:
     return next((c for c in statuses if c.get("name") == name), {})
 
 
+def pods_running(pods: Sequence[Mapping[str, Any]], container: str, args: Sequence[str]) -> list[Mapping[str, Any]]:
+    """The pods whose init container `container` runs with `args` (during a rollout the old ReplicaSet's pods still
+    run the last spec's)."""
+
+    def runs(pod: Mapping[str, Any]) -> bool:
+        containers = (pod.get("spec") or {}).get("initContainers") or []
+        return any(c.get("name") == container and c.get("args") == list(args) for c in containers)
+
+    return [pod for pod in pods if runs(pod)]
+
+
 def pod_is_ready(pod: Mapping[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
