@@ -9,9 +9,8 @@ fetching, or failed: `kubectl logs -c adapters`) fails to load and is tried at t
 events, after a reconcile and at every resync, each on a thread of the service's own (`sync_service_soon`: a pass
 waits on pods, up to a minute per adapter on a slow one, and a handler must not); while an adapter is still being
 fetched, the service's pass also runs again soon, with backoff (`_plan_retry`), so a new adapter loads once it is
-fetched, not at the next resync. A
-refused adapter (a rank above the engine's maximum, another base model's) and a failed fetch wait for the resync: a
-retry would be refused again, and the adapters container retries its fetch.
+fetched, not at the next resync. A refused adapter (a rank above the engine's maximum, another base model's) and a
+failed fetch wait for the resync: a retry would be refused again, and the adapters container retries its fetch.
 """
 
 from __future__ import annotations
