@@ -66,14 +66,13 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a one-element list of either
     echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.echo = bool(self.echo)
-
-    suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
 
     def unsupported_fields(self) -> list[str]:
         bad = super().unsupported_fields()
