@@ -9,7 +9,9 @@ real ones.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -27,12 +29,12 @@ import yaml
 
 from overlap.engine.delivery.adapters import link_name
 from overlap.engine.errors import ADAPTER_NOT_FOUND
-from overlap.operator import adapter_sync, adapters, children, kube, reconcile
+from overlap.operator import adapter_sync, adapters, admin_tokens, children, kube, reconcile
 from overlap.operator import spec as specs
 from tests.support.cluster import NAMESPACE, chart_grants, not_granted, operator_requests, wait_for
 from tests.support.lora import make_adapter
 from tests.support.model_sources import HubServer
-from tests.support.sidecar import overlap_cmd, overlap_serve
+from tests.support.sidecar import ADMIN_TOKEN, http, overlap_cmd, overlap_serve
 
 OWNER = {
     "apiVersion": "overlap.dev/v1alpha1",
@@ -98,7 +100,9 @@ def test_a_pod_with_adapters_runs_the_engine_with_lora_and_an_adapters_container
     pod = pod_spec({"adapters": [SQL, CHAT]})
     by_name = {c["name"]: c for c in pod["containers"]}
     assert by_name["engine"]["args"][-1] == "--enable-lora"
-    assert {"name": "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "value": "True"} in by_name["sidecar"]["env"]
+    # the operator loads them through the admin port: the public port's runtime-updating routes stay off
+    assert not [e for e in by_name["sidecar"]["env"] if e["name"] == "VLLM_ALLOW_RUNTIME_LORA_UPDATING"]
+    assert "--allow-runtime-lora-updating" not in by_name["sidecar"]["args"]
     fetcher = by_name["adapters"]
     assert fetcher["args"][:4] == ["model", "fetch-adapters", adapters.LIST_FILE, "--watch"]
     assert {m["mountPath"] for m in by_name["engine"]["volumeMounts"]} >= {adapters.LINK_DIR, specs.MODEL_CACHE_DIR}
@@ -145,11 +149,12 @@ def test_changing_the_adapter_list_changes_the_configmap_never_the_pod_template(
 
 @pytest.fixture(scope="module")
 def lora_pod(tiny_model_dir, tmp_path_factory) -> Iterator[dict]:
-    """A real pod API (`overlap serve` with runtime LoRA updating), and a PEFT adapter on its model to link."""
+    """A real pod API (`overlap serve --enable-lora`, its admin port behind ADMIN_TOKEN; the public runtime-updating
+    routes off, as the operator's pods run it), and a PEFT adapter on its model to link."""
     folder = make_adapter(tiny_model_dir, tmp_path_factory.mktemp("adapter") / "peft", 4, 8, False,
                           ["q_proj", "v_proj"], seed=5)  # fmt: skip
     config = "num_kv_blocks: 64\nnum_threads: 1\nmax_seq_len: 64\n"
-    flags = ("--enable-lora", "--max-lora-rank", "4", "--allow-runtime-lora-updating", "true")
+    flags = ("--enable-lora", "--max-lora-rank", "4")
     with overlap_serve(tiny_model_dir, "engine.yaml", config, *flags) as server:
         yield {**server, "adapter": folder, "port": int(server["url"].rsplit(":", 1)[1])}
 
@@ -167,38 +172,43 @@ def test_a_pass_loads_what_is_listed_unloads_what_is_not_and_moves_an_adapter_wh
     calls = []
     real_call = adapter_sync._call
 
-    def call(url, body, timeout_s):  # the operator's calls, recorded on their way to the real API
+    def call(url, token, body, timeout_s):  # the operator's calls, recorded on their way to the real API
         calls.append((url.rsplit("/", 1)[-1], *(body or {}).values()))
-        return real_call(url, body, timeout_s)
+        return real_call(url, token, body, timeout_s)
 
     monkeypatch.setattr(adapter_sync, "_call", call)
     wanted = adapters.paths({"adapters": [SQL, CHAT]})
     assert wanted["sql"] == f"{tmp_path}/links/{link_name('sql', SQL['uri'])}"
-    url = lora_pod["url"]
+    url = lora_pod["admin"]
+    with pytest.raises(adapter_sync.PodAPIError, match=r"^401: a valid admin bearer token is required"):
+        adapter_sync.sync_pod(url, "not-the-token", wanted)  # the admin port, not anyone who reaches the pod
+    public = http("POST", f"{lora_pod['url']}/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": wanted["sql"]})
+    assert public[0] == 403  # and the public port's runtime-updating routes stay off
+    sync_pod = functools.partial(adapter_sync.sync_pod, url, ADMIN_TOKEN)
     fetched(lora_pod, wanted["sql"])  # chat still fetching
-    states = adapter_sync.sync_pod(url, wanted)
+    states = sync_pod(wanted)
     assert states["sql"] == (adapter_sync.LOADED, "")
     assert states["chat"][0] == adapter_sync.NOT_LOADED
     assert states["chat"][1].startswith(f"400: adapter 'chat': no adapter_config.json in '{wanted['chat']}'")
     fetched(lora_pod, wanted["chat"])
-    assert adapter_sync.sync_pod(url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
+    assert sync_pod(wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
     calls.clear()
-    assert adapter_sync.sync_pod(url, wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
-    assert calls == [("models",)]  # nothing to do: nothing called but /v1/models
+    assert sync_pod(wanted) == {n: (adapter_sync.LOADED, "") for n in wanted}
+    assert calls == [("lora",)]  # nothing to do: nothing called but GET /admin/lora
 
     moved = adapters.paths({"adapters": [{**SQL, "uri": "hf://acme/sql-lora@v2"}]})
     calls.clear()  # the new uri not fetched yet: the old folder keeps serving
-    states = adapter_sync.sync_pod(url, moved)
+    states = sync_pod(moved)
     assert states["sql"][0] == adapter_sync.NOT_LOADED and "no adapter_config.json" in states["sql"][1]
-    assert sorted(calls[1:]) == [("load_lora_adapter", "sql", moved["sql"], True), ("unload_lora_adapter", "chat")]
-    assert adapter_sync.served_adapters(url) == {"sql": wanted["sql"]}
+    assert sorted(calls[1:]) == [("load", "sql", moved["sql"], True), ("unload", "chat")]
+    assert adapter_sync.served_adapters(url, ADMIN_TOKEN) == {"sql": wanted["sql"]}
     fetched(lora_pod, moved["sql"])
     calls.clear()
-    assert adapter_sync.sync_pod(url, moved) == {"sql": (adapter_sync.LOADED, "")}
-    assert calls[1:] == [("load_lora_adapter", "sql", moved["sql"], True)]  # moved in place, never unloaded
-    assert adapter_sync.served_adapters(url) == moved
-    with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not a vLLM API there: said, not crashed
-        adapter_sync.sync_pod(f"{url}/elsewhere", moved)
+    assert sync_pod(moved) == {"sql": (adapter_sync.LOADED, "")}
+    assert calls[1:] == [("load", "sql", moved["sql"], True)]  # moved in place, never unloaded
+    assert adapter_sync.served_adapters(url, ADMIN_TOKEN) == moved
+    with pytest.raises(adapter_sync.PodAPIError, match=r"^404: "):  # not our admin API there: said, not crashed
+        adapter_sync.sync_pod(f"{url}/elsewhere", ADMIN_TOKEN, moved)
 
 
 class PassKube:
@@ -206,7 +216,8 @@ class PassKube:
     `on_pass(n)` runs as pass n (from 1) lists the pods, and `delays` holds the retry delay each pass ran after."""
 
     def __init__(self, lora_pod: dict, listed: list[dict], on_pass=lambda n: None) -> None:
-        spec = {"model": MODEL, "sidecar": {"port": lora_pod["port"]}, "adapters": listed}
+        admin_port = int(lora_pod["admin"].rsplit(":", 1)[1])
+        spec = {"model": MODEL, "sidecar": {"port": lora_pod["port"], "adminPort": admin_port}, "adapters": listed}
         self.owner: dict | None = {**OWNER, "spec": spec}
         self.on_pass, self.delays, self.log = on_pass, [], ""
         self.pod = {"metadata": {"name": "llm-0"},
@@ -242,6 +253,7 @@ def pass_kube(monkeypatch, tmp_path):
     def install(fake: PassKube) -> PassKube:
         for call in ("list_pods", "read_service", "patch_status", "log_tail"):
             monkeypatch.setattr(kube, call, getattr(fake, call))
+        monkeypatch.setattr(admin_tokens, "ensure", lambda owner: (ADMIN_TOKEN, False))  # the pod's token Secret
         return fake
 
     yield install
@@ -292,7 +304,7 @@ def test_an_adapter_fetched_after_the_pass_is_loaded_by_a_retried_pass_without_a
     assert state == adapter_sync.NOT_LOADED and ADAPTER_NOT_FOUND in message
     wait_for(lambda: fake.states()["sql"][0] == adapter_sync.LOADED, timeout=10, what="sql loaded by a retry")
     assert fake.delays == [None, 0.05, 0.1, 0.1]  # backoff: doubled, capped
-    assert adapter_sync.served_adapters(lora_pod["url"])["sql"] == path
+    assert adapter_sync.served_adapters(lora_pod["admin"], ADMIN_TOKEN)["sql"] == path
     time.sleep(0.3)  # loaded: no retry after it
     assert len(fake.delays) == 4 and not adapter_sync._RETRIES
 
@@ -399,8 +411,9 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
     run = secrets.token_hex(4)
     sql, chat, math = ({**a, "uri": f"hf://acme/{a['name']}-lora@{run}"} for a in (SQL, CHAT, MATH))
     name = "lora"
+    admin_port = int(lora_pod["admin"].rsplit(":", 1)[1])
     spec = {"model": {"servedName": "llm", "path": "/models/llm"}, "resources": {"gpus": 0},
-            "sidecar": {"port": lora_pod["port"]}, "adapters": [sql, chat, GONE]}  # fmt: skip
+            "sidecar": {"port": lora_pod["port"], "adminPort": admin_port}, "adapters": [sql, chat, GONE]}  # fmt: skip
     manifest = {"apiVersion": "overlap.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name}}
     links = list(adapters.paths({"adapters": [sql, chat, math]}).values())
     made_dir = not Path(adapters.LINK_DIR).exists()
@@ -413,10 +426,14 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
     try:
         deployment = wait_for(lambda: cluster.get("deployment", name), timeout=20, what="the Deployment")
         assert "--enable-lora" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        # Play the kubelet: the pod mounts its key of the namespace's admin token Secret, which the sidecar follows.
+        tokens = wait_for(lambda: cluster.core.read_namespaced_secret("overlap-admin-tokens", NAMESPACE), 20, "tokens")
+        token = base64.b64decode(tokens.data[name]).decode()
+        lora_pod["token_file"].write_text(token)
         _ready_pod(cluster, name)
         wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "chat": "Loaded", "gone": "NotLoaded"},
                  timeout=20, what="two adapters loaded into the pod, the third not")  # fmt: skip
-        assert set(adapter_sync.served_adapters(lora_pod["url"])) == {"sql", "chat"}
+        assert set(adapter_sync.served_adapters(lora_pod["admin"], token)) == {"sql", "chat"}
         (gone,) = [e for e in cluster.get("inferenceservice", name)["status"]["adapters"] if e["name"] == "gone"]
         assert gone["message"].startswith(
             "400: adapter 'gone': no adapter_config.json in '/var/run/overlap-adapters/gone-"
@@ -427,7 +444,7 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
         cluster.apply("-f", "-", stdin=yaml.safe_dump({**manifest, "spec": spec}))
         wait_for(lambda: _states(cluster, name) == {"sql": "Loaded", "math": "Loaded"}, timeout=20,
                  what="math loaded and chat gone")  # fmt: skip
-        assert set(adapter_sync.served_adapters(lora_pod["url"])) == {"sql", "math"}  # chat unloaded
+        assert set(adapter_sync.served_adapters(lora_pod["admin"], token)) == {"sql", "math"}  # chat unloaded
         listed = json.loads(cluster.get("configmap", f"{name}-adapters")["data"]["adapters.json"])
         assert listed == {"sql": sql["uri"], "math": math["uri"]}
         after = cluster.get("deployment", name)
@@ -442,6 +459,7 @@ def test_a_list_change_loads_and_unloads_adapters_in_the_running_pod_without_rol
         assert "--enable-lora" not in args
         assert not not_granted(operator_requests(cluster), chart_grants())
     finally:
+        lora_pod["token_file"].write_text(ADMIN_TOKEN)
         for path in links:
             Path(path).unlink(missing_ok=True)
         if made_dir:

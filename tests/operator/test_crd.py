@@ -268,14 +268,15 @@ def test_the_operator_refuses_bad_adapters_with_the_crds_words(listed, message) 
         adapters.check(specs.with_defaults(with_spec(adapters=listed)["spec"]))
 
 
-def test_adapters_are_admitted_and_refused_with_an_api_key_the_operator_cannot_read() -> None:
+def test_adapters_are_admitted_with_an_api_key_too() -> None:
+    """The operator loads adapters through the pods' admin port (its own token), not the API the key guards."""
     two = [SQL, {"name": "chat.v2", "uri": "oci://registry.example/loras/chat:v2"}]
     stored = admission.admit(with_spec(adapters=two), SCHEMA, strict=True)
     adapters.check(stored["spec"])
     assert adapters.listed(stored["spec"]) == {"sql": SQL["uri"], "chat.v2": two[1]["uri"]}
-    keyed = specs.with_defaults(with_spec(adapters=two, sidecar={"apiKeySecret": {"name": "k"}})["spec"])
-    with pytest.raises(specs.SpecError, match=r"spec\.adapters cannot be combined with sidecar\.apiKeySecret"):
-        adapters.check(keyed)
+    keyed = admission.admit(with_spec(adapters=two, sidecar={"apiKeySecret": {"name": "k"}}), SCHEMA, strict=True)
+    adapters.check(specs.with_defaults(keyed["spec"]))
+    specs.check_spec(specs.with_defaults(keyed["spec"]))
 
 
 def test_engine_speculative_reaches_the_engine_as_vllms_speculative_config() -> None:

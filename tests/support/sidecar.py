@@ -128,8 +128,8 @@ def overlap_serve(
 ) -> Iterator[dict]:
     """`overlap serve` of `model` as a user starts it: free public and admin ports (or the public `port` given), an
     admin token file and an engine config file (`config_name` holding `config_text`), more `flags` after them.
-    Yields its url, admin url, process and model name once /readyz (and `also_ready`) pass; stopped by PID and its
-    folder removed after."""
+    Yields its url, admin url, process, model name and admin token file once /readyz (and `also_ready`) pass;
+    stopped by PID and its folder removed after."""
     workdir = Path(tempfile.mkdtemp(prefix="ovl-serve-"))
     (workdir / "token").write_text(ADMIN_TOKEN)
     (workdir / config_name).write_text(config_text)
@@ -142,7 +142,8 @@ def overlap_serve(
     try:
         wait_until(lambda: is_ready(base_url) and (also_ready is None or also_ready(proc)), 300,
                    "overlap serve ready", proc)  # fmt: skip
-        yield {"url": base_url, "admin": f"http://127.0.0.1:{admin_port}", "proc": proc, "model": model.name}
+        yield {"url": base_url, "admin": f"http://127.0.0.1:{admin_port}", "proc": proc, "model": model.name,
+               "token_file": workdir / "token"}  # fmt: skip
     finally:
         proc.stop(60)
         shutil.rmtree(workdir, ignore_errors=True)

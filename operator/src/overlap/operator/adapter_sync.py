@@ -1,6 +1,7 @@
-"""The adapters of spec.adapters loaded into, and unloaded from, each ready pod through its sidecar's API (vLLM's:
-GET /v1/models, POST /v1/load_lora_adapter, POST /v1/unload_lora_adapter), and what the operator saw there written
-into status.adapters.
+"""The adapters of spec.adapters loaded into, and unloaded from, each ready pod through its sidecar's admin port
+(GET /admin/lora, POST /admin/lora/load and /admin/lora/unload, vLLM's load and unload bodies, behind the service's
+admin token: the public port's runtime-updating routes stay off), and what the operator saw there written into
+status.adapters.
 
 The pod's adapters container fetches each listed adapter behind a link whose name holds a hash of its uri
 (adapters.py); an adapter the pod serves from another path (its uri changed) is moved to the new one in place
@@ -30,7 +31,7 @@ import kopf
 
 from overlap.engine.delivery.adapters import log_prefix
 from overlap.engine.errors import ADAPTER_NOT_FOUND
-from overlap.operator import adapters, kube, status
+from overlap.operator import adapters, admin_tokens, kube, status
 from overlap.operator import spec as specs
 from overlap.operator.identity import selector_string
 
@@ -67,10 +68,10 @@ class PodAPIError(OSError):
     """The sidecar refused a call, or could not be reached; the message is its own words."""
 
 
-def _call(url: str, body: Mapping[str, Any] | None, timeout_s: float) -> Any:
+def _call(url: str, token: str, body: Mapping[str, Any] | None, timeout_s: float) -> Any:
     data = None if body is None else json.dumps(dict(body)).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST", headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             text = response.read().decode(errors="replace")
@@ -92,22 +93,23 @@ def _error_message(text: str) -> str:
     return str(error.get("message", error) if isinstance(error, dict) else error)[:300]
 
 
-def served_adapters(base_url: str) -> dict[str, str]:
-    """{name: path} of the adapters a pod serves: the /v1/models entries with a parent (their root is the path)."""
-    models = _call(f"{base_url}/v1/models", None, MODELS_TIMEOUT_S)
-    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
-        raise PodAPIError(f"/v1/models answered no model list: {str(models)[:200]}")
-    return {m["id"]: m.get("root", "") for m in models["data"] if isinstance(m, dict) and m.get("parent")}
+def served_adapters(admin_url: str, token: str) -> dict[str, str]:
+    """{name: path} of the adapters a pod serves (its admin port's GET /admin/lora)."""
+    served = _call(f"{admin_url}/admin/lora", token, None, MODELS_TIMEOUT_S)
+    adapters = served.get("adapters") if isinstance(served, dict) else None
+    if not isinstance(adapters, dict):
+        raise PodAPIError(f"/admin/lora answered no adapter list: {str(served)[:200]}")
+    return {str(name): str(path) for name, path in adapters.items()}
 
 
-def sync_pod(base_url: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+def sync_pod(admin_url: str, token: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """Make the pod serve `wanted` ({name: path}) and no other adapter; {name: (state, message)} for each of them.
-    PodAPIError (or another OSError) when its /v1/models cannot be read."""
-    served = served_adapters(base_url)
+    PodAPIError (or another OSError) when its adapters cannot be read."""
+    served = served_adapters(admin_url, token)
     for name in served.keys() - wanted.keys():
         # no longer listed; a refusal is tried again at the next pass
         with contextlib.suppress(PodAPIError):
-            _call(f"{base_url}/v1/unload_lora_adapter", {"lora_name": name}, LOAD_TIMEOUT_S)
+            _call(f"{admin_url}/admin/lora/unload", token, {"lora_name": name}, LOAD_TIMEOUT_S)
     states = {}
     for name, path in wanted.items():
         if served.get(name) == path:
@@ -117,7 +119,7 @@ def sync_pod(base_url: str, wanted: Mapping[str, str]) -> dict[str, tuple[str, s
         # new folder arrives with the pod's next ConfigMap refresh, up to a minute later)
         body = {"lora_name": name, "lora_path": path, "load_inplace": name in served}
         try:
-            _call(f"{base_url}/v1/load_lora_adapter", body, LOAD_TIMEOUT_S)
+            _call(f"{admin_url}/admin/lora/load", token, body, LOAD_TIMEOUT_S)
             states[name] = (LOADED, "")
         except PodAPIError as exc:
             states[name] = (NOT_LOADED, str(exc))
@@ -232,6 +234,7 @@ def _sync_service(owner: Mapping[str, Any]) -> set[str]:
             kube.patch_status(name, namespace, lambda current: {"adapters": []})
         return set()
     wanted = adapters.paths(spec)
+    token, _ = admin_tokens.ensure(owner)
     seen: dict[tuple[str, str], tuple[str, str]] = {}
     for pod in kube.list_pods(namespace, selector_string(name)):
         pod_ip = (pod.get("status") or {}).get("podIP")
@@ -239,7 +242,7 @@ def _sync_service(owner: Mapping[str, Any]) -> set[str]:
             continue
         pod_name = pod["metadata"]["name"]
         try:
-            states = sync_pod(f"http://{pod_ip}:{spec['sidecar']['port']}", wanted)
+            states = sync_pod(f"http://{pod_ip}:{spec['sidecar']['adminPort']}", token, wanted)
         except (PodAPIError, OSError) as exc:
             states = {adapter: (NOT_LOADED, f"{pod_ip}: {exc}") for adapter in wanted}
         if any(state == NOT_LOADED for state, _ in states.values()):

@@ -25,8 +25,6 @@ LIST_DIR = "/etc/overlap-adapters"
 LIST_FILE = f"{LIST_DIR}/adapters.json"
 LINK_DIR = "/var/run/overlap-adapters"  # an emptyDir: one link per adapter into the cache
 RESOURCES = {"cpu": "500m", "memory": "1Gi"}  # a download and its hashes; it waits, most of its life
-# vLLM's switch for POST /v1/load_lora_adapter and /v1/unload_lora_adapter, on the sidecar of a pod with adapters
-RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def listed(spec: Mapping[str, Any]) -> dict[str, str]:
@@ -55,9 +53,6 @@ def check(spec: Mapping[str, Any]) -> None:
             raise specs.SpecError(f"adapter {adapter.get('name')}: uri {exc}") from exc
         if not uri.fetched:
             raise specs.SpecError(f"adapter {adapter['name']}: a pvc:// uri cannot be fetched; use a fetched scheme")
-    if names and spec["sidecar"].get("apiKeySecret"):
-        # The operator loads adapters through the pods' API, and its RBAC lets it read no Secret but its own.
-        raise specs.SpecError("spec.adapters cannot be combined with sidecar.apiKeySecret yet")
 
 
 def configmap_name(name: str) -> str:

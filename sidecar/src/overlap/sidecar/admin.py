@@ -1,5 +1,6 @@
-"""The admin port: read and apply the engine's live configuration (bearer token, never on the public Service),
-and the file-watch mode that applies a mounted ConfigMap file when it changes."""
+"""The admin port: read and apply the engine's live configuration, and list, load and unload LoRA adapters (bearer
+token, never on the public Service), and the file-watch mode that applies a mounted ConfigMap file when it
+changes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from overlap.engine.errors import ConfigError
 from overlap.engine.serving.client import EngineUnavailable
 from overlap.sidecar.http import json_response, read_body
 from overlap.sidecar.middlewares import error_middleware
+from overlap.sidecar.openai import lora
 from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches, engine_unavailable
 
 log = logging.getLogger(__name__)
@@ -94,12 +96,20 @@ async def put_config(request: web.Request) -> web.Response:
     return json_response({"applied": {k: applied[k] for k in patch}, "config": {**config, **applied}})
 
 
+async def get_lora(request: web.Request) -> web.Response:
+    """The LoRA adapters the engine serves: {name: folder}."""
+    return json_response({"adapters": dict(request.app[STATE].lora_adapters)})
+
+
 def init_admin_app(state: ServerState, token: str, token_file: str | None = None) -> web.Application:
     app = web.Application(middlewares=[error_middleware, bearer_auth], client_max_size=64 * 1024)
     app[STATE] = state
     app[ADMIN_TOKEN] = AdminToken(token, token_file)
     app.router.add_get("/admin/config", get_config)
     app.router.add_put("/admin/config", put_config)
+    app.router.add_get("/admin/lora", get_lora)
+    app.router.add_post("/admin/lora/load", lora.load)
+    app.router.add_post("/admin/lora/unload", lora.unload)
     return app
 
 

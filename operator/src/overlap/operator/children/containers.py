@@ -8,7 +8,6 @@ from typing import Any
 
 from overlap.engine.config import EngineConfig
 from overlap.operator import spec as specs
-from overlap.operator.adapters import RUNTIME_UPDATING_ENV
 from overlap.operator.children.common import container_security
 from overlap.operator.children.pod import (
     ADMIN_TOKEN_FILE,
@@ -62,8 +61,6 @@ def sidecar_container(spec: Mapping[str, Any], mounts: list[dict[str, Any]],
     resources, images, sidecar = spec["resources"], spec["images"], spec["sidecar"]
     limits = {"cpu": str(resources["sidecar"]["cpu"]), "memory": str(resources["sidecar"]["memory"])}
     env = [{"name": "HOME", "value": "/tmp"}]
-    if spec.get("adapters"):  # the operator loads and unloads them at run time (vLLM's switch)
-        env.append({"name": RUNTIME_UPDATING_ENV, "value": "True"})
     if sidecar.get("apiKeySecret"):
         secret = sidecar["apiKeySecret"]
         env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}})
