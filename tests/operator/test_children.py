@@ -183,6 +183,10 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
         ({"engine": {"enableChunkedPrefill": False, "maxNumBatchedTokens": 16}}, "max_num_batched_tokens"),
         ({"engine": {"numBuffers": 9}}, "num_buffers must be in 1..4"),
         ({"model": {"servedName": "m", "path": "/m", "source": "pvc"}}, "claimName is required"),
+        (
+            {"routing": {"mode": "prefix"}, "sidecar": {"apiKeySecret": {"name": "k"}}},
+            "routing.mode prefix cannot be combined with sidecar.apiKeySecret",
+        ),
     ],
 )
 def test_check_spec_catches_what_slipped_past_the_schema(spec: dict, message: str) -> None:
