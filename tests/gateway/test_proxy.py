@@ -74,3 +74,40 @@ async def test_a_held_request_is_relayed_chunk_by_chunk_once_the_upstream_is_rea
             assert activator.waiting.count == 0
             metrics = await (await client.get(proxy.make_url("/metrics"))).text()
             assert 'overlap_activator_requests_total{outcome="forwarded"} 1.0' in metrics
+
+
+async def test_a_keyed_activator_refuses_a_client_without_the_key_before_holding_it():
+    """--api-key-env (the pods' key): a request to /v1/ without it gets the sidecar's 401 at once, not a place in the
+    waiting room a stranger could fill; one with it is held and relayed with its own header; /metrics stays open."""
+    seen: list[str | None] = []
+    upstream_ready = False
+
+    async def readyz(request: web.Request) -> web.Response:
+        return web.Response(status=200 if upstream_ready else 503)
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response({"ok": True})
+
+    upstream_app = web.Application()
+    upstream_app.router.add_get("/readyz", readyz)
+    upstream_app.router.add_post("/v1/completions", completions)
+    async with TestServer(upstream_app) as upstream:
+        config = ActivatorConfig(upstream=str(upstream.make_url("")), probe_interval_s=0.02, hold_timeout_s=10,
+                                 api_key="s3cret")  # fmt: skip
+        async with TestServer(Activator(config).build_app()) as proxy, aiohttp.ClientSession() as client:
+            activator = proxy.app[PROXY]
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                async with client.post(proxy.make_url("/v1/completions"), json={}, headers=headers) as response:
+                    assert response.status == 401
+                    assert (await response.json())["error"]["code"] == "invalid_api_key"
+            assert activator.waiting.count == 0
+            assert (await client.get(proxy.make_url("/metrics"))).status == 200
+            sent = asyncio.create_task(client.post(proxy.make_url("/v1/completions"), json={},
+                                                   headers={"Authorization": "Bearer s3cret"}))  # fmt: skip
+            await asyncio.sleep(0.2)
+            assert not sent.done() and activator.waiting.count == 1
+            upstream_ready = True
+            async with await sent as response:
+                assert response.status == 200
+            assert seen == ["Bearer s3cret"]

@@ -331,6 +331,40 @@ def test_a_router_holds_requests_until_a_replica_of_its_dns_name_is_ready(tiny_m
         impatient.stop(30)
 
 
+def test_a_keyed_router_reads_keyed_replicas_and_requires_the_key_of_clients(tiny_model_dir, tmp_path, monkeypatch):
+    """The router and a replica given the same --api-key-env (the operator's pods and router with
+    sidecar.apiKeySecret): the router's polls of /v1/kv-events and /v1/models and its tokenizer fetch carry the key,
+    so the replica reads as ready; a client without the key gets the sidecar's 401 from the router itself (its
+    /v1/models included), one with it the replica's answer. `overlap serve` names its model with the key too."""
+    monkeypatch.setenv("TEST_OVERLAP_KEY", "s3cret")
+    config = json.dumps({"num_kv_blocks": 256, "max_num_seqs": 4, "num_threads": 1})
+    with overlap_serve(tiny_model_dir, "engine.json", config, "--api-key-env", "TEST_OVERLAP_KEY") as replica:
+        port = free_port()
+        router = Proc(overlap_cmd("router", "--port", str(port), "--replica", replica["url"],
+                                  "--api-key-env", "TEST_OVERLAP_KEY"), tmp_path / "router.log")  # fmt: skip
+        url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer s3cret"}
+        try:
+            wait_until(lambda: http("GET", f"{url}/readyz", timeout=2)[0] == 200, 60, "the replica read", router)
+            wait_until(lambda: "tokenizer loaded" in router.output(), 60, "the router's tokenizer", router)
+            body = {"model": replica["model"], "prompt": "The river", "max_tokens": 2}
+            # `overlap serve` read its model's name with the key too (no 401 on its own count)
+            assert f"(model {replica['model']}," in replica["proc"].output()
+            assert replica_metric(replica, "overlap_requests_rejected_total", 'reason="unauthorized"') == 0
+            for headers in (None, {"Authorization": "Bearer wrong"}):
+                status, _, error = http("POST", f"{url}/v1/completions", body, headers=headers)
+                assert status == 401 and error["error"]["code"] == "invalid_api_key"
+                assert http("GET", f"{url}/v1/models", headers=headers)[0] == 401
+            status, _, models = http("GET", f"{url}/v1/models", headers=key)
+            assert status == 200 and [m["id"] for m in models["data"]] == [replica["model"]]
+            status, _, answer = http("POST", f"{url}/v1/completions", body, headers=key, timeout=60)
+            assert status == 200 and answer["choices"][0]["finish_reason"] == "length"
+            assert replica_metric(replica, "overlap_requests_finished_total", 'reason="length"') == 1
+            # the router refused them itself: none reached the replica
+            assert replica_metric(replica, "overlap_requests_rejected_total", 'reason="unauthorized"') == 0
+        finally:
+            router.stop(30)
+
+
 def test_a_chat_request_is_scored_on_the_tokens_the_replica_will_see(tiny_model_dir):
     """Content given as text parts and an assistant's tool call count as the sidecar renders them: the router
     scores the same token ids the replica's prefix cache will hold."""

@@ -175,6 +175,22 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
     assert specs.engine_json(before) != specs.engine_json(after)  # the ConfigMap always follows
 
 
+def test_a_keyed_services_router_and_activator_hold_its_key() -> None:
+    """sidecar.apiKeySecret: the router (routing.mode prefix) and the activator (minReplicas 0) require the pods' key
+    of clients and send it on their own reads of the pods (/v1/kv-events, /v1/models), so both get it as the
+    sidecar does."""
+    spec = specs.with_defaults({"model": {"servedName": "llm", "path": "/models/llm"}, "routing": {"mode": "prefix"},
+                                "sidecar": {"apiKeySecret": {"name": "llm-key"}}})  # fmt: skip
+    specs.check_spec(spec)  # admitted
+    key = {"name": "OVERLAP_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "api-key"}}}
+    for deployment in (children.build_router("llm", "ml", spec), children.build_activator("llm", "ml", spec)):
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["args"][-2:] == ["--api-key-env", "OVERLAP_API_KEY"] and key in container["env"]
+    unkeyed = specs.with_defaults({"model": {"servedName": "llm", "path": "/models/llm"}})
+    (container,) = children.build_router("llm", "ml", unkeyed)["spec"]["template"]["spec"]["containers"]
+    assert "--api-key-env" not in container["args"] and [e["name"] for e in container["env"]] == ["HOME"]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -183,10 +199,6 @@ def test_only_restart_knobs_change_the_pod_template(camel: str) -> None:
         ({"engine": {"enableChunkedPrefill": False, "maxNumBatchedTokens": 16}}, "max_num_batched_tokens"),
         ({"engine": {"numBuffers": 9}}, "num_buffers must be in 1..4"),
         ({"model": {"servedName": "m", "path": "/m", "source": "pvc"}}, "claimName is required"),
-        (
-            {"routing": {"mode": "prefix"}, "sidecar": {"apiKeySecret": {"name": "k"}}},
-            "routing.mode prefix cannot be combined with sidecar.apiKeySecret",
-        ),
     ],
 )
 def test_check_spec_catches_what_slipped_past_the_schema(spec: dict, message: str) -> None:

@@ -24,7 +24,15 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
-from overlap.gateway.proxy import UPSTREAM_ERRORS, HoldingProxy, add_listen_flags, end_to_end, relay, run
+from overlap.gateway.proxy import (
+    UPSTREAM_ERRORS,
+    HoldingProxy,
+    add_listen_flags,
+    api_key_from_env,
+    end_to_end,
+    relay,
+    run,
+)
 
 log = logging.getLogger("overlap.activator")
 
@@ -39,6 +47,7 @@ class ActivatorConfig:
     probe_interval_s: float = 0.1  # part of the first token's delay after a pod becomes ready
     retry_after_s: int = 10
     max_body_bytes: int = 1024 * 1024
+    api_key: str | None = None  # required of clients on /v1/*, sent to the pods (`proxy.HoldingProxy`)
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -192,5 +201,6 @@ def _run(args: argparse.Namespace) -> int:
         hold_timeout_s=args.hold_timeout_s,
         probe_interval_s=args.probe_interval_s,
         retry_after_s=args.retry_after_s,
+        api_key=api_key_from_env(args.api_key_env),
     )
     return run(Activator(config), log, f"for {config.upstream}")

@@ -5,6 +5,10 @@ is ready (`ready` unset: a service scaled to zero, a replica set with none ready
 is. Relaying is plain HTTP in both directions: headers and body pass through (hop-by-hop headers excepted), and a
 response goes back chunk by chunk, so server-sent events stream through unchanged. What differs, where to send a
 request and how to know an upstream is ready, is the subclass's `handle` and `background` tasks.
+
+With an API key (`--api-key-env`, the pods' own key) a request to `/v1/` without it gets the sidecar's 401 here,
+before it is held, and the proxy's own requests to its upstreams (the router's polls, the activator's probes) carry
+it: the pods guard `/v1/` with it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Coroutine
 
 import aiohttp
@@ -20,7 +25,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from overlap.engine.errors import ConfigError
 from overlap.gateway.waiting import WaitingRoom
+from overlap.openai.auth import UNAUTHORIZED, needs_key
 
 # RFC 9110 section 7.6.1: connection-specific headers a proxy must not forward.
 HOP_BY_HOP = {
@@ -54,9 +61,10 @@ async def relay(request: web.Request, upstream: aiohttp.ClientResponse, on_chunk
 
 
 class HoldingProxy:
-    """A proxy whose requests wait in `waiting` until `ready` is set. `config` has `max_held` and `max_body_bytes`
-    (and `host`, `port` for `run`). The subclass handles requests (`handle`) and names the tasks that run beside them
-    (`background`): they start with the app, after its upstream session, and are cancelled when it stops."""
+    """A proxy whose requests wait in `waiting` until `ready` is set. `config` has `max_held`, `max_body_bytes` and
+    `api_key` (and `host`, `port` for `run`). The subclass handles requests (`handle`) and names the tasks that run
+    beside them (`background`): they start with the app, after its upstream session, and are cancelled when it
+    stops."""
 
     def __init__(self, config, registry: CollectorRegistry | None = None) -> None:
         self.config = config
@@ -79,7 +87,9 @@ class HoldingProxy:
         # and a stream holds its connection to the end. --max-held and the pods' admission bound them.
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        key = self.config.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None  # a relayed request's own header wins
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers)
         self.tasks.extend(asyncio.create_task(work) for work in self.background())
 
     async def stop(self, app: web.Application) -> None:
@@ -96,7 +106,7 @@ class HoldingProxy:
         return {"/metrics": self.metrics}
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._check_key])
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         for path, handler in self.routes().items():
@@ -105,18 +115,37 @@ class HoldingProxy:
         app[PROXY] = self
         return app
 
+    @web.middleware
+    async def _check_key(self, request: web.Request, handler):
+        if needs_key(request.path, request.headers.get("Authorization", ""), self.config.api_key):
+            return web.json_response(UNAUTHORIZED, status=401)
+        return await handler(request)
+
 
 PROXY = web.AppKey("proxy", HoldingProxy)
 
 
+def api_key_from_env(name: str | None) -> str | None:
+    """The API key in environment variable `name` (--api-key-env); None without a name."""
+    if name is None:
+        return None
+    key = os.environ.get(name, "").strip()
+    if not key:
+        raise ConfigError(f"the API key environment variable {name} is unset or empty")
+    return key
+
+
 def add_listen_flags(parser: argparse.ArgumentParser, defaults) -> None:
-    """--host, --port, --max-held and --hold-timeout-s, with `defaults`' values."""
+    """--host, --port, --max-held, --hold-timeout-s and --api-key-env, with `defaults`' values."""
     parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)d)")
     parser.add_argument("--max-held", type=int, default=defaults.max_held,
                         help="most requests held at once (default %(default)d)")  # fmt: skip
     parser.add_argument("--hold-timeout-s", type=float, default=defaults.hold_timeout_s,
                         help="longest wait for a ready upstream, then a 503 (default %(default)g)")  # fmt: skip
+    parser.add_argument("--api-key-env", metavar="NAME",
+                        help="an environment variable holding the pods' API key: required of clients on /v1/*, and "
+                             "sent on this proxy's own requests to the pods (off by default)")  # fmt: skip
 
 
 def run(proxy: HoldingProxy, log: logging.Logger, what: str) -> int:

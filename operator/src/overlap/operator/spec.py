@@ -373,11 +373,6 @@ def check_spec(spec: Mapping[str, Any]) -> EngineConfig:
     sidecar = spec.get("sidecar") or {}
     if sidecar.get("port", 8000) == sidecar.get("adminPort", 8001):
         raise SpecError("sidecar.port and sidecar.adminPort must differ")
-    if mode == "prefix" and sidecar.get("apiKeySecret"):
-        # the router reads each pod's /v1/kv-events, /v1/models and /v1/tokenizer, which the key guards, and holds
-        # no key of its own: every replica would read as down
-        raise SpecError("routing.mode prefix cannot be combined with sidecar.apiKeySecret yet (the router's reads of "
-                        "the pods carry no key); use routing.mode service")  # fmt: skip
     _check_volumes(spec.get("pod") or {}, str(spec["model"].get("mountPath", DEFAULTS["model"]["mountPath"])))
     return config
 

@@ -46,9 +46,9 @@ def _say(message: str) -> None:
     print(f"overlap serve: {message}", file=sys.stderr, flush=True)
 
 
-def get_json(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+def get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as response:
             return response.status, json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as exc:
         try:
@@ -171,7 +171,8 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], stop: threading.Event, 
 
 
 def _print_ready(url: str, args: argparse.Namespace, elapsed: float) -> None:
-    _, models = get_json(f"{url}/v1/models")
+    key = os.environ.get(args.api_key_env, "").strip() if args.api_key_env else ""  # the sidecar read it already
+    _, models = get_json(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else None)
     model = models["data"][0]["id"] if models.get("data") else "default"
     body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 16})
     auth = f' -H "Authorization: Bearer ${args.api_key_env}"' if args.api_key_env else ""

@@ -14,10 +14,11 @@ from aiohttp import web
 from overlap.engine.config import LiveKnobs
 from overlap.engine.errors import ConfigError
 from overlap.engine.serving.client import EngineUnavailable
+from overlap.openai.auth import bearer_matches
 from overlap.sidecar.http import json_response, read_body
 from overlap.sidecar.middlewares import error_middleware
 from overlap.sidecar.openai import lora
-from overlap.sidecar.state import STATE, ApiError, ServerState, bearer_matches, engine_unavailable
+from overlap.sidecar.state import STATE, ApiError, ServerState, engine_unavailable
 
 log = logging.getLogger(__name__)
 

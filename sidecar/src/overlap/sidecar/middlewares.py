@@ -7,8 +7,9 @@ import logging
 
 from aiohttp import web
 
+from overlap.openai.auth import UNAUTHORIZED, needs_key
 from overlap.sidecar.http import json_response
-from overlap.sidecar.state import STATE, ApiError, bearer_matches
+from overlap.sidecar.state import STATE, ApiError
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,7 @@ def _count_client_error(request: web.Request, status: int) -> None:
 
 @web.middleware
 async def api_key_auth(request: web.Request, handler):
-    key = request.app[STATE].config.api_key
-    if request.path.startswith("/v1/") and not bearer_matches(request.headers.get("Authorization", ""), key):
-        raise ApiError(401, "a valid API key is required (Authorization: Bearer KEY)", "authentication_error",
-                       code="invalid_api_key")  # fmt: skip
+    if needs_key(request.path, request.headers.get("Authorization", ""), request.app[STATE].config.api_key):
+        error = UNAUTHORIZED["error"]
+        raise ApiError(401, error["message"], error["type"], code=error["code"])
     return await handler(request)

@@ -4,7 +4,6 @@ bearer-token check. One request's generation core is in `generation.py`."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -75,10 +74,3 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
-
-
-def bearer_matches(authorization: str, secret: str) -> bool:
-    """`Authorization: Bearer <secret>`, compared in constant time (on bytes: any header text is safe)."""
-    scheme, _, given = authorization.partition(" ")
-    given_bytes = given.strip().encode("utf-8", errors="replace")
-    return hmac.compare_digest(given_bytes, secret.encode()) and scheme.lower() == "bearer"

@@ -43,7 +43,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from overlap.engine.errors import ConfigError
 from overlap.engine.prefix_hash import HASH_SCHEME, Adapter, block_hashes
-from overlap.gateway.proxy import UPSTREAM_ERRORS, HoldingProxy, add_listen_flags, end_to_end, relay, run
+from overlap.gateway.proxy import (
+    UPSTREAM_ERRORS,
+    HoldingProxy,
+    add_listen_flags,
+    api_key_from_env,
+    end_to_end,
+    relay,
+    run,
+)
 from overlap.gateway.router.picker import POLICIES, Picker, ReplicaState
 from overlap.openai import schemas, tools  # a chat request scored on the tokens the sidecar renders from it
 
@@ -68,6 +76,7 @@ class RouterConfig:
     hold_timeout_s: float = 30.0
     max_held: int = 1000
     max_body_bytes: int = 16 * 1024 * 1024
+    api_key: str | None = None  # required of clients on /v1/*, sent to the pods (`proxy.HoldingProxy`)
 
     def __post_init__(self) -> None:
         if bool(self.replicas) == bool(self.replicas_from):
@@ -477,6 +486,7 @@ def _run(args: argparse.Namespace) -> int:
                           host=args.host, port=args.port, poll_interval_s=args.poll_interval_s,
                           session_header=args.session_header, tokenizer=args.tokenizer,
                           max_attempts=args.max_attempts, resolve_interval_s=args.resolve_interval_s,
-                          hold_timeout_s=args.hold_timeout_s, max_held=args.max_held)  # fmt: skip
+                          hold_timeout_s=args.hold_timeout_s, max_held=args.max_held,
+                          api_key=api_key_from_env(args.api_key_env))  # fmt: skip
     replicas = config.replicas or f"the addresses of {config.replicas_from}"
     return run(Router(config), log, f"policy {config.policy}, replicas {replicas}")

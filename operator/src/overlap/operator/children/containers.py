@@ -60,10 +60,7 @@ def sidecar_container(spec: Mapping[str, Any], mounts: list[dict[str, Any]],
                       probes: Mapping[str, Any]) -> dict[str, Any]:  # fmt: skip
     resources, images, sidecar = spec["resources"], spec["images"], spec["sidecar"]
     limits = {"cpu": str(resources["sidecar"]["cpu"]), "memory": str(resources["sidecar"]["memory"])}
-    env = [{"name": "HOME", "value": "/tmp"}]
-    if sidecar.get("apiKeySecret"):
-        secret = sidecar["apiKeySecret"]
-        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}})
+    env = [{"name": "HOME", "value": "/tmp"}, *api_key_env(spec)]
     return {
         "name": "sidecar",
         "image": images["sidecar"],
@@ -101,9 +98,20 @@ def sidecar_args(spec: Mapping[str, Any]) -> list[str]:
         "--grace-period-s", str(sidecar["gracePeriodSeconds"]),
         "--alive-file", SIDECAR_ALIVE,
     ]  # fmt: skip
-    if sidecar.get("apiKeySecret"):
-        args += ["--api-key-env", API_KEY_ENV]
-    return args
+    return args + api_key_args(spec)
+
+
+def api_key_env(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The API key (sidecar.apiKeySecret) as the environment variable its holders read: the sidecar, which requires
+    it on /v1/*, and the router and activator, which require it too and send it to the pods."""
+    secret = spec["sidecar"].get("apiKeySecret")
+    if not secret:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}}]
+
+
+def api_key_args(spec: Mapping[str, Any]) -> list[str]:
+    return ["--api-key-env", API_KEY_ENV] if spec["sidecar"].get("apiKeySecret") else []
 
 
 def wait_while_exists(path: str, timeout_s: int) -> list[str]:

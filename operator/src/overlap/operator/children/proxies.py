@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from overlap.operator.children.common import container_security, metadata, pod_security
+from overlap.operator.children.containers import api_key_args, api_key_env
 from overlap.operator.identity import (
     activator_labels,
     activator_name,
@@ -44,7 +45,8 @@ def proxy_deployment(deployment: str, namespace: str, owner: str, spec: Mapping[
                      pod_labels: dict[str, str], args: list[str], *, health: str, metrics: str,
                      memory: str = "256Mi") -> dict[str, Any]:  # fmt: skip
     """One pod of the sidecar image running `overlap ARGS` on the public port: the activator or the router. Its
-    health endpoint answers while it runs: it must take requests to hold them, ready replicas or not."""
+    health endpoint answers while it runs: it must take requests to hold them, ready replicas or not. With the pods'
+    API key it requires the key of clients and sends it to the pods."""
     port = spec["sidecar"]["port"]
     meta = metadata(deployment, namespace, owner)
     meta["labels"] = {**meta["labels"], **pod_labels, "app.kubernetes.io/component": component}
@@ -54,8 +56,8 @@ def proxy_deployment(deployment: str, namespace: str, owner: str, spec: Mapping[
         "image": spec["images"]["sidecar"],
         "imagePullPolicy": spec["images"]["pullPolicy"],
         "command": ["overlap"],
-        "args": args,
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "args": args + api_key_args(spec),
+        "env": [{"name": "HOME", "value": "/tmp"}, *api_key_env(spec)],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "readinessProbe": probe,
         "livenessProbe": {**probe, "failureThreshold": 6},
