@@ -223,6 +223,41 @@ def _malformed_folders_are_refused(good: Path, spec, tmp_path: Path) -> None:
         read_adapter("list", good, spec, max_rank=16).modules.keys()  # fmt: skip
 
 
+def test_an_adapter_folder_gone_since_its_load_fails_only_its_requests(
+    tiny_model_dir: Path, adapters, prompts, expected, tmp_path: Path, monkeypatch
+) -> None:
+    """One host copy for two adapters: the first's folder is deleted after both were loaded, so its copy, pushed out
+    of host memory by the second's, cannot be read again. Its request finishes with ERROR saying why; the base's and
+    the second adapter's requests, in the same steps, get their own tokens. Every read after the load runs on the
+    reader thread, none on the thread that steps the engine."""
+    import shutil
+    import threading
+
+    from overlap.engine.model import lora
+
+    gone, kept = tmp_path / "gone", tmp_path / "kept"
+    shutil.copytree(adapters["qv-rs4"], gone)
+    shutil.copytree(adapters["ku-r2"], kept)
+    engine = _engine(tiny_model_dir, {"qv-rs4": gone, "ku-r2": kept}, max_loras=1, max_cpu_loras=1)
+    shutil.rmtree(gone)
+    readers, read = [], lora.read_adapter
+    monkeypatch.setattr(lora, "read_adapter", lambda *a, **k: readers.append(threading.current_thread().name)
+                        or read(*a, **k))  # fmt: skip
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for name in (None, "qv-rs4", "ku-r2"):
+        engine.add_request(RequestSpec(f"{name}", prompts[0], greedy, lora_name=name))
+    try:
+        outputs = run_to_completion(engine)
+    finally:
+        engine.close()
+        engine.runner.close()
+    failed = outputs["qv-rs4"][-1]
+    assert failed.finish_reason.value == "error" and "LoRA adapter 'qv-rs4' cannot be read" in failed.error
+    assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
+    assert tokens_of(outputs["ku-r2"]) == expected["ku-r2"][0][:NEW_TOKENS]
+    assert readers and all(name.startswith("overlap-lora-read") for name in readers), readers
+
+
 def test_a_slot_fill_that_failed_is_filled_again() -> None:
     """A step that was to fill a slot failed (the adapter's folder unreadable): the next request through that adapter
     fills the slot again instead of running on whatever the slot held."""

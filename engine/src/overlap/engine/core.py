@@ -98,7 +98,8 @@ class Engine:
                                           window)  # fmt: skip
         device = getattr(getattr(runner, "device", None), "type", "cpu")
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self.eos_token_ids,
-                                   getattr(runner, "draft", None), compute_bound_rows(device))  # fmt: skip
+                                   getattr(runner, "draft", None), compute_bound_rows(device),
+                                   getattr(runner, "stage_lora", None))  # fmt: skip
 
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._lock = threading.Lock()  # guards the inbox, the live-id set and the pending config

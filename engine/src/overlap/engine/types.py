@@ -293,6 +293,11 @@ class Runner(Protocol):
         """Read and check a LoRA adapter's folder against the model (ModelLoadError if it does not fit); its rank."""
         raise ConfigError("LoRA adapters need the model runner (this runner has no model to adapt)")
 
+    def stage_lora(self, name: str, path: str) -> bool | str:
+        """Whether a LoRA adapter is ready to fill a device slot: True; False while it is being read (off the
+        caller's thread, started by this call: ask again); the reason where it cannot be read (once)."""
+        return True
+
     def forget_request(self, request_id: str) -> None:
         """A finished request's per-request state goes (called once no step in flight holds it)."""
 

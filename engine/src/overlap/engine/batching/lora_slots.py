@@ -2,8 +2,10 @@
 each of the runner's `max_loras` device slots holds and how many running requests use it (`LoraSlots`).
 
 A request through an adapter takes a slot when it is admitted (`can_acquire` / `acquire`) and gives it back when it
-finishes or is preempted (`release`). An adapter already in a slot is shared; otherwise it goes into the slot idle
-longest (empty first), and the step that first uses it carries the load (`take_loads` -> `ModelInput.lora_loads`,
+finishes or is preempted (`release`). An adapter already in a slot is shared; otherwise it waits at the queue's head
+until the runner has it in host memory (`staged`: read off the step's thread; a folder that cannot be read fails the
+adapter's waiting requests, no one else's), then goes into the slot idle longest (empty first), and the step that
+first uses it carries the load (`take_loads` -> `ModelInput.lora_loads`,
 which every tensor-parallel rank applies before its forward). A slot in use is never refilled, so a running request
 always computes with the adapter it named, even after that adapter was unloaded from the engine's registry.
 """
@@ -62,8 +64,10 @@ class LoraRegistry:
 class LoraSlots:
     """`max_loras` 0: LoRA is off (every request is the base model's)."""
 
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, stage: Callable[[str, str], bool | str] | None = None) -> None:
+        """`stage(name, folder)`: the runner's `stage_lora` (True once the adapter is in host memory)."""
         self.max_loras = max_loras
+        self._stage = stage
         self.holds: list[AdapterKey | None] = [None] * max_loras
         self.users = [0] * max_loras
         self._slot_of: dict[AdapterKey, int] = {}
@@ -74,6 +78,14 @@ class LoraSlots:
     def can_acquire(self, request) -> bool:
         """Whether the request may start now: no adapter, or its adapter in a slot or a slot free for it."""
         return request.lora_name is None or (request.lora_name, request.lora_path) in self._slot_of or bool(self._idle)
+
+    def staged(self, request) -> bool | str:
+        """Whether the request's adapter can fill a slot now (True: none needed, or it is in a slot or in host
+        memory); False while the runner reads it; why it cannot be read. After can_acquire."""
+        key = (request.lora_name, request.lora_path)
+        if request.lora_name is None or key in self._slot_of or self._stage is None:
+            return True
+        return self._stage(*key)
 
     def acquire(self, request) -> None:
         """Give the request (through an adapter) its adapter's slot, filled now if needed; after can_acquire."""

@@ -26,6 +26,7 @@ one with the usual stop checks, rolls the computed length back and frees the blo
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from overlap.engine.batching import speculative
@@ -77,9 +78,11 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_seq_len: int,
                  eos_token_ids: frozenset[int], proposer: speculative.Proposer | None = None,
-                 spec_max_rows: int = speculative.COMPUTE_BOUND_ROWS["cpu"]) -> None:  # fmt: skip
+                 spec_max_rows: int = speculative.COMPUTE_BOUND_ROWS["cpu"],
+                 stage_lora: Callable[[str, str], bool | str] | None = None) -> None:  # fmt: skip
         """`proposer`: the draft model's (model/draft.py) under method draft_model; ngram's is made here.
-        `spec_max_rows`: the rows (decodes plus proposals) a step holds before proposals stop (COMPUTE_BOUND_ROWS)."""
+        `spec_max_rows`: the rows (decodes plus proposals) a step holds before proposals stop (COMPUTE_BOUND_ROWS).
+        `stage_lora`: the runner's (`Runner.stage_lora`), asked before a request brings its adapter to a slot."""
         self.block_manager = block_manager
         self.max_seq_len = max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -105,7 +108,7 @@ class Scheduler:
         self.proposer = proposer
         self.spec_max_rows = (spec and spec.disable_by_batch_size) or spec_max_rows
         self.spec_counters = speculative.SpecDecodeCounters([0] * (spec.num_speculative_tokens if spec else 0))
-        self.lora_slots = LoraSlots(config.max_loras if config.enable_lora else 0)
+        self.lora_slots = LoraSlots(config.max_loras if config.enable_lora else 0, stage_lora)
 
     def reconfigure(self, knobs: LiveKnobs) -> None:
         """The live knobs the scheduler reads; called between steps."""
@@ -153,7 +156,9 @@ class Scheduler:
         #    prefill its prompt must fit the remaining budget whole. If only the pool is in the way and running
         #    requests of strictly lower priority hold enough blocks, the lowest-priority, latest of them are
         #    preempted for it. A head through a LoRA adapter also needs a device slot for it (the adapter's own, or
-        #    one no running request uses). The first head that cannot start ends admission: nothing jumps the queue.
+        #    one no running request uses) and, for a slot to fill, the adapter in the runner's host memory (read off
+        #    this thread; an adapter that cannot be read fails its waiting requests). The first head that cannot
+        #    start ends admission: nothing jumps the queue.
         # The runner gets prefill chunks first, then decodes.
         bm = self.block_manager
         running = self.running
@@ -230,6 +235,12 @@ class Scheduler:
                     break  # its sibling is still computing the shared prompt; nothing jumps the queue
                 if not self.lora_slots.can_acquire(request):
                     break  # every adapter slot serves running requests
+                staged = self.lora_slots.staged(request)
+                if staged is False:
+                    break  # its adapter is being read from its folder, off this thread
+                if staged is not True:
+                    finished += self._fail_waiting_for_adapter(request, staged, now)
+                    continue
                 num_cached = bm.allocate(request, budget)
                 if num_cached is None:
                     victims = self._victims_for(request)
@@ -478,6 +489,18 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and request.epoch == epoch:
                 self._finish(request, FinishReason.ERROR, now, error=message)
                 failed.append(request)
+        return failed
+
+    def _fail_waiting_for_adapter(self, head: Request, why: str, now: float) -> list[Request]:
+        """The adapter of `head` cannot be read: it and every waiting request through that adapter (the same folder)
+        finish with ERROR saying why; others wait on."""
+        key = (head.lora_name, head.lora_path)
+        failed = [r for r in self.waiting if (r.lora_name, r.lora_path) == key]
+        for request in failed:
+            self.waiting.remove(request.request_id)
+            if request.status is RequestStatus.PREEMPTED:
+                self.num_preempted -= 1
+            request.finish(FinishReason.ERROR, now, error=f"LoRA adapter {head.lora_name!r} cannot be read: {why}")
         return failed
 
     def _finish(self, request: Request, reason: FinishReason, now: float, error: str | None = None) -> None:

@@ -19,7 +19,10 @@ Under tensor parallelism each rank keeps its share: a column-parallel projection
 row-parallel one (o, down) its columns of A (its partial sum is all-reduced with the base's).
 
 `LoraCache` is the host side of one runner: adapters read from disk, least recently used first out past
-`max_cpu_loras`; a slot is (re)filled from it when the scheduler assigns an adapter to it.
+`max_cpu_loras`; a slot is (re)filled from it when the scheduler assigns an adapter to it. An adapter not in host
+memory is read on a thread of its own before a request through it is admitted (`stage`), so no step waits on a disk
+and an unreadable folder fails only that adapter's requests. (Under tensor parallelism the other ranks read theirs
+as they fill the slot.)
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import math
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,6 +302,34 @@ class LoraCache:
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()  # `read` runs on callers' threads too (checking an adapter as it is added)
         self.deltas: list[dict[str, list[LoraDelta]]] = []  # per layer: projection -> its linears' deltas
+        self._reader: ThreadPoolExecutor | None = None  # `stage`'s reads, started on first use
+        self._staging: dict[tuple[str, str], Future] = {}
+
+    def stage(self, name: str, path: str) -> bool | str:
+        """Whether the adapter is in host memory, ready to fill a slot: True; False while it is read from its folder
+        on the reader thread (started here); the reason where that read failed (said once: the next call reads
+        again, should the folder be back)."""
+        key = (name, str(path))
+        with self._lock:
+            adapter = self.host.get(name)
+            if adapter is not None and adapter.path == key[1]:
+                self.host.move_to_end(name)  # the last to go before its slot is filled
+                return True
+            future = self._staging.get(key)
+            if future is None:
+                if self._reader is None:
+                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="overlap-lora-read")
+                self._staging[key] = self._reader.submit(self.read, name, path)
+                return False
+            if not future.done():
+                return False
+            del self._staging[key]
+        error = future.exception()
+        return True if error is None else str(error)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
 
     def read(self, name: str, path: str) -> LoraAdapter:
         """The adapter, from host memory or (then kept) from its folder."""

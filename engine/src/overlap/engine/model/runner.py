@@ -403,6 +403,9 @@ class ModelRunner(Runner):
             raise ConfigError("LoRA adapters need enable_lora (--enable-lora)")
         return self.lora.read(name, path).rank
 
+    def stage_lora(self, name: str, path: str) -> bool | str:
+        return True if self.lora is None else self.lora.stage(name, path)
+
     def forget_request(self, request_id: str) -> None:
         self.sampling.forget(request_id)
         if self.draft is not None:
@@ -423,6 +426,8 @@ class ModelRunner(Runner):
             self.ranks.close()
         if self.tp is not None:
             self.tp.close()
+        if self.lora is not None:
+            self.lora.close()
 
 
 def run_rank(rank: int, config: EngineConfig, model_dir: str, random_weights: bool, address: str, pipe) -> None:
