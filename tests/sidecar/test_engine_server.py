@@ -104,6 +104,56 @@ def test_hello_requests_errors_stats_and_reconfigure(server):
         assert p.read_message(sock).stats["config"]["num_buffers"] == 1
 
 
+def test_a_lora_load_reads_its_folder_while_the_steps_go_on_and_updates_reply_in_order(tmp_short):
+    """An adapter load whose read takes a while (a large folder, a slow disk: here held until released) does not stop
+    the steps: a running request's tokens keep coming meanwhile. An unload sent right after the load waits for it,
+    the replies come in the order sent, and a later connection's hello lists what is loaded."""
+    release, reading = threading.Event(), threading.Event()
+
+    class SlowDiskRunner(CountingRunner):
+        def read_lora(self, name: str, path: str) -> int:
+            reading.set()
+            assert release.wait(10), "never released"
+            return 8
+
+    engine = Engine(EngineConfig(enable_lora=True), runner=SlowDiskRunner(), model_dir=tmp_short)
+    srv = EngineServer(engine, tmp_short / "e.sock", grace_period_s=5)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    while not (tmp_short / "e.sock").exists():
+        time.sleep(0.02)
+    sock, _ = connect(tmp_short / "e.sock")
+    try:
+        add(sock, "long", [5, 6, 7], 200)
+        sock.sendall(p.encode(p.LoraUpdate(1, "tone", "/adapters/tone")))
+        sock.sendall(p.encode(p.LoraUpdate(2, "tone", None)))  # the unload, right behind it
+        sock.sendall(p.encode(p.LoraUpdate(3, "tone", "/adapters/tone-v2")))
+        assert reading.wait(10)
+        outputs = 0
+        while outputs < 5:  # tokens while the load reads
+            message = p.read_message(sock)
+            assert isinstance(message, p.Outputs), message
+            outputs += len(message.outputs)
+        release.set()
+        replies = []
+        while len(replies) < 3:
+            message = p.read_message(sock)
+            if isinstance(message, p.LoraUpdateReply):
+                replies.append(message)
+        assert [(r.seq, r.error, r.adapters) for r in replies] == [
+            (1, None, {"tone": "/adapters/tone"}), (2, None, {}), (3, None, {"tone": "/adapters/tone-v2"})
+        ]  # fmt: skip
+        later, hello = connect(tmp_short / "e.sock")
+        later.close()
+        assert hello.lora_adapters == {"tone": "/adapters/tone-v2"}
+    finally:
+        release.set()
+        sock.close()
+        srv.request_stop()
+        srv.request_stop()
+        thread.join(5)
+
+
 def test_kv_events_report_the_cached_blocks_then_only_changes_and_a_snapshot_for_a_stale_reader(server):
     from overlap.engine.prefix_hash import HASH_SCHEME, STORED, block_hashes
 

@@ -1,7 +1,9 @@
 """`overlap engine --socket PATH`: the engine process of a pod, serving token ids on a Unix domain socket.
 
-Threads: an accept thread, one reader thread per connection (frames -> the inbox queue), and the loop thread (the
-main thread) that alone touches the Engine: "process input, do one step" inside a shutdown check. When the engine
+Threads: an accept thread, one reader thread per connection (frames -> the inbox queue), a thread for LoRA adapter
+loads and unloads (a load reads the folder, which can take a while: the steps go on meanwhile; updates run in the
+order they came, and the reply goes back through the inbox), and the loop thread (the main thread) that alone steps
+the Engine: "process input, do one step" inside a shutdown check. When the engine
 has nothing to do, the loop sleeps on the inbox instead of spinning. Outputs are sent from the loop thread, all of
 one step's outputs for a connection in one frame.
 
@@ -21,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,13 @@ class _Connection:
 _CONNECTED = object()  # inbox marker: (conn, _CONNECTED); (conn, None) means it went away
 
 
+@dataclass(frozen=True)
+class _LoraDone:
+    """Inbox item: a LoRA update the adapter thread finished, for the loop to reply to."""
+
+    reply: p.LoraUpdateReply
+
+
 class EngineServer:
     """Serves one Engine to any number of sidecar connections; request ids are namespaced per connection."""
 
@@ -108,6 +118,7 @@ class EngineServer:
         self._listener: socket.socket | None = None
         self._hello_frame: p.Hello | None = None  # built by the loop thread (the engine is not thread-safe)
         self._tokenizer_files = read_tokenizer_files(Path(engine.model_dir))
+        self._lora_updates = ThreadPoolExecutor(1, thread_name_prefix="engine-lora")
 
     # ---- control (safe from signal handlers and other threads: they only set flags) -------------------------
 
@@ -181,7 +192,11 @@ class EngineServer:
             except ConfigError as exc:
                 conn.send(p.ReconfigureReply(seq=message.seq, error=str(exc)))
         elif isinstance(message, p.LoraUpdate):
-            conn.send(self._update_lora(message))
+            self._lora_updates.submit(lambda: self._inbox.put((conn, _LoraDone(self._update_lora(message)))))
+        elif isinstance(message, _LoraDone):
+            if not message.reply.error:
+                self._hello_frame = self._hello()  # later connections see the adapters
+            conn.send(message.reply)
         elif isinstance(message, p.StatsRequest):
             stats = dict(self.engine.stats())
             stats["num_connections"] = len(self._connections)
@@ -196,7 +211,7 @@ class EngineServer:
         loras = self.engine.loras
         try:
             if message.path is not None:
-                loras.add(message.name, message.path, replace=message.replace)  # read and checked between steps
+                loras.add(message.name, message.path, replace=message.replace)  # read and checked here
             elif not loras.remove(message.name):
                 return p.LoraUpdateReply(message.seq, loras.snapshot(), f"no LoRA adapter {message.name!r} is loaded",
                                          not_found=True)  # fmt: skip
@@ -205,7 +220,6 @@ class EngineServer:
         except Exception as exc:  # a folder no check foresaw: refused, and the engine keeps serving
             log.exception("loading LoRA adapter %r failed", message.name)
             return p.LoraUpdateReply(message.seq, loras.snapshot(), f"adapter {message.name!r}: {exc!r}")
-        self._hello_frame = self._hello()  # later connections see the adapters
         return p.LoraUpdateReply(message.seq, loras.snapshot())
 
     def _kv_events(self, message: p.KvEventsRequest) -> p.KvEventsReply:
@@ -347,6 +361,7 @@ class EngineServer:
         )
 
     def _close(self) -> None:
+        self._lora_updates.shutdown(wait=False, cancel_futures=True)
         listener, self._listener = self._listener, None
         if listener is not None:
             listener.close()
