@@ -120,7 +120,9 @@ def test_a_lora_load_reads_its_folder_while_the_steps_go_on_and_updates_reply_in
     srv = EngineServer(engine, tmp_short / "e.sock", grace_period_s=5)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
-    while not (tmp_short / "e.sock").exists():
+    for _ in range(250):
+        if (tmp_short / "e.sock").exists():
+            break
         time.sleep(0.02)
     sock, _ = connect(tmp_short / "e.sock")
     try:
