@@ -5,6 +5,7 @@ apart per adapter; adapters that cannot apply refused with their reason."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -238,7 +239,8 @@ def test_an_adapter_folder_gone_since_its_load_fails_only_its_requests(
     gone, kept = tmp_path / "gone", tmp_path / "kept"
     shutil.copytree(adapters["qv-rs4"], gone)
     shutil.copytree(adapters["ku-r2"], kept)
-    engine = _engine(tiny_model_dir, {"qv-rs4": gone, "ku-r2": kept}, max_loras=1, max_cpu_loras=1)
+    # the second's folder as a user may write it (a trailing slash): its host copy still answers for it
+    engine = _engine(tiny_model_dir, {"qv-rs4": gone, "ku-r2": f"{kept}/"}, max_loras=1, max_cpu_loras=1)
     shutil.rmtree(gone)
     readers, read = [], lora.read_adapter
     monkeypatch.setattr(lora, "read_adapter", lambda *a, **k: readers.append(threading.current_thread().name)
@@ -256,6 +258,39 @@ def test_an_adapter_folder_gone_since_its_load_fails_only_its_requests(
     assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
     assert tokens_of(outputs["ku-r2"]) == expected["ku-r2"][0][:NEW_TOKENS]
     assert readers and all(name.startswith("overlap-lora-read") for name in readers), readers
+
+
+def test_a_staged_adapter_is_kept_for_its_slot_though_host_memory_lets_it_go(
+    tiny_model_dir: Path, adapters, prompts, expected, tmp_path: Path
+) -> None:
+    """Staged (read for the request at the queue's head), then pushed out of host memory by another adapter's load
+    before its slot is filled, and its folder deleted: the slot is filled from the staged copy, and its request and
+    the base's get their own tokens."""
+    import shutil
+
+    first = tmp_path / "first"
+    shutil.copytree(adapters["mlp-r16"], first)
+    engine = _engine(tiny_model_dir, {}, max_loras=1, max_cpu_loras=1)
+    engine.loras.add("mlp-r16", str(first))
+    cache = engine.runner.lora
+    cache.host.clear()  # as if evicted since its load
+    deadline = time.monotonic() + 30
+    while (staged := cache.stage("mlp-r16", str(first))) is not True:
+        assert staged is False and time.monotonic() < deadline, staged
+        time.sleep(0.01)
+    engine.loras.add("ku-r2", str(adapters["ku-r2"]))  # a load: read into host memory, "mlp-r16" out
+    assert list(cache.host) == ["ku-r2"]
+    shutil.rmtree(first)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for name in ("mlp-r16", None):
+        engine.add_request(RequestSpec(f"{name}", prompts[0], greedy, lora_name=name))
+    try:
+        outputs = run_to_completion(engine)
+    finally:
+        engine.close()
+        engine.runner.close()
+    assert tokens_of(outputs["mlp-r16"]) == expected["mlp-r16"][0][:NEW_TOKENS]
+    assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
 
 
 def test_a_slot_fill_that_failed_is_filled_again() -> None:

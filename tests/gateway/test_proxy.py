@@ -8,9 +8,11 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from overlap.engine.errors import ConfigError
 from overlap.gateway.activator import Activator, ActivatorConfig
 from overlap.gateway.proxy import PROXY
 from overlap.gateway.waiting import WaitingRoom
@@ -111,3 +113,5 @@ async def test_a_keyed_activator_refuses_a_client_without_the_key_before_holding
             async with await sent as response:
                 assert response.status == 200
             assert seen == ["Bearer s3cret"]
+    with pytest.raises(ConfigError, match="credentials"):  # two Authorization headers: refused at start
+        ActivatorConfig(upstream="http://user:pass@pods:8000", api_key="s3cret")

@@ -29,6 +29,7 @@ from overlap.gateway.proxy import (
     HoldingProxy,
     add_listen_flags,
     api_key_from_env,
+    check_key_and_urls,
     end_to_end,
     relay,
     run,
@@ -55,6 +56,7 @@ class ActivatorConfig:
         if self.max_held < 1 or self.hold_timeout_s <= 0 or self.probe_interval_s <= 0 or self.retry_after_s < 1:
             raise ConfigError("--max-held, --hold-timeout-s, --probe-interval-s and --retry-after-s must be positive")
         self.upstream = self.upstream.rstrip("/")
+        check_key_and_urls(self.api_key, [self.upstream])
 
 
 class Activator(HoldingProxy):

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Coroutine
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -123,6 +124,12 @@ class HoldingProxy:
 
 
 PROXY = web.AppKey("proxy", HoldingProxy)
+
+
+def check_key_and_urls(api_key: str | None, urls: list[str]) -> None:
+    """A URL's own credentials (user:password@) and the key would be two Authorization headers: refused."""
+    if api_key and any(urlsplit(url).password is not None or urlsplit(url).username for url in urls):
+        raise ConfigError("an upstream URL with credentials (user:password@) cannot be combined with --api-key-env")
 
 
 def api_key_from_env(name: str | None) -> str | None:

@@ -1,5 +1,5 @@
-"""What the sidecar's handlers share, under typed AppKeys: the server state, the error type clients see, and the
-bearer-token check. One request's generation core is in `generation.py`."""
+"""What the sidecar's handlers share, under typed AppKeys: the server state and the error type clients see (the
+bearer-token check is `overlap.openai.auth`'s). One request's generation core is in `generation.py`."""
 
 from __future__ import annotations
 

@@ -31,8 +31,9 @@ import json
 import math
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,7 @@ SEGMENTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
 # the language model's layers only (a vision tower's `encoder.layers` are not these)
 _KEY = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 # PEFT options that change what the delta is; refused by name rather than computed wrongly
+STAGE_ERROR_S = 10.0  # how long a failed staging read answers for its adapter before a new request reads again
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
     "alpha_pattern": "per-module alphas", "modules_to_save": "modules_to_save (fully trained modules)",
@@ -303,39 +305,15 @@ class LoraCache:
         self._lock = threading.Lock()  # `read` runs on callers' threads too (checking an adapter as it is added)
         self.deltas: list[dict[str, list[LoraDelta]]] = []  # per layer: projection -> its linears' deltas
         self._reader: ThreadPoolExecutor | None = None  # `stage`'s reads, started on first use
-        self._staging: dict[tuple[str, str], Future] = {}
-
-    def stage(self, name: str, path: str) -> bool | str:
-        """Whether the adapter is in host memory, ready to fill a slot: True; False while it is read from its folder
-        on the reader thread (started here); the reason where that read failed (said once: the next call reads
-        again, should the folder be back)."""
-        key = (name, str(path))
-        with self._lock:
-            adapter = self.host.get(name)
-            if adapter is not None and adapter.path == key[1]:
-                self.host.move_to_end(name)  # the last to go before its slot is filled
-                return True
-            future = self._staging.get(key)
-            if future is None:
-                if self._reader is None:
-                    self._reader = ThreadPoolExecutor(1, thread_name_prefix="overlap-lora-read")
-                self._staging[key] = self._reader.submit(self.read, name, path)
-                return False
-            if not future.done():
-                return False
-            del self._staging[key]
-        error = future.exception()
-        return True if error is None else str(error)
-
-    def close(self) -> None:
-        if self._reader is not None:
-            self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reading: set[tuple[str, str]] = set()  # (name, folder) being read for `stage`
+        self._staged: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()  # read, waiting for `activate`
+        self._failed: dict[tuple[str, str], tuple[float, str]] = {}  # (when, why) a read for `stage` failed
 
     def read(self, name: str, path: str) -> LoraAdapter:
         """The adapter, from host memory or (then kept) from its folder."""
         with self._lock:
             adapter = self.host.get(name)
-        if adapter is None or adapter.path != str(path):
+        if adapter is None or adapter.path != str(Path(path)):
             adapter = read_adapter(name, path, self.spec, self.max_rank)
             if self.shard is not None:  # every module shards, or the load says which does not
                 fused = sorted({module for _, module in adapter.modules} & {"qkv_proj", "gate_up_proj"})
@@ -348,6 +326,53 @@ class LoraCache:
             while len(self.host) > self.max_cpu_loras:
                 self.host.popitem(last=False)
         return adapter
+
+    def stage(self, name: str, path: str) -> bool | str:
+        """Whether the adapter is read and held for the slot it is about to fill: True; False while it is read from
+        its folder on the reader thread (started here); the reason where that read failed (said once, and only for
+        STAGE_ERROR_S after it: a later request reads again, should the folder be back). A staged adapter is held
+        apart from host memory's eviction until `activate` takes it (at most `max_cpu_loras` of them)."""
+        key = (name, str(Path(path)))
+        with self._lock:
+            if key in self._staged:
+                return True
+            failed = self._failed.pop(key, None)
+            if failed is not None and time.monotonic() - failed[0] <= STAGE_ERROR_S:
+                return failed[1]
+            if key in self._reading:
+                return False
+            adapter = self.host.get(name)
+            if adapter is not None and adapter.path == key[1]:
+                self._hold(key, adapter)
+                return True
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="overlap-lora-read")
+            self._reading.add(key)
+        self._reader.submit(self._read_staged, key)
+        return False
+
+    def _read_staged(self, key: tuple[str, str]) -> None:
+        try:
+            adapter = self.read(*key)
+        except Exception as exc:
+            with self._lock:
+                self._reading.discard(key)
+                self._failed[key] = (time.monotonic(), str(exc))
+            return
+        with self._lock:
+            self._reading.discard(key)
+            self._hold(key, adapter)
+
+    def _hold(self, key: tuple[str, str], adapter: LoraAdapter) -> None:
+        """Under the lock: keep `adapter` for `activate` (the oldest held one goes past `max_cpu_loras`)."""
+        self._staged[key] = adapter
+        self._staged.move_to_end(key)
+        while len(self._staged) > self.max_cpu_loras:
+            self._staged.popitem(last=False)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
 
     def attach(self, model, max_loras: int, dtype: torch.dtype, device: torch.device) -> None:
         """Give every layer's projections their (empty) slots, and the model the `LoraBatch` its forward sets."""
@@ -385,7 +410,10 @@ class LoraCache:
     def activate(self, slot: int, name: str, path: str) -> None:
         """Fill `slot` with the adapter (every module it lacks cleared); where that fails, the slot is left empty."""
         try:
-            adapter = self.read(name, path)
+            with self._lock:
+                adapter = self._staged.pop((name, str(Path(path))), None)
+            if adapter is None:  # not staged (another tensor-parallel rank, or held too long): read here
+                adapter = self.read(name, path)
             with torch.inference_mode():  # the slots were made in inference mode
                 self._fill(slot, adapter)
         except Exception:

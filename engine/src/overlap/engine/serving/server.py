@@ -150,19 +150,23 @@ class EngineServer:
         if split is not None:
             log.info("%s", split.describe(self.engine.runner.block_size))
         try:
+            waiting_only = False  # the last step ran nothing: requests wait (a batching policy, an adapter's read)
             while not self._should_stop():
-                self._process_input(block=not self.engine.has_unfinished())
+                busy = self.engine.has_unfinished()
+                self._process_input(block=not busy or waiting_only, timeout_s=_IDLE_WAIT_S if not busy else 0.001)
                 if self.engine.has_unfinished():
-                    self._send_outputs(self.engine.step())
+                    outputs = self.engine.step()
+                    self._send_outputs(outputs)
+                    waiting_only = not outputs and not self.engine.scheduler.running
                 if self.engine.fatal is not None:  # its requests have their error; the sidecar answers the rest
                     log.error("the engine cannot go on: %s; exiting", self.engine.fatal)
                     break
         finally:
             self._close()
 
-    def _process_input(self, block: bool) -> None:
+    def _process_input(self, block: bool, timeout_s: float = _IDLE_WAIT_S) -> None:
         try:
-            item = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:

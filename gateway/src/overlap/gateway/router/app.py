@@ -48,6 +48,7 @@ from overlap.gateway.proxy import (
     HoldingProxy,
     add_listen_flags,
     api_key_from_env,
+    check_key_and_urls,
     end_to_end,
     relay,
     run,
@@ -95,6 +96,7 @@ class RouterConfig:
         if self.max_attempts < 1 or self.max_held < 1:
             raise ConfigError("--max-attempts and --max-held must be at least 1")
         self.replicas = [r.rstrip("/") for r in self.replicas]
+        check_key_and_urls(self.api_key, self.replicas)
 
 
 class Router(HoldingProxy):
