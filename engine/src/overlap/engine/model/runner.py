@@ -107,6 +107,7 @@ class ModelRunner(Runner):
         self.tp: Collectives | None = None
         self.helper: HelperThread | None = None
         self.draft: DraftModelProposer | None = None  # speculative decoding's draft model (rank 0): model/draft.py
+        self.lora: LoraCache | None = None
         try:
             if self.shard is not None:
                 if rank == 0:
@@ -199,7 +200,6 @@ class ModelRunner(Runner):
                                window_pool=self.kv_split is not None)  # fmt: skip
             self.model = build_model(parts)
             del weights, parts  # the layers hold what they use (oneDNN's packed copies on CPU)
-            self.lora: LoraCache | None = None
             if config.enable_lora:
                 if partial_rotary:
                     raise ModelLoadError("LoRA adapters on a model with partial rotary are not supported")
