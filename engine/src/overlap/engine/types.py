@@ -295,7 +295,7 @@ class Runner(Protocol):
 
     def stage_lora(self, name: str, path: str) -> bool | str:
         """Whether a LoRA adapter is ready to fill a device slot: True; False while it is being read (off the
-        caller's thread, started by this call: ask again); the reason where it cannot be read (once)."""
+        caller's thread, started by this call: ask again); the reason where it cannot be read."""
         return True
 
     def forget_request(self, request_id: str) -> None:

@@ -128,7 +128,7 @@ PROXY = web.AppKey("proxy", HoldingProxy)
 
 def check_key_and_urls(api_key: str | None, urls: list[str]) -> None:
     """A URL's own credentials (user:password@) and the key would be two Authorization headers: refused."""
-    if api_key and any(urlsplit(url).password is not None or urlsplit(url).username for url in urls):
+    if api_key and any((parts := urlsplit(url)).username or parts.password is not None for url in urls):
         raise ConfigError("an upstream URL with credentials (user:password@) cannot be combined with --api-key-env")
 
 

@@ -65,7 +65,7 @@ class LoraSlots:
     """`max_loras` 0: LoRA is off (every request is the base model's)."""
 
     def __init__(self, max_loras: int, stage: Callable[[str, str], bool | str] | None = None) -> None:
-        """`stage(name, folder)`: the runner's `stage_lora` (True once the adapter is in host memory)."""
+        """`stage(name, folder)`: the runner's `stage_lora` (True once the adapter is read and held for a slot)."""
         self.max_loras = max_loras
         self._stage = stage
         self.holds: list[AdapterKey | None] = [None] * max_loras
@@ -80,8 +80,8 @@ class LoraSlots:
         return request.lora_name is None or (request.lora_name, request.lora_path) in self._slot_of or bool(self._idle)
 
     def staged(self, request) -> bool | str:
-        """Whether the request's adapter can fill a slot now (True: none needed, or it is in a slot or in host
-        memory); False while the runner reads it; why it cannot be read. After can_acquire."""
+        """Whether the request's adapter can fill a slot now (True: none needed, or it is in a slot or read and held
+        for one); False while the runner reads it; why it cannot be read. After can_acquire."""
         key = (request.lora_name, request.lora_path)
         if request.lora_name is None or key in self._slot_of or self._stage is None:
             return True

@@ -52,8 +52,8 @@ MODULES = {
 SEGMENTS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}
 # the language model's layers only (a vision tower's `encoder.layers` are not these)
 _KEY = re.compile(r"(?:^|\.)(?:model|language_model)\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-# PEFT options that change what the delta is; refused by name rather than computed wrongly
 STAGE_ERROR_S = 10.0  # how long a failed staging read answers for its adapter before a new request reads again
+# PEFT options that change what the delta is; refused by name rather than computed wrongly
 _REFUSED = {
     "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out weights", "rank_pattern": "per-module ranks",
     "alpha_pattern": "per-module alphas", "modules_to_save": "modules_to_save (fully trained modules)",
@@ -309,11 +309,16 @@ class LoraCache:
         self._staged: OrderedDict[tuple[str, str], LoraAdapter] = OrderedDict()  # read, waiting for `activate`
         self._failed: dict[tuple[str, str], tuple[float, str]] = {}  # (when, why) a read for `stage` failed
 
+    def _host_copy(self, name: str, path: str) -> LoraAdapter | None:
+        """Under the lock: the adapter's copy in host memory, if it was read from this folder."""
+        adapter = self.host.get(name)
+        return adapter if adapter is not None and adapter.path == str(Path(path)) else None
+
     def read(self, name: str, path: str) -> LoraAdapter:
         """The adapter, from host memory or (then kept) from its folder."""
         with self._lock:
-            adapter = self.host.get(name)
-        if adapter is None or adapter.path != str(Path(path)):
+            adapter = self._host_copy(name, path)
+        if adapter is None:
             adapter = read_adapter(name, path, self.spec, self.max_rank)
             if self.shard is not None:  # every module shards, or the load says which does not
                 fused = sorted({module for _, module in adapter.modules} & {"qkv_proj", "gate_up_proj"})
@@ -341,8 +346,8 @@ class LoraCache:
                 return failed[1]
             if key in self._reading:
                 return False
-            adapter = self.host.get(name)
-            if adapter is not None and adapter.path == key[1]:
+            adapter = self._host_copy(name, path)
+            if adapter is not None:
                 self._hold(key, adapter)
                 return True
             if self._reader is None:

@@ -3,9 +3,9 @@
 Threads: an accept thread, one reader thread per connection (frames -> the inbox queue), a thread for LoRA adapter
 loads and unloads (a load reads the folder, which can take a while: the steps go on meanwhile; updates run in the
 order they came, and the reply goes back through the inbox), and the loop thread (the main thread) that alone steps
-the Engine: "process input, do one step" inside a shutdown check. When the engine
-has nothing to do, the loop sleeps on the inbox instead of spinning. Outputs are sent from the loop thread, all of
-one step's outputs for a connection in one frame.
+the Engine: "process input, do one step" inside a shutdown check. When the engine has nothing to do, or its requests
+only wait, the loop sleeps on the inbox instead of spinning. Outputs are sent from the loop thread, all of one step's
+outputs for a connection in one frame.
 
 SIGTERM: new requests are refused, in-flight ones run to completion, and the process exits once the sidecars
 have hung up (they drain first) or the grace period (`OVERLAP_GRACE_PERIOD_S`, default 30 s) is over. A second
