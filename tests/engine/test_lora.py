@@ -224,6 +224,19 @@ def _malformed_folders_are_refused(good: Path, spec, tmp_path: Path) -> None:
         read_adapter("list", good, spec, max_rank=16).modules.keys()  # fmt: skip
 
 
+def _run_and_close(engine: Engine, prompt: list[int], names: list[str | None]) -> dict[str, list]:
+    """`prompt` through each adapter (None: the base), all added before the first step, under the id str(name); the
+    outputs by id once all finished. The engine and its runner are closed after."""
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for name in names:
+        engine.add_request(RequestSpec(f"{name}", prompt, greedy, lora_name=name))
+    try:
+        return run_to_completion(engine)
+    finally:
+        engine.close()
+        engine.runner.close()
+
+
 def test_an_adapter_folder_gone_since_its_load_fails_only_its_requests(
     tiny_model_dir: Path, adapters, prompts, expected, tmp_path: Path, monkeypatch
 ) -> None:
@@ -245,14 +258,7 @@ def test_an_adapter_folder_gone_since_its_load_fails_only_its_requests(
     readers, read = [], lora.read_adapter
     monkeypatch.setattr(lora, "read_adapter", lambda *a, **k: readers.append(threading.current_thread().name)
                         or read(*a, **k))  # fmt: skip
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for name in (None, "qv-rs4", "ku-r2"):
-        engine.add_request(RequestSpec(f"{name}", prompts[0], greedy, lora_name=name))
-    try:
-        outputs = run_to_completion(engine)
-    finally:
-        engine.close()
-        engine.runner.close()
+    outputs = _run_and_close(engine, prompts[0], [None, "qv-rs4", "ku-r2"])
     failed = outputs["qv-rs4"][-1]
     assert failed.finish_reason.value == "error" and "LoRA adapter 'qv-rs4' cannot be read" in failed.error
     assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
@@ -281,14 +287,7 @@ def test_a_staged_adapter_is_kept_for_its_slot_though_host_memory_lets_it_go(
     engine.loras.add("ku-r2", str(adapters["ku-r2"]))  # a load: read into host memory, "mlp-r16" out
     assert list(cache.host) == ["ku-r2"]
     shutil.rmtree(first)
-    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for name in ("mlp-r16", None):
-        engine.add_request(RequestSpec(f"{name}", prompts[0], greedy, lora_name=name))
-    try:
-        outputs = run_to_completion(engine)
-    finally:
-        engine.close()
-        engine.runner.close()
+    outputs = _run_and_close(engine, prompts[0], ["mlp-r16", None])
     assert tokens_of(outputs["mlp-r16"]) == expected["mlp-r16"][0][:NEW_TOKENS]
     assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
 

@@ -3,6 +3,7 @@ errors that keep the connection, stats, reconfigure, per-connection cleanup, dra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -30,20 +31,28 @@ class CountingRunner(Runner):
         return RunnerOutput(tokens, (start, time.perf_counter()))
 
 
-@pytest.fixture
-def server(tmp_short):
-    engine = Engine(EngineConfig(), runner=CountingRunner(), model_dir=tmp_short)
-    srv = EngineServer(engine, tmp_short / "e.sock", grace_period_s=5)
+@contextlib.contextmanager
+def serving(engine: Engine, folder):
+    """`engine` behind an EngineServer on a thread, at folder/e.sock; stopped (drain, then at once) after."""
+    srv = EngineServer(engine, folder / "e.sock", grace_period_s=5)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     for _ in range(100):
-        if (tmp_short / "e.sock").exists():
+        if (folder / "e.sock").exists():
             break
         time.sleep(0.02)
-    yield srv, tmp_short / "e.sock", thread
-    srv.request_stop()
-    srv.request_stop()
-    thread.join(5)
+    try:
+        yield srv, folder / "e.sock", thread
+    finally:
+        srv.request_stop()
+        srv.request_stop()
+        thread.join(5)
+
+
+@pytest.fixture
+def server(tmp_short):
+    with serving(Engine(EngineConfig(), runner=CountingRunner(), model_dir=tmp_short), tmp_short) as running:
+        yield running
 
 
 def connect(path) -> tuple[socket.socket, p.Hello]:
@@ -117,43 +126,34 @@ def test_a_lora_load_reads_its_folder_while_the_steps_go_on_and_updates_reply_in
             return 8
 
     engine = Engine(EngineConfig(enable_lora=True), runner=SlowDiskRunner(), model_dir=tmp_short)
-    srv = EngineServer(engine, tmp_short / "e.sock", grace_period_s=5)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    for _ in range(250):
-        if (tmp_short / "e.sock").exists():
-            break
-        time.sleep(0.02)
-    sock, _ = connect(tmp_short / "e.sock")
-    try:
-        add(sock, "long", [5, 6, 7], 200)
-        sock.sendall(p.encode(p.LoraUpdate(1, "tone", "/adapters/tone")))
-        sock.sendall(p.encode(p.LoraUpdate(2, "tone", None)))  # the unload, right behind it
-        sock.sendall(p.encode(p.LoraUpdate(3, "tone", "/adapters/tone-v2")))
-        assert reading.wait(10)
-        outputs = 0
-        while outputs < 5:  # tokens while the load reads
-            message = p.read_message(sock)
-            assert isinstance(message, p.Outputs), message
-            outputs += len(message.outputs)
-        release.set()
-        replies = []
-        while len(replies) < 3:
-            message = p.read_message(sock)
-            if isinstance(message, p.LoraUpdateReply):
-                replies.append(message)
-        assert [(r.seq, r.error, r.adapters) for r in replies] == [
-            (1, None, {"tone": "/adapters/tone"}), (2, None, {}), (3, None, {"tone": "/adapters/tone-v2"})
-        ]  # fmt: skip
-        later, hello = connect(tmp_short / "e.sock")
-        later.close()
-        assert hello.lora_adapters == {"tone": "/adapters/tone-v2"}
-    finally:
-        release.set()
-        sock.close()
-        srv.request_stop()
-        srv.request_stop()
-        thread.join(5)
+    with serving(engine, tmp_short) as (_, path, _):
+        sock, _ = connect(path)
+        try:
+            add(sock, "long", [5, 6, 7], 200)
+            sock.sendall(p.encode(p.LoraUpdate(1, "tone", "/adapters/tone")))
+            sock.sendall(p.encode(p.LoraUpdate(2, "tone", None)))  # the unload, right behind it
+            sock.sendall(p.encode(p.LoraUpdate(3, "tone", "/adapters/tone-v2")))
+            assert reading.wait(10)
+            outputs = 0
+            while outputs < 5:  # tokens while the load reads
+                message = p.read_message(sock)
+                assert isinstance(message, p.Outputs), message
+                outputs += len(message.outputs)
+            release.set()
+            replies = []
+            while len(replies) < 3:
+                message = p.read_message(sock)
+                if isinstance(message, p.LoraUpdateReply):
+                    replies.append(message)
+            assert [(r.seq, r.error, r.adapters) for r in replies] == [
+                (1, None, {"tone": "/adapters/tone"}), (2, None, {}), (3, None, {"tone": "/adapters/tone-v2"})
+            ]  # fmt: skip
+            later, hello = connect(path)
+            later.close()
+            assert hello.lora_adapters == {"tone": "/adapters/tone-v2"}
+        finally:
+            release.set()
+            sock.close()
 
 
 def test_kv_events_report_the_cached_blocks_then_only_changes_and_a_snapshot_for_a_stale_reader(server):
