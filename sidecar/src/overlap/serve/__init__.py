@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 
 from overlap.engine.config import add_engine_flags
-from overlap.sidecar.config import add_flags
+from overlap.sidecar.config import add_flags, read_secret
 
 _MAX_QUICK_RESTARTS = 3  # engine deaths within _QUICK_S of its start before giving up
 _QUICK_S = 30.0
@@ -171,7 +171,7 @@ def _wait_ready(url: str, procs: list[subprocess.Popen], stop: threading.Event, 
 
 
 def _print_ready(url: str, args: argparse.Namespace, elapsed: float) -> None:
-    key = os.environ.get(args.api_key_env, "").strip() if args.api_key_env else ""  # the sidecar read it already
+    key = read_secret(None, args.api_key_env, "API key")  # the sidecar read it already: set and not empty
     _, models = get_json(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"} if key else None)
     model = models["data"][0]["id"] if models.get("data") else "default"
     body = json.dumps({"model": model, "prompt": "The quick brown fox", "max_tokens": 16})
