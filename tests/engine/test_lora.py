@@ -292,6 +292,23 @@ def test_a_staged_adapter_is_kept_for_its_slot_though_host_memory_lets_it_go(
     assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
 
 
+def test_the_other_ranks_fill_a_slot_from_rank_0s_copy(qwen2_case, tmp_path: Path) -> None:
+    """Split across two ranks, an adapter whose folder is deleted after its load: rank 0 read it at the load and
+    hands its copy to rank 1 before the step that fills the slot, so no rank reads the folder in a step (rank 1 used
+    to, and died on the missing folder). Its request and the base's get PEFT's tokens."""
+    import shutil
+
+    folder, adapters, prompts, expected = qwen2_case
+    copy = tmp_path / "mlp-r16"
+    shutil.copytree(adapters["mlp-r16"], copy)
+    engine = _engine(folder, {"mlp-r16": copy}, max_loras=1, max_cpu_loras=1, tensor_parallel_size=2,
+                     num_threads=1)  # fmt: skip
+    shutil.rmtree(copy)
+    outputs = _run_and_close(engine, prompts[0], ["mlp-r16", None])
+    assert tokens_of(outputs["mlp-r16"]) == expected["mlp-r16"][0][:NEW_TOKENS]
+    assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
+
+
 def test_a_slot_fill_that_failed_is_filled_again() -> None:
     """A step that was to fill a slot failed (the adapter's folder unreadable): the next request through that adapter
     fills the slot again instead of running on whatever the slot held."""

@@ -21,8 +21,8 @@ row-parallel one (o, down) its columns of A (its partial sum is all-reduced with
 `LoraCache` is the host side of one runner: adapters read from disk, least recently used first out past
 `max_cpu_loras`; a slot is (re)filled from it when the scheduler assigns an adapter to it. An adapter not in host
 memory is read on a thread of its own before a request through it is admitted (`stage`), so no step waits on a disk
-and an unreadable folder fails only that adapter's requests. (Under tensor parallelism the other ranks read theirs
-as they fill the slot.)
+and an unreadable folder fails only that adapter's requests. Under tensor parallelism rank 0 alone reads: the step
+that fills a slot carries rank 0's copy to the other ranks, as one block of shared memory (`LoraAdapter.shared`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,41 @@ class LoraAdapter:
     rank: int
     scaling: float
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    block: torch.Tensor | None = None  # the shared memory every module's tensors are views of (`shared`)
+
+    def shared(self) -> LoraAdapter:
+        """This adapter with its tensors as views of one block of shared memory (itself if they are already): a
+        pipe to another process then passes that block (torch.multiprocessing: a file descriptor), not a copy."""
+        if self.block is not None:
+            return self
+        tensors = [t for pair in self.modules.values() for t in pair]
+        block = torch.empty(sum(t.numel() for t in tensors), dtype=torch.float32).share_memory_()
+        views = _views(block, [t.shape for t in tensors])
+        for view, tensor in zip(views, tensors, strict=True):
+            view.copy_(tensor)
+        pairs = dict(zip(self.modules, zip(views[::2], views[1::2], strict=True), strict=True))
+        return LoraAdapter(self.name, self.path, self.rank, self.scaling, pairs, block)
+
+    def __reduce__(self):
+        """Pickled as its shared block and the modules' shapes: one file descriptor, however many modules."""
+        adapter = self.shared()
+        shapes = [(key, a.shape, b.shape) for key, (a, b) in adapter.modules.items()]
+        return _unpickle_adapter, (adapter.name, adapter.path, adapter.rank, adapter.scaling, adapter.block, shapes)
+
+
+def _views(block: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Consecutive views of `block` with these shapes."""
+    views, offset = [], 0
+    for shape in shapes:
+        views.append(block[offset : offset + shape.numel()].view(shape))
+        offset += shape.numel()
+    return views
+
+
+def _unpickle_adapter(name, path, rank, scaling, block, shapes) -> LoraAdapter:
+    views = _views(block, [shape for _, a, b in shapes for shape in (a, b)])
+    pairs = {key: (views[2 * i], views[2 * i + 1]) for i, (key, _, _) in enumerate(shapes)}
+    return LoraAdapter(name, path, rank, scaling, pairs, block)
 
 
 def module_geometry(spec) -> dict[str, tuple[int, int, int]]:
@@ -298,8 +333,9 @@ class LoraCache:
     """One runner's adapters: read on first use and kept in host memory (least recently used first out past
     `max_cpu_loras`), and its model's `LoraDelta`s filled slot by slot."""
 
-    def __init__(self, spec, layer_spec, shard, max_rank: int, max_cpu_loras: int) -> None:
-        self.spec, self.layer_spec, self.shard = spec, layer_spec, shard
+    def __init__(self, spec, layer_spec, shard, max_rank: int, max_cpu_loras: int, share: bool = False) -> None:
+        """`share`: staged copies are kept in shared memory, for the other tensor-parallel ranks (rank 0's)."""
+        self.spec, self.layer_spec, self.shard, self.share = spec, layer_spec, shard, share
         self.max_rank, self.max_cpu_loras = max_rank, max_cpu_loras
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
         self._lock = threading.Lock()  # `read` runs on callers' threads too (checking an adapter as it is added)
@@ -368,9 +404,14 @@ class LoraCache:
             self._reading.discard(key)
             self._hold(key, adapter)
 
+    def hold(self, adapter: LoraAdapter) -> None:
+        """Keep `adapter` (rank 0's copy, on another tensor-parallel rank) for the `activate` that follows."""
+        with self._lock:
+            self._hold((adapter.name, adapter.path), adapter)
+
     def _hold(self, key: tuple[str, str], adapter: LoraAdapter) -> None:
         """Under the lock: keep `adapter` for `activate` (the oldest held one goes past `max_cpu_loras`)."""
-        self._staged[key] = adapter
+        self._staged[key] = adapter.shared() if self.share else adapter
         self._staged.move_to_end(key)
         while len(self._staged) > self.max_cpu_loras:
             self._staged.popitem(last=False)
@@ -412,15 +453,17 @@ class LoraCache:
             self.deltas.append(deltas)
         return None
 
-    def activate(self, slot: int, name: str, path: str) -> None:
-        """Fill `slot` with the adapter (every module it lacks cleared); where that fails, the slot is left empty."""
+    def activate(self, slot: int, name: str, path: str) -> LoraAdapter:
+        """Fill `slot` with the adapter (every module it lacks cleared) and return it; where that fails, the slot is
+        left empty."""
         try:
             with self._lock:
                 adapter = self._staged.pop((name, str(Path(path))), None)
-            if adapter is None:  # not staged (another tensor-parallel rank, or held too long): read here
+            if adapter is None:  # not staged (held too long): read here
                 adapter = self.read(name, path)
             with torch.inference_mode():  # the slots were made in inference mode
                 self._fill(slot, adapter)
+            return adapter
         except Exception:
             with torch.inference_mode():
                 self._fill(slot, LoraAdapter(name, str(path), 0, 0.0, {}))

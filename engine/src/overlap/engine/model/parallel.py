@@ -196,11 +196,11 @@ class Ranks:
         dead = next(p for p in self.processes if p.sentinel in gone)
         on_lost(f"tensor-parallel {dead.name} exited (code {dead.exitcode})")
 
-    def send(self, batch) -> None:
-        """The step's batch to every other rank, before rank 0 enters the forward's collectives."""
+    def send(self, step) -> None:
+        """The step (runner.run_rank's message) to every other rank, before rank 0 enters the forward's collectives."""
         for pipe, process in zip(self.pipes, self.processes, strict=True):
             try:
-                pipe.send(batch)
+                pipe.send(step)
             except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
                 raise RankLost(f"tensor-parallel {process.name} is gone ({exc})") from exc
 

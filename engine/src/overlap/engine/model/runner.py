@@ -203,7 +203,8 @@ class ModelRunner(Runner):
             if config.enable_lora:
                 if partial_rotary:
                     raise ModelLoadError("LoRA adapters on a model with partial rotary are not supported")
-                self.lora = LoraCache(spec, layer_spec, self.shard, config.max_lora_rank, config.num_cpu_loras)
+                self.lora = LoraCache(spec, layer_spec, self.shard, config.max_lora_rank, config.num_cpu_loras,
+                                      share=self.ranks is not None)  # fmt: skip
                 self.lora.attach(self.model, config.max_loras, dtype, device)
         halves_min_tokens = self._halves_min_tokens(config.cpu_step_plan)
         self.packer = InputPacker(
@@ -317,8 +318,7 @@ class ModelRunner(Runner):
         inputs = self.packer.pack(batch)
         inputs.batch = batch
         if self.lora is not None:
-            for slot, name, path in batch.lora_loads:
-                self.lora.activate(slot, name, path)
+            inputs.lora_filled = [self.lora.activate(*load) for load in batch.lora_loads]
             inputs.lora = lora_rows(batch.seqs, self.device)
         return inputs
 
@@ -366,7 +366,7 @@ class ModelRunner(Runner):
         if inputs.graph is not None:
             return self.packer.graphs.run(*inputs.graph)
         if self.ranks is not None:
-            self.ranks.send(inputs.batch)
+            self.ranks.send((inputs.batch, inputs.lora_filled))
             try:
                 return self.model.forward(inputs)
             except RuntimeError as exc:  # gloo / NCCL: a rank closed its connection or missed the timeout
@@ -432,7 +432,8 @@ class ModelRunner(Runner):
 
 def run_rank(rank: int, config: EngineConfig, model_dir: str, random_weights: bool, address: str, pipe) -> None:
     """A tensor-parallel rank other than 0, in its own process: build its shard, then run the forward of every batch
-    rank 0 sends, until None (or rank 0's end of the pipe closes)."""
+    rank 0 sends, with the LoRA adapters whose slots it fills (rank 0's copies), until None (or rank 0's end of the
+    pipe closes)."""
     import logging
 
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
@@ -440,11 +441,14 @@ def run_rank(rank: int, config: EngineConfig, model_dir: str, random_weights: bo
     try:
         while True:
             try:
-                batch = pipe.recv()
+                message = pipe.recv()
             except EOFError:
                 return
-            if batch is None:
+            if message is None:
                 return
+            batch, adapters = message
+            for adapter in adapters:
+                runner.lora.hold(adapter)
             with torch.inference_mode():
                 runner.model.forward(runner.prepare(batch))
     finally:

@@ -57,6 +57,7 @@ class StepInputs:
     seq_rows: list[int] = field(default_factory=list)
     row_drafts: list[list[int]] = field(default_factory=list)
     lora: object = None  # the rows of each LoRA adapter (model/lora.py LoraRows); None: every row is the base's
+    lora_filled: list = field(default_factory=list)  # the LoRA adapters `batch.lora_loads` filled slots with
 
     def plan_for(self, window: int | None) -> AttentionPlan:
         """The plan of a layer with this sliding window (None: full attention)."""
