@@ -273,15 +273,3 @@ def test_qwen3_moe_at_the_30b_a3b_width_gives_transformers_greedy_tokens(tmp_pat
     runner = _runner(folder, max_seq_len=64, num_kv_blocks=8)
     assert runner.spec.moe.num_experts == 128 and runner.spec.moe.top_k == 8
     assert greedy_tokens(runner, prompts, 4, chunk=64) == expected
-
-
-def test_a_quantized_mixture_of_experts_is_refused_naming_its_format(built, tmp_path):
-    from overlap.engine.errors import ModelLoadError
-    from overlap.engine.model import shapes
-    from overlap.engine.model.model_spec import read_spec
-    from tests.support.hf_models import edit_config
-
-    quantized = shapes.shape_config("qwen2.5-0.5b", "w4a16")["quantization_config"]
-    folder = edit_config(shutil.copytree(built("qwen3-moe")[0], tmp_path / "m"), quantization_config=quantized)
-    with pytest.raises(ModelLoadError, match=r"Qwen3MoeForCausalLM quantized as compressed-tensors .* not supported"):
-        read_spec(folder)

@@ -12,6 +12,9 @@
   their released sources); then greedy tokens equal transformers on the weights the codes stand for; and under
   tensor parallelism 2. Block-FP8 (`quant_method: fp8`, 128x128 `weight_scale_inv`) folders written there too equal
   transformers loading the same folder (which dequantizes them on a CPU).
+- Mixtures of experts with every expert quantized (dequantized at load): Qwen3-MoE as llm-compressor writes it (W4A16,
+  FP8_DYNAMIC) and in block FP8 against transformers on the same folder; Mixtral in GPTQ against transformers on its
+  dequantized weights, and under tensor parallelism 2.
 - The GPU path's kernels (Triton's W4A16 / W8A16 / FP8, run in its interpreter; FP8 `torch._scaled_mm`, which torch
   also runs on a CPU) against the dequantized weight.
 - Each bad input is refused with the tensor or field it trips on.
@@ -321,6 +324,88 @@ def test_under_tensor_parallelism_2_equals_one_rank(packed, block_fp8, name):
     assert one == two
     if name != "gptq-g32-asym-act-order":  # there two shards are float
         assert 0.45 <= per_rank <= 0.55, f"rank 0 of 2 holds {per_rank:.3f} of the weight bytes"
+
+
+# ---- mixtures of experts: every expert quantized, dequantized at load -------------------------------------------
+MOE_SIZE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+
+def _moe_dense_folder(config, folder: Path) -> Path:
+    """A random mixture of experts saved by transformers (one tensor per expert and projection), its logits and
+    routers spread so that neither greedy tokens nor top-k experts hang on near-ties."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(50.0)
+        model.lm_head.weight.mul_(10.0)
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.mul_(50.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "FP8_DYNAMIC"])
+def test_quantized_experts_from_llm_compressor_equal_transformers_on_the_same_folder(scheme):
+    """Qwen3-MoE as llm-compressor writes it (each expert's gate, up and down a compressed-tensors module, the
+    routers left in float). transformers holds the decompressed experts in the scales' bfloat16, the engine exactly
+    in float32 (the same rounding when serving in bfloat16): hence W4A16's wider logit tolerance; tokens equal."""
+    from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
+    from transformers import AutoModelForCausalLM
+
+    folder = quantized_models.build("qwen3_moe", scheme)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if scheme.startswith("FP8"):  # the experts compute in 16 bits: no FP8 rounding of the activations
+        hf.apply(disable_quantization)
+    _assert_conforms(folder, hf, seed=21, rtol=2e-3 if scheme == "W4A16" else 1e-4)
+    runner = _runner(folder)
+    try:
+        assert runner.linear_kernels.endswith("; experts dequantized at load"), runner.linear_kernels
+    finally:
+        runner.close()
+
+
+def test_block_fp8_experts_equal_transformers_on_the_same_folder(tmp_path_factory):
+    """Qwen3-30B-A3B-FP8's layout (every expert's projections in 128x128-block FP8, `weight_scale_inv`) on a small
+    Qwen3-MoE: transformers' fine-grained FP8 loader dequantizes it on a CPU, as the engine does."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(**MOE_SIZE, intermediate_size=512, moe_intermediate_size=128, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    dense = _moe_dense_folder(config, tmp_path_factory.mktemp("qwen3-moe"))
+    folder = tmp_path_factory.mktemp("qwen3-moe-fp8-block")
+    handwritten_checkpoints.write(dense, folder, method="fp8", group=128)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    _assert_conforms(folder, hf, seed=22, rtol=1e-4)
+
+
+def test_gptq_mixtral_experts_equal_transformers_on_their_dequantized_weights(tmp_path_factory):
+    """Mixtral as the Hub's GPTQ releases hold it (`block_sparse_moe.experts.E.w1|w3|w2.qweight`, the router in
+    float): transformers on a float folder of the weights the codes stand for. Split across two ranks (each expert's
+    gate and up rows, down columns, cut from the dequantized weights), the same tokens."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(**MOE_SIZE, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2)
+    dense = _moe_dense_folder(config, tmp_path_factory.mktemp("mixtral"))
+    folder = tmp_path_factory.mktemp("mixtral-gptq")
+    weights = handwritten_checkpoints.write(dense, folder, method="gptq", group=128)
+    reference = tmp_path_factory.mktemp("mixtral-dequantized")
+    save_file({name: t.contiguous() for name, t in weights.items()}, str(reference / "model.safetensors"))
+    shutil.copy(dense / "config.json", reference / "config.json")
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    _assert_conforms(folder, hf, seed=23, rtol=1e-4)
+    prompts = _prompts(24, count=4)
+    runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
+    try:
+        one, two = (greedy_tokens(r, prompts, 16, chunk=256) for r in runners)
+    finally:
+        for r in runners:
+            r.close()
+    assert one == two
 
 
 def test_a_shard_that_splits_quantization_groups_is_refused_with_the_sizes():

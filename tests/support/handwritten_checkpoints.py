@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# w1, w3, w2: Mixtral's experts' gate, up and down
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def quantize(weight: torch.Tensor, group: int, symmetric: bool, g_idx: torch.Tensor | None = None):

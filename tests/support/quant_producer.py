@@ -19,7 +19,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 SIZE = dict(
     vocab_size=512,
@@ -39,7 +39,14 @@ FAMILIES = {
     "llama": lambda: LlamaConfig(**SIZE),
     "qwen2": lambda: Qwen2Config(**SIZE),  # q/k/v biases (Qwen2's attention always has them)
     "qwen3": lambda: Qwen3Config(**SIZE),  # q_norm/k_norm over head_dim
+    # mixtures of experts: llm-compressor writes each expert's projections as a Linear of its own
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SIZE, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    ),
+    "mixtral": lambda: MixtralConfig(**SIZE, num_local_experts=4, num_experts_per_tok=2),
 }
+# the routers, which llm-compressor's MoE examples leave in float (`re:.*mlp.gate$`)
+ROUTERS = {"qwen3_moe": "re:.*mlp.gate$", "mixtral": "re:.*block_sparse_moe.gate$"}
 
 
 def _w4a16(group_size: int, symmetric: bool = True) -> dict:
@@ -80,6 +87,9 @@ def random_model(family: str, folder: Path) -> torch.nn.Module:
         # init they are nearly flat, and greedy tokens would hang on near-ties that rounding flips.
         model.model.embed_tokens.weight.mul_(50.0)
         model.lm_head.weight.mul_(10.0)
+        for name, param in model.named_parameters():  # routers too: near-tied experts would flip the same way
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.mul_(50.0)
     model.to(torch.bfloat16).save_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
 
@@ -120,7 +130,8 @@ def main() -> None:
     dense = tempfile.TemporaryDirectory(prefix="dense-")
     model = random_model(args.family, Path(dense.name))
     log(f"oneshot with QuantizationModifier({SCHEMES[args.scheme]})")
-    recipe = QuantizationModifier(targets="Linear", ignore=["lm_head"], **SCHEMES[args.scheme])
+    ignore = ["lm_head", *([ROUTERS[args.family]] if args.family in ROUTERS else [])]
+    recipe = QuantizationModifier(targets="Linear", ignore=ignore, **SCHEMES[args.scheme])
     data = calibration(model.config.vocab_size) if args.scheme in CALIBRATED else {}
     oneshot(model=model, recipe=recipe, **data)
     log(f"saving compressed to {args.out}")

@@ -33,7 +33,7 @@ WHEELS = Path("/opt/wheels")
 # is a multi-GB CUDA build), installed first from there alone.
 TORCH = "torch==2.13.0"
 PINS = ("llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "transformers==5.17.0", TORCH)
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 SCHEMES = ("FP8_DYNAMIC", "FP8", "W8A8", "W8A16", "W4A16", "W4A16_G32", "W4A16_ASYM")
 
 

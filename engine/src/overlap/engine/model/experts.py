@@ -29,8 +29,10 @@ rows, its down columns), as a dense MLP is; the router and the shared expert's g
 shared expert is sharded like the experts. A sparse layer's output is then a partial sum like a dense MLP's: one
 all-reduce per layer.
 
-Quantized expert weights are not read yet except gpt-oss's MXFP4 (dequantized at load): any other quantized MoE
-checkpoint is refused with its format's name.
+Quantized experts (Qwen and Mixtral, in any format quant/formats.py reads: compressed-tensors, block FP8, GPTQ, AWQ)
+are dequantized at load into the same layout, as gpt-oss's MXFP4 ones are: the expert path computes in the model dtype
+(with no activation quantization), and memory holds every expert in it. Routers stay float, as every producer leaves
+them. A quantized gpt-oss other than MXFP4 is refused with its format's name.
 """
 
 from __future__ import annotations
@@ -99,13 +101,13 @@ class ExpertWeights:
 
 def read_moe_spec(cfg: dict, arch: str, num_layers: int, config_path: Path, quantization=None) -> MoeSpec | None:
     """The experts of a mixture-of-experts architecture from its config.json (transformers' defaults where a field is
-    absent), None for a dense one. A quantized one is refused: its expert weights would not be read."""
+    absent), None for a dense one. gpt-oss quantized other than as MXFP4 is refused: its fused experts would not be
+    read."""
     if arch not in MOE_ARCHITECTURES:
         return None
-    if quantization is not None and not (arch == "GptOssForCausalLM" and quantization.method == "mxfp4"):
-        raise ModelLoadError(f"{config_path}: {arch} quantized as {quantization.name} is not supported: the experts of "
-                             "a mixture-of-experts model load from float weights only, for now (and gpt-oss's from "
-                             "MXFP4)")  # fmt: skip
+    if arch == "GptOssForCausalLM" and quantization is not None and quantization.method != "mxfp4":
+        raise ModelLoadError(f"{config_path}: {arch} quantized as {quantization.name} is not supported: gpt-oss's "
+                             "experts load from float weights or MXFP4")  # fmt: skip
     try:
         if arch == "GptOssForCausalLM":
             experts, top_k = _num_experts(cfg, 128), int(cfg.get("num_experts_per_tok", 4))
@@ -154,12 +156,16 @@ def rank_range(total: int, shard) -> tuple[int, int]:
 
 # take(name, shape, rows=None, cols=None, out=None): a checkpoint tensor (read into `out`), marked as used
 Take = Callable[..., torch.Tensor]
+# weight(module, shape, rows=None, cols=None, out=None): a module's weight in the model dtype, whatever format holds it
+# (a quantized one dequantized), read into `out` if given
+Weight = Callable[..., torch.Tensor]
 
 
-def read_experts(moe: MoeSpec, layer: str, take: Take, hidden: int, dtype: torch.dtype, device: torch.device,
-                 shard=None) -> ExpertWeights:  # fmt: skip
+def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: int, dtype: torch.dtype,
+                 device: torch.device, shard=None) -> ExpertWeights:  # fmt: skip
     """Layer `layer`'s ("model.layers.N.") router, experts and shared expert, each expert's gate|up and down stacked;
-    with a tensor-parallel `shard`, only its share of every expert's intermediate width is read."""
+    with a tensor-parallel `shard`, only its share of every expert's intermediate width is kept. gpt-oss's fused
+    experts are read with `take`, the others' modules with `weight`."""
     if moe.fused:
         return _read_fused(moe, layer, take, hidden, dtype, shard)
     h, i, p = hidden, moe.intermediate_size, f"{layer}{moe.prefix}."
@@ -171,18 +177,18 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, hidden: int, dtype: torch
     down = torch.empty(moe.num_experts, h, width, dtype=dtype, device=device)
     for e in range(moe.num_experts):  # each straight into its place (converted there to the model dtype)
         expert = f"{p}experts.{e}."
-        take(f"{expert}{gate}.weight", (i, h), rows=own, out=gate_up[e, :width])
-        take(f"{expert}{up}.weight", (i, h), rows=own, out=gate_up[e, width:])
-        take(f"{expert}{down_name}.weight", (h, i), cols=own, out=down[e])
-    weights = ExpertWeights(router=take(p + "gate.weight", (moe.num_experts, h)), gate_up=gate_up, down=down)
+        weight(f"{expert}{gate}", (i, h), rows=own, out=gate_up[e, :width])
+        weight(f"{expert}{up}", (i, h), rows=own, out=gate_up[e, width:])
+        weight(f"{expert}{down_name}", (h, i), cols=own, out=down[e])
+    weights = ExpertWeights(router=weight(p + "gate", (moe.num_experts, h)), gate_up=gate_up, down=down)
     if moe.shared_intermediate_size:
         s = moe.shared_intermediate_size
         first, last = rank_range(s, shard)
         own = None if shard is None else [(first, last)]
-        weights.shared_gate_up = torch.cat([take(p + "shared_expert.gate_proj.weight", (s, h), rows=own),
-                                            take(p + "shared_expert.up_proj.weight", (s, h), rows=own)])  # fmt: skip
-        weights.shared_down = take(p + "shared_expert.down_proj.weight", (h, s), cols=own)
-        weights.shared_gate = take(p + "shared_expert_gate.weight", (1, h))
+        weights.shared_gate_up = torch.cat([weight(p + "shared_expert.gate_proj", (s, h), rows=own),
+                                            weight(p + "shared_expert.up_proj", (s, h), rows=own)])  # fmt: skip
+        weights.shared_down = weight(p + "shared_expert.down_proj", (h, s), cols=own)
+        weights.shared_gate = weight(p + "shared_expert_gate", (1, h))
     return weights
 
 

@@ -163,6 +163,25 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
             weight = weight.columns(a, b, module)
         return weight.to(device, dtype)
 
+    def stored_float(module: str) -> bool:
+        """The checkpoint holds `module` as a float `.weight` and no scale: what its producer left unquantized."""
+        sl = slices.get(module + ".weight")
+        return sl is not None and sl.get_dtype() in _FLOAT_DTYPES and module + ".weight_scale" not in slices
+
+    def dequantized(module: str, shape: tuple[int, int], rows: Ranges = None, cols: Ranges = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """A weight the experts' path computes in the model dtype (moe_experts.Weight): one the format quantizes is
+        dequantized here, at load; a float one (a router every producer leaves so) is read as it is."""
+        if fmt is None or not fmt.quantizes(module) or stored_float(module):
+            return take(module + ".weight", shape, rows, cols, out=out)
+        weight = fmt.read(fetch, module, *shape, model_dir)
+        if weight is None:  # a format that reads only its own tensors (gpt-oss's MXFP4)
+            return take(module + ".weight", shape, rows, cols, out=out)
+        if isinstance(weight, QuantizedWeight):
+            weight = weight.dequantize(dtype)
+        weight = _select(weight, rows, cols).to(device=device, dtype=dtype)
+        return weight if out is None else out.copy_(weight)
+
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
     # Each part's rows (q, k, v; gate, up) for this rank, and the columns of the row-parallel o and down.
@@ -197,7 +216,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
             down=proj(p + "mlp.down_proj", (h, i), cols=[inter]) if dense else None,
         )
         if not dense:
-            lw.moe = moe_experts.read_experts(spec.moe, p, take, h, dtype, device, shard)
+            lw.moe = moe_experts.read_experts(spec.moe, p, take, dequantized, h, dtype, device, shard)
         if spec.qkv_bias:
             lw.qkv_bias = torch.cat([take(p + "self_attn.q_proj.bias", (q_out,), rows=[q_rows]),
                                      take(p + "self_attn.k_proj.bias", (kv_out,), rows=[kv_rows]),

@@ -288,7 +288,8 @@ class ModelRunner(Runner):
         mlp_linears = [getattr(mlp, name, None) for name in ("gate_up", "gate", "up", "down")]  # none in an MoE layer
         linears = [layer.qkv, layer.o, *mlp_linears, self.model.head]
         kernels = dict.fromkeys(lin.kernel for lin in linears if lin is not None)
-        return f"{quant.name} through {' and '.join(kernels)}"
+        experts = self.spec.moe is not None and any(self.spec.moe.sparse) and quant.method != "mxfp4"  # mxfp4 says so
+        return f"{quant.name} through {' and '.join(kernels)}" + ("; experts dequantized at load" if experts else "")
 
     def to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """int64 tensors on the runner's device without blocking the host (`staging.to_device`)."""
