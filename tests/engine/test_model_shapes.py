@@ -81,8 +81,16 @@ def test_a_mixture_of_experts_shape_is_written_in_shards_and_loads_alike(tmp_pat
     folder = shapes.ensure_shape_model("test-qwen3-moe")
     assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and not (folder / "model.safetensors").exists()
     assert shapes.ensure_shape_model("test-qwen3-moe") == folder  # complete: its index counts as the weights
-    with pytest.raises(ConfigError, match="mixture of experts: its experts would be dequantized at load"):
-        shapes.shape_config("qwen3-30b-a3b", "w4a16")
+    with pytest.raises(ConfigError, match="gpt-oss's experts are fused"):
+        shapes.shape_config("gpt-oss-20b", "w4a16")
+    # quantized as llm-compressor writes it: every expert's projections, not the routers; all of it read, the
+    # experts kept in int8 for the format's kernel
+    quantized = shapes.ensure_shape_model("test-qwen3-moe", quantization="w8a8")
+    runner = ModelRunner(EngineConfig(model=str(quantized), max_seq_len=128, num_kv_blocks=8), quantized)
+    try:
+        assert "experts: W8A8" in runner.linear_kernels, runner.linear_kernels
+    finally:
+        runner.close()
 
     ids = [5, 17, 300, 2, 44, 599]
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -30,9 +30,10 @@ shared expert is sharded like the experts. A sparse layer's output is then a par
 all-reduce per layer.
 
 Quantized experts (Qwen and Mixtral, in any format quant/formats.py reads: compressed-tensors, block FP8, GPTQ, AWQ)
-are dequantized at load into the same layout, as gpt-oss's MXFP4 ones are: the expert path computes in the model dtype
-(with no activation quantization), and memory holds every expert in it. Routers stay float, as every producer leaves
-them. A quantized gpt-oss other than MXFP4 is refused with its format's name.
+are read as the dense layers' projections are (`Projection`): where the format keeps a weight quantized (4 and 8 bits
+on the CPU), `gate_up` and `down` are lists of one quantized weight per expert, each expert then a gated MLP through the
+format's kernels; where it dequantizes at load (FP8 on a CPU), they are stacked as above. The routers stay float, as
+every producer leaves them. A quantized gpt-oss other than MXFP4 is refused with its format's name.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError
+from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 # e2m1: the 16 values of an MXFP4 code, sign in the high bit (transformers' integrations/mxfp4.py FP4_VALUES)
@@ -84,19 +86,30 @@ class ExpertWeights:
     """One sparse layer's weights (one rank's share of each expert's intermediate width under tensor parallelism)."""
 
     router: torch.Tensor  # [E, H]
-    gate_up: torch.Tensor  # [E, 2 I, H]
-    down: torch.Tensor  # [E, H, I]
-    shared_gate_up: torch.Tensor | None = None  # [2 S, H]
-    shared_down: torch.Tensor | None = None  # [H, S]
+    gate_up: torch.Tensor | list  # [E, 2 I, H]; or per expert its [2 I, H] kept quantized (a QuantizedWeight)
+    down: torch.Tensor | list  # [E, H, I]; or per expert its [H, I] alike
+    shared_gate_up: torch.Tensor | QuantizedWeight | None = None  # [2 S, H]
+    shared_down: torch.Tensor | QuantizedWeight | None = None  # [H, S]
     shared_gate: torch.Tensor | None = None  # [1, H]: sigmoid(x . w) scales the shared expert's output
     router_bias: torch.Tensor | None = None  # [E] (gpt-oss)
     gate_up_bias: torch.Tensor | None = None  # [E, 2 I], gate then up like gate_up's rows
     down_bias: torch.Tensor | None = None  # [E, H]; under tensor parallelism only on rank 0 (added once)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.router, self.gate_up, self.down, self.shared_gate_up, self.shared_down,
-                            self.shared_gate, self.router_bias, self.gate_up_bias, self.down_bias)
+    def experts(self) -> list[torch.Tensor | QuantizedWeight]:
+        """The routed experts' weights (their gate|up and down; not the shared expert's)."""
+        return [*self.gate_up, *self.down] if isinstance(self.gate_up, list) else [self.gate_up, self.down]
+
+    def tensors(self) -> list[torch.Tensor | QuantizedWeight]:
+        return [t for t in (self.router, *self.experts(), self.shared_gate_up, self.shared_down, self.shared_gate,
+                            self.router_bias, self.gate_up_bias, self.down_bias)
                 if t is not None]  # fmt: skip
+
+    def stacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate_up [E, 2 I, H] and down [E, H, I] as float tensors (quantized experts dequantized)."""
+        if not isinstance(self.gate_up, list):
+            return self.gate_up, self.down
+        return tuple(torch.stack([w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in ws])
+                     for ws in (self.gate_up, self.down))  # fmt: skip
 
 
 def read_moe_spec(cfg: dict, arch: str, num_layers: int, config_path: Path, quantization=None) -> MoeSpec | None:
@@ -156,9 +169,9 @@ def rank_range(total: int, shard) -> tuple[int, int]:
 
 # take(name, shape, rows=None, cols=None, out=None): a checkpoint tensor (read into `out`), marked as used
 Take = Callable[..., torch.Tensor]
-# weight(module, shape, rows=None, cols=None, out=None): a module's weight in the model dtype, whatever format holds it
-# (a quantized one dequantized), read into `out` if given
-Weight = Callable[..., torch.Tensor]
+# weight(module, shape, rows=None, cols=None, out=None): a module's weight as the dense layers' projections are read
+# (a QuantizedWeight where the format keeps it quantized, else a float tensor in the model dtype, read into `out`)
+Weight = Callable[..., torch.Tensor | QuantizedWeight]
 
 
 def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: int, dtype: torch.dtype,
@@ -173,23 +186,40 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: i
     own = None if shard is None else [(first, last)]
     width = last - first
     gate, up, down_name = moe.names
-    gate_up = torch.empty(moe.num_experts, 2 * width, h, dtype=dtype, device=device)
-    down = torch.empty(moe.num_experts, h, width, dtype=dtype, device=device)
-    for e in range(moe.num_experts):  # each straight into its place (converted there to the model dtype)
-        expert = f"{p}experts.{e}."
-        weight(f"{expert}{gate}", (i, h), rows=own, out=gate_up[e, :width])
-        weight(f"{expert}{up}", (i, h), rows=own, out=gate_up[e, width:])
-        weight(f"{expert}{down_name}", (h, i), cols=own, out=down[e])
-    weights = ExpertWeights(router=weight(p + "gate", (moe.num_experts, h)), gate_up=gate_up, down=down)
+    first_gate = weight(f"{p}experts.0.{gate}", (i, h), rows=own)
+    if isinstance(first_gate, QuantizedWeight):  # kept quantized: a list of each expert's weights
+        gate_up, down = [], []
+        for e in range(moe.num_experts):
+            expert = f"{p}experts.{e}."
+            gates = first_gate if e == 0 else weight(f"{expert}{gate}", (i, h), rows=own)
+            gate_up.append(cat_rows([gates, weight(f"{expert}{up}", (i, h), rows=own)], dtype))
+            down.append(weight(f"{expert}{down_name}", (h, i), cols=own))
+    else:
+        gate_up = torch.empty(moe.num_experts, 2 * width, h, dtype=dtype, device=device)
+        down = torch.empty(moe.num_experts, h, width, dtype=dtype, device=device)
+        gate_up[0, :width] = first_gate
+        for e in range(moe.num_experts):  # each straight into its place (converted there to the model dtype)
+            expert = f"{p}experts.{e}."
+            if e:
+                weight(f"{expert}{gate}", (i, h), rows=own, out=gate_up[e, :width])
+            weight(f"{expert}{up}", (i, h), rows=own, out=gate_up[e, width:])
+            weight(f"{expert}{down_name}", (h, i), cols=own, out=down[e])
+    weights = ExpertWeights(router=_float(weight(p + "gate", (moe.num_experts, h)), dtype), gate_up=gate_up,
+                            down=down)  # fmt: skip
     if moe.shared_intermediate_size:
         s = moe.shared_intermediate_size
         first, last = rank_range(s, shard)
         own = None if shard is None else [(first, last)]
-        weights.shared_gate_up = torch.cat([weight(p + "shared_expert.gate_proj", (s, h), rows=own),
-                                            weight(p + "shared_expert.up_proj", (s, h), rows=own)])  # fmt: skip
+        weights.shared_gate_up = cat_rows([weight(p + "shared_expert.gate_proj", (s, h), rows=own),
+                                           weight(p + "shared_expert.up_proj", (s, h), rows=own)], dtype)  # fmt: skip
         weights.shared_down = weight(p + "shared_expert.down_proj", (h, s), cols=own)
-        weights.shared_gate = weight(p + "shared_expert_gate", (1, h))
+        weights.shared_gate = _float(weight(p + "shared_expert_gate", (1, h)), dtype)
     return weights
+
+
+def _float(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight the block applies with F.linear (a router, the shared expert's gate), dequantized if it was not."""
+    return weight.dequantize(dtype) if isinstance(weight, QuantizedWeight) else weight
 
 
 def _read_fused(moe: MoeSpec, layer: str, take: Take, h: int, dtype: torch.dtype, shard) -> ExpertWeights:
@@ -250,10 +280,21 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.flatten(-2)
 
 
-def random_experts(moe: MoeSpec, hidden: int, normal: Callable[..., torch.Tensor]) -> ExpertWeights:
-    """Random weights of one sparse layer (`moe` already one rank's share under tensor parallelism)."""
+def random_experts(moe: MoeSpec, hidden: int, normal: Callable[..., torch.Tensor],
+                   projection: Callable[..., torch.Tensor | QuantizedWeight] | None = None,
+                   layer: str = "") -> ExpertWeights:  # fmt: skip
+    """Random weights of one sparse layer (`moe` already one rank's share under tensor parallelism). Where
+    `projection(module, n, k)` (loader.random_weights') makes quantized weights, each expert's are made by it, as
+    read_experts keeps a quantized checkpoint's."""
     e, h, i, s = moe.num_experts, hidden, moe.intermediate_size, moe.shared_intermediate_size
-    weights = ExpertWeights(router=normal(e, h), gate_up=normal(e, 2 * i, h), down=normal(e, h, i))
+    p = f"{layer}{moe.prefix}."
+    first = None if projection is None or moe.fused else projection(f"{p}experts.0.gate_up_proj", 2 * i, h)
+    if isinstance(first, QuantizedWeight):
+        gate_up = [first, *(projection(f"{p}experts.{n}.gate_up_proj", 2 * i, h) for n in range(1, e))]
+        down = [projection(f"{p}experts.{n}.down_proj", h, i) for n in range(e)]
+    else:
+        gate_up, down = normal(e, 2 * i, h), normal(e, h, i)
+    weights = ExpertWeights(router=normal(e, h), gate_up=gate_up, down=down)
     if s:
         weights.shared_gate_up, weights.shared_down, weights.shared_gate = normal(2 * s, h), normal(h, s), normal(1, h)
     return weights

@@ -168,19 +168,15 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         sl = slices.get(module + ".weight")
         return sl is not None and sl.get_dtype() in _FLOAT_DTYPES and module + ".weight_scale" not in slices
 
-    def dequantized(module: str, shape: tuple[int, int], rows: Ranges = None, cols: Ranges = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """A weight the experts' path computes in the model dtype (moe_experts.Weight): one the format quantizes is
-        dequantized here, at load; a float one (a router every producer leaves so) is read as it is."""
-        if fmt is None or not fmt.quantizes(module) or stored_float(module):
+    def expert_proj(module: str, shape: tuple[int, int], rows: Ranges = None, cols: Ranges = None,
+                    out: torch.Tensor | None = None) -> Projection:  # fmt: skip
+        """moe_experts.Weight: an expert's (or router's) weight read as `proj` reads a projection, a float one into
+        `out` if given; one stored float is read so whatever the format's ignore list says (the routers, which
+        every producer leaves in float)."""
+        if stored_float(module):
             return take(module + ".weight", shape, rows, cols, out=out)
-        weight = fmt.read(fetch, module, *shape, model_dir)
-        if weight is None:  # a format that reads only its own tensors (gpt-oss's MXFP4)
-            return take(module + ".weight", shape, rows, cols, out=out)
-        if isinstance(weight, QuantizedWeight):
-            weight = weight.dequantize(dtype)
-        weight = _select(weight, rows, cols).to(device=device, dtype=dtype)
-        return weight if out is None else out.copy_(weight)
+        weight = proj(module, shape, rows, cols)
+        return out.copy_(weight) if out is not None and isinstance(weight, torch.Tensor) else weight
 
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
@@ -216,7 +212,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
             down=proj(p + "mlp.down_proj", (h, i), cols=[inter]) if dense else None,
         )
         if not dense:
-            lw.moe = moe_experts.read_experts(spec.moe, p, take, dequantized, h, dtype, device, shard)
+            lw.moe = moe_experts.read_experts(spec.moe, p, take, expert_proj, h, dtype, device, shard)
         if spec.qkv_bias:
             lw.qkv_bias = torch.cat([take(p + "self_attn.q_proj.bias", (q_out,), rows=[q_rows]),
                                      take(p + "self_attn.k_proj.bias", (kv_out,), rows=[kv_rows]),
@@ -306,7 +302,8 @@ def random_weights(spec: ModelSpec, dtype: torch.dtype, device: torch.device, se
                      gate_up=None if sparse[n] else projection(f"model.layers.{n}.mlp.gate_up_proj", 2 * i, h),
                      down=None if sparse[n] else projection(f"model.layers.{n}.mlp.down_proj", h, i),
                      q_norm=ones(d) if spec.qk_norm else None, k_norm=ones(d) if spec.qk_norm else None,
-                     moe=moe_experts.random_experts(spec.moe, h, normal) if sparse[n] else None,
+                     moe=moe_experts.random_experts(spec.moe, h, normal, projection if quant else None,
+                                                    f"model.layers.{n}.") if sparse[n] else None,
                      pre_mlp_norm=ones(h) if spec.feedforward_norms else None,
                      post_mlp_norm=ones(h) if spec.feedforward_norms else None,
                      sinks=normal(spec.num_heads).float() if spec.attention_sinks else None)

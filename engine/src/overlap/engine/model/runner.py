@@ -51,6 +51,7 @@ from overlap.engine.model.draft import DraftModelProposer
 from overlap.engine.model.helper import HelperThread
 from overlap.engine.model.layers.attention import PagedAttention
 from overlap.engine.model.layers.linear import LinearBackend, pick_linear_backend
+from overlap.engine.model.layers.moe import SparseMoE
 from overlap.engine.model.layers.rotary import Rotary, partial_rotary_layout
 from overlap.engine.model.loader import ModelWeights, load_weights
 from overlap.engine.model.loader import random_weights as make_random_weights
@@ -154,6 +155,8 @@ class ModelRunner(Runner):
                 weights = load_weights(spec, self.model_dir, dtype, device, self.shard)
             # the streaming floor of a decode step (with the K/V), and the multiply-adds per row behind it
             self.weight_bytes, self.weight_params = _weight_bytes(weights)
+            self.expert_bytes = _bytes_and_params([t for layer in weights.layers if layer.moe is not None
+                                                   for t in layer.moe.experts()])[0]  # fmt: skip
             cos, sin = rope_tables(spec, self.max_model_len, self.model_dir)
             partial_rotary = cos.shape[1] != spec.head_dim  # q and k rows reordered below
             weights, cos, sin = partial_rotary_layout(layer_spec, weights, cos, sin)
@@ -288,8 +291,16 @@ class ModelRunner(Runner):
         mlp_linears = [getattr(mlp, name, None) for name in ("gate_up", "gate", "up", "down")]  # none in an MoE layer
         linears = [layer.qkv, layer.o, *mlp_linears, self.model.head]
         kernels = dict.fromkeys(lin.kernel for lin in linears if lin is not None)
-        experts = self.spec.moe is not None and any(self.spec.moe.sparse) and quant.method != "mxfp4"  # mxfp4 says so
-        return f"{quant.name} through {' and '.join(kernels)}" + ("; experts dequantized at load" if experts else "")
+        return f"{quant.name} through {' and '.join(kernels)}" + self._expert_kernels(quant)
+
+    def _expert_kernels(self, quant) -> str:
+        """What computes a quantized mixture's experts ("" for a dense model, and for MXFP4, whose name says it)."""
+        sparse = next((layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)), None)
+        if sparse is None or quant.method == "mxfp4":
+            return ""
+        expert = sparse.experts[0].gate_up if sparse.experts else None
+        kernel = expert.quant.name if expert is not None and expert.quant is not None else "dequantized at load"
+        return f"; experts: {kernel}"
 
     def to_device(self, *lists: list[int]) -> tuple[torch.Tensor, ...]:
         """int64 tensors on the runner's device without blocking the host (`staging.to_device`)."""
@@ -463,6 +474,11 @@ def _weight_bytes(weights: ModelWeights) -> tuple[int, int]:
     tensors = [weights.norm, weights.lm_head]
     tensors += [getattr(layer, f.name) for layer in weights.layers for f in dataclasses.fields(layer)]
     tensors += [t for layer in weights.layers if layer.moe is not None for t in layer.moe.tensors()]  # every expert
+    return _bytes_and_params(tensors)
+
+
+def _bytes_and_params(tensors: list) -> tuple[int, int]:
+    """Bytes (quantized weights as stored) and weights of the distinct tensors among `tensors`."""
     distinct = {id(t): t for t in tensors if isinstance(t, torch.Tensor | QuantizedWeight)}
     quantized = [t for t in distinct.values() if isinstance(t, QuantizedWeight)]
     plain = [t for t in distinct.values() if not isinstance(t, QuantizedWeight)]

@@ -159,16 +159,24 @@ def shape_config(name: str, quantization: str | None = None, layers: int | None 
         if "layer_types" in config:
             config["layer_types"] = config["layer_types"][:layers]
     if quantization is not None:
-        if "num_experts_per_tok" in config:
-            raise ConfigError(
-                f"shape {name!r} is a mixture of experts: its experts would be dequantized at "
-                "load (no quantized expert kernels yet), so a quantized build of it measures nothing new"
-            )
+        if config["architectures"][0] == "GptOssForCausalLM":
+            raise ConfigError(f"shape {name!r}: gpt-oss's experts are fused (released as MXFP4), not a format of "
+                              "--quantization")  # fmt: skip
         if quantization not in QUANT_SCHEMES:
             raise ConfigError(f"unknown quantization {quantization!r} for a shape; choose from "
                               f"{', '.join(QUANT_SCHEMES)}")  # fmt: skip
-        config["quantization_config"] = QUANT_SCHEMES[quantization]
+        config["quantization_config"] = dict(QUANT_SCHEMES[quantization])
+        if "num_experts_per_tok" in config and "ignore" in config["quantization_config"]:
+            # the routers stay float, as llm-compressor's mixture-of-experts examples leave them
+            config["quantization_config"]["ignore"] = [*config["quantization_config"]["ignore"], _ROUTERS]
     return config
+
+
+_ROUTERS = r"re:.*(mlp|block_sparse_moe)\.gate$"
+
+
+def _is_router(name: str) -> bool:
+    return name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
 
 
 def shape_model_dir(name: str, quantization: str | None = None, layers: int | None = None) -> Path:
@@ -292,7 +300,7 @@ def _write_weights(folder: Path, config: dict) -> None:
                 tensors[name] = torch.full(shape, unit_norm, dtype=torch.bfloat16)
             elif name.endswith((".bias", "_bias")):
                 tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
-            elif quantization and name.startswith("model.layers."):
+            elif quantization and name.startswith("model.layers.") and not _is_router(name):
                 module = name.removesuffix(".weight")
                 tensors |= {f"{module}.{k}": v for k, v in _quantized(shape, quantization, generator).items()}
             else:

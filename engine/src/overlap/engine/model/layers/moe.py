@@ -62,7 +62,7 @@ class SparseMoE:
     def __init__(self, weights: ExpertWeights, moe: MoeSpec, backend: LinearBackend, ops=None) -> None:
         self.top_k, self.renormalise, self.weights_fp32 = moe.top_k, moe.norm_topk_prob, moe.weights_fp32
         self.topk_first = moe.topk_first
-        self.num_experts = weights.gate_up.shape[0]
+        self.num_experts = len(weights.gate_up)
         self.router, self.router_bias = weights.router, weights.router_bias
         self.fused = None  # the Triton kernels (device paths with Triton), else one GatedMLP per expert
         self.native = None  # (kernel, gate, up, down addresses) for steps the kernel takes in one call
@@ -70,10 +70,11 @@ class SparseMoE:
         swiglu = moe.swiglu if moe.activation == "clamped_swiglu" else None
         gate_up_bias, down_bias = weights.gate_up_bias, weights.down_bias
         # quantized_triton: set where the step runs Triton kernels (the device paths with the Triton attention)
-        if backend.quantized_triton and (weights.gate_up.is_cuda or FUSED_ON_CPU):
+        if backend.quantized_triton and (weights.router.is_cuda or FUSED_ON_CPU):
             from overlap.engine.model.triton_moe import FusedMoE
 
-            self.fused = FusedMoE(weights.gate_up, weights.down, gate_up_bias, down_bias, swiglu)
+            # float experts only: quantized ones are dequantized here (no quantized fused-MoE kernel yet)
+            self.fused = FusedMoE(*weights.stacked(weights.router.dtype), gate_up_bias, down_bias, swiglu)
         else:
             # torch's SiLU-mul: the ops' Triton one (the device paths on a CPU, in the interpreter) per active expert
             # would cost more than the step's attention

@@ -134,8 +134,12 @@ def random_quantized(n: int, k: int, scheme: WeightScheme, fmt: str, device: tor
         values = torch.empty(n, k, device=device).normal_(0.0, 1.0, generator=generator)
         codes, spread, zero = values.to(torch.float8_e4m3fn).view(torch.uint8), 0.02, 0.0
     else:
-        codes = torch.randint(0, 2**scheme.bits, (n, k), generator=generator, device=device, dtype=torch.uint8)
-        spread = 0.02 / ((2**scheme.bits) / 12**0.5)  # a uniform code's standard deviation
+        # 1 .. 2**bits - 1 around the zero point 2**(bits - 1): mean 0 (with 0 among the codes, 4 bits would have
+        # mean -0.5, a tenth of their spread: a common direction in every output that sends every token's router
+        # to the same few experts)
+        values = 2**scheme.bits - 1
+        codes = torch.randint(1, 2**scheme.bits, (n, k), generator=generator, device=device, dtype=torch.uint8)
+        spread = 0.02 / ((values**2 - 1) / 12) ** 0.5  # a uniform code's standard deviation
         zero = 2.0 ** (scheme.bits - 1)
     scale = torch.full((n, k // group), spread, device=device)
     return QuantizedWeight(codes, scale, torch.full_like(scale, zero), scheme.bits, group, fmt,
