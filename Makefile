@@ -72,7 +72,7 @@ bench: venv model  ## every benchmark, full size (prints tables; see README "Per
 	$(BIN)/overlap bench engine
 	$(BIN)/overlap bench overlap
 	$(BIN)/overlap bench quantized
-	$(BIN)/overlap bench moe
+	$(BIN)/overlap bench moe --schemes none,w4a16,w8a8
 	$(BIN)/overlap bench http
 	$(BIN)/overlap bench replay --compare serial,fixed_window,dynamic,continuous
 	$(BIN)/overlap bench control

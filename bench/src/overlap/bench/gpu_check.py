@@ -21,7 +21,8 @@ leaves its data. Cases, most valuable first:
    by kernel name (torch's profiler), the kernels per step, the heaviest ones.
 8. quantized: each quantized scheme at the ~8B shape (gpu_quantized.py).
 9. moe, gemma: a small Qwen3-MoE through the fused-MoE kernels and a small Gemma 3 (its sliding layers' own KV
-   pool) against transformers, and their real widths' decode steps (gpu_check_families.py).
+   pool) against transformers, and their real widths' decode steps, the MoE's also with W4A16 experts
+   (gpu_check_families.py).
 10. speculative: ngram at the ~8B shape, batch 1: a step verifying 4 proposals against the plain step and the floor,
     the tokens it appends, and what prompt lookup reaches through the engine (gpu_spec.py).
 11. lora: the base and two adapters mixed in one fp32 batch through the Triton BGMV kernels, against the CPU path

@@ -2,7 +2,8 @@
 `Check`):
 
 - moe: a small Qwen3-MoE through the engine with the fused-MoE Triton kernels (model/triton_moe.py), then the decode
-  step of Qwen3-30B-A3B's width (depth cut to 4 layers, random bf16 weights) at batch 1, 16 and 64.
+  step of Qwen3-30B-A3B's width (depth cut to 4 layers, random bf16 weights) at batch 1, 16 and 64, and again with
+  every projection as llm-compressor's W4A16 writes it (the experts dequantized at load for the fused kernels).
 - gemma: a small Gemma 3 (sliding and full layers, the sliding ones in their own KV pool, sized so that it must
   reuse the blocks behind the window), then the decode step of the Gemma 3 1B shape against its streaming floor.
 
@@ -93,16 +94,17 @@ def _family_correctness(check, family: str) -> dict:
                 kv_blocks=stats["num_kv_blocks"], seconds=time.perf_counter() - started)  # fmt: skip
 
 
-def _decode_rows(check, family: str, shape: str, layers: int, floor: bool) -> None:
-    """The decode step of `shape` (depth cut to `layers`; small shapes in a dry run), random bf16 weights."""
+def _decode_rows(check, family: str, shape: str, layers: int, floor: bool, quantization: str | None = None) -> None:
+    """The decode step of `shape` (depth cut to `layers`; small shapes in a dry run), random bf16 weights (or codes
+    in `quantization`'s layout)."""
     from overlap.bench.floor import decode_floor_bytes
     from overlap.bench.overlap_load import measure_overlap
     from overlap.engine.model.runner import ModelRunner
     from overlap.engine.model.shapes import shape_config
 
-    config_json = shape_config(shape)
+    config_json = shape_config(shape, quantization)
     config_json.update(DRY_FAMILY_SHAPES[family] if check.dry else {"num_hidden_layers": layers})
-    folder = check.tmp / f"{shape}-{layers}"
+    folder = check.tmp / "-".join(filter(None, (shape, quantization, str(layers))))
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config_json))
     # a dry run checks the script, not the speed: one batch, a step of warm-up and two measured
@@ -119,11 +121,12 @@ def _decode_rows(check, family: str, shape: str, layers: int, floor: bool) -> No
         floor_s = None
         if floor and check.bandwidth:
             floor_s = decode_floor_bytes(runner, batch, context) / check.bandwidth
-        check.emit(family, model=f"{shape} x{runner.spec.num_layers} layers", batch=batch, step_ms=1000 * step_s,
+        model = f"{shape}{f' {quantization}' if quantization else ''} x{runner.spec.num_layers} layers"
+        check.emit(family, model=model, batch=batch, step_ms=1000 * step_s,
                    floor_ms=None if floor_s is None else 1000 * floor_s,
                    step_over_floor=None if floor_s is None else step_s / floor_s,
                    weight_bytes=runner.weight_bytes, kernels=runner.kernels)  # fmt: skip
-        log_progress(f"{family} {shape} batch {batch}: {1000 * step_s:.2f} ms a step")
+        log_progress(f"{family} {model} batch {batch}: {1000 * step_s:.2f} ms a step ({runner.kernels})")
     runner.close()
 
 
@@ -145,6 +148,11 @@ def case_moe(check) -> None:
     log_progress(f"moe correctness: top-1 agreement {row['top1_agreement']:.4f} over {row['tokens']} tokens")
     # the floor of a sparse step is the bytes of the experts it touches: `overlap bench moe` measures that on a CPU
     _with_fused_moe_on_cpu(check, lambda: _decode_rows(check, "moe", "qwen3-30b-a3b", 4, floor=False))
+    # its experts as llm-compressor's W4A16 writes them, dequantized for the fused kernels (a dry run's widths take
+    # no group of 128: W8A8 there)
+    scheme = "w8a8" if check.dry else "w4a16"
+    _with_fused_moe_on_cpu(check, lambda: _decode_rows(check, "moe", "qwen3-30b-a3b", 4, floor=False,
+                                                       quantization=scheme))  # fmt: skip
 
 
 def case_gemma(check) -> None:
