@@ -13,8 +13,8 @@
   tensor parallelism 2. Block-FP8 (`quant_method: fp8`, 128x128 `weight_scale_inv`) folders written there too equal
   transformers loading the same folder (which dequantizes them on a CPU).
 - Mixtures of experts with every expert quantized (dequantized at load): Qwen3-MoE as llm-compressor writes it (W4A16,
-  FP8_DYNAMIC) and in block FP8 against transformers on the same folder; Mixtral in GPTQ against transformers on its
-  dequantized weights, and under tensor parallelism 2.
+  FP8_DYNAMIC) and in block FP8 against transformers on the same folder; Mixtral and Qwen2-MoE (its shared expert) in
+  GPTQ against transformers on their dequantized weights, and under tensor parallelism 2.
 - The GPU path's kernels (Triton's W4A16 / W8A16 / FP8, run in its interpreter; FP8 `torch._scaled_mm`, which torch
   also runs on a CPU) against the dequantized weight.
 - Each bad input is refused with the tensor or field it trips on.
@@ -383,18 +383,28 @@ def test_block_fp8_experts_equal_transformers_on_the_same_folder(tmp_path_factor
     _assert_conforms(folder, hf, seed=22, rtol=1e-4)
 
 
-def test_gptq_mixtral_experts_equal_transformers_on_their_dequantized_weights(tmp_path_factory):
-    """Mixtral as the Hub's GPTQ releases hold it (`block_sparse_moe.experts.E.w1|w3|w2.qweight`, the router in
-    float): transformers on a float folder of the weights the codes stand for. Split across two ranks (each expert's
-    gate and up rows, down columns, cut from the dequantized weights), the same tokens."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, MixtralConfig
+def _gptq_moe_config(family: str):
+    from transformers import MixtralConfig, Qwen2MoeConfig
 
-    config = MixtralConfig(**MOE_SIZE, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2)
-    dense = _moe_dense_folder(config, tmp_path_factory.mktemp("mixtral"))
-    folder = tmp_path_factory.mktemp("mixtral-gptq")
+    if family == "mixtral":
+        return MixtralConfig(**MOE_SIZE, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2)
+    # the shared expert's gate, up and down quantized too (its sigmoid gate, like the router, left in float)
+    return Qwen2MoeConfig(**MOE_SIZE, intermediate_size=256, moe_intermediate_size=128, num_experts=4,
+                          num_experts_per_tok=2, shared_expert_intermediate_size=256)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_gptq_experts_equal_transformers_on_their_dequantized_weights(family, tmp_path_factory):
+    """Mixtral as the Hub's GPTQ releases hold it (`block_sparse_moe.experts.E.w1|w3|w2.qweight`, the router in
+    float) and Qwen2-MoE with its shared expert: transformers on a float folder of the weights the codes stand for.
+    Split across two ranks (each expert's gate and up rows, down columns, of its codes), the same tokens."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    dense = _moe_dense_folder(_gptq_moe_config(family), tmp_path_factory.mktemp(family))
+    folder = tmp_path_factory.mktemp(f"{family}-gptq")
     weights = handwritten_checkpoints.write(dense, folder, method="gptq", group=128)
-    reference = tmp_path_factory.mktemp("mixtral-dequantized")
+    reference = tmp_path_factory.mktemp(f"{family}-dequantized")
     save_file({name: t.contiguous() for name, t in weights.items()}, str(reference / "model.safetensors"))
     shutil.copy(dense / "config.json", reference / "config.json")
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
@@ -402,6 +412,7 @@ def test_gptq_mixtral_experts_equal_transformers_on_their_dequantized_weights(tm
     prompts = _prompts(24, count=4)
     runners = [_runner(folder, tensor_parallel_size=size, num_threads=1) for size in (1, 2)]
     try:
+        assert "experts: W4A16" in runners[0].linear_kernels, runners[0].linear_kernels
         one, two = (greedy_tokens(r, prompts, 16, chunk=256) for r in runners)
     finally:
         for r in runners:
