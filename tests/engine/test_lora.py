@@ -5,6 +5,7 @@ apart per adapter; adapters that cannot apply refused with their reason."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -307,6 +308,33 @@ def test_the_other_ranks_fill_a_slot_from_rank_0s_copy(qwen2_case, tmp_path: Pat
     outputs = _run_and_close(engine, prompts[0], ["mlp-r16", None])
     assert tokens_of(outputs["mlp-r16"]) == expected["mlp-r16"][0][:NEW_TOKENS]
     assert tokens_of(outputs["None"]) == expected[None][0][:NEW_TOKENS]
+
+
+def test_shared_memory_full_fails_the_staging_with_the_reason(tiny_model_dir: Path, adapters, monkeypatch) -> None:
+    """Rank 0 under tensor parallelism stages into shared memory, on the reader thread: where that is full, the
+    staging answers the reason (which fails the adapter's waiting requests), not an exception in the scheduler."""
+    from overlap.engine.model import lora
+
+    engine = _engine(tiny_model_dir, {"ku-r2": adapters["ku-r2"]}, max_loras=1)
+    cache = engine.runner.lora
+    cache.share = True  # as rank 0's cache is with other ranks
+    threads = []
+
+    def full(adapter):
+        threads.append(threading.current_thread().name)
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1>: No space left on device")
+
+    monkeypatch.setattr(lora.LoraAdapter, "shared", full)
+    deadline = time.monotonic() + 30
+    try:
+        while (staged := cache.stage("ku-r2", str(adapters["ku-r2"]))) is False:  # its host copy, shared there
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        engine.close()
+        engine.runner.close()
+    assert isinstance(staged, str) and "No space left on device" in staged, staged
+    assert threads and all(name.startswith("overlap-lora-read") for name in threads), threads
 
 
 def test_a_slot_fill_that_failed_is_filled_again() -> None:

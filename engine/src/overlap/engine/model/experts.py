@@ -30,10 +30,11 @@ shared expert is sharded like the experts. A sparse layer's output is then a par
 all-reduce per layer.
 
 Quantized experts (Qwen and Mixtral, in any format quant/formats.py reads: compressed-tensors, block FP8, GPTQ, AWQ)
-are read as the dense layers' projections are (`Projection`): where the format keeps a weight quantized (4 and 8 bits
-on the CPU), `gate_up` and `down` are lists of one quantized weight per expert, each expert then a gated MLP through the
-format's kernels; where it dequantizes at load (FP8 on a CPU), they are stacked as above. The routers stay float, as
-every producer leaves them. A quantized gpt-oss other than MXFP4 is refused with its format's name.
+are read as the dense layers' projections are (`Projection`): on the CPU, where the format keeps a weight quantized (4
+and 8 bits), `gate_up` and `down` are lists of one quantized weight per expert, each expert then a gated MLP through
+the format's kernels; where it dequantizes at load (FP8 on a CPU), and on CUDA (whose fused kernels take float
+experts), they are stacked as above, each expert dequantized into its place as it is read. The routers stay float,
+as every producer leaves them. A quantized gpt-oss other than MXFP4 is refused with its format's name.
 """
 
 from __future__ import annotations
@@ -187,7 +188,9 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: i
     width = last - first
     gate, up, down_name = moe.names
     first_gate = weight(f"{p}experts.0.{gate}", (i, h), rows=own)
-    if isinstance(first_gate, QuantizedWeight):  # kept quantized: a list of each expert's weights
+    # kept quantized on the CPU paths (one gated MLP per expert through the format's kernel); on CUDA the fused
+    # kernels take float experts, so they are dequantized here, one at a time, before the KV pool is sized
+    if isinstance(first_gate, QuantizedWeight) and device.type == "cpu":
         gate_up, down = [], []
         for e in range(moe.num_experts):
             expert = f"{p}experts.{e}."
@@ -197,7 +200,7 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: i
     else:
         gate_up = torch.empty(moe.num_experts, 2 * width, h, dtype=dtype, device=device)
         down = torch.empty(moe.num_experts, h, width, dtype=dtype, device=device)
-        gate_up[0, :width] = first_gate
+        gate_up[0, :width] = first_gate.dequantize(dtype) if isinstance(first_gate, QuantizedWeight) else first_gate
         for e in range(moe.num_experts):  # each straight into its place (converted there to the model dtype)
             expert = f"{p}experts.{e}."
             if e:

@@ -170,13 +170,15 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
 
     def expert_proj(module: str, shape: tuple[int, int], rows: Ranges = None, cols: Ranges = None,
                     out: torch.Tensor | None = None) -> Projection:  # fmt: skip
-        """moe_experts.Weight: an expert's (or router's) weight read as `proj` reads a projection, a float one into
-        `out` if given; one stored float is read so whatever the format's ignore list says (the routers, which
-        every producer leaves in float)."""
+        """moe_experts.Weight: an expert's (or router's) weight read as `proj` reads a projection; with `out`, read
+        (dequantized if need be) into it. One stored float is read so whatever the format's ignore list says (the
+        routers, which every producer leaves in float)."""
         if stored_float(module):
             return take(module + ".weight", shape, rows, cols, out=out)
         weight = proj(module, shape, rows, cols)
-        return out.copy_(weight) if out is not None and isinstance(weight, torch.Tensor) else weight
+        if out is None:
+            return weight
+        return out.copy_(weight.dequantize(out.dtype) if isinstance(weight, QuantizedWeight) else weight)
 
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d

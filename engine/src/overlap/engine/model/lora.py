@@ -334,7 +334,8 @@ class LoraCache:
     `max_cpu_loras`), and its model's `LoraDelta`s filled slot by slot."""
 
     def __init__(self, spec, layer_spec, shard, max_rank: int, max_cpu_loras: int, share: bool = False) -> None:
-        """`share`: staged copies are kept in shared memory, for the other tensor-parallel ranks (rank 0's)."""
+        """`share` (rank 0 under tensor parallelism): staged copies are made in shared memory, on the reader thread,
+        for the other ranks; each lives there until its slot is filled on every rank."""
         self.spec, self.layer_spec, self.shard, self.share = spec, layer_spec, shard, share
         self.max_rank, self.max_cpu_loras = max_rank, max_cpu_loras
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()
@@ -383,10 +384,10 @@ class LoraCache:
             if key in self._reading:
                 return False
             adapter = self._host_copy(name, path)
-            if adapter is not None:
+            if adapter is not None and not self.share:
                 self._hold(key, adapter)
                 return True
-            if self._reader is None:
+            if self._reader is None:  # (a host copy to share is copied into shared memory there too)
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix="overlap-lora-read")
             self._reading.add(key)
         self._reader.submit(self._read_staged, key)
@@ -395,7 +396,9 @@ class LoraCache:
     def _read_staged(self, key: tuple[str, str]) -> None:
         try:
             adapter = self.read(*key)
-        except Exception as exc:
+            if self.share:  # a copy as large as the adapter: here, not on the engine's thread nor under the lock
+                adapter = adapter.shared()
+        except Exception as exc:  # an unreadable folder, or shared memory full (RuntimeError)
             with self._lock:
                 self._reading.discard(key)
                 self._failed[key] = (time.monotonic(), str(exc))
@@ -411,7 +414,7 @@ class LoraCache:
 
     def _hold(self, key: tuple[str, str], adapter: LoraAdapter) -> None:
         """Under the lock: keep `adapter` for `activate` (the oldest held one goes past `max_cpu_loras`)."""
-        self._staged[key] = adapter.shared() if self.share else adapter
+        self._staged[key] = adapter
         self._staged.move_to_end(key)
         while len(self._staged) > self.max_cpu_loras:
             self._staged.popitem(last=False)

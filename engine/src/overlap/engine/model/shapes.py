@@ -25,7 +25,7 @@ from pathlib import Path
 from overlap.engine.errors import ConfigError
 from overlap.engine.model import builder
 
-RECIPE = "v1"  # bump when the recipe changes, so cached folders rebuild
+RECIPE = "v2"  # bump when the recipe changes, so cached folders rebuild
 
 _QWEN25 = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, max_position_embeddings=32768,
@@ -327,7 +327,9 @@ def _quantized(shape: tuple[int, int], quantization: dict, generator) -> dict:
         values = torch.empty(shape).normal_(0.0, 1.0, generator=generator).to(torch.float8_e4m3fn)
         return {"weight": values, "weight_scale": torch.full((n, 1), 0.02, dtype=torch.bfloat16)}
     bits = group["weights"]["num_bits"]
-    codes = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), shape, generator=generator, dtype=torch.int32)
+    # symmetric around 0 (-7..7 for 4 bits): with -8 among them the mean is -0.5, a common direction in every output
+    # that sends every token's router to the same few experts
+    codes = torch.randint(1 - 2 ** (bits - 1), 2 ** (bits - 1), shape, generator=generator, dtype=torch.int32)
     spread = 0.02 / float(codes.float().std())
     if group["format"] == "int-quantized":
         return {"weight": codes.to(torch.int8), "weight_scale": torch.full((n, 1), spread, dtype=torch.bfloat16)}

@@ -73,8 +73,10 @@ class SparseMoE:
         if backend.quantized_triton and (weights.router.is_cuda or FUSED_ON_CPU):
             from overlap.engine.model.triton_moe import FusedMoE
 
-            # float experts only: quantized ones are dequantized here (no quantized fused-MoE kernel yet)
+            # float experts only (no quantized fused-MoE kernel yet): on CUDA read_experts dequantized them at load;
+            # a CPU run in Triton's interpreter (tests) stacks the quantized ones here
             self.fused = FusedMoE(*weights.stacked(weights.router.dtype), gate_up_bias, down_bias, swiglu)
+            weights.gate_up = weights.down = None  # the kernels hold their own (a quantized list's stack)
         else:
             # torch's SiLU-mul: the ops' Triton one (the device paths on a CPU, in the interpreter) per active expert
             # would cost more than the step's attention

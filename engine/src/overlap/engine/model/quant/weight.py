@@ -24,6 +24,7 @@ import torch
 from overlap.engine.errors import ModelLoadError
 
 log = logging.getLogger("overlap.engine")
+_SPLIT_SHARDS_LOGGED: set[tuple[int, int, int]] = set()  # (start, stop, group) warned of
 
 
 @dataclass(slots=True)
@@ -100,8 +101,11 @@ class QuantizedWeight:
         group = self.group_size
         groups = keep.view(-1, group)
         if not bool((groups.all(1) | ~groups.any(1)).all()):
-            log.warning("%s: a tensor-parallel shard of input columns [%d, %d) splits act-order groups of %d: this "
-                        "shard is dequantized at load", name, start, stop, group)  # fmt: skip
+            if (start, stop, group) not in _SPLIT_SHARDS_LOGGED:  # once: a mixture has thousands of such experts
+                _SPLIT_SHARDS_LOGGED.add((start, stop, group))
+                log.warning("%s: a tensor-parallel shard of input columns [%d, %d) splits act-order groups of %d: "
+                            "this shard, and any other like it, is dequantized at load",
+                            name, start, stop, group)  # fmt: skip
             return self.dequantize(torch.float32)[:, start:stop].contiguous()  # the loader casts it to the model's
         whole = groups.all(1)
         return dataclasses.replace(self, codes=self.codes[:, keep], scale=self.scale[:, whole],
