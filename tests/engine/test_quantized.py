@@ -101,16 +101,17 @@ def test_compressed_tensors_checkpoint_equals_transformers_on_the_same_folder(co
     _assert_conforms(folder, hf, seed=len(pair[1]), rtol=1e-2 if pair[1] == "W8A8" else 1e-4)
 
 
-@pytest.mark.parametrize("pair", [("llama", "W4A16"), ("qwen2", "W8A8")], ids=lambda p: "-".join(p).lower())
-def test_overlap_serve_gives_transformers_tokens_on_a_folder_llm_compressor_wrote(compressed, pair):
+@pytest.mark.parametrize("pair", [("llama", "W4A16"), ("qwen2", "W8A8"), ("qwen3_moe", "W4A16")],
+                         ids=lambda p: "-".join(p).lower())  # fmt: skip
+def test_overlap_serve_gives_transformers_tokens_on_a_folder_llm_compressor_wrote(pair):
     """The folder as llm-compressor saved it (with a word tokenizer: token i is `t<i>`), served by `overlap serve`
     over HTTP, the prompt given as token ids: the completion's tokens are transformers' greedy tokens on the same
-    folder."""
+    folder (a mixture of experts' too, every expert 4-bit)."""
     from transformers import AutoModelForCausalLM
 
     from tests.support.sidecar import http, overlap_serve
 
-    folder = compressed[pair]
+    folder = quantized_models.build(*pair)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = _prompts(21, count=3)
     with overlap_serve(folder, "engine.yaml", "max_seq_len: 256\n", "--dtype", "float32") as served:
