@@ -22,8 +22,7 @@ from pathlib import Path
 
 from overlap.bench.decode_steps import add_decode_step_args, batch_sizes, decode_step
 from overlap.bench.floor import cpu_matmul_peak, cpu_read_bandwidth
-
-SCHEMES = ("none", "w4a16", "w8a8")  # the formats whose experts a CPU keeps quantized (FP8's are dequantized at load)
+from overlap.bench.quant_bench import SCHEMES  # the formats a CPU computes quantized (FP8 is dequantized at load)
 
 
 def add_parser(subparsers) -> None:

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from overlap.engine.errors import ModelLoadError
-from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows
+from overlap.engine.model.quant.weight import QuantizedWeight, as_float, cat_rows
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 # e2m1: the 16 values of an MXFP4 code, sign in the high bit (transformers' integrations/mxfp4.py FP4_VALUES)
@@ -109,8 +109,7 @@ class ExpertWeights:
         """gate_up [E, 2 I, H] and down [E, H, I] as float tensors (quantized experts dequantized)."""
         if not isinstance(self.gate_up, list):
             return self.gate_up, self.down
-        return tuple(torch.stack([w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w for w in ws])
-                     for ws in (self.gate_up, self.down))  # fmt: skip
+        return tuple(torch.stack([as_float(w, dtype) for w in ws]) for ws in (self.gate_up, self.down))
 
 
 def read_moe_spec(cfg: dict, arch: str, num_layers: int, config_path: Path, quantization=None) -> MoeSpec | None:
@@ -200,14 +199,15 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: i
     else:
         gate_up = torch.empty(moe.num_experts, 2 * width, h, dtype=dtype, device=device)
         down = torch.empty(moe.num_experts, h, width, dtype=dtype, device=device)
-        gate_up[0, :width] = first_gate.dequantize(dtype) if isinstance(first_gate, QuantizedWeight) else first_gate
+        gate_up[0, :width] = as_float(first_gate, dtype)
         for e in range(moe.num_experts):  # each straight into its place (converted there to the model dtype)
             expert = f"{p}experts.{e}."
             if e:
                 weight(f"{expert}{gate}", (i, h), rows=own, out=gate_up[e, :width])
             weight(f"{expert}{up}", (i, h), rows=own, out=gate_up[e, width:])
             weight(f"{expert}{down_name}", (h, i), cols=own, out=down[e])
-    weights = ExpertWeights(router=_float(weight(p + "gate", (moe.num_experts, h)), dtype), gate_up=gate_up,
+    # the router and the shared expert's gate are applied with F.linear: float whatever the format
+    weights = ExpertWeights(router=as_float(weight(p + "gate", (moe.num_experts, h)), dtype), gate_up=gate_up,
                             down=down)  # fmt: skip
     if moe.shared_intermediate_size:
         s = moe.shared_intermediate_size
@@ -216,13 +216,8 @@ def read_experts(moe: MoeSpec, layer: str, take: Take, weight: Weight, hidden: i
         weights.shared_gate_up = cat_rows([weight(p + "shared_expert.gate_proj", (s, h), rows=own),
                                            weight(p + "shared_expert.up_proj", (s, h), rows=own)], dtype)  # fmt: skip
         weights.shared_down = weight(p + "shared_expert.down_proj", (h, s), cols=own)
-        weights.shared_gate = _float(weight(p + "shared_expert_gate", (1, h)), dtype)
+        weights.shared_gate = as_float(weight(p + "shared_expert_gate", (1, h)), dtype)
     return weights
-
-
-def _float(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """A weight the block applies with F.linear (a router, the shared expert's gate), dequantized if it was not."""
-    return weight.dequantize(dtype) if isinstance(weight, QuantizedWeight) else weight
 
 
 def _read_fused(moe: MoeSpec, layer: str, take: Take, h: int, dtype: torch.dtype, shard) -> ExpertWeights:

@@ -17,7 +17,7 @@ import torch
 from overlap.engine.errors import ModelLoadError
 from overlap.engine.model import experts as moe_experts
 from overlap.engine.model.model_spec import ModelSpec, read_json
-from overlap.engine.model.quant.weight import QuantizedWeight, cat_rows, random_quantized
+from overlap.engine.model.quant.weight import QuantizedWeight, as_float, cat_rows, random_quantized
 
 # Tensors a checkpoint may carry that the runner recomputes or does not need.
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -178,7 +178,7 @@ def _fuse(spec: ModelSpec, slices: dict, model_dir: Path, dtype: torch.dtype, de
         weight = proj(module, shape, rows, cols)
         if out is None:
             return weight
-        return out.copy_(weight.dequantize(out.dtype) if isinstance(weight, QuantizedWeight) else weight)
+        return out.copy_(as_float(weight, out.dtype))
 
     h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
     q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d

@@ -172,11 +172,12 @@ def shape_config(name: str, quantization: str | None = None, layers: int | None 
     return config
 
 
-_ROUTERS = r"re:.*(mlp|block_sparse_moe)\.gate$"
+_ROUTER_BLOCKS = ("mlp", "block_sparse_moe")  # the sparse block whose `gate` is the router: Qwen's, Mixtral's
+_ROUTERS = r"re:.*(" + "|".join(_ROUTER_BLOCKS) + r")\.gate$"  # as llm-compressor's `ignore` names them
 
 
 def _is_router(name: str) -> bool:
-    return name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+    return name.endswith(tuple(f"{block}.gate.weight" for block in _ROUTER_BLOCKS))
 
 
 def shape_model_dir(name: str, quantization: str | None = None, layers: int | None = None) -> Path:

@@ -160,6 +160,11 @@ class WeightScheme:
     float8: bool = False
 
 
+def as_float(weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight as a float tensor: a QuantizedWeight dequantized to `dtype`, a tensor as it is."""
+    return weight.dequantize(dtype) if isinstance(weight, QuantizedWeight) else weight
+
+
 def cat_rows(parts: list, dtype: torch.dtype):
     """q|k|v or gate|up as one weight: float tensors concatenated; quantized ones stacked where they share a layout,
     else (a part the format left unquantized, act-order parts with different column orders) dequantized to `dtype`."""
@@ -170,4 +175,4 @@ def cat_rows(parts: list, dtype: torch.dtype):
         return dataclasses.replace(first, codes=torch.cat([p.codes for p in parts]),
                                    scale=torch.cat([p.scale for p in parts]),
                                    zero=torch.cat([p.zero for p in parts]))  # fmt: skip
-    return torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
+    return torch.cat([as_float(p, dtype) for p in parts])
