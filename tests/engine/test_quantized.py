@@ -101,18 +101,22 @@ def test_compressed_tensors_checkpoint_equals_transformers_on_the_same_folder(co
     _assert_conforms(folder, hf, seed=len(pair[1]), rtol=1e-2 if pair[1] == "W8A8" else 1e-4)
 
 
-@pytest.mark.parametrize("pair", [("llama", "W4A16"), ("qwen2", "W8A8"), ("qwen3_moe", "W4A16")],
-                         ids=lambda p: "-".join(p).lower())  # fmt: skip
+@pytest.mark.parametrize("pair", [("llama", "W4A16"), ("qwen2", "W8A8"), ("qwen3_moe", "W4A16"),
+                                  ("qwen3_moe", "FP8_DYNAMIC")], ids=lambda p: "-".join(p).lower())  # fmt: skip
 def test_overlap_serve_gives_transformers_tokens_on_a_folder_llm_compressor_wrote(pair):
     """The folder as llm-compressor saved it (with a word tokenizer: token i is `t<i>`), served by `overlap serve`
     over HTTP, the prompt given as token ids: the completion's tokens are transformers' greedy tokens on the same
-    folder (a mixture of experts' too, every expert 4-bit)."""
+    folder (a mixture of experts' too, every expert 4-bit or FP8; FP8 against transformers with its FP8 rounding of
+    activations off, as the CPU computes FP8 weights in 16 bits)."""
+    from compressed_tensors.quantization.lifecycle.helpers import disable_quantization
     from transformers import AutoModelForCausalLM
 
     from tests.support.sidecar import http, overlap_serve
 
     folder = quantized_models.build(*pair)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if pair[1].startswith("FP8"):
+        hf.apply(disable_quantization)
     prompts = _prompts(21, count=3)
     with overlap_serve(folder, "engine.yaml", "max_seq_len: 256\n", "--dtype", "float32") as served:
         for prompt in prompts:
